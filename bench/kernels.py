@@ -1,0 +1,186 @@
+"""CPU kernel bandwidth: weight bytes streamed per second by the Numba kernels, per format, at 1
+and 8 tokens, next to the machine's RAM read bandwidth measured the same way (an all-threads
+Numba ``prange`` read of a large array). Also the grouped MoE kernel (the expert cache's miss path)
+on one Qwen3-30B-A3B-shaped layer (128 experts, top-8, n_embd 2048, expert ff 768).
+
+Decode on the CPU is memory-bound: GB/s of weights read is the honest headline (gpt-fast's habit).
+Each matrix is larger than the last-level cache, so every call streams from RAM.
+
+    python bench/kernels.py [--threads N] [--mib 256] [--formats Q4_K,Q8_0] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moecache.quants import cpu  # noqa: E402  (sets up numba first)
+from moecache.quants.formats import FORMATS  # noqa: E402
+from moecache.quants.random_blocks import random_rows  # noqa: E402
+
+import numba  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def _read_all(a):
+    n_chunks = 1024
+    per = a.shape[0] // n_chunks
+    parts = np.zeros(n_chunks, np.uint64)
+    for c in prange(n_chunks):
+        s = np.uint64(0)
+        for i in range(c * per, (c + 1) * per):
+            s += a[i]
+        parts[c] = s
+    return parts.sum()
+
+
+def median_time(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def ram_bandwidth(mib: int, threads: int, reps: int) -> float:
+    a = np.random.default_rng(0).integers(0, 2**62, size=mib * 2**20 // 8, dtype=np.uint64)
+    numba.set_num_threads(threads)
+    t = median_time(lambda: _read_all(a), reps)
+    return a.nbytes / t / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--mib", type=int, default=256, help="weight MiB per format (> last-level cache)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--out", type=Path, help="write a markdown table here (and .jsonl beside it)")
+    args = ap.parse_args()
+    numba.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    rows = []
+    t_start = time.time()
+
+    ram_all = ram_bandwidth(1024, args.threads, args.reps)
+    ram_one = ram_bandwidth(512, 1, max(3, args.reps // 3))
+    numba.set_num_threads(args.threads)
+    print(f"RAM read (numba prange): {ram_all:.1f} GB/s with {args.threads} threads, {ram_one:.1f} GB/s with 1",
+          file=sys.stderr)
+
+    n_in = 4096
+    for name in args.formats.split(","):
+        fmt = FORMATS[name]
+        row_bytes = fmt.row_bytes(n_in)
+        n_out = max(64, args.mib * 2**20 // row_bytes)
+        W = random_rows(fmt, n_out, n_in, rng, std=0.02)
+        res = {"format": name, "bits_per_weight": fmt.bits_per_weight, "weight_mib": W.nbytes / 2**20}
+        for n_tok in (1, 8):
+            x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+            out = np.empty((n_tok, n_out), np.float32)
+            t = median_time(lambda: cpu.matmul(W, fmt.ggml_type, x, out=out), args.reps)
+            res[f"gbps_{n_tok}tok"] = W.nbytes / t / 1e9
+            res[f"ms_{n_tok}tok"] = t * 1e3
+        res["frac_ram_1tok"] = res["gbps_1tok"] / ram_all
+        rows.append(res)
+        print(f"{name:7s} {res['gbps_1tok']:7.1f} GB/s @1  {res['gbps_8tok']:7.1f} GB/s @8  "
+              f"({100 * res['frac_ram_1tok']:.0f}% of RAM)", file=sys.stderr)
+        del W
+
+    moe = []
+    if not args.no_moe:
+        n_expert, top_k, n_embd, n_ff = 128, 8, 2048, 768
+        q4k = FORMATS["Q4_K"]
+        Wg = random_rows(q4k, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
+        Wu = random_rows(q4k, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
+        Wd = random_rows(q4k, n_expert * n_embd, n_ff, rng, std=0.02).reshape(n_expert, n_embd, -1)
+        bytes_per_expert = Wg[0].nbytes + Wu[0].nbytes + Wd[0].nbytes
+        types = (q4k.ggml_type,) * 3
+        for n_tok in (1, 8):
+            h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+
+            def routed():
+                ids = np.stack([rng.choice(n_expert, top_k, replace=False) for _ in range(n_tok)])
+                order = np.argsort(ids.reshape(-1), kind="stable")
+                flat = ids.reshape(-1)[order]
+                eids, counts = np.unique(flat, return_counts=True)
+                offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+                rows_ = (order // top_k).astype(np.int32)
+                w = np.full(rows_.shape, 1.0 / top_k, np.float32)
+                return eids.astype(np.int32), offs, rows_, w
+
+            calls = [routed() for _ in range(args.reps + 2)]
+            out = np.zeros((n_tok, n_embd), np.float32)
+            it = iter(calls)
+            t = median_time(lambda: cpu.moe_ffn(Wg, Wu, Wd, types, *next(it), h, out=out), args.reps)
+            n_distinct = float(np.mean([len(c[0]) for c in calls]))
+            gbps = n_distinct * bytes_per_expert / t / 1e9
+            moe.append({"n_tokens": n_tok, "distinct_experts": n_distinct, "ms": t * 1e3, "gbps": gbps,
+                        "frac_ram": gbps / ram_all})
+            print(f"moe_ffn Q4_K {n_tok} tok: {t * 1e3:.2f} ms, {gbps:.1f} GB/s", file=sys.stderr)
+
+    host = {"cpu": cpu_name(), "threads": args.threads, "logical_cpus": os.cpu_count(),
+            "numba": numba.__version__, "numpy": np.__version__, "python": platform.python_version(),
+            "threading_layer": numba.threading_layer(),
+            "cpu_features_env": os.environ.get("NUMBA_CPU_FEATURES", "")[-40:],
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python " + " ".join(sys.argv), "ram_gbps_all": ram_all, "ram_gbps_1": ram_one,
+            "seconds": time.time() - t_start}
+    lines = [f"# CPU kernel bandwidth: {host['cpu']}", "",
+             f"- {host['date']}, `{host['command']}`",
+             f"- {args.threads} threads ({host['logical_cpus']} logical CPUs), numba {host['numba']} "
+             f"({host['threading_layer']} layer), numpy {host['numpy']}, Python {host['python']}",
+             f"- RAM read, numba prange over 1 GiB: **{ram_all:.1f} GB/s** with {args.threads} threads, "
+             f"{ram_one:.1f} GB/s with 1", "",
+             "| format | bits/weight | weights MiB | GB/s @ 1 token | % of RAM read | GB/s @ 8 tokens | ms @ 1 | ms @ 8 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_mib']:.0f} | {r['gbps_1tok']:.1f} | "
+                     f"{100 * r['frac_ram_1tok']:.0f}% | {r['gbps_8tok']:.1f} | {r['ms_1tok']:.2f} | {r['ms_8tok']:.2f} |")
+    if moe:
+        lines += ["", "Grouped MoE kernel (`moe_ffn`), one Qwen3-30B-A3B-shaped layer: 128 Q4_K experts, "
+                  "top-8, n_embd 2048, expert ff 768 (0.84 MiB of Q4_K per matrix); random routing:", "",
+                  "| tokens | distinct experts | ms | expert GB/s | % of RAM read |", "|---:|---:|---:|---:|---:|"]
+        for m in moe:
+            lines.append(f"| {m['n_tokens']} | {m['distinct_experts']:.1f} | {m['ms']:.2f} | {m['gbps']:.1f} | "
+                         f"{100 * m['frac_ram']:.0f}% |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        with open(args.out.with_suffix(".jsonl"), "w") as f:
+            f.write(json.dumps({"host": host}) + "\n")
+            for r in rows:
+                f.write(json.dumps({"kernel": "matmul", **r}) + "\n")
+            for m in moe:
+                f.write(json.dumps({"kernel": "moe_ffn", **m}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

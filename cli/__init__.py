@@ -1,0 +1,1 @@
+"""moecache command-line interface (Typer). Thin: parse flags, call the library, print."""

@@ -1,0 +1,17 @@
+"""Exceptions that reach the user as one clear line (the CLI prints ``error: <message>`` and exits 1)."""
+
+
+class MoecacheError(Exception):
+    """Base class: an error whose message is meant for the user, without a traceback."""
+
+
+class GGUFError(MoecacheError):
+    """A GGUF file is missing, foreign, truncated, misaligned or inconsistent."""
+
+
+class UnsupportedArchError(GGUFError):
+    """``general.architecture`` names an architecture moecache does not implement."""
+
+
+class UnsupportedQuantError(MoecacheError):
+    """A tensor uses a GGML type that has no kernel here."""

@@ -1,0 +1,486 @@
+"""Synthetic GGUF models: a valid file of a given architecture and shape, with random weights.
+
+Used by the tests (tiny models) and by the benchmark (a model shaped like Qwen3-30B-A3B, ~17 GB).
+The file is written tensor by tensor, each tensor generated in chunks right before it is written,
+so memory stays small whatever the model size. The same (config, seed) writes the same bytes: each
+tensor draws from its own generator, seeded by (seed, sha256 of the tensor name).
+
+Weight scales ("balanced" init) are chosen so that routing stays near-uniform through every layer,
+the honest worst case for an expert cache (tests/test_synth.py checks it with
+:mod:`moecache.testing.reference`):
+
+- every layer input is RMS-normalized, so a projection that reads it gets std 1/sqrt(n_in)
+  (unit-variance outputs: q, k, v, gate, up, output logits);
+- the router gets std 1/sqrt(n_embd): router logits ~ N(0, 1), a soft but not flat top-k;
+- projections that write into the residual stream (attn_output, ffn_down_exps) are scaled so
+  each sub-layer adds about ``RESIDUAL_GAIN`` x the RMS of the embeddings (std 1): the residual
+  grows like sqrt(1 + 2 n_layer gain^2) instead of exploding, and no layer dominates it;
+- quantized blocks are zero-mean. Random K-quant blocks (and Q4_1/Q5_1) have a large positive
+  mean (``d*sc*q - dmin*m`` with random bytes: mean/std ~0.6 for Q4_K, 1.0 for Q4_1, the same
+  sign in every row). That is a rank-one spike in every matrix: all outputs move along one
+  direction, which builds up in the residual stream until every token routes to the same
+  experts. The mins are therefore set to centre each sub-block (``m = sc``, ``dmin = d * mean q``),
+  and each block's scale fields get a random sign (removes the small -0.5 LSB bias of Q4_0,
+  Q8_0, IQ4_NL, ...), so the weights are zero-mean with no shared direction.
+
+``init="naive"`` writes the same shapes with std 0.02 everywhere and uncentred blocks, the kind of
+model whose routing collapses; it exists to show what the balanced init prevents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import string
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import dequantize
+
+from moecache.quants.formats import FORMATS, BlockFormat
+from moecache.quants.random_blocks import random_rows, scale_blocks
+
+# Scale choices of the balanced init (see the module docstring).
+EMBD_STD = 1.0
+NORM_JITTER = 0.1  # norm weights are 1 + N(0, NORM_JITTER): not all ones, so an ignored norm shows
+ROUTER_SPREAD = 1.0  # std of the router logits
+RESIDUAL_GAIN = 0.5  # RMS a sub-layer adds to the residual, relative to the embeddings
+SILU_RMS = math.sqrt(0.3553)  # RMS of silu(g) for g ~ N(0, 1); silu(g) * u has the same RMS
+NAIVE_STD = 0.02
+
+CHUNK_BYTES = 8 << 20  # tensors are generated and written in chunks of about this many bytes
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """Shape and quant types of a synthetic model. Quant types are keys of ``FORMATS``."""
+
+    arch: str = "qwen3moe"
+    name: str = "synthetic"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_expert: int = 8
+    n_expert_used: int = 2
+    expert_ff: int = 32
+    n_ff: int = 128  # dense FFN length (written as feed_forward_length; unused by qwen3moe)
+    n_vocab: int = 300
+    context_length: int = 4096
+    rope_freq_base: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    expert_type: str = "Q4_0"
+    attn_type: str = "Q8_0"
+    embd_type: str = "Q8_0"
+    output_type: str = "Q8_0"
+
+
+PRESETS: dict[str, SynthConfig] = {
+    "tiny": SynthConfig(name="synthetic-tiny", n_layer=4),
+    "qwen3-30b-a3b": SynthConfig(
+        name="synthetic-qwen3-30b-a3b", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+        n_expert=128, n_expert_used=8, expert_ff=768, n_ff=6144, n_vocab=32000, context_length=40960,
+        expert_type="Q4_K", attn_type="Q8_0", embd_type="Q8_0", output_type="Q8_0"),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write.
+
+    ``shape`` is in numpy order, in weights (``(n_expert, rows, n_in)``); the last axis is the
+    quantized one. ``role`` picks the scale (see :func:`weight_std`): ``embedding``, ``norm``,
+    ``input`` (reads a normalized vector), ``router``, ``residual`` (writes into the residual
+    stream; ``gain`` corrects for an input RMS other than 1 or a sum of several outputs).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: str
+    role: str
+    gain: float = 1.0
+
+    @property
+    def fmt(self) -> BlockFormat:
+        return FORMATS[self.qtype]
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def n_in(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_rows * self.fmt.row_bytes(self.n_in)
+
+
+# ---- architectures: a tensor list and the architecture's own keys ------------------------------
+
+def qwen3moe_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """Tensors of qwen3moe (gguf-py MODEL_TENSORS[QWEN3MOE]), in llama.cpp's file order."""
+    e, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    t = [TensorSpec("token_embd", (c.n_vocab, e), c.embd_type, "embedding")]
+    for i in range(c.n_layer):
+        b = f"blk.{i}."
+        t += [
+            TensorSpec(b + "attn_norm", (e,), "F32", "norm"),
+            TensorSpec(b + "attn_q", (q_dim, e), c.attn_type, "input"),
+            TensorSpec(b + "attn_k", (kv_dim, e), c.attn_type, "input"),
+            TensorSpec(b + "attn_v", (kv_dim, e), c.attn_type, "input"),
+            TensorSpec(b + "attn_output", (e, q_dim), c.attn_type, "residual"),
+            TensorSpec(b + "attn_q_norm", (c.head_dim,), "F32", "norm"),
+            TensorSpec(b + "attn_k_norm", (c.head_dim,), "F32", "norm"),
+            TensorSpec(b + "ffn_norm", (e,), "F32", "norm"),
+            TensorSpec(b + "ffn_gate_inp", (c.n_expert, e), "F32", "router"),
+            TensorSpec(b + "ffn_gate_exps", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
+            TensorSpec(b + "ffn_up_exps", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
+            # the layer output is sum_k w_k down_k(silu(g) * u) with sum w_k = 1: about
+            # 1/sqrt(k) of one expert's RMS when the k weights are similar
+            TensorSpec(b + "ffn_down_exps", (c.n_expert, e, c.expert_ff), c.expert_type, "residual",
+                       gain=math.sqrt(c.n_expert_used) / SILU_RMS),
+        ]
+    t += [TensorSpec("output_norm", (e,), "F32", "norm"),
+          TensorSpec("output", (c.n_vocab, e), c.output_type, "input")]
+    return t
+
+
+def moe_keys(w: GGUFWriter, c: SynthConfig) -> None:
+    """Hyperparameter keys shared by the llama-like MoE architectures (``{arch}.*``)."""
+    w.add_block_count(c.n_layer)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.n_embd)
+    w.add_feed_forward_length(c.n_ff)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head_kv)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_freq_base)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_expert_count(c.n_expert)
+    w.add_expert_used_count(c.n_expert_used)
+    w.add_expert_feed_forward_length(c.expert_ff)
+
+
+# An architecture is its tensor list and its keys. Adding one (qwen2moe, olmoe, mixtral, ...) is
+# a tensor-list function (plus a key function where its keys differ) and an entry here.
+ARCHS: dict[str, tuple[Callable[[SynthConfig], list[TensorSpec]], Callable[[GGUFWriter, SynthConfig], None]]] = {
+    "qwen3moe": (qwen3moe_tensors, moe_keys),
+}
+
+
+def tensor_specs(c: SynthConfig) -> list[TensorSpec]:
+    """The tensors of ``c``'s architecture. Raises ValueError on an unknown arch or a bad shape."""
+    if c.arch not in ARCHS:
+        raise ValueError(f"synth: unknown architecture {c.arch!r} (have: {', '.join(ARCHS)})")
+    specs = ARCHS[c.arch][0](c)
+    for s in specs:
+        if s.qtype not in FORMATS:
+            raise ValueError(f"synth: tensor {s.name}: unknown quant type {s.qtype!r}")
+        if s.n_in % s.fmt.block_size:
+            raise ValueError(f"synth: tensor {s.name}: row length {s.n_in} is not a multiple of "
+                             f"{s.qtype}'s block size {s.fmt.block_size}")
+    return specs
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+def weight_std(spec: TensorSpec, init: str = "balanced") -> float:
+    """Standard deviation of ``spec``'s weights (norm weights: of their jitter around 1)."""
+    if init == "naive":
+        return 0.0 if spec.role == "norm" else NAIVE_STD
+    if init != "balanced":
+        raise ValueError(f"synth: unknown init {init!r} (balanced, naive)")
+    return {
+        "embedding": EMBD_STD,
+        "norm": NORM_JITTER,
+        "input": 1.0 / math.sqrt(spec.n_in),
+        "router": ROUTER_SPREAD / math.sqrt(spec.n_in),
+        "residual": RESIDUAL_GAIN * EMBD_STD * spec.gain / math.sqrt(spec.n_in),
+    }[spec.role]
+
+
+def tensor_rng(seed: int, name: str, chunk: int = 0) -> np.random.Generator:
+    """The generator of one chunk of one tensor: stable across runs and machines (no salted ``hash()``)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    words = np.frombuffer(digest[:16], dtype="<u4").tolist()
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *words, chunk])))
+
+
+# Mean of the unsigned quant q in formats whose weights are d*sc*q - dmin*m (K) or d*q + m (_1).
+_Q_MEAN = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": 7.5, "Q5_1": 15.5}
+
+
+def _f16(blocks: np.ndarray, off: int) -> np.ndarray:
+    return blocks[:, off:off + 2].copy().view(np.float16).reshape(-1)
+
+
+def _set_f16(blocks: np.ndarray, off: int, v: np.ndarray) -> None:
+    blocks[:, off:off + 2] = v.astype(np.float16).reshape(-1, 1).view(np.uint8).reshape(-1, 2)
+
+
+def center_blocks(fmt: BlockFormat, blocks: np.ndarray, rng: np.random.Generator) -> None:
+    """Make random blocks zero-mean, in place: centre the mins, then flip each block's sign at random.
+
+    Q4_K/Q5_K: every sub-block's 6-bit min equals its scale and dmin = d * mean(q), so a weight is
+    d*sc*(q - mean q). Q2_K: the same with 4-bit nibbles. Q4_1/Q5_1: m = -d * mean(q). The sign
+    flip (of every f16 scale field of a block together) removes the rest (q - 8 has mean -0.5).
+    MXFP4 (symmetric FP4 values, e8m0 scale) and the float formats are zero-mean already.
+    """
+    name = fmt.name
+    if name in ("Q4_K", "Q5_K"):
+        # scales[12] at byte 4 (get_scale_min_k4): bytes 0-3 hold sc0-3 and the high bits of
+        # sc4-7, bytes 4-7 the same for the mins, bytes 8-11 low nibble sc4-7 | high nibble m4-7
+        blocks[:, 8:12] = blocks[:, 4:8]
+        lo = blocks[:, 12:16] & 0x0F
+        blocks[:, 12:16] = lo | (lo << 4)
+        _set_f16(blocks, 2, _f16(blocks, 0).astype(np.float32) * _Q_MEAN[name])
+    elif name == "Q2_K":
+        lo = blocks[:, 0:16] & 0x0F  # scales[16]: low nibble scale, high nibble min
+        blocks[:, 0:16] = lo | (lo << 4)
+        _set_f16(blocks, 82, _f16(blocks, 80).astype(np.float32) * _Q_MEAN[name])
+    elif name in ("Q4_1", "Q5_1"):
+        _set_f16(blocks, 2, -_f16(blocks, 0).astype(np.float32) * _Q_MEAN[name])
+    f16_offsets = [off for off, enc in fmt.scales if enc == "f16"]
+    if f16_offsets:
+        flip = rng.integers(0, 2, len(blocks), dtype=np.uint8).astype(bool)
+        for off in f16_offsets:
+            blocks[flip, off + 1] ^= 0x80  # sign bit of a little-endian f16
+
+
+@lru_cache(maxsize=None)
+def _unit_factor(qtype: str) -> float:
+    """Factor that brings centred random blocks of ``qtype`` to RMS 1 (measured once, fixed seed)."""
+    fmt = FORMATS[qtype]
+    rng = np.random.default_rng(12345)
+    n_in = 16 * max(fmt.block_size, 256)
+    blocks = random_rows(fmt, 4096 * fmt.block_size // n_in + 1, n_in, rng)
+    flat = blocks.reshape(-1, fmt.type_size)
+    center_blocks(fmt, flat, rng)
+    w = dequantize(blocks, GGMLQuantizationType(fmt.ggml_type)).astype(np.float64)
+    return 1.0 / math.sqrt(float(np.mean(w * w)))
+
+
+def chunk_jobs(spec: TensorSpec, seed: int, init: str = "balanced") -> list[Callable[[], np.ndarray]]:
+    """One tensor's bytes as jobs, each returning uint8 for a run of whole rows, in file order.
+
+    Each chunk (``CHUNK_BYTES`` of rows, a function of the shape only) has its own generator, so
+    chunks can be generated in any order or in parallel and the bytes stay the same.
+    """
+    fmt, std = spec.fmt, weight_std(spec, init)
+    if spec.role == "norm":
+        if spec.qtype != "F32":
+            raise ValueError(f"synth: norm tensor {spec.name} must be F32")
+
+        def norm() -> np.ndarray:
+            w = 1.0 + std * tensor_rng(seed, spec.name).standard_normal(spec.n_rows * spec.n_in)
+            return w.astype(np.float32).view(np.uint8)
+        return [norm]
+    if init != "naive" and fmt.float_elems is None:
+        factor = std * _unit_factor(spec.qtype)
+    else:
+        factor = std / 0.05  # random_blocks draws float formats with std 0.05
+
+    def rows(k: int, n: int) -> np.ndarray:
+        rng = tensor_rng(seed, spec.name, k)
+        if init == "naive":
+            return random_rows(fmt, n, spec.n_in, rng, std=std).reshape(-1)
+        blocks = random_rows(fmt, n, spec.n_in, rng).reshape(-1, fmt.type_size)
+        center_blocks(fmt, blocks, rng)
+        scale_blocks(fmt, blocks, factor)
+        return blocks.reshape(-1)
+
+    chunk_rows = max(1, CHUNK_BYTES // fmt.row_bytes(spec.n_in))
+    return [partial(rows, k, min(chunk_rows, spec.n_rows - r0))
+            for k, r0 in enumerate(range(0, spec.n_rows, chunk_rows))]
+
+
+def tensor_bytes(spec: TensorSpec, seed: int, init: str = "balanced") -> np.ndarray:
+    """One whole tensor's bytes (uint8, flat); for tests and small tensors."""
+    return np.concatenate([job() for job in chunk_jobs(spec, seed, init)])
+
+
+def _ordered(jobs: Iterator[Callable[[], np.ndarray]], workers: int) -> Iterator[np.ndarray]:
+    """Results of ``jobs`` in order, run on ``workers`` threads with at most 2 x workers in flight
+    (numpy's generators and array ops release the GIL; memory stays a few chunks)."""
+    if workers <= 1:
+        yield from (job() for job in jobs)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="synth") as ex:
+        pending: deque = deque()
+        for job in jobs:
+            pending.append(ex.submit(job))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+_WORDS = (
+    "the of and to in is was for that on as with by he it at from his an are were which be this "
+    "has also or had not first one their its new after but who they have her she two been other "
+    "when there all during into school time may years more most only over city some world would "
+    "where later up such used many can state about national out known university united then made "
+    "team what we you do if so no my me your will just like how than people could because good"
+).split()
+
+
+def spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary (``tokenizer.ggml.model = llama``) of exactly n_vocab tokens.
+
+    ``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2, the 256 byte tokens ``<0x00>``..``<0xFF>``, then
+    pieces: ``▁`` + common words, single characters, ``▁`` + characters, then consonant-vowel
+    syllables with and without ``▁``, scored -1, -2, ... in that order.
+    Returns (tokens, scores, token types). Raises ValueError if n_vocab < 260.
+    """
+    if n_vocab < 260:
+        raise ValueError(f"synth: n_vocab {n_vocab} < 260 (3 control + 256 byte tokens + pieces)")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [int(TokenType.UNKNOWN), int(TokenType.CONTROL), int(TokenType.CONTROL)] + [int(TokenType.BYTE)] * 256
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+
+    def pieces() -> Iterator[str]:
+        yield "▁"
+        yield from ("▁" + w for w in _WORDS)
+        yield from chars
+        yield from ("▁" + ch for ch in chars)
+        syl = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+        for n in range(1, 5):
+            for idx in np.ndindex(*([len(syl)] * n)):
+                s = "".join(syl[i] for i in idx)
+                yield "▁" + s
+                yield s
+
+    seen = set(tokens)
+    gen = pieces()
+    while len(tokens) < n_vocab:
+        p = next(gen)
+        if p not in seen:
+            seen.add(p)
+            tokens.append(p)
+            types.append(int(TokenType.NORMAL))
+    scores = [0.0] * 259 + [-float(i + 1) for i in range(n_vocab - 259)]
+    return tokens, scores, types
+
+
+# ---- the file ----------------------------------------------------------------------------------
+
+class _Progress:
+    """Prints written GB and GB/s to stderr every ``every`` seconds."""
+
+    def __init__(self, total: int, every: float) -> None:
+        self.total, self.every, self.done = total, every, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            print(f"synth: {self.done / 1e9:.2f} / {self.total / 1e9:.2f} GB, "
+                  f"{self.done / 1e9 / (now - self.t0):.2f} GB/s", file=sys.stderr, flush=True)
+
+
+def write_model(path: str | Path, config: SynthConfig, seed: int = 0, *, init: str = "balanced",
+                workers: int = 0, progress: bool = False) -> int:
+    """Write a synthetic GGUF of ``config`` to ``path``; returns the file size in bytes.
+
+    Chunks are generated on ``workers`` threads (0: up to 8, one per core) and written in order;
+    memory stays at a few chunks (``CHUNK_BYTES``) whatever the model size, and the bytes do
+    not depend on ``workers``.
+    Raises ValueError on an unknown architecture, quant type or init, or a shape that does not
+    fit a quant type's block size (before the file is created).
+    """
+    specs = tensor_specs(config)
+    weight_std(specs[0], init)  # validates init
+    tokens, scores, types = spm_vocab(config.n_vocab)
+    w = GGUFWriter(path, config.arch)
+    w.add_name(config.name)
+    w.add_quantization_version(2)
+    ARCHS[config.arch][1](w, config)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    for s in specs:
+        rb = s.fmt.row_bytes(s.n_in)
+        w.add_tensor_info(s.name, (*s.shape[:-1], rb), np.dtype(np.uint8), s.nbytes,
+                          raw_dtype=GGMLQuantizationType(s.fmt.ggml_type))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    # GGUFWriter.write_tensor_data takes a whole tensor; write the chunks the same way it does:
+    # pad to the alignment, the bytes, pad again
+    assert w.fout is not None and len(w.fout) == 1
+    fout = w.fout[0]
+    prog = _Progress(sum(s.nbytes for s in specs), 3.0) if progress else None
+    for s in specs:  # measure the scale factors once, before the threads start
+        if init == "balanced" and s.fmt.float_elems is None:
+            _unit_factor(s.qtype)
+    jobs = [(i, job) for i, s in enumerate(specs) for job in chunk_jobs(s, seed, init)]
+    results = _ordered((job for _, job in jobs), workers or min(8, os.cpu_count() or 1))
+    written = [0] * len(specs)
+    for (i, _), chunk in zip(jobs, results):
+        if written[i] == 0:  # the tensor's first chunk
+            w.tensors[0].pop(specs[i].name)
+            w.write_padding(fout, fout.tell())
+        chunk.tofile(fout)
+        written[i] += chunk.nbytes
+        if written[i] == specs[i].nbytes:
+            w.write_padding(fout, specs[i].nbytes)
+        if prog:
+            prog.add(chunk.nbytes)
+    assert written == [s.nbytes for s in specs]
+    size = fout.tell()
+    w.close()
+    return size
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m moecache.testing.synth", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", choices=["balanced", "naive"], default="balanced")
+    ap.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a SynthConfig field of the preset, e.g. --set n_layer=8 (repeatable)")
+    a = ap.parse_args(argv)
+    cfg = PRESETS[a.preset]
+    for kv in a.set:
+        field, _, value = kv.partition("=")
+        if field not in SynthConfig.__dataclass_fields__:
+            ap.error(f"--set: unknown field {field!r}")
+        cur = getattr(cfg, field)
+        cfg = replace(cfg, **{field: type(cur)(value)})
+    t0 = time.perf_counter()
+    try:
+        size = write_model(a.output, cfg, a.seed, init=a.init, progress=True)
+    except ValueError as e:
+        ap.exit(1, f"error: {e}\n")
+    dt = time.perf_counter() - t0
+    print(f"synth: wrote {a.output}: {size / 1e9:.3f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The `moecache` command line: subcommand list, not-yet-built commands, and bad-file errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "code-moe-tiny.gguf"
+
+
+def test_help_lists_subcommands():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("run", "serve", "bench", "probe-pcie", "profile", "perplexity", "info"):
+        assert cmd in r.output
+
+
+@pytest.mark.parametrize("cmd", ["run", "perplexity", "serve", "bench", "probe-pcie", "profile"])
+def test_unbuilt_commands_say_so_and_exit_2(cmd):
+    r = runner.invoke(app, [cmd, "-m", "x.gguf", "-ngl", "99"])
+    assert r.exit_code == 2
+    assert "not built yet" in r.output
+
+
+def test_info_on_bad_files_is_one_line_exit_1(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    r = subprocess.run([sys.executable, "-m", "cli.main", "info", "-m", str(bad)],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "not a GGUF file" in lines[0]
+    r = runner.invoke(app, ["info", "-m", str(tmp_path / "missing.gguf")])
+    assert r.exit_code == 1 and "no such file" in r.output
+
+
+@pytest.mark.skipif(not SHARED_MODEL.exists(), reason="../shared/models/code-moe-tiny.gguf not present")
+def test_info_on_real_model():
+    r = runner.invoke(app, ["info", "-m", str(SHARED_MODEL)])
+    assert r.exit_code == 0, r.output
+    assert "qwen3moe" in r.output and "n_expert" in r.output
