@@ -6,6 +6,8 @@ lookup table (256 KiB, compiled into the kernels as a constant).
 
 from __future__ import annotations
 
+from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
+
 import numpy as np
 from numba import njit
 

@@ -7,12 +7,18 @@
   use 512-bit vectors (measured +25% on the GPU machine's Xeon, ../shared/style.md). This goes
   through ``NUMBA_CPU_FEATURES`` and only takes effect if numba was not configured yet; a user's
   own ``NUMBA_CPU_FEATURES`` always wins.
+- Compiled kernels are cached under ``~/.cache/moecache/numba/<hash of the kernel sources>``
+  (``$XDG_CACHE_HOME`` respected; a user's ``NUMBA_CACHE_DIR`` wins). Numba checks only the
+  timestamp of the file that *defines* a function, so an edit to an inlined block decoder
+  (blocks32.py, ...) would otherwise keep serving stale machine code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+from pathlib import Path
 
 
 def _configure() -> None:
@@ -29,6 +35,17 @@ def _configure() -> None:
 
     if os.environ.get("NUMBA_THREADING_LAYER") is None:
         numba.config.THREADING_LAYER = "threadsafe"
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        numba.config.CACHE_DIR = str(kernel_cache_dir())
+
+
+def kernel_cache_dir() -> Path:
+    """Where the compiled kernels of this exact kernel source live."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "moecache" / "numba" / h.hexdigest()[:16]
 
 
 _configure()

@@ -1,6 +1,6 @@
 """Numba dequantizers for the 32-weight block formats (and F32/F16/BF16 read as 32-weight blocks).
 
-Each ``deq_<type>(blk, out, outu)`` decodes one block: ``blk`` is the block's bytes (uint8, length
+Each ``deq_<type>(blk, out, outu, ob)`` decodes one block into ``out[ob:ob + 32]``: ``blk`` is the block's bytes (uint8, length
 ``type_size``; for the float formats, 32 elements), ``out`` a float32 scratch of at least 32
 entries that receives the weights in order, ``outu`` the same scratch viewed as uint32 (lets F32
 and BF16 write bit patterns without a scalar bitcast). Layouts and formulas: ggml-common.h block
@@ -23,64 +23,64 @@ MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 
 
 @njit(**INLINE)
-def deq_f32(blk, out, outu):
+def deq_f32(blk, out, outu, ob):
     for i in range(32):
-        outu[i] = u32_at(blk, 4 * i)
+        outu[ob + i] = u32_at(blk, 4 * i)
 
 
 @njit(**INLINE)
-def deq_f16(blk, out, outu):
+def deq_f16(blk, out, outu, ob):
     for i in range(32):
-        out[i] = F16_LUT[u16_at(blk, 2 * i)]
+        out[ob + i] = F16_LUT[u16_at(blk, 2 * i)]
 
 
 @njit(**INLINE)
-def deq_bf16(blk, out, outu):
+def deq_bf16(blk, out, outu, ob):
     for i in range(32):
-        outu[i] = np.uint32(u16_at(blk, 2 * i)) << np.uint32(16)
+        outu[ob + i] = np.uint32(u16_at(blk, 2 * i)) << np.uint32(16)
 
 
 @njit(**INLINE)
-def deq_q8_0(blk, out, outu):
+def deq_q8_0(blk, out, outu, ob):
     d = f16_at(blk, 0)
     for i in range(32):
         q = np.int32(blk[2 + i])
-        out[i] = d * np.float32(q - ((q & 0x80) << 1))
+        out[ob + i] = d * np.float32(q - ((q & 0x80) << 1))
 
 
 @njit(**INLINE)
-def deq_q4_0(blk, out, outu):
+def deq_q4_0(blk, out, outu, ob):
     d = f16_at(blk, 0)
     for i in range(16):
         q = np.int32(blk[2 + i])
-        out[i] = d * np.float32((q & 0xF) - 8)
-        out[i + 16] = d * np.float32((q >> 4) - 8)
+        out[ob + i] = d * np.float32((q & 0xF) - 8)
+        out[ob + i + 16] = d * np.float32((q >> 4) - 8)
 
 
 @njit(**INLINE)
-def deq_q4_1(blk, out, outu):
+def deq_q4_1(blk, out, outu, ob):
     d = f16_at(blk, 0)
     m = f16_at(blk, 2)
     for i in range(16):
         q = np.int32(blk[4 + i])
-        out[i] = d * np.float32(q & 0xF) + m
-        out[i + 16] = d * np.float32(q >> 4) + m
+        out[ob + i] = d * np.float32(q & 0xF) + m
+        out[ob + i + 16] = d * np.float32(q >> 4) + m
 
 
 @njit(**INLINE)
-def deq_q5_0(blk, out, outu):
+def deq_q5_0(blk, out, outu, ob):
     d = f16_at(blk, 0)
     qh = u32_at(blk, 2)
     for i in range(16):
         q = np.int32(blk[6 + i])
         h0 = np.int32((qh >> np.uint32(i)) & np.uint32(1)) << 4
         h1 = np.int32((qh >> np.uint32(i + 16)) & np.uint32(1)) << 4
-        out[i] = d * np.float32(((q & 0xF) | h0) - 16)
-        out[i + 16] = d * np.float32(((q >> 4) | h1) - 16)
+        out[ob + i] = d * np.float32(((q & 0xF) | h0) - 16)
+        out[ob + i + 16] = d * np.float32(((q >> 4) | h1) - 16)
 
 
 @njit(**INLINE)
-def deq_q5_1(blk, out, outu):
+def deq_q5_1(blk, out, outu, ob):
     d = f16_at(blk, 0)
     m = f16_at(blk, 2)
     qh = u32_at(blk, 4)
@@ -88,29 +88,29 @@ def deq_q5_1(blk, out, outu):
         q = np.int32(blk[8 + i])
         h0 = np.int32((qh >> np.uint32(i)) & np.uint32(1)) << 4
         h1 = np.int32((qh >> np.uint32(i + 16)) & np.uint32(1)) << 4
-        out[i] = d * np.float32((q & 0xF) | h0) + m
-        out[i + 16] = d * np.float32((q >> 4) | h1) + m
+        out[ob + i] = d * np.float32((q & 0xF) | h0) + m
+        out[ob + i + 16] = d * np.float32((q >> 4) | h1) + m
 
 
 @njit(**INLINE)
-def deq_iq4_nl(blk, out, outu):
+def deq_iq4_nl(blk, out, outu, ob):
     d = f16_at(blk, 0)
     for i in range(16):
         q = np.int32(blk[2 + i])
-        out[i] = d * IQ4NL_VALUES[q & 0xF]
-        out[i + 16] = d * IQ4NL_VALUES[q >> 4]
+        out[ob + i] = d * IQ4NL_VALUES[q & 0xF]
+        out[ob + i + 16] = d * IQ4NL_VALUES[q >> 4]
 
 
 @njit(**INLINE)
-def deq_mxfp4(blk, out, outu):
+def deq_mxfp4(blk, out, outu, ob):
     # ggml_e8m0_to_fp32_half: 2^(e-128); e < 2 gives the subnormal bit patterns.
     e = np.uint32(blk[0])
     if e < np.uint32(2):
-        outu[31] = np.uint32(0x00200000) << e
+        outu[ob + 31] = np.uint32(0x00200000) << e
     else:
-        outu[31] = (e - np.uint32(1)) << np.uint32(23)
-    d = out[31]
+        outu[ob + 31] = (e - np.uint32(1)) << np.uint32(23)
+    d = out[ob + 31]
     for i in range(16):
         q = np.int32(blk[1 + i])
-        out[i] = d * MXFP4_VALUES[q & 0xF]
-        out[i + 16] = d * MXFP4_VALUES[q >> 4]
+        out[ob + i] = d * MXFP4_VALUES[q & 0xF]
+        out[ob + i + 16] = d * MXFP4_VALUES[q >> 4]

@@ -14,16 +14,20 @@ Shapes and dtypes:
 
 from __future__ import annotations
 
+import functools
+
 from moecache.quants import _numba_setup  # noqa: F401  (must run before numba compiles)
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import errors, njit, prange
+from numba import types as nb_types
+from numba.extending import overload
 
 from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, deq_mxfp4, deq_q4_0,
                                       deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0)
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
-from moecache.quants.formats import BlockFormat, format_for
+from moecache.quants.formats import FORMATS, BlockFormat, format_for
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
 _INLINE = dict(inline="always", **_KERNEL)
@@ -32,100 +36,40 @@ _INLINE = dict(inline="always", **_KERNEL)
 ACT_SILU = 0   # SwiGLU: silu(gate) * up (qwen, mixtral, olmoe, deepseek)
 ACT_GELU = 1   # GeGLU with tanh-approximated GELU (gemma)
 
-
-@njit(**_INLINE)
-def deq_block(fmt, blk, out, outu):
-    """Dequantize one block of GGML type id ``fmt`` (see formats.FORMATS) into ``out``."""
-    if fmt == 8:
-        deq_q8_0(blk, out, outu)
-    elif fmt == 12:
-        deq_q4_k(blk, out, outu)
-    elif fmt == 14:
-        deq_q6_k(blk, out, outu)
-    elif fmt == 13:
-        deq_q5_k(blk, out, outu)
-    elif fmt == 11:
-        deq_q3_k(blk, out, outu)
-    elif fmt == 10:
-        deq_q2_k(blk, out, outu)
-    elif fmt == 2:
-        deq_q4_0(blk, out, outu)
-    elif fmt == 3:
-        deq_q4_1(blk, out, outu)
-    elif fmt == 6:
-        deq_q5_0(blk, out, outu)
-    elif fmt == 7:
-        deq_q5_1(blk, out, outu)
-    elif fmt == 20:
-        deq_iq4_nl(blk, out, outu)
-    elif fmt == 23:
-        deq_iq4_xs(blk, out, outu)
-    elif fmt == 39:
-        deq_mxfp4(blk, out, outu)
-    elif fmt == 0:
-        deq_f32(blk, out, outu)
-    elif fmt == 1:
-        deq_f16(blk, out, outu)
-    elif fmt == 30:
-        deq_bf16(blk, out, outu)
+STEP = 256  # weights dequantized per inner step: one dot-product reduction per 256 weights
 
 
-@njit(**_INLINE)
-def deq_step(fmt, bs, tsz, g, row, b, buf, bufu):
-    """Dequantize step ``b`` of a row: ``g`` consecutive blocks (g * bs weights) into ``buf``."""
-    o = b * g * tsz
-    for k in range(g):
-        deq_block(fmt, row[o + k * tsz:o + (k + 1) * tsz], buf[k * bs:(k + 1) * bs], bufu[k * bs:(k + 1) * bs])
+_DEQ = {
+    "F32": deq_f32, "F16": deq_f16, "BF16": deq_bf16, "Q4_0": deq_q4_0, "Q4_1": deq_q4_1,
+    "Q5_0": deq_q5_0, "Q5_1": deq_q5_1, "Q8_0": deq_q8_0, "IQ4_NL": deq_iq4_nl, "MXFP4": deq_mxfp4,
+    "Q2_K": deq_q2_k, "Q3_K": deq_q3_k, "Q4_K": deq_q4_k, "Q5_K": deq_q5_k, "Q6_K": deq_q6_k,
+    "IQ4_XS": deq_iq4_xs,
+}
+_NAME_BY_TYPE = {f.ggml_type: name for name, f in FORMATS.items()}
 
 
-@njit(**_KERNEL)
-def _matmul_rows(fmt, bs, tsz, g, W, X, Y, r0, r1):
-    buf = np.empty(256, np.float32)
-    bufu = buf.view(np.uint32)
-    n_tok = X.shape[0]
-    step = bs * g
-    n_steps = X.shape[1] // step
-    acc = np.empty(n_tok, np.float32)
-    for r in range(r0, r1):
-        acc[:] = 0.0
-        for b in range(n_steps):
-            deq_step(fmt, bs, tsz, g, W[r], b, buf, bufu)
-            base = b * step
-            for t in range(n_tok):
-                s = np.float32(0.0)
-                for i in range(step):
-                    s += buf[i] * X[t, base + i]
-                acc[t] += s
-        for t in range(n_tok):
-            Y[t, r] = acc[t]
+def _literal_format(fmt) -> BlockFormat:
+    if not isinstance(fmt, nb_types.IntegerLiteral):
+        raise errors.TypingError("the format id must be a compile-time constant")
+    return FORMATS[_NAME_BY_TYPE[fmt.literal_value]]
 
 
-@njit(parallel=True, **_KERNEL)
-def _matmul(fmt, bs, tsz, g, W, X, Y, chunk):
-    n = W.shape[0]
-    n_chunks = (n + chunk - 1) // chunk
-    for c in prange(n_chunks):
-        _matmul_rows(fmt, bs, tsz, g, W, X, Y, c * chunk, min(n, (c + 1) * chunk))
+def deq_block(fmt, blk, out, outu, ob):
+    """Dequantize one block of GGML type id ``fmt`` (a compile-time constant) into ``out``:
+    32-weight formats write ``out[ob:ob + 32]``, the 256-weight formats ``out[0:256]``.
+    Callable from Numba code only."""
+    raise NotImplementedError("deq_block is only callable from Numba code")
 
 
-@njit(**_KERNEL)
-def _dequant_rows(fmt, bs, tsz, W, Out, r0, r1):
-    buf = np.empty(256, np.float32)
-    bufu = buf.view(np.uint32)
-    nb = W.shape[1] // tsz
-    for r in range(r0, r1):
-        for b in range(nb):
-            deq_block(fmt, W[r, b * tsz:(b + 1) * tsz], buf, bufu)
-            for i in range(bs):
-                Out[r, b * bs + i] = buf[i]
-
-
-@njit(parallel=True, **_KERNEL)
-def _dequant(fmt, bs, tsz, W, Out, chunk):
-    n = W.shape[0]
-    n_chunks = (n + chunk - 1) // chunk
-    for c in prange(n_chunks):
-        _dequant_rows(fmt, bs, tsz, W, Out, c * chunk, min(n, (c + 1) * chunk))
+@overload(deq_block, inline="always")
+def _deq_block_impl(fmt, blk, out, outu, ob):
+    # Resolved at compile time: only this format's decoder is inlined (a runtime switch over all
+    # 16 cost ~12 s of compile time per kernel, and ~3x speed in the inner loop).
+    f = _literal_format(fmt)
+    deq = _DEQ[f.name]
+    if f.block_size == 256:
+        return lambda fmt, blk, out, outu, ob: deq(blk, out, outu)
+    return lambda fmt, blk, out, outu, ob: deq(blk, out, outu, ob)
 
 
 def kernel_block(fmt: BlockFormat) -> tuple[int, int]:
@@ -136,13 +80,105 @@ def kernel_block(fmt: BlockFormat) -> tuple[int, int]:
     return fmt.block_size, fmt.type_size
 
 
-def kernel_step(fmt: BlockFormat, n_in: int) -> tuple[int, int, int]:
-    """(block weights, block bytes, blocks per step). A step is 256 weights where the row allows:
-    one dot-product reduction per 256 weights instead of per 32 (measured ~4x faster for the
-    32-weight formats on 2 cores)."""
-    bs, tsz = kernel_block(fmt)
-    g = 256 // bs if n_in % 256 == 0 else 1
-    return bs, tsz, g
+def _make_rows_kernel(fmt: BlockFormat):
+    """The serial row-range kernel of one format: ``Y[t, r] = X[t] @ W[r]`` for r in [r0, r1),
+    t in [t0, t1).
+
+    W: read-only uint8 (n_rows, row_bytes); X: float32 (n_tok, n_in); Y: float32 (n_tok, >= r1).
+    Rows are walked in steps of 256 weights (8 blocks of the 32-weight formats): one dot-product
+    reduction per 256 weights; a row tail shorter than 256 is walked block by block. Each
+    dequantized step is dotted with every token, so W is read once whatever the token count.
+    """
+    FMT = fmt.ggml_type
+    BS, TSZ = kernel_block(fmt)
+    G = STEP // BS
+
+    def rows_kernel(W, X, Y, r0, r1, t0, t1):
+        buf = np.empty(STEP, np.float32)
+        bufu = buf.view(np.uint32)
+        n_tok = t1 - t0
+        n_full = X.shape[1] // STEP
+        n_tail = (X.shape[1] - n_full * STEP) // BS
+        acc = np.empty(n_tok, np.float32)
+        for r in range(r0, r1):
+            row = W[r]
+            acc[:] = 0.0
+            for b in range(n_full):
+                o = b * G * TSZ
+                for k in range(G):
+                    deq_block(FMT, row[o + k * TSZ:o + (k + 1) * TSZ], buf, bufu, k * BS)
+                base = b * STEP
+                for t in range(n_tok):
+                    s = np.float32(0.0)
+                    for i in range(STEP):
+                        s += buf[i] * X[t0 + t, base + i]
+                    acc[t] += s
+            for b in range(n_tail):
+                o = (n_full * G + b) * TSZ
+                deq_block(FMT, row[o:o + TSZ], buf, bufu, 0)
+                base = n_full * STEP + b * BS
+                for t in range(n_tok):
+                    s = np.float32(0.0)
+                    for i in range(BS):
+                        s += buf[i] * X[t0 + t, base + i]
+                    acc[t] += s
+            for t in range(n_tok):
+                Y[t0 + t, r] = acc[t]
+
+    return _jit(rows_kernel, f"rows_{fmt.name.lower()}")
+
+
+def _jit(fn, name: str, parallel: bool = False):
+    # Every kernel factory closes over plain ints only (pickled into Numba's cache key) and gets a
+    # distinct name, so each specialization has its own on-disk cache entry.
+    fn.__name__ = fn.__qualname__ = name
+    return njit(parallel=parallel, **_KERNEL)(fn)
+
+
+_ROWS = {name: _make_rows_kernel(f) for name, f in FORMATS.items()}
+
+
+def rows_for(fmt, W, X, Y, r0, r1, t0, t1):
+    """``Y[t, r] = X[t] @ W[r]`` for r in [r0, r1), t in [t0, t1) with the row kernel of GGML type
+    ``fmt`` (a compile-time constant). Callable from Numba code only."""
+    raise NotImplementedError("rows_for is only callable from Numba code")
+
+
+@overload(rows_for)
+def _rows_for_impl(fmt, W, X, Y, r0, r1, t0, t1):
+    kernel = _ROWS[_literal_format(fmt).name]
+    return lambda fmt, W, X, Y, r0, r1, t0, t1: kernel(W, X, Y, r0, r1, t0, t1)
+
+
+@functools.cache
+def _matmul_kernel(ggml_type: int):
+    FMT = ggml_type
+
+    def matmul_kernel(W, X, Y, chunk):
+        n = W.shape[0]
+        n_chunks = (n + chunk - 1) // chunk
+        for c in prange(n_chunks):
+            rows_for(FMT, W, X, Y, c * chunk, min(n, (c + 1) * chunk), 0, X.shape[0])
+
+    return _jit(matmul_kernel, f"matmul_{_NAME_BY_TYPE[FMT].lower()}", parallel=True)
+
+
+@functools.cache
+def _dequant_kernel(ggml_type: int):
+    FMT = ggml_type
+    BS, TSZ = kernel_block(FORMATS[_NAME_BY_TYPE[FMT]])
+
+    def dequant_kernel(W, Out):
+        nb = W.shape[1] // TSZ
+        for r in prange(W.shape[0]):
+            buf = np.empty(STEP, np.float32)
+            bufu = buf.view(np.uint32)
+            for b in range(nb):
+                deq_block(FMT, W[r, b * TSZ:(b + 1) * TSZ], buf, bufu, 0)
+                for i in range(BS):
+                    Out[r, b * BS + i] = buf[i]
+
+    return _jit(dequant_kernel, f"dequant_{_NAME_BY_TYPE[FMT].lower()}", parallel=True)
 
 
 def _chunk(n_rows: int) -> int:
@@ -150,6 +186,16 @@ def _chunk(n_rows: int) -> int:
     # amortises its scratch set-up.
     per = n_rows // (4 * numba.get_num_threads())
     return int(max(1, min(64, per)))
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``: weights from a file mapping are read-only, and handing the
+    kernels one array type means one compiled specialization."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _check_weights(W: np.ndarray, ggml_type: int, n_in: int, name: str | None) -> BlockFormat:
@@ -181,28 +227,28 @@ def matmul(W: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None 
     Raises:
         UnsupportedQuantError: the type has no kernel. ValueError: inconsistent shapes.
     """
-    W = np.asarray(W)
+    W = readonly(np.ascontiguousarray(W))
     X = np.ascontiguousarray(x, dtype=np.float32)
     vec = X.ndim == 1
     X2 = X.reshape(1, -1) if vec else X
     fmt = _check_weights(W, ggml_type, X2.shape[1], name)
-    bs, tsz, g = kernel_step(fmt, X2.shape[1])
     n_out = W.shape[0]
     if out is None:
         Y = np.empty((X2.shape[0], n_out), np.float32)
     else:
+        if out.dtype != np.float32 or not out.flags.c_contiguous or out.size != X2.shape[0] * n_out:
+            raise ValueError(f"out must be a C-contiguous float32 array of {X2.shape[0] * n_out} elements")
         Y = out.reshape(X2.shape[0], n_out)
-    _matmul(fmt.ggml_type, bs, tsz, g, W, X2, Y, _chunk(n_out))
+    _matmul_kernel(fmt.ggml_type)(W, X2, Y, _chunk(n_out))
     return Y.reshape(n_out) if vec else Y
 
 
 def dequantize(W: np.ndarray, ggml_type: int, n_in: int, name: str | None = None) -> np.ndarray:
     """Dequantize a GGUF matrix: uint8 (n_out, row_bytes) -> float32 (n_out, n_in), all threads."""
-    W = np.asarray(W)
+    W = readonly(np.ascontiguousarray(W))
     fmt = _check_weights(W, ggml_type, n_in, name)
-    bs, tsz = kernel_block(fmt)
     out = np.empty((W.shape[0], n_in), np.float32)
-    _dequant(fmt.ggml_type, bs, tsz, W, out, _chunk(W.shape[0]))
+    _dequant_kernel(fmt.ggml_type)(W, out)
     return out
 
 
@@ -215,78 +261,45 @@ def _activate(act, g, u):
     return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g))) * u
 
 
-@njit(**_KERNEL)
-def _moe_gate_up_rows(fg, fu, kg, ku, Wg, Wu, e, p0, p1, rows, H, act, A, f0, f1):
-    buf_g = np.empty(256, np.float32)
-    bufu_g = buf_g.view(np.uint32)
-    buf_u = np.empty(256, np.float32)
-    bufu_u = buf_u.view(np.uint32)
-    n = p1 - p0
-    acc_g = np.empty(n, np.float32)
-    acc_u = np.empty(n, np.float32)
-    step_g = kg[0] * kg[2]
-    step_u = ku[0] * ku[2]
-    for f in range(f0, f1):
-        acc_g[:] = 0.0
-        acc_u[:] = 0.0
-        for b in range(H.shape[1] // step_g):
-            deq_step(fg, kg[0], kg[1], kg[2], Wg[e, f], b, buf_g, bufu_g)
-            base = b * step_g
-            for j in range(n):
-                t = rows[p0 + j]
-                s = np.float32(0.0)
-                for i in range(step_g):
-                    s += buf_g[i] * H[t, base + i]
-                acc_g[j] += s
-        for b in range(H.shape[1] // step_u):
-            deq_step(fu, ku[0], ku[1], ku[2], Wu[e, f], b, buf_u, bufu_u)
-            base = b * step_u
-            for j in range(n):
-                t = rows[p0 + j]
-                s = np.float32(0.0)
-                for i in range(step_u):
-                    s += buf_u[i] * H[t, base + i]
-                acc_u[j] += s
-        for j in range(n):
-            A[p0 + j, f] = _activate(act, acc_g[j], acc_u[j])
+@functools.cache
+def _moe_kernel(fg: int, fu: int, fd: int):
+    FG, FU, FD = fg, fu, fd
 
-
-@njit(**_KERNEL)
-def _moe_down_rows(fd, kd, Wd, eids, offs, rows, wts, A, Out, r0, r1):
-    buf = np.empty(256, np.float32)
-    bufu = buf.view(np.uint32)
-    step = kd[0] * kd[2]
-    n_steps = A.shape[1] // step
-    for r in range(r0, r1):
-        for g in range(eids.shape[0]):
+    def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk):
+        n_groups = eids.shape[0]
+        n_ff = Wg.shape[1]
+        n_fc = (n_ff + f_chunk - 1) // f_chunk
+        # phase 1: each (expert, ff-row chunk) job: gate and up rows for that expert's tokens
+        # (Hg holds h gathered in pair order, so an expert's tokens are contiguous), then act(gate)*up
+        for job in prange(n_groups * n_fc):
+            g = job // n_fc
+            f0 = (job % n_fc) * f_chunk
+            f1 = min(n_ff, f0 + f_chunk)
             e = eids[g]
-            for b in range(n_steps):
-                deq_step(fd, kd[0], kd[1], kd[2], Wd[e, r], b, buf, bufu)
-                base = b * step
-                for p in range(offs[g], offs[g + 1]):
-                    s = np.float32(0.0)
-                    for i in range(step):
-                        s += buf[i] * A[p, base + i]
-                    Out[rows[p], r] += wts[p] * s
+            p0 = offs[g]
+            p1 = offs[g + 1]
+            rows_for(FG, Wg[e], Hg, Gt, f0, f1, p0, p1)
+            rows_for(FU, Wu[e], Hg, Ut, f0, f1, p0, p1)
+            for p in range(p0, p1):
+                for f in range(f0, f1):
+                    Gt[p, f] = _activate(act, Gt[p, f], Ut[p, f])
+        # phase 2: each output-row chunk: every expert's down rows, then the weighted sum into Out
+        # (a chunk owns its output columns: no races)
+        n_out = Wd.shape[1]
+        n_rc = (n_out + r_chunk - 1) // r_chunk
+        for c in prange(n_rc):
+            r0 = c * r_chunk
+            r1 = min(n_out, r0 + r_chunk)
+            for g in range(n_groups):
+                rows_for(FD, Wd[eids[g]], Gt, Dt, r0, r1, offs[g], offs[g + 1])
+            for p in range(rows.shape[0]):
+                t = rows[p]
+                w = wts[p]
+                for r in range(r0, r1):
+                    Out[t, r] += w * Dt[p, r]
 
-
-@njit(parallel=True, **_KERNEL)
-def _moe_ffn(fg, fu, fd, kg, ku, kd, Wg, Wu, Wd, eids, offs, rows, wts, H, act, A, Out, f_chunk, r_chunk):
-    n_groups = eids.shape[0]
-    n_ff = Wg.shape[1]
-    n_fc = (n_ff + f_chunk - 1) // f_chunk
-    # phase 1: every (expert, ff-row chunk) job computes act(gate) * up for that expert's tokens
-    for job in prange(n_groups * n_fc):
-        g = job // n_fc
-        c = job % n_fc
-        _moe_gate_up_rows(fg, fu, kg, ku, Wg, Wu, eids[g], offs[g], offs[g + 1],
-                          rows, H, act, A, c * f_chunk, min(n_ff, (c + 1) * f_chunk))
-    # phase 2: every output-row chunk adds all experts' weighted down projections (no races:
-    # a chunk owns its output columns)
-    n_out = Wd.shape[1]
-    n_rc = (n_out + r_chunk - 1) // r_chunk
-    for c in prange(n_rc):
-        _moe_down_rows(fd, kd, Wd, eids, offs, rows, wts, A, Out, c * r_chunk, min(n_out, (c + 1) * r_chunk))
+    names = "_".join(_NAME_BY_TYPE[f].lower() for f in (fg, fu, fd))
+    return _jit(moe_kernel, f"moe_ffn_{names}", parallel=True)
 
 
 def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
@@ -312,7 +325,7 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
     Returns:
         ``out``. Raises ValueError on inconsistent shapes, UnsupportedQuantError on unknown types.
     """
-    gate_exps, up_exps, down_exps = (np.asarray(a) for a in (gate_exps, up_exps, down_exps))
+    gate_exps, up_exps, down_exps = (readonly(np.ascontiguousarray(a)) for a in (gate_exps, up_exps, down_exps))
     H = np.ascontiguousarray(h, dtype=np.float32)
     n_tok, n_embd = H.shape
     n_exp, n_ff = gate_exps.shape[:2]
@@ -337,11 +350,14 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
         out = np.zeros((n_tok, n_embd), np.float32)
     if rows.size == 0:
         return out
-    A = np.empty((rows.shape[0], n_ff), np.float32)
+    n_pairs = rows.shape[0]
+    Hg = H[rows]
+    Gt = np.empty((n_pairs, n_ff), np.float32)
+    Ut = np.empty((n_pairs, n_ff), np.float32)
+    Dt = np.empty((n_pairs, n_embd), np.float32)
     nt = numba.get_num_threads()
     # ff-row chunks: enough jobs across all experts for every thread
     f_chunk = int(max(4, min(64, n_ff * eids.shape[0] // (4 * nt))))
-    _moe_ffn(fg.ggml_type, fu.ggml_type, fd.ggml_type, kernel_step(fg, n_embd), kernel_step(fu, n_embd),
-             kernel_step(fd, n_ff), gate_exps, up_exps, down_exps, eids, offs, rows, wts, H, act, A, out,
-             f_chunk, _chunk(n_embd))
+    kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type)
+    kernel(gate_exps, up_exps, down_exps, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, out, f_chunk, _chunk(n_embd))
     return out

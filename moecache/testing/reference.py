@@ -29,9 +29,7 @@ class RefModel:
         self._tensors = {t.name: t for t in self.reader.tensors}
 
     def _kv(self, key: str):
-        f = self.reader.fields[key]
-        v = f.contents()
-        return v
+        return self.reader.fields[key].contents()
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -45,14 +43,14 @@ class RefModel:
 
 @dataclass
 class RefOutput:
-    """logits (n_tok, n_vocab); per layer the top-k expert ids and weights (n_tok, k); expert
-    usage counts (n_layer, n_expert); residual stream RMS after each layer."""
+    """logits (n_tok, n_vocab); per layer the top-k expert ids and weights (n_tok, k) and the
+    residual stream after the layer (n_tok, n_embd); expert usage counts (n_layer, n_expert)."""
 
     logits: np.ndarray
     expert_ids: list[np.ndarray] = field(default_factory=list)
     expert_weights: list[np.ndarray] = field(default_factory=list)
     usage: np.ndarray | None = None
-    residual_rms: list[float] = field(default_factory=list)
+    hidden: list[np.ndarray] = field(default_factory=list)
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -122,28 +120,28 @@ def forward_qwen3moe(m: RefModel, tokens: np.ndarray) -> RefOutput:
     eps, base, k = hp["attention.layer_norm_rms_epsilon"], hp["rope.freq_base"], hp["expert_used_count"]
     tokens = np.asarray(tokens)
     pos = np.arange(len(tokens), dtype=np.float64)
-    h = m.w("token_embd")[tokens]
+    h = m.w("token_embd.weight")[tokens]
     out = RefOutput(logits=np.empty(0))
     usage = np.zeros((hp["block_count"], hp["expert_count"]), dtype=np.int64)
     for i in range(hp["block_count"]):
         b = f"blk.{i}."
-        x = rms_norm(h, m.w(b + "attn_norm"), eps)
-        q = linear(x, m.w(b + "attn_q")).reshape(len(tokens), n_head, d)
-        kk = linear(x, m.w(b + "attn_k")).reshape(len(tokens), n_head_kv, d)
-        v = linear(x, m.w(b + "attn_v")).reshape(len(tokens), n_head_kv, d)
-        q = rope_neox(rms_norm(q, m.w(b + "attn_q_norm"), eps), pos, base)
-        kk = rope_neox(rms_norm(kk, m.w(b + "attn_k_norm"), eps), pos, base)
-        h = h + linear(attention(q, kk, v), m.w(b + "attn_output"))
-        x = rms_norm(h, m.w(b + "ffn_norm"), eps)
-        y, ids, wts = moe(x, m.w(b + "ffn_gate_inp"), m.w(b + "ffn_gate_exps"), m.w(b + "ffn_up_exps"),
-                          m.w(b + "ffn_down_exps"), k)
+        x = rms_norm(h, m.w(b + "attn_norm.weight"), eps)
+        q = linear(x, m.w(b + "attn_q.weight")).reshape(len(tokens), n_head, d)
+        kk = linear(x, m.w(b + "attn_k.weight")).reshape(len(tokens), n_head_kv, d)
+        v = linear(x, m.w(b + "attn_v.weight")).reshape(len(tokens), n_head_kv, d)
+        q = rope_neox(rms_norm(q, m.w(b + "attn_q_norm.weight"), eps), pos, base)
+        kk = rope_neox(rms_norm(kk, m.w(b + "attn_k_norm.weight"), eps), pos, base)
+        h = h + linear(attention(q, kk, v), m.w(b + "attn_output.weight"))
+        x = rms_norm(h, m.w(b + "ffn_norm.weight"), eps)
+        y, ids, wts = moe(x, m.w(b + "ffn_gate_inp.weight"), m.w(b + "ffn_gate_exps.weight"),
+                          m.w(b + "ffn_up_exps.weight"), m.w(b + "ffn_down_exps.weight"), k)
         h = h + y
         np.add.at(usage[i], ids.reshape(-1), 1)
         out.expert_ids.append(ids)
         out.expert_weights.append(wts)
-        out.residual_rms.append(float(np.sqrt(np.mean(h * h))))
-    x = rms_norm(h, m.w("output_norm"), eps)
-    out.logits = linear(x, m.w("output" if "output" in m else "token_embd"))
+        out.hidden.append(h)
+    x = rms_norm(h, m.w("output_norm.weight"), eps)
+    out.logits = linear(x, m.w("output.weight" if "output.weight" in m else "token_embd.weight"))
     out.usage = usage
     return out
 

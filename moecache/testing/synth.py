@@ -131,30 +131,30 @@ class TensorSpec:
 # ---- architectures: a tensor list and the architecture's own keys ------------------------------
 
 def qwen3moe_tensors(c: SynthConfig) -> list[TensorSpec]:
-    """Tensors of qwen3moe (gguf-py MODEL_TENSORS[QWEN3MOE]), in llama.cpp's file order."""
+    """Tensors of qwen3moe (gguf-py MODEL_TENSORS[QWEN3MOE] + ``.weight``), in llama.cpp's file order."""
     e, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    t = [TensorSpec("token_embd", (c.n_vocab, e), c.embd_type, "embedding")]
+    t = [TensorSpec("token_embd.weight", (c.n_vocab, e), c.embd_type, "embedding")]
     for i in range(c.n_layer):
         b = f"blk.{i}."
         t += [
-            TensorSpec(b + "attn_norm", (e,), "F32", "norm"),
-            TensorSpec(b + "attn_q", (q_dim, e), c.attn_type, "input"),
-            TensorSpec(b + "attn_k", (kv_dim, e), c.attn_type, "input"),
-            TensorSpec(b + "attn_v", (kv_dim, e), c.attn_type, "input"),
-            TensorSpec(b + "attn_output", (e, q_dim), c.attn_type, "residual"),
-            TensorSpec(b + "attn_q_norm", (c.head_dim,), "F32", "norm"),
-            TensorSpec(b + "attn_k_norm", (c.head_dim,), "F32", "norm"),
-            TensorSpec(b + "ffn_norm", (e,), "F32", "norm"),
-            TensorSpec(b + "ffn_gate_inp", (c.n_expert, e), "F32", "router"),
-            TensorSpec(b + "ffn_gate_exps", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
-            TensorSpec(b + "ffn_up_exps", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
+            TensorSpec(b + "attn_norm.weight", (e,), "F32", "norm"),
+            TensorSpec(b + "attn_q.weight", (q_dim, e), c.attn_type, "input"),
+            TensorSpec(b + "attn_k.weight", (kv_dim, e), c.attn_type, "input"),
+            TensorSpec(b + "attn_v.weight", (kv_dim, e), c.attn_type, "input"),
+            TensorSpec(b + "attn_output.weight", (e, q_dim), c.attn_type, "residual"),
+            TensorSpec(b + "attn_q_norm.weight", (c.head_dim,), "F32", "norm"),
+            TensorSpec(b + "attn_k_norm.weight", (c.head_dim,), "F32", "norm"),
+            TensorSpec(b + "ffn_norm.weight", (e,), "F32", "norm"),
+            TensorSpec(b + "ffn_gate_inp.weight", (c.n_expert, e), "F32", "router"),
+            TensorSpec(b + "ffn_gate_exps.weight", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
+            TensorSpec(b + "ffn_up_exps.weight", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
             # the layer output is sum_k w_k down_k(silu(g) * u) with sum w_k = 1: about
             # 1/sqrt(k) of one expert's RMS when the k weights are similar
-            TensorSpec(b + "ffn_down_exps", (c.n_expert, e, c.expert_ff), c.expert_type, "residual",
+            TensorSpec(b + "ffn_down_exps.weight", (c.n_expert, e, c.expert_ff), c.expert_type, "residual",
                        gain=math.sqrt(c.n_expert_used) / SILU_RMS),
         ]
-    t += [TensorSpec("output_norm", (e,), "F32", "norm"),
-          TensorSpec("output", (c.n_vocab, e), c.output_type, "input")]
+    t += [TensorSpec("output_norm.weight", (e,), "F32", "norm"),
+          TensorSpec("output.weight", (c.n_vocab, e), c.output_type, "input")]
     return t
 
 
@@ -256,9 +256,9 @@ def center_blocks(fmt: BlockFormat, blocks: np.ndarray, rng: np.random.Generator
         _set_f16(blocks, 2, -_f16(blocks, 0).astype(np.float32) * _Q_MEAN[name])
     f16_offsets = [off for off, enc in fmt.scales if enc == "f16"]
     if f16_offsets:
-        flip = rng.integers(0, 2, len(blocks), dtype=np.uint8).astype(bool)
+        sign = rng.integers(0, 2, len(blocks), dtype=np.uint8) << 7
         for off in f16_offsets:
-            blocks[flip, off + 1] ^= 0x80  # sign bit of a little-endian f16
+            blocks[:, off + 1] ^= sign  # the sign bit of a little-endian f16
 
 
 @lru_cache(maxsize=None)
@@ -289,18 +289,15 @@ def chunk_jobs(spec: TensorSpec, seed: int, init: str = "balanced") -> list[Call
             w = 1.0 + std * tensor_rng(seed, spec.name).standard_normal(spec.n_rows * spec.n_in)
             return w.astype(np.float32).view(np.uint8)
         return [norm]
-    if init != "naive" and fmt.float_elems is None:
-        factor = std * _unit_factor(spec.qtype)
-    else:
-        factor = std / 0.05  # random_blocks draws float formats with std 0.05
-
     def rows(k: int, n: int) -> np.ndarray:
         rng = tensor_rng(seed, spec.name, k)
-        if init == "naive":
+        if init == "naive":  # uncentred blocks, scaled by random_rows' own measurement
             return random_rows(fmt, n, spec.n_in, rng, std=std).reshape(-1)
         blocks = random_rows(fmt, n, spec.n_in, rng).reshape(-1, fmt.type_size)
         center_blocks(fmt, blocks, rng)
-        scale_blocks(fmt, blocks, factor)
+        # a factor measured once per format (random_rows(std=...) measures on every call: too
+        # slow for 17 GB); random_blocks draws the float formats with std 0.05
+        scale_blocks(fmt, blocks, std / 0.05 if fmt.float_elems else std * _unit_factor(spec.qtype))
         return blocks.reshape(-1)
 
     chunk_rows = max(1, CHUNK_BYTES // fmt.row_bytes(spec.n_in))
@@ -408,11 +405,13 @@ def write_model(path: str | Path, config: SynthConfig, seed: int = 0, *, init: s
     """
     specs = tensor_specs(config)
     weight_std(specs[0], init)  # validates init
-    tokens, scores, types = spm_vocab(config.n_vocab)
-    w = GGUFWriter(path, config.arch)
+    path = Path(path)
+    partial_path = path.with_name(path.name + ".partial")  # renamed when complete
+    w = GGUFWriter(partial_path, config.arch)
     w.add_name(config.name)
     w.add_quantization_version(2)
     ARCHS[config.arch][1](w, config)
+    tokens, scores, types = spm_vocab(config.n_vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -423,24 +422,35 @@ def write_model(path: str | Path, config: SynthConfig, seed: int = 0, *, init: s
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     for s in specs:
-        rb = s.fmt.row_bytes(s.n_in)
-        w.add_tensor_info(s.name, (*s.shape[:-1], rb), np.dtype(np.uint8), s.nbytes,
+        w.add_tensor_info(s.name, (*s.shape[:-1], s.fmt.row_bytes(s.n_in)), np.dtype(np.uint8), s.nbytes,
                           raw_dtype=GGMLQuantizationType(s.fmt.ggml_type))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    # GGUFWriter.write_tensor_data takes a whole tensor; write the chunks the same way it does:
-    # pad to the alignment, the bytes, pad again
-    assert w.fout is not None and len(w.fout) == 1
-    fout = w.fout[0]
-    prog = _Progress(sum(s.nbytes for s in specs), 3.0) if progress else None
     for s in specs:  # measure the scale factors once, before the threads start
         if init == "balanced" and s.fmt.float_elems is None:
             _unit_factor(s.qtype)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        size = _write_data(w, specs, seed, init, workers or min(8, os.cpu_count() or 1), progress)
+        w.close()
+        partial_path.replace(path)
+    except BaseException:
+        w.close()
+        partial_path.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _write_data(w: GGUFWriter, specs: list[TensorSpec], seed: int, init: str, workers: int,
+                progress: bool) -> int:
+    """Tensor data, chunk by chunk. GGUFWriter.write_tensor_data takes a whole tensor; this does
+    what it does per tensor (pad to the alignment, the bytes, pad again) with the bytes in chunks."""
+    assert w.fout is not None and len(w.fout) == 1
+    fout = w.fout[0]
+    prog = _Progress(sum(s.nbytes for s in specs), 3.0) if progress else None
     jobs = [(i, job) for i, s in enumerate(specs) for job in chunk_jobs(s, seed, init)]
-    results = _ordered((job for _, job in jobs), workers or min(8, os.cpu_count() or 1))
     written = [0] * len(specs)
-    for (i, _), chunk in zip(jobs, results):
+    for (i, _), chunk in zip(jobs, _ordered((job for _, job in jobs), workers)):
         if written[i] == 0:  # the tensor's first chunk
             w.tensors[0].pop(specs[i].name)
             w.write_padding(fout, fout.tell())
@@ -451,9 +461,7 @@ def write_model(path: str | Path, config: SynthConfig, seed: int = 0, *, init: s
         if prog:
             prog.add(chunk.nbytes)
     assert written == [s.nbytes for s in specs]
-    size = fout.tell()
-    w.close()
-    return size
+    return fout.tell()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -462,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", choices=["balanced", "naive"], default="balanced")
     ap.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    ap.add_argument("--workers", type=int, default=0, help="generator threads (0: one per core, up to 8)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a SynthConfig field of the preset, e.g. --set n_layer=8 (repeatable)")
     a = ap.parse_args(argv)
@@ -474,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = replace(cfg, **{field: type(cur)(value)})
     t0 = time.perf_counter()
     try:
-        size = write_model(a.output, cfg, a.seed, init=a.init, progress=True)
+        size = write_model(a.output, cfg, a.seed, init=a.init, workers=a.workers, progress=True)
     except ValueError as e:
         ap.exit(1, f"error: {e}\n")
     dt = time.perf_counter() - t0
