@@ -93,3 +93,23 @@ def test_shape_errors(rng):
         cpu.matmul(W, fmt.ggml_type, np.ones(60, np.float32))
     with pytest.raises(ValueError, match="shape"):
         cpu.matmul(W, fmt.ggml_type, np.ones(96, np.float32))
+
+
+def test_kernels_run_from_two_threads_at_once(rng):
+    """The hybrid executor calls the kernels from a worker thread while another thread works:
+    the kernels release the GIL and the pinned threading layer must be thread-safe (the
+    ``workqueue`` layer aborts the process here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numba
+
+    fmt = FORMATS["Q4_K"]
+    Ws = [random_rows(fmt, 96, 512, rng, std=0.02) for _ in range(4)]
+    xs = [rng.standard_normal((2, 512)).astype(np.float32) for _ in range(4)]
+    refs = [x.astype(np.float64) @ gguf_dequantize(W, fmt.ggml_type).astype(np.float64).T for W, x in zip(Ws, xs)]
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda i: [cpu.matmul(Ws[i], fmt.ggml_type, xs[i]) for _ in range(20)][-1], range(4)))
+    for y, ref in zip(outs, refs):
+        assert rel_err(y, ref) < REL_TOL
+    assert numba.threading_layer() in ("omp", "tbb")
+    assert cpu._matmul_kernel(fmt.ggml_type).targetoptions["nogil"]
