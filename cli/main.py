@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -31,45 +31,45 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def not_built(command: str, issue: str) -> None:
-    typer.echo(f"moecache {command}: not built yet (comes with the {issue}).", err=True)
+def not_built(command: str, what: str) -> None:
+    typer.echo(f"moecache {command}: not built yet in this version ({what}).", err=True)
     raise typer.Exit(2)
 
 
 @app.command(context_settings=_PASSTHROUGH)
 def run(ctx: typer.Context) -> None:
     """Generate text like llama-cli: one-shot -p PROMPT or interactive chat. (Not built yet.)"""
-    not_built("run", "models issue")
+    not_built("run", "text generation needs the model forward passes")
 
 
 @app.command(context_settings=_PASSTHROUGH)
 def perplexity(ctx: typer.Context) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does. (Not built yet.)"""
-    not_built("perplexity", "models issue")
+    not_built("perplexity", "needs the model forward passes")
 
 
 @app.command(context_settings=_PASSTHROUGH)
 def serve(ctx: typer.Context) -> None:
     """OpenAI-compatible HTTP server like llama-server. (Not built yet.)"""
-    not_built("serve", "server issue")
+    not_built("serve", "the OpenAI-compatible server comes later")
 
 
 @app.command(context_settings=_PASSTHROUGH)
 def bench(ctx: typer.Context) -> None:
     """Benchmark pp/tg speed like llama-bench, with expert-cache arms. (Not built yet.)"""
-    not_built("bench", "bench issue")
+    not_built("bench", "needs the GPU runtime and the expert cache")
 
 
 @app.command("probe-pcie", context_settings=_PASSTHROUGH)
 def probe_pcie(ctx: typer.Context) -> None:
     """Measure GPU links (PCIe bandwidth), VRAM, host RAM bandwidth and cores. (Not built yet.)"""
-    not_built("probe-pcie", "startup-probe issue")
+    not_built("probe-pcie", "the startup probe comes later")
 
 
 @app.command(context_settings=_PASSTHROUGH)
 def profile(ctx: typer.Context) -> None:
     """Show, save or preload expert-usage profiles. (Not built yet.)"""
-    not_built("profile", "expert-cache issue")
+    not_built("profile", "needs the expert cache")
 
 
 @app.command()
@@ -86,10 +86,6 @@ def info(
         show_info(model, tensors)
     except MoecacheError as e:
         fail(str(e))
-
-
-def main() -> None:  # pragma: no cover - console entry
-    app()
 
 
 if __name__ == "__main__":  # pragma: no cover

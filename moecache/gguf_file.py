@@ -110,6 +110,17 @@ class TensorView:
         return math.prod(self.shape[:-1])
 
 
+# Keys are short dotted ASCII names (ggml docs/gguf.md); a longer or unprintable one means a
+# corrupt header, and echoing it would flood the one-line error.
+MAX_KEY_BYTES = 256
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """repr() of ``text``, cut to ``limit`` characters, for error messages."""
+    r = repr(text)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class _ArraySpan:
     """Where an array value's elements lie in the file (parsed lazily)."""
@@ -157,6 +168,9 @@ class _Reader(gguf.GGUFReader):
             self._where = f"metadata entry {i} of {count}"
             klen, kdata = self._get_str(offs)
             key = str(bytes(kdata), "utf-8", "replace")
+            if not 0 < len(kdata) <= MAX_KEY_BYTES or not key.isprintable():
+                raise GGUFError(f"{self.path}: corrupt header: metadata entry {i} of {count} has an invalid key "
+                                f"({len(kdata)} bytes: {_short(key)})")
             self._where = f"metadata key '{key}'"
             offs += int(klen.nbytes + kdata.nbytes)
             raw_type = self._get(offs, np.uint32)

@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from cli.main import app
 
 runner = CliRunner()
-SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "code-moe-tiny.gguf"
 
 
 def test_help_lists_subcommands():
@@ -42,8 +41,7 @@ def test_info_on_bad_files_is_one_line_exit_1(tmp_path):
     assert r.exit_code == 1 and "no such file" in r.output
 
 
-@pytest.mark.skipif(not SHARED_MODEL.exists(), reason="../shared/models/code-moe-tiny.gguf not present")
-def test_info_on_real_model():
-    r = runner.invoke(app, ["info", "-m", str(SHARED_MODEL)])
+def test_info_on_real_model(code_moe_tiny):
+    r = runner.invoke(app, ["info", "-m", str(code_moe_tiny)])
     assert r.exit_code == 0, r.output
     assert "qwen3moe" in r.output and "n_expert" in r.output

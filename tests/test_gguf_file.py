@@ -482,19 +482,8 @@ def test_qwen2moe_shared_expert_defaults_to_n_ff(tmp_path):
 # ---- the real model in /work/shared/models -------------------------------------------------------
 
 
-def _shared_model(name: str) -> Path | None:
-    for root in (Path(__file__).resolve().parents[2] / "shared", Path.cwd().parent / "shared"):
-        p = root / "models" / name
-        if p.is_file():
-            return p
-    return None
-
-
-def test_code_moe_tiny_matches_readme():
-    p = _shared_model("code-moe-tiny.gguf")
-    if p is None:
-        pytest.skip("code-moe-tiny.gguf not found under ../shared/models")
-    with open_gguf(p) as m:
+def test_code_moe_tiny_matches_readme(code_moe_tiny):
+    with open_gguf(code_moe_tiny) as m:
         c = m.config
         assert (c.arch, c.n_embd, c.n_layer) == ("qwen3moe", 384, 8)
         assert (c.n_expert, c.n_expert_used, c.expert_ff) == (16, 4, 256)
@@ -508,4 +497,15 @@ def test_code_moe_tiny_matches_readme():
         assert (tok.model, tok.pre, tok.n_tokens) == ("gpt2", "gpt-2", 8192)
         assert (tok.bos_id, tok.eos_id, tok.add_bos) == (0, 0, True)
         assert tok.tokens[0] == "<|endoftext|>" and len(tok.merges) == 7935 and tok.token_type[0] == 3
-        assert os.path.getsize(p) == 50_632_256
+        assert os.path.getsize(code_moe_tiny) == 50_632_256
+
+
+def test_corrupt_key_is_named_in_one_short_line(tmp_path, tiny):
+    # the first key starts after magic, version, tensor count, kv count (4+4+8+8) and its u64 length
+    src = tiny[0].read_bytes()
+    assert src[32:32 + len("general.")] == b"general."
+    msg = raises(GGUFError, patched(tmp_path, tiny[0], 34, b"\n"), "invalid key", "metadata entry 0")
+    assert len(msg) < 300
+    long_len = (10**6).to_bytes(8, "little")  # a key "length" that swallows the token list
+    msg = raises(GGUFError, patched(tmp_path, tiny[0], 24, long_len))
+    assert len(msg) < 300

@@ -85,6 +85,12 @@ def test_moe_ffn_empty_and_bad_csr():
     with pytest.raises(ValueError, match="CSR"):
         cpu.moe_ffn(Wg, Wg, Wd, (tg, tg, td), np.array([1], np.int32), np.array([0, 2], np.int32),
                     np.array([0], np.int32), np.array([1.0], np.float32), h)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.moe_ffn(Wg, Wg, Wd, (tg, tg, td), np.array([1], np.int32), np.array([0, 1], np.int32),
+                    np.array([0], np.int32), np.array([1.0], np.float32), h, out=np.zeros((2, 32), np.float32))
+    with pytest.raises(ValueError, match="act"):
+        cpu.moe_ffn(Wg, Wg, Wd, (tg, tg, td), np.array([1], np.int32), np.array([0, 1], np.int32),
+                    np.array([0], np.int32), np.array([1.0], np.float32), h, act=7)
     with pytest.raises(ValueError, match="expert id"):
         cpu.moe_ffn(Wg, Wg, Wd, (tg, tg, td), np.array([7], np.int32), np.array([0, 1], np.int32),
                     np.array([0], np.int32), np.array([1.0], np.float32), h)

@@ -33,7 +33,10 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.fixture
 def rng():
-    return np.random.default_rng()  # fresh blocks every run
+    """Fresh blocks every run; the seed is printed so a failure can be replayed."""
+    seed = np.random.SeedSequence().entropy
+    print(f"rng seed = {seed}")
+    return np.random.default_rng(seed)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -113,3 +116,34 @@ def test_kernels_run_from_two_threads_at_once(rng):
         assert rel_err(y, ref) < REL_TOL
     assert numba.threading_layer() in ("omp", "tbb")
     assert cpu._matmul_kernel(fmt.ggml_type).targetoptions["nogil"]
+
+
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.block_size < 256 or f.float_elems])
+def test_row_tail_shorter_than_a_step(name, rng):
+    """Rows whose length is not a multiple of 256 end with a block-by-block tail."""
+    fmt = FORMATS[name]
+    n_in = 256 + 32 * 3
+    W = random_rows(fmt, 37, n_in, rng, std=0.02)
+    x = rng.standard_normal((4, n_in)).astype(np.float32)
+    ref = x.astype(np.float64) @ gguf_dequantize(W, fmt.ggml_type).astype(np.float64).T
+    assert rel_err(cpu.matmul(W, fmt.ggml_type, x), ref) < REL_TOL
+
+
+def test_mxfp4_tiny_exponents(rng):
+    """e8m0 exponents 0 and 1 decode through ggml's subnormal bit patterns."""
+    fmt = FORMATS["MXFP4"]
+    W = random_rows(fmt, 16, 256, rng)
+    blocks = W.reshape(-1, fmt.type_size)
+    blocks[:, 0] = rng.integers(0, 4, blocks.shape[0], dtype=np.uint8)  # 0, 1, 2, 3
+    ref = gguf_dequantize(W, fmt.ggml_type).astype(np.float64)
+    assert np.count_nonzero(ref) > 0  # not all-zero: the small exponents decode to tiny values
+    np.testing.assert_array_equal(cpu.dequantize(W, fmt.ggml_type, 256), ref.astype(np.float32))
+
+
+def test_out_buffer_must_match(rng):
+    fmt = FORMATS["Q8_0"]
+    W = random_rows(fmt, 40, 256, rng)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    for bad in (np.empty((40, 2), np.float32), np.empty((2, 40), np.float64), np.empty((2, 80), np.float32)[:, ::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            cpu.matmul(W, fmt.ggml_type, x, out=bad)

@@ -27,7 +27,7 @@ from numba.extending import overload
 from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, deq_mxfp4, deq_q4_0,
                                       deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0)
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
-from moecache.quants.formats import FORMATS, BlockFormat, format_for
+from moecache.quants.formats import BY_TYPE, FORMATS, BlockFormat, format_for
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
 _INLINE = dict(inline="always", **_KERNEL)
@@ -39,19 +39,20 @@ ACT_GELU = 1   # GeGLU with tanh-approximated GELU (gemma)
 STEP = 256  # weights dequantized per inner step: one dot-product reduction per 256 weights
 
 
+# The block decoder of every format in formats.FORMATS (one entry per table row).
 _DEQ = {
     "F32": deq_f32, "F16": deq_f16, "BF16": deq_bf16, "Q4_0": deq_q4_0, "Q4_1": deq_q4_1,
     "Q5_0": deq_q5_0, "Q5_1": deq_q5_1, "Q8_0": deq_q8_0, "IQ4_NL": deq_iq4_nl, "MXFP4": deq_mxfp4,
     "Q2_K": deq_q2_k, "Q3_K": deq_q3_k, "Q4_K": deq_q4_k, "Q5_K": deq_q5_k, "Q6_K": deq_q6_k,
     "IQ4_XS": deq_iq4_xs,
 }
-_NAME_BY_TYPE = {f.ggml_type: name for name, f in FORMATS.items()}
+assert set(_DEQ) == set(FORMATS), "every format in formats.FORMATS needs a block decoder"
 
 
 def _literal_format(fmt) -> BlockFormat:
     if not isinstance(fmt, nb_types.IntegerLiteral):
         raise errors.TypingError("the format id must be a compile-time constant")
-    return FORMATS[_NAME_BY_TYPE[fmt.literal_value]]
+    return BY_TYPE[fmt.literal_value]
 
 
 def deq_block(fmt, blk, out, outu, ob):
@@ -160,13 +161,13 @@ def _matmul_kernel(ggml_type: int):
         for c in prange(n_chunks):
             rows_for(FMT, W, X, Y, c * chunk, min(n, (c + 1) * chunk), 0, X.shape[0])
 
-    return _jit(matmul_kernel, f"matmul_{_NAME_BY_TYPE[FMT].lower()}", parallel=True)
+    return _jit(matmul_kernel, f"matmul_{BY_TYPE[FMT].name.lower()}", parallel=True)
 
 
 @functools.cache
 def _dequant_kernel(ggml_type: int):
     FMT = ggml_type
-    BS, TSZ = kernel_block(FORMATS[_NAME_BY_TYPE[FMT]])
+    BS, TSZ = kernel_block(BY_TYPE[FMT])
 
     def dequant_kernel(W, Out):
         nb = W.shape[1] // TSZ
@@ -178,7 +179,7 @@ def _dequant_kernel(ggml_type: int):
                 for i in range(BS):
                     Out[r, b * BS + i] = buf[i]
 
-    return _jit(dequant_kernel, f"dequant_{_NAME_BY_TYPE[FMT].lower()}", parallel=True)
+    return _jit(dequant_kernel, f"dequant_{BY_TYPE[FMT].name.lower()}", parallel=True)
 
 
 def _chunk(n_rows: int) -> int:
@@ -186,6 +187,13 @@ def _chunk(n_rows: int) -> int:
     # amortises its scratch set-up.
     per = n_rows // (4 * numba.get_num_threads())
     return int(max(1, min(64, per)))
+
+
+def _check_out(out: np.ndarray, shape: tuple[int, ...]) -> None:
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"out must be a writable C-contiguous float32 array of shape {shape}, got {got}")
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
@@ -236,8 +244,7 @@ def matmul(W: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None 
     if out is None:
         Y = np.empty((X2.shape[0], n_out), np.float32)
     else:
-        if out.dtype != np.float32 or not out.flags.c_contiguous or out.size != X2.shape[0] * n_out:
-            raise ValueError(f"out must be a C-contiguous float32 array of {X2.shape[0] * n_out} elements")
+        _check_out(out, (n_out,) if vec else (X2.shape[0], n_out))
         Y = out.reshape(X2.shape[0], n_out)
     _matmul_kernel(fmt.ggml_type)(W, X2, Y, _chunk(n_out))
     return Y.reshape(n_out) if vec else Y
@@ -298,7 +305,7 @@ def _moe_kernel(fg: int, fu: int, fd: int):
                 for r in range(r0, r1):
                     Out[t, r] += w * Dt[p, r]
 
-    names = "_".join(_NAME_BY_TYPE[f].lower() for f in (fg, fu, fd))
+    names = "_".join(BY_TYPE[f].name.lower() for f in (fg, fu, fd))
     return _jit(moe_kernel, f"moe_ffn_{names}", parallel=True)
 
 
@@ -346,8 +353,12 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
         raise ValueError(f"moe_ffn: expert id out of range [0, {n_exp})")
     if rows.size and (rows.min() < 0 or rows.max() >= n_tok):
         raise ValueError(f"moe_ffn: token row out of range [0, {n_tok})")
+    if act not in (ACT_SILU, ACT_GELU):
+        raise ValueError(f"moe_ffn: act must be ACT_SILU ({ACT_SILU}) or ACT_GELU ({ACT_GELU}), got {act!r}")
     if out is None:
         out = np.zeros((n_tok, n_embd), np.float32)
+    else:
+        _check_out(out, (n_tok, n_embd))
     if rows.size == 0:
         return out
     n_pairs = rows.shape[0]

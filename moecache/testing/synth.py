@@ -480,12 +480,15 @@ def main(argv: list[str] | None = None) -> None:
         if field not in SynthConfig.__dataclass_fields__:
             ap.error(f"--set: unknown field {field!r}")
         cur = getattr(cfg, field)
-        cfg = replace(cfg, **{field: type(cur)(value)})
+        try:
+            cfg = replace(cfg, **{field: type(cur)(value)})
+        except ValueError:
+            ap.error(f"--set {field}: {value!r} is not a valid {type(cur).__name__}")
     t0 = time.perf_counter()
     try:
         size = write_model(a.output, cfg, a.seed, init=a.init, workers=a.workers, progress=True)
-    except ValueError as e:
-        ap.exit(1, f"error: {e}\n")
+    except (ValueError, OSError) as e:
+        ap.exit(1, f"error: {a.output}: {getattr(e, 'strerror', None) or e}\n")
     dt = time.perf_counter() - t0
     print(f"synth: wrote {a.output}: {size / 1e9:.3f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)",
           file=sys.stderr)
