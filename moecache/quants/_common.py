@@ -34,3 +34,12 @@ def u32_at(blk, o):
     """Little-endian uint32 at byte offset ``o`` of a uint8 array, as uint32."""
     return (np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8))
             | (np.uint32(blk[o + 2]) << np.uint32(16)) | (np.uint32(blk[o + 3]) << np.uint32(24)))
+
+
+@njit(**INLINE)
+def trip32(out):
+    """The number 32, as a run-time value: ``len(out) // 8`` of the 256-entry scratch, which the
+    kernels allocate with a run-time size. The decoders' inner loops run ``trip32`` (or half)
+    times: with a literal 32 LLVM fully unrolls them into scalar int-to-float conversions, with an
+    opaque trip count it vectorizes them (2x faster Q8_0 and Q4_0 decoding, measured)."""
+    return out.shape[0] >> 3

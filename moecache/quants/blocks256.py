@@ -1,7 +1,8 @@
 """Numba dequantizers for the 256-weight super-block formats: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS.
 
 Same contract as :mod:`moecache.quants.blocks32`: ``deq_<type>(blk, out, outu)`` decodes one block
-(``blk``: uint8 of ``type_size`` bytes) into ``out[0:256]`` (float32); ``outu`` is ``out`` viewed as
+(``blk``: uint8 of ``type_size`` bytes) into ``out[0:256]`` (float32, exactly 256 entries: its length
+gives the inner loops' run-time trip count, see ``_common.trip32``); ``outu`` is ``out`` viewed as
 uint32. Layouts: ggml-common.h (block_q2_K ... block_iq4_xs); reference: gguf-py ``gguf/quants.py``.
 
 Every function walks the block in sub-blocks, decodes that sub-block's scale (and min) into scalars,
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moecache.quants._common import INLINE, f16_at, u16_at
+from moecache.quants._common import INLINE, f16_at, trip32, u16_at
 from moecache.quants.blocks32 import IQ4NL_VALUES
 
 
@@ -36,6 +37,7 @@ def _scale_min_k4(blk, j):
 
 @njit(**INLINE)
 def deq_q2_k(blk, out, outu):
+    n32 = trip32(out)
     # scales[16] @0 (low nibble: scale, high: min, per 16 weights), qs[64] @16, d @80, dmin @82.
     # Weight n*128 + j*32 + l (n<2, j<4, l<32) = bits 2j..2j+1 of qs[n*32 + l]; each qs byte feeds
     # 4 weights, so the loop runs over 16 bytes and writes 4 sub-blocks (scales n*8 + 2j + h).
@@ -58,7 +60,7 @@ def deq_q2_k(blk, out, outu):
         m3 = dmin * np.float32(s3 >> 4)
         o = n * 128 + h * 16
         q0 = 16 + n * 32 + h * 16
-        for l in range(16):
+        for l in range(n32 >> 1):
             q = np.int32(blk[q0 + l])
             out[o + l] = d0 * np.float32(q & 3) - m0
             out[o + 32 + l] = d1 * np.float32((q >> 2) & 3) - m1
@@ -76,6 +78,7 @@ def _q3_scale(blk, i):
 
 @njit(**INLINE)
 def deq_q3_k(blk, out, outu):
+    # literal trip counts here: with trip32 this decoder measured 37% slower (it vectorizes badly)
     # hmask[32] @0, qs[64] @32, scales[12] @96 (16 6-bit signed scales, offset 32), d @108.
     # Weight m*32 + l (m = n*4 + j) = bits 2j..2j+1 of qs[n*32 + l], minus 4 unless bit m of
     # hmask[l]. Loop over 16 qs bytes writing 4 sub-blocks (scales 2m + h).
@@ -99,6 +102,7 @@ def deq_q3_k(blk, out, outu):
 
 @njit(**INLINE)
 def deq_q4_k(blk, out, outu):
+    n32 = trip32(out)
     # d @0, dmin @2, scales[12] @4, qs[128] @16. Pair p of sub-blocks (2p, 2p+1) shares qs[32p:32p+32]:
     # low nibbles are sub-block 2p, high nibbles 2p+1. value = d*sc*q - dmin*mn.
     d = f16_at(blk, 0)
@@ -112,7 +116,7 @@ def deq_q4_k(blk, out, outu):
         m1 = dmin * np.float32(mn1)
         o = 64 * p
         q0 = 16 + 32 * p
-        for l in range(32):
+        for l in range(n32):
             q = np.int32(blk[q0 + l])
             out[o + l] = d0 * np.float32(q & 0xF) - m0
             out[o + 32 + l] = d1 * np.float32(q >> 4) - m1
@@ -120,6 +124,7 @@ def deq_q4_k(blk, out, outu):
 
 @njit(**INLINE)
 def deq_q5_k(blk, out, outu):
+    n32 = trip32(out)
     # d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48. As Q4_K, plus 5th bit of weight l of
     # sub-block j = bit j of qh[l].
     d = f16_at(blk, 0)
@@ -135,7 +140,7 @@ def deq_q5_k(blk, out, outu):
         q0 = 48 + 32 * p
         s0 = 2 * p
         s1 = 2 * p + 1
-        for l in range(32):
+        for l in range(n32):
             q = np.int32(blk[q0 + l])
             qh = np.int32(blk[16 + l])
             out[o + l] = d0 * np.float32((q & 0xF) | (((qh >> s0) & 1) << 4)) - m0
@@ -150,6 +155,7 @@ def _i8(b):
 
 @njit(**INLINE)
 def deq_q6_k(blk, out, outu):
+    n32 = trip32(out)
     # ql[128] @0, qh[64] @128, scales:int8[16] @192, d @208. Weight n*128 + j*32 + l (n<2, j<4,
     # l<32): low 4 bits = nibble (j>>1) of ql[n*64 + (j&1)*32 + l], high 2 bits = bits 2j..2j+1 of
     # qh[n*32 + l]; value = d*sc*(q - 32), one int8 scale per 16 weights (n*8 + 2j + l//16).
@@ -165,7 +171,7 @@ def deq_q6_k(blk, out, outu):
             o = n * 128 + h * 16
             a = n * 64 + h * 16
             b = 128 + n * 32 + h * 16
-            for l in range(16):
+            for l in range(n32 >> 1):
                 la = np.int32(blk[a + l])
                 lb = np.int32(blk[a + 32 + l])
                 qh = np.int32(blk[b + l])
@@ -176,6 +182,7 @@ def deq_q6_k(blk, out, outu):
 
 @njit(**INLINE)
 def deq_iq4_xs(blk, out, outu):
+    n32 = trip32(out)
     # d @0, scales_h:u16 @2 (2 high bits per sub-block), scales_l[4] @4 (nibble per sub-block),
     # qs[128] @8: sub-block j uses qs[16j:16j+16], low nibbles = weights 0-15, high = 16-31.
     d = f16_at(blk, 0)
@@ -186,7 +193,7 @@ def deq_iq4_xs(blk, out, outu):
         dl = d * np.float32((lo | (hi << 4)) - 32)
         o = 32 * j
         q0 = 8 + 16 * j
-        for l in range(16):
+        for l in range(n32 >> 1):
             q = np.int32(blk[q0 + l])
             out[o + l] = dl * IQ4NL_VALUES[q & 0xF]
             out[o + 16 + l] = dl * IQ4NL_VALUES[q >> 4]

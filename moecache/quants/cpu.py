@@ -94,8 +94,8 @@ def _make_rows_kernel(fmt: BlockFormat):
     BS, TSZ = kernel_block(fmt)
     G = STEP // BS
 
-    def rows_kernel(W, X, Y, r0, r1, t0, t1):
-        buf = np.empty(STEP, np.float32)
+    def rows_kernel(W, X, Y, r0, r1, t0, t1, nbuf):
+        buf = np.empty(nbuf, np.float32)  # nbuf == STEP, passed at run time (see _common.trip32)
         bufu = buf.view(np.uint32)
         n_tok = t1 - t0
         n_full = X.shape[1] // STEP
@@ -139,27 +139,27 @@ def _jit(fn, name: str, parallel: bool = False):
 _ROWS = {name: _make_rows_kernel(f) for name, f in FORMATS.items()}
 
 
-def rows_for(fmt, W, X, Y, r0, r1, t0, t1):
+def rows_for(fmt, W, X, Y, r0, r1, t0, t1, nbuf):
     """``Y[t, r] = X[t] @ W[r]`` for r in [r0, r1), t in [t0, t1) with the row kernel of GGML type
-    ``fmt`` (a compile-time constant). Callable from Numba code only."""
+    ``fmt`` (a compile-time constant); ``nbuf`` must be STEP. Callable from Numba code only."""
     raise NotImplementedError("rows_for is only callable from Numba code")
 
 
 @overload(rows_for)
-def _rows_for_impl(fmt, W, X, Y, r0, r1, t0, t1):
+def _rows_for_impl(fmt, W, X, Y, r0, r1, t0, t1, nbuf):
     kernel = _ROWS[_literal_format(fmt).name]
-    return lambda fmt, W, X, Y, r0, r1, t0, t1: kernel(W, X, Y, r0, r1, t0, t1)
+    return lambda fmt, W, X, Y, r0, r1, t0, t1, nbuf: kernel(W, X, Y, r0, r1, t0, t1, nbuf)
 
 
 @functools.cache
 def _matmul_kernel(ggml_type: int):
     FMT = ggml_type
 
-    def matmul_kernel(W, X, Y, chunk):
+    def matmul_kernel(W, X, Y, chunk, nbuf):
         n = W.shape[0]
         n_chunks = (n + chunk - 1) // chunk
         for c in prange(n_chunks):
-            rows_for(FMT, W, X, Y, c * chunk, min(n, (c + 1) * chunk), 0, X.shape[0])
+            rows_for(FMT, W, X, Y, c * chunk, min(n, (c + 1) * chunk), 0, X.shape[0], nbuf)
 
     return _jit(matmul_kernel, f"matmul_{BY_TYPE[FMT].name.lower()}", parallel=True)
 
@@ -169,10 +169,10 @@ def _dequant_kernel(ggml_type: int):
     FMT = ggml_type
     BS, TSZ = kernel_block(BY_TYPE[FMT])
 
-    def dequant_kernel(W, Out):
+    def dequant_kernel(W, Out, nbuf):
         nb = W.shape[1] // TSZ
         for r in prange(W.shape[0]):
-            buf = np.empty(STEP, np.float32)
+            buf = np.empty(nbuf, np.float32)
             bufu = buf.view(np.uint32)
             for b in range(nb):
                 deq_block(FMT, W[r, b * TSZ:(b + 1) * TSZ], buf, bufu, 0)
@@ -246,7 +246,7 @@ def matmul(W: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None 
     else:
         _check_out(out, (n_out,) if vec else (X2.shape[0], n_out))
         Y = out.reshape(X2.shape[0], n_out)
-    _matmul_kernel(fmt.ggml_type)(W, X2, Y, _chunk(n_out))
+    _matmul_kernel(fmt.ggml_type)(W, X2, Y, _chunk(n_out), STEP)
     return Y.reshape(n_out) if vec else Y
 
 
@@ -255,7 +255,7 @@ def dequantize(W: np.ndarray, ggml_type: int, n_in: int, name: str | None = None
     W = readonly(np.ascontiguousarray(W))
     fmt = _check_weights(W, ggml_type, n_in, name)
     out = np.empty((W.shape[0], n_in), np.float32)
-    _dequant_kernel(fmt.ggml_type)(W, out)
+    _dequant_kernel(fmt.ggml_type)(W, out, STEP)
     return out
 
 
@@ -272,7 +272,7 @@ def _activate(act, g, u):
 def _moe_kernel(fg: int, fu: int, fd: int):
     FG, FU, FD = fg, fu, fd
 
-    def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk):
+    def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk, nbuf):
         n_groups = eids.shape[0]
         n_ff = Wg.shape[1]
         n_fc = (n_ff + f_chunk - 1) // f_chunk
@@ -285,8 +285,8 @@ def _moe_kernel(fg: int, fu: int, fd: int):
             e = eids[g]
             p0 = offs[g]
             p1 = offs[g + 1]
-            rows_for(FG, Wg[e], Hg, Gt, f0, f1, p0, p1)
-            rows_for(FU, Wu[e], Hg, Ut, f0, f1, p0, p1)
+            rows_for(FG, Wg[e], Hg, Gt, f0, f1, p0, p1, nbuf)
+            rows_for(FU, Wu[e], Hg, Ut, f0, f1, p0, p1, nbuf)
             for p in range(p0, p1):
                 for f in range(f0, f1):
                     Gt[p, f] = _activate(act, Gt[p, f], Ut[p, f])
@@ -298,7 +298,7 @@ def _moe_kernel(fg: int, fu: int, fd: int):
             r0 = c * r_chunk
             r1 = min(n_out, r0 + r_chunk)
             for g in range(n_groups):
-                rows_for(FD, Wd[eids[g]], Gt, Dt, r0, r1, offs[g], offs[g + 1])
+                rows_for(FD, Wd[eids[g]], Gt, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
             for p in range(rows.shape[0]):
                 t = rows[p]
                 w = wts[p]
@@ -370,5 +370,6 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
     # ff-row chunks: enough jobs across all experts for every thread
     f_chunk = int(max(4, min(64, n_ff * eids.shape[0] // (4 * nt))))
     kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type)
-    kernel(gate_exps, up_exps, down_exps, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, out, f_chunk, _chunk(n_embd))
+    kernel(gate_exps, up_exps, down_exps, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, out, f_chunk, _chunk(n_embd),
+           STEP)
     return out
