@@ -1,11 +1,12 @@
 """Random *valid* GGML blocks: random payload bytes with sane scale fields.
 
-Used by the kernel tests (fresh blocks every run, never zeros) and by the synthetic GGUF writer.
+Used by the kernel tests (fresh blocks every run, never zeros) and by the synthetic GGUF writer
+(which also centres them: :func:`center_blocks`).
 gguf-py can quantize only a few formats, so K-quant and IQ blocks are built here directly: every
 byte of a block is random except the float scale fields listed in
-:data:`moecache.quants.formats.FORMATS`, which get finite, positive, moderate values. Because every
-format's values are linear in its float scale fields, multiplying those fields by ``c`` multiplies
-every dequantized weight by ``c``; :func:`random_rows` uses that to hit a requested weight std.
+:data:`moecache.quants.formats.FORMATS`, which get finite, positive, moderate values. Every format's values are linear in its f16 scale
+fields, so multiplying those fields by ``c`` multiplies every dequantized weight by ``c`` (MXFP4's
+e8m0 exponent moves by whole powers of two); :func:`random_rows` uses that to hit a requested std.
 """
 
 from __future__ import annotations
@@ -99,3 +100,39 @@ def random_rows(fmt: BlockFormat, n_rows: int, n_in: int, rng: np.random.Generat
         if cur > 0:
             scale_blocks(fmt, blocks, std / cur)
     return blocks.reshape(n_rows, rb)
+
+
+# Mean of the unsigned quant q in formats whose weights are d*sc*q - dmin*m (K) or d*q + m (_1).
+_Q_MEAN = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": 7.5, "Q5_1": 15.5}
+
+
+def center_blocks(fmt: BlockFormat, blocks: np.ndarray, rng: np.random.Generator) -> None:
+    """Make random blocks zero-mean, in place: centre the mins, then flip each block's sign at random.
+
+    Q4_K/Q5_K: every sub-block's 6-bit min equals its scale and dmin = d * mean(q), so a weight is
+    d*sc*(q - mean q). Q2_K: the same with 4-bit nibbles. Q4_1/Q5_1: m = -d * mean(q). The sign
+    flip (of every f16 scale field of a block together) removes the rest (q - 8 has mean -0.5).
+    MXFP4 (symmetric FP4 values, e8m0 scale) and the float formats are zero-mean already.
+    """
+    name = fmt.name
+    if name in ("Q4_K", "Q5_K"):
+        # scales[12] at byte 4 (get_scale_min_k4): bytes 0-3 hold sc0-3 and the high bits of
+        # sc4-7, bytes 4-7 the same for the mins, bytes 8-11 low nibble sc4-7 | high nibble m4-7
+        blocks[:, 8:12] = blocks[:, 4:8]
+        lo = blocks[:, 12:16] & 0x0F
+        blocks[:, 12:16] = lo | (lo << 4)
+        _put_f16(blocks, 2, _get_f16(blocks, 0) * _Q_MEAN[name])
+    elif name == "Q2_K":
+        lo = blocks[:, 0:16] & 0x0F  # scales[16]: low nibble scale, high nibble min
+        blocks[:, 0:16] = lo | (lo << 4)
+        _put_f16(blocks, 82, _get_f16(blocks, 80) * _Q_MEAN[name])
+    elif name in ("Q4_1", "Q5_1"):
+        _put_f16(blocks, 2, -_get_f16(blocks, 0) * _Q_MEAN[name])
+    f16_offsets = [off for off, enc in fmt.scales if enc == "f16"]
+    if f16_offsets:
+        sign = rng.integers(0, 2, len(blocks), dtype=np.uint8) << 7
+        for off in f16_offsets:
+            blocks[:, off + 1] ^= sign  # the sign bit of a little-endian f16
+
+
+@lru_cache(maxsize=None)

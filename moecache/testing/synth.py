@@ -48,7 +48,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize
 
 from moecache.quants.formats import FORMATS, BlockFormat
-from moecache.quants.random_blocks import random_rows, scale_blocks
+from moecache.quants.random_blocks import center_blocks, random_rows, scale_blocks
 
 # Scale choices of the balanced init (see the module docstring).
 EMBD_STD = 1.0
@@ -220,48 +220,6 @@ def tensor_rng(seed: int, name: str, chunk: int = 0) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *words, chunk])))
 
 
-# Mean of the unsigned quant q in formats whose weights are d*sc*q - dmin*m (K) or d*q + m (_1).
-_Q_MEAN = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": 7.5, "Q5_1": 15.5}
-
-
-def _f16(blocks: np.ndarray, off: int) -> np.ndarray:
-    return blocks[:, off:off + 2].copy().view(np.float16).reshape(-1)
-
-
-def _set_f16(blocks: np.ndarray, off: int, v: np.ndarray) -> None:
-    blocks[:, off:off + 2] = v.astype(np.float16).reshape(-1, 1).view(np.uint8).reshape(-1, 2)
-
-
-def center_blocks(fmt: BlockFormat, blocks: np.ndarray, rng: np.random.Generator) -> None:
-    """Make random blocks zero-mean, in place: centre the mins, then flip each block's sign at random.
-
-    Q4_K/Q5_K: every sub-block's 6-bit min equals its scale and dmin = d * mean(q), so a weight is
-    d*sc*(q - mean q). Q2_K: the same with 4-bit nibbles. Q4_1/Q5_1: m = -d * mean(q). The sign
-    flip (of every f16 scale field of a block together) removes the rest (q - 8 has mean -0.5).
-    MXFP4 (symmetric FP4 values, e8m0 scale) and the float formats are zero-mean already.
-    """
-    name = fmt.name
-    if name in ("Q4_K", "Q5_K"):
-        # scales[12] at byte 4 (get_scale_min_k4): bytes 0-3 hold sc0-3 and the high bits of
-        # sc4-7, bytes 4-7 the same for the mins, bytes 8-11 low nibble sc4-7 | high nibble m4-7
-        blocks[:, 8:12] = blocks[:, 4:8]
-        lo = blocks[:, 12:16] & 0x0F
-        blocks[:, 12:16] = lo | (lo << 4)
-        _set_f16(blocks, 2, _f16(blocks, 0).astype(np.float32) * _Q_MEAN[name])
-    elif name == "Q2_K":
-        lo = blocks[:, 0:16] & 0x0F  # scales[16]: low nibble scale, high nibble min
-        blocks[:, 0:16] = lo | (lo << 4)
-        _set_f16(blocks, 82, _f16(blocks, 80).astype(np.float32) * _Q_MEAN[name])
-    elif name in ("Q4_1", "Q5_1"):
-        _set_f16(blocks, 2, -_f16(blocks, 0).astype(np.float32) * _Q_MEAN[name])
-    f16_offsets = [off for off, enc in fmt.scales if enc == "f16"]
-    if f16_offsets:
-        sign = rng.integers(0, 2, len(blocks), dtype=np.uint8) << 7
-        for off in f16_offsets:
-            blocks[:, off + 1] ^= sign  # the sign bit of a little-endian f16
-
-
-@lru_cache(maxsize=None)
 def _unit_factor(qtype: str) -> float:
     """Factor that brings centred random blocks of ``qtype`` to RMS 1 (measured once, fixed seed)."""
     fmt = FORMATS[qtype]
