@@ -133,6 +133,3 @@ def center_blocks(fmt: BlockFormat, blocks: np.ndarray, rng: np.random.Generator
         sign = rng.integers(0, 2, len(blocks), dtype=np.uint8) << 7
         for off in f16_offsets:
             blocks[:, off + 1] ^= sign  # the sign bit of a little-endian f16
-
-
-@lru_cache(maxsize=None)

@@ -220,6 +220,7 @@ def tensor_rng(seed: int, name: str, chunk: int = 0) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *words, chunk])))
 
 
+@lru_cache(maxsize=None)
 def _unit_factor(qtype: str) -> float:
     """Factor that brings centred random blocks of ``qtype`` to RMS 1 (measured once, fixed seed)."""
     fmt = FORMATS[qtype]
