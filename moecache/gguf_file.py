@@ -506,7 +506,9 @@ class GGUFModel:
         return sum(t.n_bytes for t in self.tensors.values())
 
     def close(self) -> None:
-        """Drop this object's references to the file mappings (idempotent)."""
+        """Drop this object's tensor views and readers (idempotent). The mapping itself is released
+        when nothing references it any more: views a caller still holds, and :attr:`metadata`,
+        keep it alive."""
         self.tensors = {}
         self._readers = []
 
