@@ -81,6 +81,16 @@ def kernel_block(fmt: BlockFormat) -> tuple[int, int]:
     return fmt.block_size, fmt.type_size
 
 
+@njit(**_INLINE)
+def _dot_tokens(buf, n, X, t0, base, acc):
+    """``acc[t] += buf[:n] @ X[t0 + t, base:base + n]`` for every token t of ``acc``."""
+    for t in range(acc.shape[0]):
+        s = np.float32(0.0)
+        for i in range(n):
+            s += buf[i] * X[t0 + t, base + i]
+        acc[t] += s
+
+
 def _make_rows_kernel(fmt: BlockFormat):
     """The serial row-range kernel of one format: ``Y[t, r] = X[t] @ W[r]`` for r in [r0, r1),
     t in [t0, t1).
@@ -108,21 +118,11 @@ def _make_rows_kernel(fmt: BlockFormat):
                 o = b * G * TSZ
                 for k in range(G):
                     deq_block(FMT, row[o + k * TSZ:o + (k + 1) * TSZ], buf, bufu, k * BS)
-                base = b * STEP
-                for t in range(n_tok):
-                    s = np.float32(0.0)
-                    for i in range(STEP):
-                        s += buf[i] * X[t0 + t, base + i]
-                    acc[t] += s
+                _dot_tokens(buf, STEP, X, t0, b * STEP, acc)
             for b in range(n_tail):
                 o = (n_full * G + b) * TSZ
                 deq_block(FMT, row[o:o + TSZ], buf, bufu, 0)
-                base = n_full * STEP + b * BS
-                for t in range(n_tok):
-                    s = np.float32(0.0)
-                    for i in range(BS):
-                        s += buf[i] * X[t0 + t, base + i]
-                    acc[t] += s
+                _dot_tokens(buf, BS, X, t0, n_full * STEP + b * BS, acc)
             for t in range(n_tok):
                 Y[t0 + t, r] = acc[t]
 
