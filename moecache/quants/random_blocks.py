@@ -16,6 +16,9 @@ import numpy as np
 from moecache.quants.formats import BlockFormat
 
 
+FLOAT_STD = 0.05  # std of the elements random_blocks draws for F32/F16/BF16
+
+
 def _put_f16(blocks: np.ndarray, off: int, vals: np.ndarray) -> None:
     blocks[:, off:off + 2] = vals.astype(np.float16).reshape(-1, 1).view(np.uint8).reshape(-1, 2)
 
@@ -28,11 +31,11 @@ def random_blocks(fmt: BlockFormat, n_blocks: int, rng: np.random.Generator) -> 
     """``n_blocks`` random valid blocks of ``fmt`` as uint8 of shape (n_blocks, fmt.type_size).
 
     Scale fields are log-uniform in [2^-9, 2^-5] (f16) or exponents 2^-9..2^-3 (e8m0); float
-    formats get N(0, 0.05) elements. The weight std therefore differs between formats; use
+    formats get N(0, FLOAT_STD) elements. The weight std therefore differs between formats; use
     :func:`random_rows` with ``std`` to control it.
     """
     if fmt.float_elems is not None:
-        vals = rng.standard_normal(n_blocks * fmt.block_size).astype(np.float32) * np.float32(0.05)
+        vals = rng.standard_normal(n_blocks * fmt.block_size).astype(np.float32) * np.float32(FLOAT_STD)
         if fmt.float_elems == "f32":
             raw = vals.view(np.uint8)
         elif fmt.float_elems == "f16":

@@ -48,7 +48,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize
 
 from moecache.quants.formats import FORMATS, BlockFormat
-from moecache.quants.random_blocks import center_blocks, random_rows, scale_blocks
+from moecache.quants.random_blocks import FLOAT_STD, center_blocks, random_rows, scale_blocks
 
 # Scale choices of the balanced init (see the module docstring).
 EMBD_STD = 1.0
@@ -255,8 +255,8 @@ def chunk_jobs(spec: TensorSpec, seed: int, init: str = "balanced") -> list[Call
         blocks = random_rows(fmt, n, spec.n_in, rng).reshape(-1, fmt.type_size)
         center_blocks(fmt, blocks, rng)
         # a factor measured once per format (random_rows(std=...) measures on every call: too
-        # slow for 17 GB); random_blocks draws the float formats with std 0.05
-        scale_blocks(fmt, blocks, std / 0.05 if fmt.float_elems else std * _unit_factor(spec.qtype))
+        # slow for 17 GB); random_blocks draws the float formats with std FLOAT_STD
+        scale_blocks(fmt, blocks, std / FLOAT_STD if fmt.float_elems else std * _unit_factor(spec.qtype))
         return blocks.reshape(-1)
 
     chunk_rows = max(1, CHUNK_BYTES // fmt.row_bytes(spec.n_in))
