@@ -54,6 +54,8 @@ class ModelConfig:
     rope_scaling_factor: float | None = None  # {arch}.rope.scaling.factor
     rope_scaling_orig_ctx: int | None = None  # {arch}.rope.scaling.original_context_length
     sliding_window: int | None = None         # {arch}.attention.sliding_window (tokens)
+    sliding_window_pattern: int | None = None  # {arch}.attention.sliding_window_pattern (every Nth layer is global)
+    rope_freq_base_swa: float | None = None   # {arch}.rope.freq_base_swa (RoPE base of sliding-window layers)
     leading_dense_block_count: int = 0        # {arch}.leading_dense_block_count (first dense layers)
     expert_weights_norm: bool | None = None   # {arch}.expert_weights_norm (renormalise top-k)
     expert_weights_scale: float | None = None  # {arch}.expert_weights_scale
@@ -313,6 +315,8 @@ def config_from_metadata(md: Mapping[str, Any], n_vocab: int) -> ModelConfig:
         rope_scaling_factor=f("rope.scaling.factor"),
         rope_scaling_orig_ctx=i("rope.scaling.original_context_length"),
         sliding_window=i("attention.sliding_window"),
+        sliding_window_pattern=i("attention.sliding_window_pattern"),
+        rope_freq_base_swa=f("rope.freq_base_swa"),
         leading_dense_block_count=i("leading_dense_block_count", 0),
         expert_weights_norm=_typed(md, f"{arch}.expert_weights_norm", bool, None),
         expert_weights_scale=f("expert_weights_scale"),

@@ -1,0 +1,313 @@
+"""The engine: load a GGUF, evaluate tokens in ubatches, generate, and score perplexity.
+
+Used by the command-line tools (``cli/``); holds one sequence (one KV cache). Everything here is
+backend-neutral: the model and KV cache live on the engine's backend (numpy on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numba
+import numpy as np
+import psutil
+
+from moecache.backends import NumpyBackend
+from moecache.gguf_file import GGUFModel, open_gguf
+from moecache.kv_cache import ContextFullError
+from moecache.models import build_model
+from moecache.sampling import Sampler
+from moecache.tokenizer import Tokenizer
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (llama.cpp flag names in brackets).
+
+    Attributes:
+        n_ctx: context size in tokens [-c]; 0 = the model's trained context.
+        n_batch: logical batch [-b]: most tokens handed to one evaluation call.
+        n_ubatch: physical batch [-ub]: most tokens in one forward pass.
+        n_threads: CPU threads [-t]; 0 = physical cores.
+    """
+
+    n_ctx: int = 0
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag of any impossible value."""
+        bad = []
+        if self.n_ctx < 0:
+            bad.append(f"-c must be >= 0 (0 = the model's context), got {self.n_ctx}")
+        if self.n_batch < 1:
+            bad.append(f"-b must be >= 1, got {self.n_batch}")
+        if self.n_ubatch < 1:
+            bad.append(f"-ub must be >= 1, got {self.n_ubatch}")
+        if self.n_threads < 0:
+            bad.append(f"-t must be >= 0 (0 = physical cores), got {self.n_threads}")
+        if bad:
+            raise ValueError("; ".join(bad))
+
+
+@dataclass
+class Timings:
+    """Prompt processing (pp) and token generation (tg) counts and seconds."""
+
+    n_prompt: int = 0
+    t_prompt: float = 0.0
+    n_gen: int = 0
+    t_gen: float = 0.0
+
+    @property
+    def pp_tps(self) -> float:
+        """Prompt tokens per second (0 if none)."""
+        return self.n_prompt / self.t_prompt if self.t_prompt > 0 else 0.0
+
+    @property
+    def tg_tps(self) -> float:
+        """Generated tokens per second (0 if none)."""
+        return self.n_gen / self.t_gen if self.t_gen > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """What :meth:`Engine.generate` produced.
+
+    Attributes:
+        tokens: generated ids (the end-of-generation token excluded).
+        stop: why it stopped: ``"eog"`` (end-of-generation token), ``"length"`` (-n reached),
+            ``"context"`` (the context is full), ``"interrupted"`` (Ctrl-C).
+        timings: pp/tg counts and times.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    stop: str = "length"
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """llama-perplexity's numbers: ``ppl = exp(mean nll)``, ``ppl_err`` its standard error
+    (``ppl * sqrt(var(nll) / (count - 1))``, llama.cpp ``tools/perplexity``).
+
+    Attributes:
+        ppl, ppl_err: the estimate and its error.
+        n_chunks: chunks scored; count: tokens scored; chunk_ppl: running estimate after each chunk.
+        seconds: wall time.
+    """
+
+    ppl: float
+    ppl_err: float
+    n_chunks: int
+    count: int
+    chunk_ppl: list[float]
+    seconds: float
+
+
+class Engine:
+    """One loaded model, its tokenizer and one sequence's KV cache.
+
+    Args:
+        path: GGUF file (first shard of a split model).
+        config: settings; ValueError if impossible.
+        log: where one-line notes go (resolved settings, fallbacks); default: discard.
+
+    Raises:
+        GGUFError, UnsupportedArchError, UnsupportedQuantError: the file cannot be run.
+        FileNotFoundError: ``path`` does not exist.
+    """
+
+    def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None):
+        config.validate()
+        self.log = log or (lambda s: None)
+        self.config = config
+        n_threads = config.n_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        n_threads = min(n_threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(n_threads)
+        self.n_threads = n_threads
+        t0 = time.perf_counter()
+        self.gguf: GGUFModel = open_gguf(path)
+        try:
+            self.tokenizer = Tokenizer.from_gguf(self.gguf)
+            self.backend = NumpyBackend()
+            self.model = build_model(self.gguf, self.backend)
+            cfg = self.gguf.config
+            self.n_ctx = config.n_ctx or cfg.context_length
+            if config.n_ctx and config.n_ctx > cfg.context_length:
+                self.log(f"note: -c {config.n_ctx} is larger than the model's trained context "
+                         f"{cfg.context_length}: quality may drop past it")
+            self.n_ubatch = min(config.n_ubatch, config.n_batch)
+            self.kv = self.model.new_kv_cache(self.n_ctx)
+        except BaseException:
+            self.gguf.close()
+            raise
+        self.load_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Release the model file."""
+        self.gguf.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        """Tokens in the KV cache."""
+        return self.kv.n_past
+
+    def reset(self) -> None:
+        """Empty the KV cache (start a new sequence)."""
+        self.kv.clear()
+
+    def eval(self, tokens: list[int] | np.ndarray, logits: str = "last") -> np.ndarray:
+        """Append ``tokens`` to the sequence, ``n_ubatch`` at a time.
+
+        Args:
+            tokens: int ids.
+            logits: ``"last"`` (float32 (1, n_vocab)) or ``"all"`` (float32 (T, n_vocab)).
+
+        Raises:
+            ContextFullError: they do not fit (nothing is evaluated then).
+            ValueError: empty input or an id outside the vocabulary.
+        """
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if toks.size == 0:
+            raise ValueError("no tokens to evaluate")
+        self.kv.check_room(toks.size)
+        out = []
+        for i in range(0, toks.size, self.n_ubatch):
+            part = toks[i:i + self.n_ubatch]
+            last = i + self.n_ubatch >= toks.size
+            if logits == "all":
+                out.append(self.model.forward(part, self.kv, logits="all"))
+            elif last:
+                out.append(self.model.forward(part, self.kv, logits="last"))
+            else:
+                self.model.forward(part, self.kv, logits=np.empty(0, np.int64))
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def generate(self, prompt: list[int], sampler: Sampler, n_predict: int,
+                 on_token: Callable[[int], None] | None = None) -> Generation:
+        """Evaluate ``prompt`` (appended to the sequence), then sample up to ``n_predict`` tokens.
+
+        Args:
+            prompt: ids to append first (at least one).
+            sampler: picks each token; every prompt and generated token is ``accept``-ed into it.
+            n_predict: most tokens to generate; -1 = until end of generation or a full context.
+            on_token: called with each generated id as soon as it is sampled (streaming).
+
+        Returns:
+            a :class:`Generation`. Ctrl-C (KeyboardInterrupt) during generation ends it with stop
+            ``"interrupted"``; tokens generated so far stay in the sequence.
+
+        Raises:
+            ContextFullError: the prompt itself does not fit.
+        """
+        res = Generation()
+        t0 = time.perf_counter()
+        lg = self.eval(prompt)[-1]
+        res.timings.n_prompt, res.timings.t_prompt = len(prompt), time.perf_counter() - t0
+        for tok in prompt:
+            sampler.accept(tok)
+        t0 = time.perf_counter()
+        try:
+            while n_predict < 0 or len(res.tokens) < n_predict:
+                tok = sampler.sample(lg)
+                sampler.accept(tok)
+                if self.tokenizer.is_eog(tok):
+                    res.stop = "eog"
+                    break
+                res.tokens.append(tok)
+                if on_token is not None:
+                    on_token(tok)
+                if n_predict >= 0 and len(res.tokens) >= n_predict:
+                    break
+                if self.kv.n_past >= self.n_ctx:
+                    res.stop = "context"
+                    break
+                lg = self.eval([tok])[-1]
+        except KeyboardInterrupt:
+            res.stop = "interrupted"
+        res.timings.n_gen = len(res.tokens)
+        res.timings.t_gen = time.perf_counter() - t0
+        return res
+
+    # ---- perplexity ------------------------------------------------------------------------------
+    def perplexity(self, tokens: list[int], n_ctx: int,
+                   progress: Callable[[int, int, float], None] | None = None) -> PerplexityResult:
+        """Perplexity over non-overlapping chunks of ``n_ctx`` tokens, as llama-perplexity computes it.
+
+        Chunk i is ``tokens[i*n_ctx:(i+1)*n_ctx]`` with its first token replaced by BOS when the
+        model adds BOS; only the second half is scored: the logits at positions
+        ``n_ctx/2 .. n_ctx-2`` predict the next token (llama.cpp ``tools/perplexity/perplexity.cpp``,
+        ``perplexity()``). Uses the engine's KV cache (cleared per chunk).
+
+        Args:
+            tokens: the whole text, tokenized with BOS as the model says.
+            n_ctx: chunk length; at most the engine's context.
+            progress: called after each chunk with (chunk index, n_chunks, running ppl).
+
+        Raises:
+            ValueError: fewer than ``2 * n_ctx`` tokens, or ``n_ctx`` larger than the engine's context.
+        """
+        if n_ctx > self.n_ctx:
+            raise ValueError(f"perplexity chunk size {n_ctx} > the engine's context {self.n_ctx}")
+        if n_ctx < 4:
+            raise ValueError(f"-c must be >= 4 for perplexity, got {n_ctx}")
+        if len(tokens) < 2 * n_ctx:
+            raise ValueError(f"the text has {len(tokens)} tokens; perplexity with -c {n_ctx} needs at least "
+                             f"{2 * n_ctx} (two chunks)")
+        t_start = time.perf_counter()
+        toks = np.asarray(tokens, dtype=np.int64)
+        n_chunks = toks.size // n_ctx
+        first = n_ctx // 2
+        bos = self.tokenizer.bos_id
+        nll = nll2 = 0.0
+        count = 0
+        running = []
+        for ci in range(n_chunks):
+            chunk = toks[ci * n_ctx:(ci + 1) * n_ctx].copy()
+            if self.tokenizer.add_bos and bos is not None:
+                chunk[0] = bos
+            self.kv.clear()
+            rows = []
+            for i in range(0, n_ctx, self.n_ubatch):
+                part = chunk[i:i + self.n_ubatch]
+                want = np.arange(part.size)[np.arange(i, i + part.size) >= first]
+                want = want[i + want < n_ctx - 1]
+                lg = self.model.forward(part, self.kv, logits=want)
+                if want.size:
+                    rows.append(lg)
+            logits = np.concatenate(rows).astype(np.float64)
+            targets = chunk[first + 1:n_ctx]
+            m = logits.max(axis=1)
+            lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+            tok_nll = lse - logits[np.arange(targets.size), targets]
+            nll += float(tok_nll.sum())
+            nll2 += float(np.square(tok_nll).sum())
+            count += targets.size
+            running.append(math.exp(nll / count))
+            if progress is not None:
+                progress(ci, n_chunks, running[-1])
+        self.kv.clear()
+        mean, mean2 = nll / count, nll2 / count
+        ppl = math.exp(mean)
+        var = mean2 - mean * mean
+        err = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 else float("nan")
+        return PerplexityResult(ppl, err, n_chunks, count, running, time.perf_counter() - t_start)
+
+
+__all__ = ["ContextFullError", "Engine", "EngineConfig", "Generation", "PerplexityResult", "Timings"]

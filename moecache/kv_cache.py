@@ -1,0 +1,92 @@
+"""The KV cache: keys and values of every past position, per layer, for one sequence.
+
+Positions are contiguous from 0: the cache holds positions ``0 .. n_past - 1`` and a forward pass
+of T tokens appends positions ``n_past .. n_past + T - 1`` (llama.cpp's single-sequence case).
+``-c`` (``n_ctx``) is the capacity; a batch that would pass it raises :class:`ContextFullError`
+before anything is written, so the cache is never left half-updated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moecache.errors import MoecacheError
+
+
+class ContextFullError(MoecacheError):
+    """The tokens do not fit in the context (``-c``)."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-layer shape of the cache: ``(n_ctx, n_head_kv, head_dim)`` keys, ``(..., head_dim_v)`` values."""
+
+    n_layer: int
+    n_ctx: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+
+    def n_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of the whole cache at ``itemsize`` bytes per element."""
+        return self.n_layer * self.n_ctx * self.n_head_kv * (self.head_dim + self.head_dim_v) * itemsize
+
+
+class KVCache:
+    """Keys and values for ``shape.n_ctx`` positions of every layer.
+
+    Args:
+        shape: the sizes (see :class:`KVShape`).
+        xp: array module the buffers live in (numpy; cupy on the GPU backend).
+        dtype: element type (float32 on the CPU).
+
+    Attributes:
+        k, v: lists of ``n_layer`` arrays, ``(n_ctx, n_head_kv, head_dim[_v])``.
+        n_past: number of positions filled.
+    """
+
+    def __init__(self, shape: KVShape, xp: Any = np, dtype: Any = np.float32):
+        self.shape = shape
+        self.xp = xp
+        self.k = [xp.zeros((shape.n_ctx, shape.n_head_kv, shape.head_dim), dtype) for _ in range(shape.n_layer)]
+        self.v = [xp.zeros((shape.n_ctx, shape.n_head_kv, shape.head_dim_v), dtype) for _ in range(shape.n_layer)]
+        self.n_past = 0
+
+    @property
+    def n_ctx(self) -> int:
+        return self.shape.n_ctx
+
+    def check_room(self, n_tokens: int) -> None:
+        """Raise ContextFullError unless ``n_tokens`` more positions fit."""
+        if self.n_past + n_tokens > self.n_ctx:
+            raise ContextFullError(
+                f"context full: {self.n_past} positions used + {n_tokens} new > n_ctx {self.n_ctx} (raise -c)")
+
+    def store(self, il: int, pos0: int, k: Any, v: Any) -> None:
+        """Write the keys/values of positions ``pos0 .. pos0 + T - 1`` of layer ``il``.
+
+        ``k``: (T, n_head_kv, head_dim), ``v``: (T, n_head_kv, head_dim_v).
+        """
+        t = k.shape[0]
+        if pos0 + t > self.n_ctx:
+            raise ContextFullError(f"context full: position {pos0 + t - 1} >= n_ctx {self.n_ctx}")
+        self.k[il][pos0:pos0 + t] = k
+        self.v[il][pos0:pos0 + t] = v
+
+    def advance(self, n_tokens: int) -> None:
+        """Mark ``n_tokens`` more positions as filled (after every layer stored them)."""
+        self.check_room(n_tokens)
+        self.n_past += n_tokens
+
+    def truncate(self, n_past: int) -> None:
+        """Forget positions ``n_past ..`` (keep a common prefix; the data is overwritten later)."""
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"truncate({n_past}): cache holds {self.n_past} positions")
+        self.n_past = n_past
+
+    def clear(self) -> None:
+        """Forget every position."""
+        self.n_past = 0

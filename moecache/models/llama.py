@@ -1,0 +1,18 @@
+"""Llama (GGUF arch ``llama``, no experts): RMSNorm, RoPE on adjacent pairs (GGUF q/k rows are
+permuted by the converter for it), optional llama3 ``rope_freqs`` factors, SwiGLU FFN.
+
+Source: llama.cpp ``src/models/llama.cpp``; Touvron et al., "LLaMA" (2023).
+"""
+
+from __future__ import annotations
+
+from moecache.models.base import DecoderLM
+
+
+class Llama(DecoderLM):
+    arch = "llama"
+
+    def block(self, il, x, pos, kv):
+        L = self.layers[il]
+        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv)
+        return h + self.dense_ffn(il, self.norm(h, L["ffn_norm"]))

@@ -1,0 +1,20 @@
+"""Mixtral (GGUF arch ``llama`` with ``expert_count`` > 0): Llama attention, softmax top-k routing
+with the k weights renormalised (= softmax over the k selected logits), SwiGLU experts.
+
+Source: llama.cpp ``src/models/llama.cpp`` (the MoE branch); Jiang et al., "Mixtral of Experts" (2024).
+"""
+
+from __future__ import annotations
+
+from moecache.models.base import DecoderLM
+
+
+class Mixtral(DecoderLM):
+    arch = "llama"
+    renorm_topk = True
+
+    def block(self, il, x, pos, kv):
+        L = self.layers[il]
+        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv)
+        y = self.norm(h, L["ffn_norm"])
+        return h + (self.moe(il, y) if "ffn_gate_inp" in L else self.dense_ffn(il, y))

@@ -1,0 +1,27 @@
+"""Qwen2-MoE (GGUF arch ``qwen2moe``): q/k/v projection biases, NeoX RoPE, softmax top-k routing
+without renormalisation, plus a shared expert scaled by ``sigmoid(ffn_gate_inp_shexp . x)``.
+
+Source: llama.cpp ``src/models/qwen2moe.cpp``; Qwen1.5-MoE / Qwen2 technical report (2024).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moecache.models.base import DecoderLM
+
+
+class Qwen2Moe(DecoderLM):
+    arch = "qwen2moe"
+    renorm_topk = False
+
+    def block(self, il, x, pos, kv):
+        L = self.layers[il]
+        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv)
+        y = self.norm(h, L["ffn_norm"])
+        out = self.moe(il, y)
+        if "ffn_gate_shexp" in L:
+            gate = self.be.matmul(L["ffn_gate_inp_shexp"], y)  # (T, 1)
+            shared = self.dense_ffn(il, y, suffix="_shexp")
+            out = out + shared / (np.float32(1.0) + self.be.xp.exp(-gate))
+        return h + out

@@ -1,0 +1,17 @@
+"""Qwen3 dense (GGUF arch ``qwen3``): per-head q/k RMSNorm, NeoX RoPE, SwiGLU FFN.
+
+Source: llama.cpp ``src/models/qwen3.cpp``; Qwen3 technical report (2025).
+"""
+
+from __future__ import annotations
+
+from moecache.models.base import DecoderLM
+
+
+class Qwen3(DecoderLM):
+    arch = "qwen3"
+
+    def block(self, il, x, pos, kv):
+        L = self.layers[il]
+        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head")
+        return h + self.dense_ffn(il, self.norm(h, L["ffn_norm"]))

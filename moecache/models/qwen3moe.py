@@ -1,0 +1,19 @@
+"""Qwen3-MoE (GGUF arch ``qwen3moe``): per-head q/k RMSNorm, NeoX RoPE, softmax top-k routing with the
+k weights renormalised, SwiGLU experts, no shared expert.
+
+Source: llama.cpp ``src/models/qwen3moe.cpp``; Qwen3 technical report (2025).
+"""
+
+from __future__ import annotations
+
+from moecache.models.base import DecoderLM
+
+
+class Qwen3Moe(DecoderLM):
+    arch = "qwen3moe"
+    renorm_topk = True  # norm_topk_prob
+
+    def block(self, il, x, pos, kv):
+        L = self.layers[il]
+        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head")
+        return h + self.moe(il, self.norm(h, L["ffn_norm"]))
