@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -36,16 +36,98 @@ def not_built(command: str, what: str) -> None:
     raise typer.Exit(2)
 
 
-@app.command(context_settings=_PASSTHROUGH)
-def run(ctx: typer.Context) -> None:
-    """Generate text like llama-cli: one-shot -p PROMPT or interactive chat. (Not built yet.)"""
-    not_built("run", "text generation needs the model forward passes")
+# ---- options shared by the commands (llama.cpp names) -------------------------------------------
+ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (first shard of a split model). "
+                                                  "Default for `run`: the gemma3-270m package's model.")]
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's trained context).")]
+BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size.")]
+UBatchOpt = Annotated[int, typer.Option("-ub", "--ubatch-size", help="Physical batch size (tokens per forward pass).")]
+ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = physical cores).")]
+NglOpt = Annotated[Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="Accepted for llama.cpp compatibility; "
+                                               "this version runs on the CPU.")]
+FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
 
 
-@app.command(context_settings=_PASSTHROUGH)
-def perplexity(ctx: typer.Context) -> None:
-    """Perplexity over a text file, chunked as llama-perplexity does. (Not built yet.)"""
-    not_built("perplexity", "needs the model forward passes")
+def _user_errors(fn, *args) -> None:
+    """Run a command body; user and model errors become one `error:` line and exit 1."""
+    from cli.common import UserError
+    from moecache.errors import MoecacheError
+
+    try:
+        fn(*args)
+    except (UserError, MoecacheError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        fail(str(e))
+    except ValueError as e:
+        fail(str(e))
+
+
+@app.command()
+def run(
+    model: ModelOpt = None,
+    prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt: complete it once and exit.")] = None,
+    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of generation).")] = -1,
+    ctx_size: CtxOpt = 0,
+    batch_size: BatchOpt = 2048,
+    ubatch_size: UBatchOpt = 512,
+    threads: ThreadsOpt = 0,
+    ngl: NglOpt = None,
+    flash_attn: FaOpt = None,
+    temp: Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Top-p sampling (1.0 = off).")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling (0.0 = off).")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty (1.0 = off).")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look at (-1 = context).")] = 64,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
+    seed: Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")] = -1,
+    conversation: Annotated[Optional[bool], typer.Option("-cnv/-no-cnv", "--conversation/--no-conversation",
+                                                         help="Interactive chat (default when no -p/-f).")] = None,
+    system: Annotated[Optional[str], typer.Option("-sys", "--system-prompt", help="System prompt for chat.")] = None,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Built-in template name or a "
+                                                         "Jinja template (overrides the GGUF's).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")] = False,
+) -> None:
+    """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
+    def body() -> None:
+        from cli.run import RunOptions, run_command
+        from moecache.engine import EngineConfig
+        from moecache.sampling import DEFAULT_SEED, SamplingParams
+
+        sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                            repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
+        opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, ngl, flash_attn)
+        run_command(opts, EngineConfig(ctx_size, batch_size, ubatch_size, threads), sp)
+    _user_errors(body)
+
+
+@app.command()
+def perplexity(
+    model: ModelOpt = None,
+    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Text file to score.")] = None,
+    ctx_size: CtxOpt = 512,
+    batch_size: BatchOpt = 2048,
+    ubatch_size: UBatchOpt = 512,
+    threads: ThreadsOpt = 0,
+    chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
+    ngl: NglOpt = None,
+    flash_attn: FaOpt = None,
+) -> None:
+    """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
+    def body() -> None:
+        from cli.common import UserError
+        from cli.perplexity import perplexity_command
+        from moecache.engine import EngineConfig
+
+        if file is None:
+            raise UserError("perplexity needs a text file: -f FILE")
+        if ctx_size <= 0:
+            raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
+        perplexity_command(model, file, ctx_size, EngineConfig(ctx_size, batch_size, ubatch_size, threads), chunks,
+                           ngl, flash_attn)
+    _user_errors(body)
 
 
 @app.command(context_settings=_PASSTHROUGH)

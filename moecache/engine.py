@@ -147,10 +147,18 @@ class Engine:
                          f"{cfg.context_length}: quality may drop past it")
             self.n_ubatch = min(config.n_ubatch, config.n_batch)
             self.kv = self.model.new_kv_cache(self.n_ctx)
+            self.warmup()
         except BaseException:
             self.gguf.close()
             raise
         self.load_seconds = time.perf_counter() - t0
+
+    def warmup(self) -> None:
+        """One token through the model and back out of the cache: loads the compiled kernels so the
+        first prompt's timing is the model's, not the loader's (llama.cpp warms up the same way)."""
+        tok = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
+        self.model.forward(np.array([tok]), self.kv)
+        self.kv.clear()
 
     def close(self) -> None:
         """Release the model file."""

@@ -1,0 +1,93 @@
+"""Sampler: greedy, the filters of llama.cpp's default chain, penalties, seeds, validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moecache.sampling import Sampler, SamplingParams
+
+OFF = dict(top_k=0, top_p=1.0, min_p=0.0)
+
+
+def draws(params: SamplingParams, logits: np.ndarray, n: int) -> np.ndarray:
+    s = Sampler(params)
+    return np.array([s.sample(logits) for _ in range(n)])
+
+
+def test_greedy_is_argmax():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = rng.standard_normal(1000).astype(np.float32)
+        assert Sampler(SamplingParams(temp=0.0)).sample(x) == int(np.argmax(x))
+
+
+def test_plain_temperature_sampling_follows_softmax():
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0])
+    temp = 0.7
+    p = np.exp(logits / temp)
+    p /= p.sum()
+    n = 40000
+    got = np.bincount(draws(SamplingParams(temp=temp, seed=7, **OFF), logits, n), minlength=5) / n
+    # 5 standard errors of a binomial frequency
+    assert np.all(np.abs(got - p) < 5 * np.sqrt(p * (1 - p) / n)), (got, p)
+
+
+def test_top_k_top_p_min_p_cut_the_tail():
+    logits = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
+    # top-k 2: only the two best
+    assert set(draws(SamplingParams(temp=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=1), logits, 3000)) == {0, 1}
+    # top-p 0.75: smallest prefix with mass >= 0.75 is {0.40, 0.25, 0.15} (0.80)
+    assert set(draws(SamplingParams(temp=1.0, top_k=0, top_p=0.75, min_p=0.0, seed=2), logits, 3000)) == {0, 1, 2}
+    # min-p 0.3: p >= 0.3 * 0.40 = 0.12 keeps the first three
+    assert set(draws(SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.3, seed=3), logits, 3000)) == {0, 1, 2}
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(500)
+    assert set(draws(SamplingParams(temp=5.0, top_k=1, seed=4), x, 200)) == {int(np.argmax(x))}
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
+    x = np.array([3.0, 2.5, -1.0, -1.2])
+    s = Sampler(SamplingParams(temp=0.0, repeat_penalty=1.5))
+    assert s.sample(x) == 0
+    s.accept(0)  # 3.0 / 1.5 = 2.0 < 2.5
+    assert s.sample(x) == 1
+    s2 = Sampler(SamplingParams(temp=0.0, repeat_penalty=2.0))
+    x2 = np.array([-1.0, -1.5, -5.0])
+    s2.accept(0)  # -1.0 * 2 = -2.0 < -1.5
+    assert s2.sample(x2) == 1
+
+
+def test_repeat_last_n_window_and_presence_penalty():
+    x = np.array([1.0, 0.9])
+    s = Sampler(SamplingParams(temp=0.0, repeat_penalty=2.0, repeat_last_n=2))
+    s.accept(0)
+    assert s.sample(x) == 1
+    s.accept(1)
+    s.accept(1)  # token 0 left the 2-token window
+    assert s.sample(np.array([1.0, 0.9])) == 0
+    s3 = Sampler(SamplingParams(temp=0.0, presence_penalty=0.5, frequency_penalty=0.0))
+    s3.accept(0)
+    assert s3.sample(np.array([1.0, 0.6])) == 1  # 1.0 - 0.5 < 0.6
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(2000)
+    a = draws(SamplingParams(temp=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=42), x, 50)
+    b = draws(SamplingParams(temp=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=42), x, 50)
+    c = draws(SamplingParams(temp=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=43), x, 50)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("bad,flag", [
+    (dict(top_p=1.5), "--top-p"), (dict(min_p=-0.1), "--min-p"), (dict(repeat_penalty=0.0), "--repeat-penalty"),
+    (dict(temp=float("nan")), "--temp"), (dict(seed=-5), "--seed"), (dict(repeat_last_n=-2), "--repeat-last-n"),
+])
+def test_invalid_values_name_the_flag(bad, flag):
+    with pytest.raises(ValueError, match=flag):
+        Sampler(SamplingParams(**bad))
