@@ -1,6 +1,8 @@
 """Synthetic GGUF models: a valid file of a given architecture and shape, with random weights.
 
 Used by the tests (tiny models) and by the benchmark (a model shaped like Qwen3-30B-A3B, ~17 GB).
+Architectures (:data:`ARCHS`): qwen3moe, qwen2moe, olmoe, llama (dense, or Mixtral when
+``n_expert`` > 0), qwen3, gemma3; a ``tiny-<arch>`` preset each (``tiny`` is qwen3moe).
 The file is written tensor by tensor, each tensor generated in chunks right before it is written,
 so memory stays small whatever the model size. The same (config, seed) writes the same bytes: each
 tensor draws from its own generator, seeded by (seed, sha256 of the tensor name).
@@ -15,6 +17,14 @@ the honest worst case for an expert cache (tests/test_synth.py checks it with
 - projections that write into the residual stream (attn_output, ffn_down_exps) are scaled so
   each sub-layer adds about ``RESIDUAL_GAIN`` x the RMS of the embeddings (std 1): the residual
   grows like sqrt(1 + 2 n_layer gain^2) instead of exploding, and no layer dominates it;
+- attention biases (qwen2moe) get std ``BIAS_STD``: a small shift of the unit-variance q, k, v;
+- a tied output (no ``output.weight``) reads the embedding table as its projection, so the table
+  gets std 1/sqrt(n_embd) (unit-variance logits); gemma3 multiplies the embeddings by
+  sqrt(n_embd), so its table always gets that std and its layer inputs still have RMS 1;
+- a shared expert (qwen2moe) and the routed experts each add ``RESIDUAL_GAIN``/sqrt(2), so their
+  sum adds about ``RESIDUAL_GAIN``; its sigmoid gate is router-like (gate logits ~ N(0, 1)).
+  qwen2moe and olmoe do not renormalize the top-k weights, so their routed part adds a bit less;
+- gemma3 normalizes each sub-layer's output (post-norms), so each adds RMS ~1 whatever its scale;
 - quantized blocks are zero-mean. Random K-quant blocks (and Q4_1/Q5_1) have a large positive
   mean (``d*sc*q - dmin*m`` with random bytes: mean/std ~0.6 for Q4_K, 1.0 for Q4_1, the same
   sign in every row). That is a rank-one spike in every matrix: all outputs move along one
@@ -56,6 +66,9 @@ NORM_JITTER = 0.1  # norm weights are 1 + N(0, NORM_JITTER): not all ones, so an
 ROUTER_SPREAD = 1.0  # std of the router logits
 RESIDUAL_GAIN = 0.5  # RMS a sub-layer adds to the residual, relative to the embeddings
 SILU_RMS = math.sqrt(0.3553)  # RMS of silu(g) for g ~ N(0, 1); silu(g) * u has the same RMS
+GELU_RMS = math.sqrt(0.4252)  # the same for gelu (tanh approximation): gemma3's GeGLU
+SIGMOID_RMS = math.sqrt(0.2934)  # RMS of sigmoid(g) for g ~ N(0, 1): qwen2moe's shared-expert gate
+BIAS_STD = 0.1
 NAIVE_STD = 0.02
 
 CHUNK_BYTES = 8 << 20  # tensors are generated and written in chunks of about this many bytes
@@ -75,7 +88,7 @@ class SynthConfig:
     n_expert: int = 8
     n_expert_used: int = 2
     expert_ff: int = 32
-    n_ff: int = 128  # dense FFN length (written as feed_forward_length; unused by qwen3moe)
+    n_ff: int = 128  # dense FFN length (feed_forward_length; unused by qwen3moe, qwen2moe)
     n_vocab: int = 300
     context_length: int = 4096
     rope_freq_base: float = 1_000_000.0
@@ -84,6 +97,10 @@ class SynthConfig:
     attn_type: str = "Q8_0"
     embd_type: str = "Q8_0"
     output_type: str = "Q8_0"
+    ffn_type: str = "Q8_0"  # dense FFN and shared-expert matrices
+    shared_expert_ff: int = 0  # shared-expert width (qwen2moe; expert_shared_feed_forward_length)
+    sliding_window: int = 0  # sliding-window attention length (gemma3; 0: none, every layer global)
+    tied_output: bool = False  # no output.weight: the output projection is token_embd
 
 
 PRESETS: dict[str, SynthConfig] = {
@@ -92,6 +109,32 @@ PRESETS: dict[str, SynthConfig] = {
         name="synthetic-qwen3-30b-a3b", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
         n_expert=128, n_expert_used=8, expert_ff=768, n_ff=6144, n_vocab=32000, context_length=40960,
         expert_type="Q4_K", attn_type="Q8_0", embd_type="Q8_0", output_type="Q8_0"),
+    # one tiny model per other architecture, with different quant types so that each exercises
+    # other kernels; K-quants need rows of 256, hence n_embd 256 where they are used
+    "tiny-qwen2moe": SynthConfig(
+        arch="qwen2moe", name="synthetic-tiny-qwen2moe", n_expert=8, n_expert_used=2, expert_ff=32,
+        shared_expert_ff=64, n_ff=64, rope_freq_base=10000.0, expert_type="Q8_0", attn_type="Q5_0",
+        embd_type="F16", output_type="Q8_0", ffn_type="F16"),
+    "tiny-olmoe": SynthConfig(
+        arch="olmoe", name="synthetic-tiny-olmoe", n_embd=256, n_head=4, n_head_kv=4, head_dim=64,
+        n_expert=8, n_expert_used=2, expert_ff=256, n_ff=256, rope_freq_base=10000.0, norm_eps=1e-5,
+        expert_type="Q4_K", attn_type="Q6_K", embd_type="Q8_0", output_type="Q6_K"),
+    "tiny-mixtral": SynthConfig(
+        arch="llama", name="synthetic-tiny-mixtral", n_expert=8, n_expert_used=2, expert_ff=64, n_ff=64,
+        rope_freq_base=1_000_000.0, norm_eps=1e-5, expert_type="Q5_0", attn_type="F16",
+        embd_type="Q8_0", output_type="Q8_0"),
+    "tiny-llama": SynthConfig(
+        arch="llama", name="synthetic-tiny-llama", n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+        n_expert=0, n_expert_used=0, n_ff=512, rope_freq_base=500000.0, norm_eps=1e-5,
+        attn_type="Q4_K", ffn_type="Q6_K", embd_type="Q8_0", tied_output=True),
+    "tiny-qwen3": SynthConfig(
+        arch="qwen3", name="synthetic-tiny-qwen3", n_expert=0, n_expert_used=0, n_ff=128,
+        attn_type="Q8_0", ffn_type="Q5_0", embd_type="F32", output_type="F16"),
+    # 6 layers: gemma3's layers 0-4 use the sliding window, layer 5 is global
+    "tiny-gemma3": SynthConfig(
+        arch="gemma3", name="synthetic-tiny-gemma3", n_layer=6, n_head=4, n_head_kv=1, head_dim=32,
+        n_expert=0, n_expert_used=0, n_ff=128, sliding_window=8, attn_type="Q8_0", ffn_type="Q4_1",
+        embd_type="Q8_0", tied_output=True),
 }
 
 
@@ -102,7 +145,8 @@ class TensorSpec:
     ``shape`` is in numpy order, in weights (``(n_expert, rows, n_in)``); the last axis is the
     quantized one. ``role`` picks the scale (see :func:`weight_std`): ``embedding``, ``norm``,
     ``input`` (reads a normalized vector), ``router``, ``residual`` (writes into the residual
-    stream; ``gain`` corrects for an input RMS other than 1 or a sum of several outputs).
+    stream; ``gain`` corrects for an input RMS other than 1 or a sum of several outputs),
+    ``bias``. For ``embedding`` the ``gain`` multiplies the embeddings' std (tied output, gemma3).
     """
 
     name: str
@@ -129,56 +173,194 @@ class TensorSpec:
 
 
 # ---- architectures: a tensor list and the architecture's own keys ------------------------------
+# Tensor names are gguf-py's (MODEL_TENSORS[arch] + ".weight"/".bias"); shapes follow
+# moecache.arch.GROUPS, which the reader checks every file against.
 
-def qwen3moe_tensors(c: SynthConfig) -> list[TensorSpec]:
-    """Tensors of qwen3moe (gguf-py MODEL_TENSORS[QWEN3MOE] + ``.weight``), in llama.cpp's file order."""
-    e, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    t = [TensorSpec("token_embd.weight", (c.n_vocab, e), c.embd_type, "embedding")]
-    for i in range(c.n_layer):
-        b = f"blk.{i}."
-        t += [
-            TensorSpec(b + "attn_norm.weight", (e,), "F32", "norm"),
-            TensorSpec(b + "attn_q.weight", (q_dim, e), c.attn_type, "input"),
-            TensorSpec(b + "attn_k.weight", (kv_dim, e), c.attn_type, "input"),
-            TensorSpec(b + "attn_v.weight", (kv_dim, e), c.attn_type, "input"),
-            TensorSpec(b + "attn_output.weight", (e, q_dim), c.attn_type, "residual"),
-            TensorSpec(b + "attn_q_norm.weight", (c.head_dim,), "F32", "norm"),
-            TensorSpec(b + "attn_k_norm.weight", (c.head_dim,), "F32", "norm"),
-            TensorSpec(b + "ffn_norm.weight", (e,), "F32", "norm"),
-            TensorSpec(b + "ffn_gate_inp.weight", (c.n_expert, e), "F32", "router"),
-            TensorSpec(b + "ffn_gate_exps.weight", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
-            TensorSpec(b + "ffn_up_exps.weight", (c.n_expert, c.expert_ff, e), c.expert_type, "input"),
-            # the layer output is sum_k w_k down_k(silu(g) * u) with sum w_k = 1: about
-            # 1/sqrt(k) of one expert's RMS when the k weights are similar
-            TensorSpec(b + "ffn_down_exps.weight", (c.n_expert, e, c.expert_ff), c.expert_type, "residual",
-                       gain=math.sqrt(c.n_expert_used) / SILU_RMS),
-        ]
-    t += [TensorSpec("output_norm.weight", (e,), "F32", "norm"),
-          TensorSpec("output.weight", (c.n_vocab, e), c.output_type, "input")]
+def _embedding(c: SynthConfig) -> TensorSpec:
+    e = c.n_embd
+    gain = 1.0 / math.sqrt(e) if c.tied_output or c.arch == "gemma3" else 1.0
+    return TensorSpec("token_embd.weight", (c.n_vocab, e), c.embd_type, "embedding", gain=gain)
+
+
+def _output(c: SynthConfig) -> list[TensorSpec]:
+    t = [TensorSpec("output_norm.weight", (c.n_embd,), "F32", "norm")]
+    if not c.tied_output:
+        t.append(TensorSpec("output.weight", (c.n_vocab, c.n_embd), c.output_type, "input"))
     return t
 
 
-def moe_keys(w: GGUFWriter, c: SynthConfig) -> None:
-    """Hyperparameter keys shared by the llama-like MoE architectures (``{arch}.*``)."""
+def _attention(c: SynthConfig, b: str, qk_norm: str | None = None, bias: bool = False,
+               post_norm: bool = False) -> list[TensorSpec]:
+    """attn_norm, q, k, v (with biases when ``bias``), attn_output, then the q/k norms:
+    ``qk_norm`` "head" (one head_dim vector shared by all heads: qwen3, gemma3) or "full" (over the
+    whole projection: olmoe); ``post_norm`` adds gemma3's norm of the attention output."""
+    e, q_dim, kv_dim = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    t = [TensorSpec(b + "attn_norm.weight", (e,), "F32", "norm")]
+    for name, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+        t.append(TensorSpec(b + name + ".weight", (rows, e), c.attn_type, "input"))
+        if bias:
+            t.append(TensorSpec(b + name + ".bias", (rows,), "F32", "bias"))
+    t.append(TensorSpec(b + "attn_output.weight", (e, q_dim), c.attn_type, "residual"))
+    if qk_norm is not None:
+        q_len, k_len = (c.head_dim, c.head_dim) if qk_norm == "head" else (q_dim, kv_dim)
+        t += [TensorSpec(b + "attn_q_norm.weight", (q_len,), "F32", "norm"),
+              TensorSpec(b + "attn_k_norm.weight", (k_len,), "F32", "norm")]
+    if post_norm:
+        t.append(TensorSpec(b + "post_attention_norm.weight", (e,), "F32", "norm"))
+    return t
+
+
+def _ffn_norm(c: SynthConfig, b: str) -> TensorSpec:
+    return TensorSpec(b + "ffn_norm.weight", (c.n_embd,), "F32", "norm")
+
+
+def _moe(c: SynthConfig, b: str, shared: bool = False) -> list[TensorSpec]:
+    """Router and routed experts (SwiGLU), plus qwen2moe's sigmoid-gated shared expert."""
+    e, ff = c.n_embd, c.expert_ff
+    # the layer output is sum_k w_k down_k(silu(g) * u) with sum w_k = 1: about
+    # 1/sqrt(k) of one expert's RMS when the k weights are similar
+    gain = math.sqrt(c.n_expert_used) / SILU_RMS
+    if shared:  # routed and shared parts add RESIDUAL_GAIN / sqrt(2) each
+        gain /= math.sqrt(2)
+    t = [
+        TensorSpec(b + "ffn_gate_inp.weight", (c.n_expert, e), "F32", "router"),
+        TensorSpec(b + "ffn_gate_exps.weight", (c.n_expert, ff, e), c.expert_type, "input"),
+        TensorSpec(b + "ffn_up_exps.weight", (c.n_expert, ff, e), c.expert_type, "input"),
+        TensorSpec(b + "ffn_down_exps.weight", (c.n_expert, e, ff), c.expert_type, "residual", gain=gain),
+    ]
+    if shared:
+        sff = c.shared_expert_ff
+        t += [
+            TensorSpec(b + "ffn_gate_inp_shexp.weight", (e,), "F32", "router"),
+            TensorSpec(b + "ffn_gate_shexp.weight", (sff, e), c.ffn_type, "input"),
+            TensorSpec(b + "ffn_up_shexp.weight", (sff, e), c.ffn_type, "input"),
+            TensorSpec(b + "ffn_down_shexp.weight", (e, sff), c.ffn_type, "residual",
+                       gain=1.0 / (SILU_RMS * SIGMOID_RMS * math.sqrt(2))),
+        ]
+    return t
+
+
+def _ffn(c: SynthConfig, b: str, act_rms: float = SILU_RMS) -> list[TensorSpec]:
+    """Dense gated FFN: down(act(gate x) * up x); ``act_rms`` is the RMS of act(N(0, 1))."""
+    e = c.n_embd
+    return [TensorSpec(b + "ffn_gate.weight", (c.n_ff, e), c.ffn_type, "input"),
+            TensorSpec(b + "ffn_up.weight", (c.n_ff, e), c.ffn_type, "input"),
+            TensorSpec(b + "ffn_down.weight", (e, c.n_ff), c.ffn_type, "residual", gain=1.0 / act_rms)]
+
+
+def _model(c: SynthConfig, block: Callable[[str], list[TensorSpec]]) -> list[TensorSpec]:
+    return [_embedding(c), *(t for i in range(c.n_layer) for t in block(f"blk.{i}.")), *_output(c)]
+
+
+def _need(ok: bool, c: SynthConfig, what: str) -> None:
+    if not ok:
+        raise ValueError(f"synth: {c.arch}: {what}")
+
+
+def _need_moe(c: SynthConfig) -> None:
+    _need(0 < c.n_expert_used <= c.n_expert, c,
+          f"needs experts: 0 < n_expert_used <= n_expert (got {c.n_expert_used}, {c.n_expert})")
+
+
+def _need_dense(c: SynthConfig) -> None:
+    _need(c.n_expert == 0, c, f"is dense: set n_expert=0 (got {c.n_expert})")
+
+
+def qwen3moe_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """qwen3moe: q/k norm per head, routed experts only; in llama.cpp's file order."""
+    _need_moe(c)
+    return _model(c, lambda b: [*_attention(c, b, qk_norm="head"), _ffn_norm(c, b), *_moe(c, b)])
+
+
+def qwen2moe_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v biases, routed experts + a shared expert."""
+    _need_moe(c)
+    _need(c.shared_expert_ff > 0, c, "needs a shared expert: set shared_expert_ff > 0")
+    return _model(c, lambda b: [*_attention(c, b, bias=True), _ffn_norm(c, b), *_moe(c, b, shared=True)])
+
+
+def olmoe_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """olmoe: q/k RMSNorm over the whole projection, routed experts. llama.cpp builds q and k as
+    n_embd wide and needs output.weight."""
+    _need_moe(c)
+    _need(c.n_head * c.head_dim == c.n_embd and c.n_head_kv == c.n_head, c,
+          "llama.cpp needs n_head * head_dim == n_embd and n_head_kv == n_head")
+    _need(not c.tied_output, c, "llama.cpp needs output.weight (tied_output=False)")
+    return _model(c, lambda b: [*_attention(c, b, qk_norm="full"), _ffn_norm(c, b), *_moe(c, b)])
+
+
+def llama_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """llama: dense (Llama 1-3) or, with n_expert > 0, Mixtral (routed experts, renormalized top-k)."""
+    if c.n_expert:
+        _need_moe(c)
+    return _model(c, lambda b: [*_attention(c, b), _ffn_norm(c, b),
+                                *(_moe(c, b) if c.n_expert else _ffn(c, b))])
+
+
+def qwen3_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """qwen3 (dense): q/k norm per head, SwiGLU FFN."""
+    _need_dense(c)
+    return _model(c, lambda b: [*_attention(c, b, qk_norm="head"), _ffn_norm(c, b), *_ffn(c, b)])
+
+
+def gemma3_tensors(c: SynthConfig) -> list[TensorSpec]:
+    """gemma3 (dense): q/k norm per head, norms after attention and FFN, GeGLU FFN. Norm weights
+    are stored as written (the converter adds gemma's +1 to them); about 1 here as for any arch."""
+    _need_dense(c)
+    return _model(c, lambda b: [*_attention(c, b, qk_norm="head", post_norm=True), _ffn_norm(c, b),
+                                *_ffn(c, b, act_rms=GELU_RMS),
+                                TensorSpec(b + "post_ffw_norm.weight", (c.n_embd,), "F32", "norm")])
+
+
+def _hparam_keys(w: GGUFWriter, c: SynthConfig, n_ff: int) -> None:
+    """Keys of every architecture here (``{arch}.*``); ``n_ff`` is written as feed_forward_length."""
     w.add_block_count(c.n_layer)
     w.add_context_length(c.context_length)
     w.add_embedding_length(c.n_embd)
-    w.add_feed_forward_length(c.n_ff)
+    w.add_feed_forward_length(n_ff)
     w.add_head_count(c.n_head)
     w.add_head_count_kv(c.n_head_kv)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(c.rope_freq_base)
     w.add_layer_norm_rms_eps(c.norm_eps)
+
+
+def moe_keys(w: GGUFWriter, c: SynthConfig) -> None:
+    """qwen3moe, qwen2moe: experts expert_feed_forward_length wide, feed_forward_length = n_ff."""
+    _hparam_keys(w, c, c.n_ff)
     w.add_expert_count(c.n_expert)
     w.add_expert_used_count(c.n_expert_used)
     w.add_expert_feed_forward_length(c.expert_ff)
+    if c.shared_expert_ff:
+        w.add_expert_shared_feed_forward_length(c.shared_expert_ff)
 
 
-# An architecture is its tensor list and its keys. Adding one (qwen2moe, olmoe, mixtral, ...) is
-# a tensor-list function (plus a key function where its keys differ) and an entry here.
+def ff_experts_keys(w: GGUFWriter, c: SynthConfig) -> None:
+    """olmoe, llama: experts are feed_forward_length wide (the converters write no
+    expert_feed_forward_length), so ``expert_ff`` goes there and ``n_ff`` is unused when
+    there are experts; a dense llama writes ``n_ff``."""
+    _hparam_keys(w, c, c.expert_ff if c.n_expert else c.n_ff)
+    if c.n_expert:
+        w.add_expert_count(c.n_expert)
+        w.add_expert_used_count(c.n_expert_used)
+
+
+def dense_keys(w: GGUFWriter, c: SynthConfig) -> None:
+    _hparam_keys(w, c, c.n_ff)
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+
+
+# An architecture is its tensor list and its keys: a tensor-list function (plus a key function
+# where its keys differ) and an entry here.
 ARCHS: dict[str, tuple[Callable[[SynthConfig], list[TensorSpec]], Callable[[GGUFWriter, SynthConfig], None]]] = {
     "qwen3moe": (qwen3moe_tensors, moe_keys),
+    "qwen2moe": (qwen2moe_tensors, moe_keys),
+    "olmoe": (olmoe_tensors, ff_experts_keys),
+    "llama": (llama_tensors, ff_experts_keys),
+    "qwen3": (qwen3_tensors, dense_keys),
+    "gemma3": (gemma3_tensors, dense_keys),
 }
 
 
@@ -186,6 +368,10 @@ def tensor_specs(c: SynthConfig) -> list[TensorSpec]:
     """The tensors of ``c``'s architecture. Raises ValueError on an unknown arch or a bad shape."""
     if c.arch not in ARCHS:
         raise ValueError(f"synth: unknown architecture {c.arch!r} (have: {', '.join(ARCHS)})")
+    if c.shared_expert_ff and c.arch != "qwen2moe":
+        raise ValueError(f"synth: {c.arch}: no shared expert (shared_expert_ff is for qwen2moe)")
+    if c.sliding_window and c.arch != "gemma3":
+        raise ValueError(f"synth: {c.arch}: no sliding-window attention (sliding_window is for gemma3)")
     specs = ARCHS[c.arch][0](c)
     for s in specs:
         if s.qtype not in FORMATS:
@@ -205,8 +391,9 @@ def weight_std(spec: TensorSpec, init: str = "balanced") -> float:
     if init != "balanced":
         raise ValueError(f"synth: unknown init {init!r} (balanced, naive)")
     return {
-        "embedding": EMBD_STD,
+        "embedding": EMBD_STD * spec.gain,
         "norm": NORM_JITTER,
+        "bias": BIAS_STD,
         "input": 1.0 / math.sqrt(spec.n_in),
         "router": ROUTER_SPREAD / math.sqrt(spec.n_in),
         "residual": RESIDUAL_GAIN * EMBD_STD * spec.gain / math.sqrt(spec.n_in),
@@ -440,7 +627,12 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--set: unknown field {field!r}")
         cur = getattr(cfg, field)
         try:
-            cfg = replace(cfg, **{field: type(cur)(value)})
+            if isinstance(cur, bool):  # bool("false") is True
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                cfg = replace(cfg, **{field: value.lower() in ("true", "1")})
+            else:
+                cfg = replace(cfg, **{field: type(cur)(value)})
         except ValueError:
             ap.error(f"--set {field}: {value!r} is not a valid {type(cur).__name__}")
     t0 = time.perf_counter()
