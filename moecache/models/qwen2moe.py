@@ -21,7 +21,7 @@ class Qwen2Moe(DecoderLM):
         y = self.norm(h, L["ffn_norm"])
         out = self.moe(il, y)
         if "ffn_gate_shexp" in L:
-            gate = self.be.matmul(L["ffn_gate_inp_shexp"], y)  # (T, 1)
+            gate = (y @ L["ffn_gate_inp_shexp"])[:, None]  # (T, 1): ffn_gate_inp_shexp is one row, (n_embd,)
             shared = self.dense_ffn(il, y, suffix="_shexp")
             out = out + shared / (np.float32(1.0) + self.be.xp.exp(-gate))
         return h + out
