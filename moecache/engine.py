@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numba
 import numpy as np
@@ -120,13 +121,15 @@ class Engine:
         path: GGUF file (first shard of a split model).
         config: settings; ValueError if impossible.
         log: where one-line notes go (resolved settings, fallbacks); default: discard.
+        backend: array backend; default :class:`NumpyBackend` (the CPU).
 
     Raises:
         GGUFError, UnsupportedArchError, UnsupportedQuantError: the file cannot be run.
         FileNotFoundError: ``path`` does not exist.
     """
 
-    def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None):
+    def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
+                 backend: Any = None):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -138,7 +141,7 @@ class Engine:
         self.gguf: GGUFModel = open_gguf(path)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.gguf)
-            self.backend = NumpyBackend()
+            self.backend = backend if backend is not None else NumpyBackend()
             self.model = build_model(self.gguf, self.backend)
             cfg = self.gguf.config
             self.n_ctx = config.n_ctx or cfg.context_length

@@ -16,7 +16,7 @@ def shared_model(name: str) -> Path | None:
     return None
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def code_moe_tiny() -> Path:
     """../shared/models/code-moe-tiny.gguf: a real trained qwen3moe (skips when absent)."""
     p = shared_model("code-moe-tiny.gguf")
