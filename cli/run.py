@@ -170,6 +170,9 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         _end_note(res)
+        if res.stop == "interrupted" and res.timings.n_prompt == 0:
+            messages.pop()  # interrupted while reading the message: as if it was never sent
+            continue
         answer = eng.tokenizer.decode(reply, skip_special=True)
         messages.append({"role": "assistant", "content": answer})
         # the cache now holds the rendered prompt and the reply; a sampled end-of-turn token is not

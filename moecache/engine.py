@@ -221,15 +221,22 @@ class Engine:
             on_token: called with each generated id as soon as it is sampled (streaming).
 
         Returns:
-            a :class:`Generation`. Ctrl-C (KeyboardInterrupt) during generation ends it with stop
-            ``"interrupted"``; tokens generated so far stay in the sequence.
+            a :class:`Generation`. Ctrl-C (KeyboardInterrupt) ends it with stop ``"interrupted"``:
+            during generation the tokens so far stay in the sequence; during the prompt the
+            sequence is put back as it was (no tokens generated).
 
         Raises:
             ContextFullError: the prompt itself does not fit.
         """
         res = Generation()
         t0 = time.perf_counter()
-        lg = self.eval(prompt)[-1]
+        n_before = self.kv.n_past
+        try:
+            lg = self.eval(prompt)[-1]
+        except KeyboardInterrupt:  # Ctrl-C during the prompt: forget its partial evaluation
+            self.kv.truncate(n_before)
+            res.stop = "interrupted"
+            return res
         res.timings.n_prompt, res.timings.t_prompt = len(prompt), time.perf_counter() - t0
         for tok in prompt:
             sampler.accept(tok)

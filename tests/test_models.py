@@ -121,7 +121,7 @@ def _check_greedy(lm, run: dict) -> None:
     assert got == want[:first_tie]
 
 
-@pytest.mark.parametrize("i", [0, 1])
+@pytest.mark.parametrize("i", [0, 1, 2, 3])
 def test_gemma3_greedy_matches_llamacpp(gemma_lm, i):
     _check_greedy(gemma_lm, _greedy_runs("gemma-3-270m-q4_k_m.gguf")[i])
 

@@ -1,0 +1,91 @@
+"""Engine: ubatch splitting, generation stops (end of generation, -n, full context, Ctrl-C)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moecache.engine import Engine, EngineConfig
+from moecache.kv_cache import ContextFullError
+from moecache.sampling import Sampler, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def eng(code_moe_tiny):
+    with Engine(code_moe_tiny, EngineConfig(n_ctx=64, n_ubatch=7)) as e:
+        yield e
+
+
+class Scripted(Sampler):
+    """Returns the given ids in order (to drive the stop conditions)."""
+
+    def __init__(self, ids):
+        super().__init__(SamplingParams(temp=0.0))
+        self.ids = list(ids)
+
+    def sample(self, logits):
+        return self.ids.pop(0)
+
+
+def test_ubatches_give_the_one_pass_logits(eng, code_moe_tiny):
+    tokens = np.random.default_rng(2).integers(1, 8000, 30)
+    eng.reset()
+    split = eng.eval(tokens, logits="all")  # ubatches of 7
+    with Engine(code_moe_tiny, EngineConfig(n_ctx=64, n_ubatch=64)) as one:
+        full = one.eval(tokens, logits="all")
+        last = one.eval([5])
+    assert np.abs(split - full).max() / np.abs(full).max() < 1e-5
+    assert eng.n_past == 30
+    assert np.allclose(eng.eval([5]), last, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_stops_at_eog_and_at_n_predict(eng):
+    eos = eng.tokenizer.eos_id
+    eng.reset()
+    g = eng.generate([0, 474], Scripted([10, 11, eos, 12]), n_predict=10)
+    assert g.tokens == [10, 11] and g.stop == "eog"
+    eng.reset()
+    g = eng.generate([0, 474], Scripted([10, 11, 12, 13]), n_predict=3)
+    assert g.tokens == [10, 11, 12] and g.stop == "length"
+    assert eng.n_past == 2 + 2  # the last sampled token is not evaluated
+
+
+def test_full_context_and_too_long_prompt(eng):
+    eng.reset()
+    g = eng.generate(list(range(1, 61)), Sampler(SamplingParams(temp=0.0)), n_predict=-1)
+    assert g.stop == "context" and len(g.tokens) == 5 and eng.n_past == 64
+    eng.reset()
+    with pytest.raises(ContextFullError, match="n_ctx 64"):
+        eng.generate(list(range(1, 70)), Sampler(SamplingParams(temp=0.0)), n_predict=4)
+    assert eng.n_past == 0
+
+
+def test_ctrl_c_during_generation_keeps_tokens_during_prompt_restores(eng, monkeypatch):
+    eng.reset()
+
+    def stop_after_two(t, seen=[]):
+        seen.append(t)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+    g = eng.generate([0, 474], Sampler(SamplingParams(temp=0.0)), n_predict=10, on_token=stop_after_two)
+    assert g.stop == "interrupted" and len(g.tokens) == 2
+    n = eng.n_past
+    calls = []
+    real = eng.model.forward
+
+    def interrupted_forward(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # second ubatch of the prompt
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(eng.model, "forward", interrupted_forward)
+    g = eng.generate(list(range(1, 20)), Sampler(SamplingParams(temp=0.0)), n_predict=4)
+    assert g.stop == "interrupted" and g.tokens == [] and g.timings.n_prompt == 0
+    assert eng.n_past == n  # the partly evaluated prompt is forgotten
+
+
+def test_bad_engine_config_names_the_flag(code_moe_tiny):
+    with pytest.raises(ValueError, match="-ub"):
+        Engine(code_moe_tiny, EngineConfig(n_ubatch=0))
+    with pytest.raises(ValueError, match="-t must be"):
+        Engine(code_moe_tiny, EngineConfig(n_threads=-2))
