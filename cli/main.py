@@ -7,11 +7,19 @@ exit 1; commands that are not built yet say so and exit 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+# Before any OpenMP runtime loads (gguf may pull one in through sentencepiece): idle OpenMP (GNU
+# libgomp) threads spin 10k rounds, not the default 300k, then sleep, so the Numba kernels don't
+# starve the OpenBLAS threads of the next call (2 cores, gemma3-270m: prefill 36 -> ~100 t/s; fully
+# passive threads cost decode 15%). The command owns its process; a user's own setting wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 app = typer.Typer(
     name="moecache",
@@ -20,6 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # usage errors as click's plain "Error: ..." lines, not a box
 )
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -46,6 +55,8 @@ ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0
 NglOpt = Annotated[Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="Accepted for llama.cpp compatibility; "
                                                "this version runs on the CPU.")]
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
+EscapeOpt = Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, \\xHH, ...) "
+                                         "in the prompt text, as llama.cpp does by default.")]
 
 
 def _user_errors(fn, *args) -> None:
@@ -88,6 +99,8 @@ def run(
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Built-in template name or a "
                                                          "Jinja template (overrides the GGUF's).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")] = False,
+    escape: EscapeOpt = True,
+    special: Annotated[bool, typer.Option("-sp", "--special", help="Print special (control) tokens.")] = False,
 ) -> None:
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
@@ -98,7 +111,8 @@ def run(
         sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
-        opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, ngl, flash_attn)
+        opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, ngl, flash_attn,
+                          escape, special)
         run_command(opts, EngineConfig(ctx_size, batch_size, ubatch_size, threads), sp)
     _user_errors(body)
 
@@ -114,6 +128,7 @@ def perplexity(
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ngl: NglOpt = None,
     flash_attn: FaOpt = None,
+    escape: EscapeOpt = True,
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
     def body() -> None:
@@ -126,7 +141,7 @@ def perplexity(
         if ctx_size <= 0:
             raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
         perplexity_command(model, file, ctx_size, EngineConfig(ctx_size, batch_size, ubatch_size, threads), chunks,
-                           ngl, flash_attn)
+                           ngl, flash_attn, escape)
     _user_errors(body)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import UserError, load_engine, note, resolve_model, timing_lines
+from cli.common import UserError, load_engine, note, read_text_arg, resolve_model, timing_lines
 
 
 @dataclass(frozen=True)
@@ -26,18 +26,27 @@ class RunOptions:
     as_json: bool
     ngl: int | None
     flash_attn: str | None
+    escape: bool = True
+    special: bool = False
 
 
 def read_prompt(opts: RunOptions) -> str | None:
-    """``-p`` or the contents of ``-f`` (not both); None when neither is given."""
+    """``-p`` or the contents of ``-f`` (not both), as llama.cpp reads them (see
+    :func:`cli.common.read_text_arg`); None when neither is given."""
     if opts.prompt is not None and opts.file is not None:
         raise UserError("give -p PROMPT or -f FILE, not both")
-    if opts.file is not None:
-        try:
-            return opts.file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read prompt file {opts.file}: {e}") from None
-    return opts.prompt
+    if opts.prompt is None and opts.file is None:
+        return None
+    return read_text_arg(opts.prompt, opts.file, opts.escape)
+
+
+def check_chat_template_name(name: str | None) -> None:
+    """Fail before loading the model when ``--chat-template`` names no built-in template."""
+    from moecache.chat import BUILTIN_TEMPLATES
+
+    if name is not None and "{%" not in name and "{{" not in name and name not in BUILTIN_TEMPLATES:
+        raise UserError(f"unknown chat template {name!r}: use one of {', '.join(BUILTIN_TEMPLATES)}, "
+                        f"or a Jinja template")
 
 
 def run_command(opts: RunOptions, engine_config, sampling) -> None:
@@ -56,6 +65,9 @@ def run_command(opts: RunOptions, engine_config, sampling) -> None:
         raise UserError("the prompt is empty: give text with -p or a non-empty -f file")
     if chat and opts.as_json:
         raise UserError("--json is for one-shot runs (-p/-f without -cnv)")
+    check_chat_template_name(opts.chat_template)
+    if not chat and (opts.system is not None or opts.chat_template is not None):
+        note("note: -sys and --chat-template apply to chat (-cnv); this one-shot run completes the raw prompt")
     eng = load_engine(resolve_model(opts.model), engine_config, opts.ngl, opts.flash_attn)
     try:
         sampler = Sampler(sampling, eng.n_ctx)
@@ -79,7 +91,7 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
     if len(ids) >= eng.n_ctx:
         raise UserError(f"the prompt is {len(ids)} tokens, the context is {eng.n_ctx} (-c): "
                         f"nothing left to generate into")
-    stream = eng.tokenizer.streamer()
+    stream = eng.tokenizer.streamer(skip_special=not opts.special)
     out = sys.stdout
 
     def on_token(t: int) -> None:
@@ -90,13 +102,13 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
         res = eng.generate(ids, sampler, opts.n_predict, on_token)
     except ContextFullError as e:
         raise UserError(str(e)) from None
-    text = eng.tokenizer.decode(res.tokens)
+    text = eng.tokenizer.decode(res.tokens, skip_special=not opts.special)
     if opts.as_json:
         t = res.timings
         json.dump({"model": str(eng.gguf.path), "prompt": prompt, "prompt_tokens": len(ids), "text": text,
                    "tokens": res.tokens, "stop": res.stop,
                    "timings": {"prompt_n": t.n_prompt, "prompt_ms": t.t_prompt * 1e3, "prompt_per_second": t.pp_tps,
-                               "predicted_n": t.n_gen, "predicted_ms": t.t_gen * 1e3,
+                               "predicted_n": t.n_gen, "eval_runs": t.n_eval, "predicted_ms": t.t_eval * 1e3,
                                "predicted_per_second": t.tg_tps}}, out, ensure_ascii=False)
         out.write("\n")
     else:
@@ -115,7 +127,7 @@ def _end_note(res) -> None:
 
 
 def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
-    from moecache.chat import resolve_chat_template
+    from moecache.chat import ChatSession, resolve_chat_template
     from moecache.kv_cache import ContextFullError
 
     try:
@@ -124,10 +136,7 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
         raise UserError(str(e)) from None
     note(f"chat template: {tmpl.name} ({tmpl.source})")
     note("interactive chat: type a message and press Enter; /exit or Ctrl-D quits; Ctrl-C stops a reply")
-    messages: list[dict] = []
-    if opts.system:
-        messages.append({"role": "system", "content": opts.system})
-    rendered = ""  # the conversation text already in the KV cache
+    session = ChatSession(eng, tmpl, opts.system)
     pending = first
     while True:
         if pending is None:
@@ -141,42 +150,20 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
             return
         if not user.strip():
             continue
-        messages.append({"role": "user", "content": user})
-        try:
-            full = tmpl.render(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if not full.startswith(rendered):  # the template re-rendered history differently: start over
-            eng.reset()
-            rendered = ""
-        new_text = full[len(rendered):]
-        ids = eng.tokenizer.encode(new_text, add_bos=None if eng.n_past == 0 else False)
-        if eng.n_past + len(ids) >= eng.n_ctx:
-            note(f"note: the context is full ({eng.n_past} + {len(ids)} tokens >= -c {eng.n_ctx}): "
-                 f"start a new chat with a larger -c")
-            return
-        stream = eng.tokenizer.streamer()
-        reply: list[int] = []
+        stream = eng.tokenizer.streamer(skip_special=not opts.special)
 
         def on_token(t: int) -> None:
-            reply.append(t)
             sys.stdout.write(stream.push(t))
             sys.stdout.flush()
         try:
-            res = eng.generate(ids, sampler, opts.n_predict, on_token)
+            res = session.turn(user, sampler, opts.n_predict, on_token)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         except ContextFullError as e:
-            note(f"note: {e}")
+            note(f"note: {e}: start a new chat with a larger -c")
             return
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         _end_note(res)
-        if res.stop == "interrupted" and res.timings.n_prompt == 0:
-            messages.pop()  # interrupted while reading the message: as if it was never sent
-            continue
-        answer = eng.tokenizer.decode(reply, skip_special=True)
-        messages.append({"role": "assistant", "content": answer})
-        # the cache now holds the rendered prompt and the reply; a sampled end-of-turn token is not
-        # evaluated, so the next render's closing of this turn is new text (llama-cli does the same)
-        rendered = full + eng.tokenizer.decode(reply)
         if res.stop == "context":
             return

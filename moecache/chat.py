@@ -289,3 +289,59 @@ def resolve_chat_template(model: GGUFModel, tok: Tokenizer, override: str | None
         if marker in vocab:
             return _builtin(name, f"{arch} has no tokenizer.chat_template; its vocabulary has {marker}: using {name}")
     return _builtin("chatml", f"no template and no known format for arch {arch}: ChatML (llama.cpp's fallback)")
+
+
+class ChatSession:
+    """A multi-turn chat over one engine sequence, appending only what is new each turn.
+
+    Each turn renders the whole conversation with the template, evaluates the text past what the
+    KV cache already holds, and generates the reply (llama-cli's approach). Invariant after every
+    turn: the cache holds exactly ``cached_ids`` and they decode to ``rendered``. A sampled token
+    that was not evaluated (the last one of ``-n``, an end-of-turn, Ctrl-C) is not in the cache; the
+    next render supplies its text again. If the template renders earlier turns differently, the
+    sequence is re-evaluated from the start.
+
+    Args:
+        engine: a :class:`moecache.engine.Engine` (its sequence is used from empty).
+        template: the chat template.
+        system: optional system prompt.
+    """
+
+    def __init__(self, engine, template: ChatTemplate, system: str | None = None):
+        self.engine = engine
+        self.template = template
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        self.rendered = ""
+        self.cached_ids: list[int] = []
+        engine.reset()
+
+    def turn(self, user: str, sampler, n_predict: int, on_token=None):
+        """Add a user message and generate the reply.
+
+        Returns the :class:`moecache.engine.Generation`; a Ctrl-C before the reply started leaves
+        the conversation as it was. Raises ValueError (template error) and ContextFullError (the
+        message does not fit; nothing changes then).
+        """
+        eng, tok = self.engine, self.engine.tokenizer
+        full = self.template.render(self.messages + [{"role": "user", "content": user}], add_generation_prompt=True)
+        if not full.startswith(self.rendered):
+            eng.reset()
+            self.rendered, self.cached_ids = "", []
+        ids = tok.encode(full[len(self.rendered):], add_bos=None if eng.n_past == 0 else False)
+        eng.kv.check_room(len(ids))
+        n_before = eng.n_past
+        reply: list[int] = []
+
+        def collect(t: int) -> None:
+            reply.append(t)
+            if on_token is not None:
+                on_token(t)
+        res = eng.generate(ids, sampler, n_predict, collect)
+        if res.stop == "interrupted" and res.timings.n_prompt == 0:
+            return res  # the message was never read: as if not sent
+        self.messages.append({"role": "user", "content": user})
+        self.messages.append({"role": "assistant", "content": tok.decode(reply, skip_special=True)})
+        in_cache = eng.n_past - n_before - len(ids)
+        self.cached_ids += ids + reply[:in_cache]
+        self.rendered = full + tok.decode(reply[:in_cache])
+        return res

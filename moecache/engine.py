@@ -61,12 +61,18 @@ class EngineConfig:
 
 @dataclass
 class Timings:
-    """Prompt processing (pp) and token generation (tg) counts and seconds."""
+    """Prompt processing (pp) and token generation (tg) counts and seconds.
+
+    ``n_eval``/``t_eval`` count and time only the one-token forward passes of generation (as
+    llama.cpp's "eval time ... runs"); sampling is not in them. The last sampled token is not
+    evaluated, so ``n_eval`` is ``n_gen - 1`` when generation ran to ``-n``.
+    """
 
     n_prompt: int = 0
     t_prompt: float = 0.0
     n_gen: int = 0
-    t_gen: float = 0.0
+    n_eval: int = 0
+    t_eval: float = 0.0
 
     @property
     def pp_tps(self) -> float:
@@ -75,8 +81,8 @@ class Timings:
 
     @property
     def tg_tps(self) -> float:
-        """Generated tokens per second (0 if none)."""
-        return self.n_gen / self.t_gen if self.t_gen > 0 else 0.0
+        """Generation forward passes per second (0 if none)."""
+        return self.n_eval / self.t_eval if self.t_eval > 0 else 0.0
 
 
 @dataclass
@@ -124,8 +130,8 @@ class Engine:
         backend: array backend; default :class:`NumpyBackend` (the CPU).
 
     Raises:
-        GGUFError, UnsupportedArchError, UnsupportedQuantError: the file cannot be run.
-        FileNotFoundError: ``path`` does not exist.
+        GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
+            UnsupportedQuantError: it is valid but cannot be run.
     """
 
     def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
@@ -134,8 +140,10 @@ class Engine:
         self.log = log or (lambda s: None)
         self.config = config
         n_threads = config.n_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        n_threads = min(n_threads, numba.config.NUMBA_NUM_THREADS)
-        numba.set_num_threads(n_threads)
+        if n_threads > numba.config.NUMBA_NUM_THREADS:
+            self.log(f"note: -t {n_threads} capped to {numba.config.NUMBA_NUM_THREADS}, the Numba thread pool's size")
+            n_threads = numba.config.NUMBA_NUM_THREADS
+        numba.set_num_threads(n_threads)  # process-wide: the Numba pool is shared by every engine
         self.n_threads = n_threads
         t0 = time.perf_counter()
         self.gguf: GGUFModel = open_gguf(path)
@@ -240,7 +248,6 @@ class Engine:
         res.timings.n_prompt, res.timings.t_prompt = len(prompt), time.perf_counter() - t0
         for tok in prompt:
             sampler.accept(tok)
-        t0 = time.perf_counter()
         try:
             while n_predict < 0 or len(res.tokens) < n_predict:
                 tok = sampler.sample(lg)
@@ -256,16 +263,19 @@ class Engine:
                 if self.kv.n_past >= self.n_ctx:
                     res.stop = "context"
                     break
+                t0 = time.perf_counter()
                 lg = self.eval([tok])[-1]
+                res.timings.t_eval += time.perf_counter() - t0
+                res.timings.n_eval += 1
         except KeyboardInterrupt:
             res.stop = "interrupted"
         res.timings.n_gen = len(res.tokens)
-        res.timings.t_gen = time.perf_counter() - t0
         return res
 
     # ---- perplexity ------------------------------------------------------------------------------
     def perplexity(self, tokens: list[int], n_ctx: int,
-                   progress: Callable[[int, int, float], None] | None = None) -> PerplexityResult:
+                   progress: Callable[[int, int, float], None] | None = None,
+                   max_chunks: int = -1) -> PerplexityResult:
         """Perplexity over non-overlapping chunks of ``n_ctx`` tokens, as llama-perplexity computes it.
 
         Chunk i is ``tokens[i*n_ctx:(i+1)*n_ctx]`` with its first token replaced by BOS when the
@@ -277,6 +287,7 @@ class Engine:
             tokens: the whole text, tokenized with BOS as the model says.
             n_ctx: chunk length; at most the engine's context.
             progress: called after each chunk with (chunk index, n_chunks, running ppl).
+            max_chunks: score at most this many chunks (llama-perplexity ``--chunks``); -1 = all.
 
         Raises:
             ValueError: fewer than ``2 * n_ctx`` tokens, or ``n_ctx`` larger than the engine's context.
@@ -291,6 +302,8 @@ class Engine:
         t_start = time.perf_counter()
         toks = np.asarray(tokens, dtype=np.int64)
         n_chunks = toks.size // n_ctx
+        if max_chunks >= 0:
+            n_chunks = min(n_chunks, max_chunks)
         first = n_ctx // 2
         bos = self.tokenizer.bos_id
         nll = nll2 = 0.0
@@ -309,11 +322,14 @@ class Engine:
                 lg = self.model.forward(part, self.kv, logits=want)
                 if want.size:
                     rows.append(lg)
-            logits = np.concatenate(rows).astype(np.float64)
+            logits = np.concatenate(rows)
             targets = chunk[first + 1:n_ctx]
-            m = logits.max(axis=1)
-            lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
-            tok_nll = lse - logits[np.arange(targets.size), targets]
+            tok_nll = np.empty(targets.size)
+            for r0 in range(0, targets.size, 32):  # float64 a few rows at a time (a row is n_vocab wide)
+                lg = logits[r0:r0 + 32].astype(np.float64)
+                m = lg.max(axis=1)
+                lse = m + np.log(np.exp(lg - m[:, None]).sum(axis=1))
+                tok_nll[r0:r0 + 32] = lse - lg[np.arange(lg.shape[0]), targets[r0:r0 + 32]]
             nll += float(tok_nll.sum())
             nll2 += float(np.square(tok_nll).sum())
             count += targets.size

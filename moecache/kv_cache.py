@@ -68,7 +68,8 @@ class KVCache:
     def store(self, il: int, pos0: int, k: Any, v: Any) -> None:
         """Write the keys/values of positions ``pos0 .. pos0 + T - 1`` of layer ``il``.
 
-        ``k``: (T, n_head_kv, head_dim), ``v``: (T, n_head_kv, head_dim_v).
+        ``k``: (T, n_head_kv, head_dim), ``v``: (T, n_head_kv, head_dim_v). Raises
+        ContextFullError if the positions pass ``n_ctx``.
         """
         t = k.shape[0]
         if pos0 + t > self.n_ctx:

@@ -229,3 +229,24 @@ def test_chat_template_is_a_frozen_dataclass() -> None:
     assert t.render([]) == "out"
     with pytest.raises(AttributeError):
         t.name = "y"  # type: ignore[misc]
+
+
+def test_chat_session_cache_holds_exactly_the_rendered_conversation(code_moe_tiny):
+    # after each turn the KV cache holds cached_ids, which decode to the rendered text; the last
+    # sampled token of a reply cut by -n is not evaluated, so it must not be counted as cached
+    from moecache.chat import ChatSession, resolve_chat_template
+    from moecache.engine import Engine, EngineConfig
+    from moecache.sampling import Sampler, SamplingParams
+
+    with Engine(code_moe_tiny, EngineConfig(n_ctx=256)) as eng:
+        s = ChatSession(eng, resolve_chat_template(eng.gguf, eng.tokenizer, "chatml"), system="Write Python.")
+        for msg in ("def add(a, b):", "and subtract?"):
+            res = s.turn(msg, Sampler(SamplingParams(temp=0.0)), n_predict=3)
+            assert res.stop == "length" and len(res.tokens) == 3
+            assert eng.n_past == len(s.cached_ids)
+            assert s.cached_ids[0] == eng.tokenizer.bos_id  # added by the tokenizer, not in the text
+            assert eng.tokenizer.decode(s.cached_ids[1:]) == s.rendered
+            assert s.rendered.endswith(eng.tokenizer.decode(res.tokens[:2]))
+        assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user", "assistant"]
+        # the second turn's prompt starts with the first reply's unevaluated third token
+        assert s.rendered.count("<|im_start|>user") == 2

@@ -76,7 +76,7 @@ def test_run_greedy_prints_llamacpp_continuation_and_timings(code_moe_tiny):
     assert r.exit_code == 0, r.output
     assert ref["generated_text"] in r.stdout
     assert re.search(r"prompt eval time = .* / +\d+ tokens .* tokens per second", r.output)
-    assert re.search(r"eval time = .* / +16 runs .* tokens per second", r.output)
+    assert re.search(r"eval time = .* / +15 runs .* tokens per second", r.output)  # 16th token: no pass
 
 
 def test_run_json_and_seed_reproducible(code_moe_tiny, tmp_path):
@@ -163,3 +163,38 @@ def test_perplexity_text_too_short(code_moe_tiny, tmp_path):
     assert r.exit_code == 1 and "needs at least 128" in r.output
     r = runner.invoke(app, ["perplexity", "-m", str(code_moe_tiny)])
     assert r.exit_code == 1 and "-f FILE" in r.output
+
+
+def test_prompt_text_is_read_as_llamacpp_reads_it(tmp_path):
+    from cli.common import process_escapes, read_text_arg
+
+    # llama.cpp common.cpp string_process_escapes: \n \r \t \' \" \\ and \xHH; others stay
+    assert process_escapes(r"a\nb\tc\\d\x41\q\'\"") == "a\nb\tc\\dA\\q'\""
+    assert process_escapes("\\x4") == "\\x4" and process_escapes("end\\") == "end\\"
+    f = tmp_path / "p.txt"
+    f.write_text("line\\n1\n\n")
+    assert read_text_arg(None, f, escape=True) == "line\n1\n"  # one trailing newline dropped
+    assert read_text_arg(None, f, escape=False) == "line\\n1\n"
+
+
+def test_perplexity_chunks_limit_and_special_text_not_parsed(code_moe_tiny, tmp_path):
+    text = shared_model("heldout-b.py.txt")
+    if text is None:
+        pytest.skip("heldout-b.py.txt not found under ../shared/models")
+    r = runner.invoke(app, ["perplexity", "-m", str(code_moe_tiny), "-f", str(text), "-c", "256", "--chunks", "2"])
+    assert r.exit_code == 0, r.output
+    assert "[2]" in r.output and "[3]" not in r.output
+    # special-token text in a perplexity input is ordinary text (llama-perplexity tokenizes with
+    # parse_special = false): the file below is 2 chunks only if <|endoftext|> is split into pieces
+    f = tmp_path / "special.txt"
+    f.write_text("<|endoftext|>" * 12)
+    r = runner.invoke(app, ["perplexity", "-m", str(code_moe_tiny), "-f", str(f), "-c", "16"])
+    assert r.exit_code == 0, r.output
+
+
+def test_one_shot_notes_ignored_chat_flags_and_checks_template_names_first(code_moe_tiny):
+    r = runner.invoke(app, ["run", "-m", str(code_moe_tiny), "-p", "x = 1", "-n", "2", "-sys", "hi"])
+    assert r.exit_code == 0 and "apply to chat" in r.output
+    r = runner.invoke(app, ["run", "-m", str(code_moe_tiny), "--chat-template", "nonsense"])
+    assert r.exit_code == 1 and "unknown chat template 'nonsense'" in r.output
+    assert "model:" not in r.output  # failed before loading the model

@@ -91,3 +91,13 @@ def test_same_seed_same_tokens_different_seed_differs():
 def test_invalid_values_name_the_flag(bad, flag):
     with pytest.raises(ValueError, match=flag):
         Sampler(SamplingParams(**bad))
+
+
+def test_filters_act_before_temperature_as_in_llamacpp():
+    # llama.cpp's chain: top-p and min-p see the untempered distribution, temperature comes last.
+    # At temp 3 the tempered nucleus of mass 0.75 would hold 5 tokens; the untempered one holds 3.
+    logits = np.log(np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
+    got = set(draws(SamplingParams(temp=3.0, top_k=0, top_p=0.75, min_p=0.0, seed=8), logits, 4000))
+    assert got == {0, 1, 2}
+    got = set(draws(SamplingParams(temp=3.0, top_k=0, top_p=1.0, min_p=0.3, seed=9), logits, 4000))
+    assert got == {0, 1, 2}

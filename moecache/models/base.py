@@ -72,9 +72,21 @@ def topk_routing(probs: np.ndarray, k: int, renorm: bool, scale: float | None = 
     w = np.take_along_axis(probs, ids, axis=-1).astype(np.float32)
     if renorm:
         w = w / w.sum(axis=-1, keepdims=True)
-    if scale is not None and scale != 1.0:
+    if scale and scale != 1.0:  # 0 means unset, as in llama.cpp
         w = w * np.float32(scale)
     return Routing(ids, w.astype(np.float32))
+
+
+def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
+    """The routed experts of every MoE layer as host views of the file (no copy), keyed by layer:
+    what an expert executor is built from (before or without the model object)."""
+    out = {}
+    for il in range(model.config.n_layer):
+        names = [f"blk.{il}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+        if names[0] in model.tensors:
+            g, u, d = (model.tensors[n] for n in names)
+            out[il] = ExpertWeights(g.data, u.data, d.data, (g.ggml_type, u.ggml_type, d.ggml_type), act)
+    return out
 
 
 class DecoderLM:
@@ -92,10 +104,17 @@ class DecoderLM:
             (``"attn_q"``, ``"attn_q.bias"``, ``"ffn_gate_exps"``, ...) to the backend weight.
         route_observers: callables ``(il, routing)`` told every MoE layer's routing (usage
             statistics of the expert cache, tests).
+
+    Class attributes an architecture sets: ``act`` (FFN activation), ``renorm_topk`` (divide the
+    top-k weights by their sum), ``attn_softcap`` / ``final_softcap`` (apply the GGUF's
+    ``attn_logit_softcapping`` / ``final_logit_softcapping``; llama.cpp reads them per architecture).
     """
 
     arch: ClassVar[str] = ""
     act: ClassVar[str] = "silu"  # gated-FFN activation: "silu" (SwiGLU) or "gelu" (GeGLU)
+    renorm_topk: ClassVar[bool] = True
+    attn_softcap: ClassVar[bool] = False
+    final_softcap: ClassVar[bool] = False
 
     def __init__(self, model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None):
         self.cfg: ModelConfig = model.config
@@ -116,11 +135,13 @@ class DecoderLM:
             for name, tv in t.items():
                 if name.startswith(pre):
                     key = name[len(pre):].removesuffix(".weight")
+                    if key.endswith("_exps"):
+                        continue  # routed experts stay in host memory, owned by the executor
                     d[key] = backend.vector(tv) if len(tv.shape) == 1 else backend.linear(tv)
             self.layers.append(d)
         factors = t.get("rope_freqs.weight")
         self.rope_factors = backend.to_host(backend.vector(factors)) if factors is not None else None
-        self.experts = experts if experts is not None else CPUExperts(self.expert_weights())
+        self.experts = experts if experts is not None else CPUExperts(expert_weights(model, self.act))
         self.route_observers: list[RouteObserver] = []
 
     # ---- the pieces an architecture file may override ------------------------------------------
@@ -141,15 +162,6 @@ class DecoderLM:
     def window(self, il: int) -> int | None:
         """Sliding-window size of layer ``il`` (None: full causal attention)."""
         return None
-
-    def expert_weights(self) -> dict[int, ExpertWeights]:
-        """The routed experts of every MoE layer, as the executor takes them."""
-        out = {}
-        for il, d in enumerate(self.layers):
-            if "ffn_gate_exps" in d:
-                g, u, dn = d["ffn_gate_exps"], d["ffn_up_exps"], d["ffn_down_exps"]
-                out[il] = ExpertWeights(g.data, u.data, dn.data, (g.ggml_type, u.ggml_type, dn.ggml_type), self.act)
-        return out
 
     # ---- forward ---------------------------------------------------------------------------------
     def new_kv_cache(self, n_ctx: int) -> KVCache:
@@ -203,7 +215,7 @@ class DecoderLM:
         """Final norm and output projection (with final logit soft-capping if the model has it)."""
         x = self.be.rms_norm(x, self.output_norm, self.cfg.norm_eps)
         y = self.be.matmul(self.output, x)
-        cap = self.cfg.final_logit_softcapping
+        cap = self.cfg.final_logit_softcapping if self.final_softcap else None
         if cap:
             y = np.float32(cap) * self.be.xp.tanh(y / np.float32(cap))
         return y
@@ -239,15 +251,15 @@ class DecoderLM:
         if qk_norm == "head":
             q = self.norm(q, L["attn_q_norm"])
             k = self.norm(k, L["attn_k_norm"])
-        cos, sin = self.rope_spec(il).angles(pos)
+        rope = self.rope_spec(il)
+        cos, sin = rope.angles(pos)
         cos, sin = be.asarray(cos), be.asarray(sin)
-        neox = self.cfg.rope_type == "neox"
-        q = be.rope(q, cos, sin, neox)
-        k = be.rope(k, cos, sin, neox)
+        q = be.rope(q, cos, sin, rope.neox)
+        k = be.rope(k, cos, sin, rope.neox)
         pos0 = int(pos[0])
         kv.store(il, pos0, k, v)
         o = be.attention(q, kv.k[il], kv.v[il], pos0, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
-                         window=self.window(il), softcap=c.attn_logit_softcapping)
+                         window=self.window(il), softcap=c.attn_logit_softcapping if self.attn_softcap else None)
         return self._proj(L, "attn_output", o)
 
     def _proj(self, L: dict[str, Any], name: str, x: Any) -> Any:
@@ -268,18 +280,13 @@ class DecoderLM:
         return softmax(np.asarray(logits, dtype=np.float32))
 
     def route(self, il: int, x: Any) -> Routing:
-        """Top-k softmax routing; the architecture's class attribute ``renorm_topk`` decides renormalising.
-
-        ``{arch}.expert_weights_norm`` / ``expert_weights_scale`` override it when the GGUF has them.
-        """
-        c = self.cfg
-        renorm = c.expert_weights_norm if c.expert_weights_norm is not None else self.renorm_topk
-        return topk_routing(self.router_probs(il, x), c.n_expert_used, renorm, c.expert_weights_scale)
-
-    renorm_topk: ClassVar[bool] = True
+        """Top-k softmax routing of the normed input x (T, n_embd) -> ids and weights (T, k);
+        ``renorm_topk`` decides renormalising (per architecture, as llama.cpp hard-codes it)."""
+        return topk_routing(self.router_probs(il, x), self.cfg.n_expert_used, self.renorm_topk)
 
     def moe(self, il: int, x: Any) -> Any:
-        """Routed experts of block ``il``: route, tell the observers, run the executor."""
+        """Routed experts of block ``il`` on the normed input x (T, n_embd) -> (T, n_embd): route,
+        tell the observers, run the executor."""
         r = self.route(il, x)
         for obs in self.route_observers:
             obs(il, r)

@@ -21,6 +21,7 @@ SWA_ROPE_BASE = 10000.0  # default of rope.freq_base_swa
 class Gemma3(DecoderLM):
     arch = "gemma3"
     act = "gelu"
+    final_softcap = True  # llama.cpp's gemma3 reads final_logit_softcapping (0 = none)
 
     def is_swa(self, il: int) -> bool:
         """True for the sliding-window layers (none when the GGUF sets no window)."""
@@ -45,7 +46,10 @@ class Gemma3(DecoderLM):
 
     def block(self, il, x, pos, kv):
         L = self.layers[il]
-        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        c = self.cfg
+        # gemma3 27B (62 layers) scales by n_embd / n_head, the others by head_dim (llama.cpp
+        # gemma3.cpp load_arch_hparams, after gemma_pytorch's config)
+        scale = 1.0 / math.sqrt(c.n_embd / c.n_head if c.n_layer == 62 else c.head_dim)
         a = self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head", scale=scale)
         h = x + self.norm(a, L["post_attention_norm"])
         f = self.dense_ffn(il, self.norm(h, L["ffn_norm"]))
