@@ -139,6 +139,17 @@ def test_gemma3_sliding_window_layers(gemma_lm):
     assert gemma_lm.rope_spec(0).base == 10000.0 and gemma_lm.rope_spec(5).base == 1_000_000.0
 
 
+def test_gemma3_query_scale_27b_rule(gemma_lm):
+    import dataclasses
+
+    from moecache.models.gemma3 import attention_scale
+
+    c = gemma_lm.cfg
+    assert attention_scale(c) == 1 / 16  # 270m: head_dim 256
+    big = dataclasses.replace(c, n_layer=62, n_embd=5376, n_head=32, head_dim=128)  # gemma3 27B's shape
+    assert attention_scale(big) == pytest.approx(1 / 168 ** 0.5)
+
+
 def test_sliding_window_masks_old_positions():
     be = NumpyBackend()
     rng = np.random.default_rng(3)

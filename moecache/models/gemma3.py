@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import math
 
+from moecache.arch import ModelConfig
 from moecache.models.base import DecoderLM, RopeSpec
 
 SWA_PATTERN = 6          # default of attention.sliding_window_pattern: layer il is global when il % 6 == 5
 SWA_ROPE_BASE = 10000.0  # default of rope.freq_base_swa
+
+
+def attention_scale(c: ModelConfig) -> float:
+    """Query scale: 1/sqrt(n_embd / n_head) for gemma3 27B (62 layers), else 1/sqrt(head_dim)
+    (llama.cpp ``gemma3.cpp`` ``load_arch_hparams``, after gemma_pytorch's config)."""
+    return 1.0 / math.sqrt(c.n_embd / c.n_head if c.n_layer == 62 else c.head_dim)
 
 
 class Gemma3(DecoderLM):
@@ -46,10 +53,7 @@ class Gemma3(DecoderLM):
 
     def block(self, il, x, pos, kv):
         L = self.layers[il]
-        c = self.cfg
-        # gemma3 27B (62 layers) scales by n_embd / n_head, the others by head_dim (llama.cpp
-        # gemma3.cpp load_arch_hparams, after gemma_pytorch's config)
-        scale = 1.0 / math.sqrt(c.n_embd / c.n_head if c.n_layer == 62 else c.head_dim)
+        scale = attention_scale(self.cfg)
         a = self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head", scale=scale)
         h = x + self.norm(a, L["post_attention_norm"])
         f = self.dense_ffn(il, self.norm(h, L["ffn_norm"]))
