@@ -86,7 +86,9 @@ def load_engine(model: Path, config, ngl: int | None, flash_attn: str | None):
 
     if ngl is not None and ngl != 0:
         note(f"note: -ngl {ngl} ignored: this version runs on the CPU only (the GPU runtime comes later)")
-    if flash_attn not in (None, "auto", "off"):
+    if flash_attn not in (None, "on", "off", "auto"):
+        raise UserError(f"-fa must be on, off or auto, got {flash_attn!r}")
+    if flash_attn == "on":
         note(f"note: -fa {flash_attn} ignored: the CPU backend has one attention implementation")
     eng = Engine(model, config, log=note)
     c = eng.gguf.config

@@ -14,7 +14,7 @@ def show_info(path: Path, list_tensors: bool) -> None:
     """Open and validate ``path`` (raises GGUFError & co.), then print a summary on stdout."""
     from moecache.gguf_file import open_gguf
 
-    out = Console()
+    out = Console(soft_wrap=True)  # no hard wraps at 80 columns when piped
     with open_gguf(path) as m:
         c = m.config
         out.print(f"[bold]{m.path.name}[/bold]: GGUF v{m.version}, {len(m.paths)} file(s), "

@@ -128,42 +128,77 @@ def _end_note(res) -> None:
 
 def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
     from moecache.chat import ChatSession, resolve_chat_template
-    from moecache.kv_cache import ContextFullError
+    from moecache.engine import Timings
 
     try:
         tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, opts.chat_template)
     except ValueError as e:
         raise UserError(str(e)) from None
     note(f"chat template: {tmpl.name} ({tmpl.source})")
+    _warn_plain_text_markers(eng, tmpl)
     note("interactive chat: type a message and press Enter; /exit or Ctrl-D quits; Ctrl-C stops a reply")
     session = ChatSession(eng, tmpl, opts.system)
+    total = Timings()
     pending = first
-    while True:
-        if pending is None:
-            try:
-                pending = input("\n> ")
-            except (EOFError, KeyboardInterrupt):
-                typer.echo("", err=True)
+    try:
+        while True:
+            if pending is None:
+                try:
+                    pending = input("\n> ")
+                except (EOFError, KeyboardInterrupt):
+                    typer.echo("", err=True)
+                    return
+                if not sys.stdin.isatty():  # piped input: show what was read, as if typed
+                    sys.stdout.write(pending + "\n")
+            user, pending = pending, None
+            if user.strip() == "/exit":
                 return
-        user, pending = pending, None
-        if user.strip() == "/exit":
-            return
-        if not user.strip():
-            continue
-        stream = eng.tokenizer.streamer(skip_special=not opts.special)
+            if _chat_turn(eng, session, sampler, opts, user, total):
+                return
+    finally:
+        for line in timing_lines(total):
+            note(line)
 
-        def on_token(t: int) -> None:
-            sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
-        try:
-            res = session.turn(user, sampler, opts.n_predict, on_token)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        except ContextFullError as e:
-            note(f"note: {e}: start a new chat with a larger -c")
-            return
-        sys.stdout.write(stream.flush() + "\n")
+
+def _warn_plain_text_markers(eng, tmpl) -> None:
+    """Say so when the template's turn markers are no special tokens of this vocabulary: the
+    model then sees them as plain text, typically a base (not instruction-tuned) model."""
+    from moecache.tokenizer import CONTROL, USER_DEFINED
+
+    ids = eng.tokenizer.encode(tmpl.render([{"role": "user", "content": "hi"}], add_generation_prompt=True))
+    special = [i for i in ids if i != eng.tokenizer.bos_id and eng.tokenizer.token_type[i] in (CONTROL, USER_DEFINED)
+               and eng.tokenizer.decode([i]).strip()]
+    if not special or not eng.gguf.tokenizer.chat_template:
+        note("note: this model has no chat template of its own" + ("" if special else
+             " and the turn markers are plain text to it") + ": it may be a base model, not an "
+             "instruction-tuned one; replies may not answer or end (-n limits them)")
+
+
+def _chat_turn(eng, session, sampler, opts: RunOptions, user: str, total) -> bool:
+    """One turn; True when the chat must end (context full)."""
+    from moecache.kv_cache import ContextFullError
+
+    if not user.strip():
+        return False
+    stream = eng.tokenizer.streamer(skip_special=not opts.special)
+
+    def on_token(t: int) -> None:
+        sys.stdout.write(stream.push(t))
         sys.stdout.flush()
-        _end_note(res)
-        if res.stop == "context":
-            return
+    try:
+        res = session.turn(user, sampler, opts.n_predict, on_token)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    except ContextFullError as e:
+        note(f"note: {e}: start a new chat with a larger -c")
+        return True
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    _end_note(res)
+    t = res.timings
+    total.n_prompt += t.n_prompt
+    total.t_prompt += t.t_prompt
+    total.n_gen += t.n_gen
+    total.n_eval += t.n_eval
+    total.t_eval += t.t_eval
+    return res.stop == "context"

@@ -156,7 +156,7 @@ class Engine:
             if config.n_ctx and config.n_ctx > cfg.context_length:
                 self.log(f"note: -c {config.n_ctx} is larger than the model's trained context "
                          f"{cfg.context_length}: quality may drop past it")
-            self.n_ubatch = min(config.n_ubatch, config.n_batch)
+            self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             self.kv = self.model.new_kv_cache(self.n_ctx)
             self.warmup()
         except BaseException:
