@@ -19,8 +19,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from moecache.engine import Engine, EngineConfig
-from moecache.sampling import Sampler, SamplingParams
+from moecache.threads import short_openmp_spin
+
+short_openmp_spin()  # as the moecache command does, before the engine's imports load OpenMP
+
+from moecache.engine import Engine, EngineConfig  # noqa: E402
+from moecache.sampling import Sampler, SamplingParams  # noqa: E402
 
 
 def ours(model: Path, prompt: str, n_gen: int, threads: int, reps: int) -> dict:

@@ -7,19 +7,15 @@ exit 1; commands that are not built yet say so and exit 2.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-# Before any OpenMP runtime loads (gguf may pull one in through sentencepiece): idle OpenMP (GNU
-# libgomp) threads spin 10k rounds, not the default 300k, then sleep, so the Numba kernels don't
-# starve the OpenBLAS threads of the next call (2 cores, gemma3-270m: prefill 36 -> ~100 t/s; fully
-# passive threads cost decode 15%). The command owns its process; a user's own setting wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from moecache.threads import short_openmp_spin
+
+short_openmp_spin()  # before any OpenMP runtime loads (see moecache/threads.py)
 
 app = typer.Typer(
     name="moecache",

@@ -7,11 +7,9 @@
   use 512-bit vectors (measured +25% on the GPU machine's Xeon, ../shared/style.md). This goes
   through ``NUMBA_CPU_FEATURES`` and only takes effect if numba was not configured yet; a user's
   own ``NUMBA_CPU_FEATURES`` always wins.
-- OpenMP worker threads spin only briefly when idle: ``moecache/__init__.py`` sets
-  ``GOMP_SPINCOUNT`` (unless the user set it or ``OMP_WAIT_POLICY``) before any OpenMP runtime
-  loads. By default they spin ~300k rounds after every parallel region and starve the BLAS threads
-  of the next call (dequantize-then-sgemm ran 3.5x slower on 2 cores: 8.9 ms vs 2.6 ms per
-  2048x640 matrix).
+- OpenMP spin time is a process setting the commands choose: see ``moecache/threads.py``
+  (dequantize-then-sgemm ran 3.5x slower on 2 cores with libgomp's default spin: 8.9 ms vs 2.6 ms
+  per 2048x640 matrix).
 - Compiled kernels are cached under ``~/.cache/moecache/numba/<hash of the kernel sources>``
   (``$XDG_CACHE_HOME`` respected; a user's ``NUMBA_CACHE_DIR`` wins). Numba checks only the
   timestamp of the file that *defines* a function, so an edit to an inlined block decoder
