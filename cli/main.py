@@ -124,7 +124,8 @@ def perplexity(
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ngl: NglOpt = None,
     flash_attn: FaOpt = None,
-    escape: EscapeOpt = True,
+    escape: Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, ...) in "
+                                         "the text; off by default, as in llama-perplexity.")] = False,
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
     def body() -> None:

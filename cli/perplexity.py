@@ -13,9 +13,10 @@ from cli.common import UserError, load_engine, note, read_text_arg, resolve_mode
 
 
 def perplexity_command(model: Path | None, file: Path, n_ctx: int, engine_config, n_chunks: int,
-                       ngl: int | None, flash_attn: str | None, escape: bool = True) -> None:
+                       ngl: int | None, flash_attn: str | None, escape: bool = False) -> None:
     """Tokenize ``file`` as llama-perplexity does (BOS as the model says, special-token text not
-    parsed, escapes processed unless ``--no-escape``, one trailing newline dropped), score at most
+    parsed, escapes processed only with ``-e`` (perplexity.cpp turns llama.cpp's default escaping
+    off), one trailing newline dropped), score at most
     ``n_chunks`` chunks (-1: all), print the running values and llama-perplexity's final line."""
     if n_ctx < 4:
         raise UserError(f"-c must be >= 4 for perplexity, got {n_ctx}")

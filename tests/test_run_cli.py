@@ -43,7 +43,7 @@ def test_perplexity_code_moe_tiny_within_1pct_of_llamacpp(code_moe_tiny):
     ppl, err = _final_ppl(r.output)
     ref = 3.8860  # ../shared/models/README.md; our own b11434 build gave 3.8868 (perplexity.json)
     print(f"code-moe-tiny PPL {ppl:.4f} +/- {err:.5f} vs llama.cpp {ref} ({(ppl / ref - 1) * 100:+.3f}%)")
-    assert abs(ppl / ref - 1) < 0.01
+    assert abs(ppl / ref - 1) < 0.002  # issue: 1%; measured 0.03%. Tighter, so a shifted chunking shows
     assert "[29]" in r.output and "[30]" not in r.output  # 29 chunks, as llama-perplexity
 
 
