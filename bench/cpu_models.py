@@ -1,4 +1,4 @@
-"""CPU prompt processing (pp) and generation (tg) speed of whole models, moecache vs llama.cpp.
+"""Prompt processing (pp) and generation (tg) speed of whole models, moecache vs llama.cpp.
 
 Runs moecache's engine in-process (greedy, median of --reps runs) and, when ``--llama-bench`` is
 given, llama.cpp's ``llama-bench`` with the same prompt length, generation length and threads,
@@ -27,8 +27,13 @@ from moecache.engine import Engine, EngineConfig  # noqa: E402
 from moecache.sampling import Sampler, SamplingParams  # noqa: E402
 
 
-def ours(model: Path, prompt: str, n_gen: int, threads: int, reps: int) -> dict:
-    with Engine(model, EngineConfig(n_ctx=4096, n_threads=threads)) as eng:
+def ours(model: Path, prompt: str, n_gen: int, threads: int, reps: int, backend: str = "cpu") -> dict:
+    be = None
+    if backend == "cuda":
+        from moecache.backends.cupy_backend import CupyBackend
+
+        be = CupyBackend()
+    with Engine(model, EngineConfig(n_ctx=4096, n_threads=threads), backend=be) as eng:
         ids = eng.tokenizer.encode(prompt)
         pp, tg = [], []
         for _ in range(reps):
@@ -59,19 +64,22 @@ def main() -> None:
     ap.add_argument("-t", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu",
+                    help="moecache backend: cpu (numpy + Numba) or cuda (the CuPy backend)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     prompt = a.file.read_text().strip()
-    lines = [f"# CPU models: moecache vs llama.cpp ({time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# Whole models: moecache vs llama.cpp ({time.strftime('%Y-%m-%d')})", "",
              f"Host: {platform.node()}, {os.cpu_count()} logical CPUs, {platform.processor() or platform.machine()}; "
-             f"threads {a.t}; prompt `{a.file.name}`; greedy; median of {a.reps} runs.", "",
+             f"moecache backend {a.backend}; threads {a.t}; prompt `{a.file.name}`; greedy; median of {a.reps} runs.", "",
              f"Command: `python bench/cpu_models.py {' '.join('-m ' + m.name for m in a.model)} -f {a.file.name} "
-             f"-n {a.n} -t {a.t} --reps {a.reps}{' --llama-bench llama-bench' if a.llama_bench else ''}`", "",
+             f"-n {a.n} -t {a.t} --reps {a.reps} --backend {a.backend}{' --llama-bench llama-bench' if a.llama_bench else ''}`",
+             "",
              "| model | pp tokens | moecache pp t/s | moecache tg t/s | llama.cpp pp t/s | llama.cpp tg t/s | pp ratio | tg ratio |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     records = []
     for m in a.model:
-        o = ours(m, prompt, a.n, a.t, a.reps)
+        o = ours(m, prompt, a.n, a.t, a.reps, a.backend)
         ref = llamacpp(a.llama_bench, m, o["n_prompt"], a.n, a.t, a.reps) if a.llama_bench else None
         rec = {"model": m.name, **{f"moecache_{k}": v for k, v in o.items()}}
         row = f"| {m.name} | {o['n_prompt']} | {o['pp']:.1f} | {o['tg']:.2f} |"

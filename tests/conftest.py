@@ -9,8 +9,10 @@ import pytest
 
 def shared_model(name: str) -> Path | None:
     """A file of ../shared/models (beside the checkout, as CI lays it out), or None."""
-    for root in (Path(__file__).resolve().parents[2] / "shared", Path.cwd().parent / "shared"):
-        p = root / "models" / name
+    repo = Path(__file__).resolve().parents[1]
+    for models in (repo.parent / "shared" / "models", Path.cwd().parent / "shared" / "models",
+                   repo / ".carry" / "models"):  # .carry: an ignored copy sent along to the GPU machine
+        p = models / name
         if p.is_file():
             return p
     return None

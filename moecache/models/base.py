@@ -141,7 +141,7 @@ class DecoderLM:
             self.layers.append(d)
         factors = t.get("rope_freqs.weight")
         self.rope_factors = backend.to_host(backend.vector(factors)) if factors is not None else None
-        self.experts = experts if experts is not None else CPUExperts(expert_weights(model, self.act))
+        self.experts = experts if experts is not None else CPUExperts(expert_weights(model, self.act), backend)
         self.route_observers: list[RouteObserver] = []
 
     # ---- the pieces an architecture file may override ------------------------------------------

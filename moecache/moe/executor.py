@@ -78,13 +78,19 @@ class CPUExperts:
 
     Args:
         layers: layer index -> that layer's experts.
+        backend: the model's backend, for moving h to the host and the result back (a no-op on
+            the CPU backend); None = numpy arrays in and out.
     """
 
-    def __init__(self, layers: dict[int, ExpertWeights]):
+    def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None):
         self.layers = layers
+        self.backend = backend
 
-    def __call__(self, il: int, h: np.ndarray, routing: Routing) -> np.ndarray:
+    def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
         eids, offs, rows, wts = routing.groups()
         act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-        return cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h, act=act)
+        be = self.backend
+        hh = be.to_host(h) if be is not None else h
+        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, act=act)
+        return be.asarray(out) if be is not None else out

@@ -1,0 +1,100 @@
+"""Array operations written once for numpy and CuPy: the backends' shared, non-quantized ops.
+
+A backend subclasses :class:`ArrayOps`, sets ``xp`` (the array module) and adds the quantized
+parts (weights, ``matmul``, ``embed``). Everything here is float32 in, float32 out; T is the
+number of tokens in the ubatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class ArrayOps:
+    """RMSNorm, RoPE, attention and gated activations on ``self.xp`` arrays."""
+
+    xp: Any = np
+
+    def rms_norm(self, x: Any, w: Any | None, eps: float) -> Any:
+        """``x / sqrt(mean(x^2) + eps) * w`` over the last axis (Zhang & Sennrich 2019)."""
+        xp = self.xp
+        ms = xp.mean(xp.square(x), axis=-1, keepdims=True)
+        y = x * (1.0 / xp.sqrt(ms + np.float32(eps))).astype(np.float32)
+        return y * w if w is not None else y
+
+    def rope(self, x: Any, cos: Any, sin: Any, neox: bool) -> Any:
+        """Rotary position embedding (Su et al. 2021) of the first ``2 * cos.shape[1]`` dims of each head.
+
+        Args:
+            x: float32 (T, n_heads, head_dim).
+            cos, sin: float32 (T, n_rot / 2), the angles ``pos * inv_freq``.
+            neox: pairs ``(x[i], x[i + n_rot/2])`` (GPT-NeoX, ggml ``ROPE_TYPE_NEOX``) if True, else
+                adjacent pairs ``(x[2i], x[2i+1])`` (ggml ``ROPE_TYPE_NORM``, llama).
+        """
+        half = cos.shape[1]
+        c = cos[:, None, :]
+        s = sin[:, None, :]
+        out = x.copy()
+        if neox:
+            a, b = x[..., :half], x[..., half:2 * half]
+            out[..., :half] = a * c - b * s
+            out[..., half:2 * half] = a * s + b * c
+        else:
+            a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+            out[..., 0:2 * half:2] = a * c - b * s
+            out[..., 1:2 * half:2] = a * s + b * c
+        return out
+
+    def attention(self, q: Any, k_all: Any, v_all: Any, pos0: int, scale: float,
+                  window: int | None = None, softcap: float | None = None) -> Any:
+        """Causal multi-head attention of T new queries over the cached positions, grouped-query.
+
+        Args:
+            q: float32 (T, n_head, head_dim), positions ``pos0 .. pos0 + T - 1``.
+            k_all, v_all: the layer's cache, (n_ctx, n_head_kv, head_dim[_v]); positions
+                ``0 .. pos0 + T - 1`` must be filled. Query head h reads KV head ``h // (n_head / n_head_kv)``.
+            scale: multiplies q.k (usually ``1/sqrt(head_dim)``).
+            window: sliding window: query at p sees keys at ``p - window < j <= p`` (llama.cpp
+                ``LLAMA_SWA_TYPE_STANDARD``); None = all previous positions.
+            softcap: ``softcap * tanh(s / softcap)`` on the scores (gemma2) if set.
+
+        Returns:
+            float32 (T, n_head * head_dim_v).
+        """
+        xp = self.xp
+        t, n_head, d = q.shape
+        end = pos0 + t
+        start = 0 if window is None else max(0, pos0 - window + 1)
+        k = k_all[start:end]
+        v = v_all[start:end]
+        n, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
+        g = n_head // n_kv
+        qh = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3).reshape(n_kv, g * t, d)
+        s = xp.matmul(qh, k.transpose(1, 2, 0))  # (n_kv, g*t, n)
+        s *= np.float32(scale)
+        if softcap:
+            s = np.float32(softcap) * xp.tanh(s / np.float32(softcap))
+        qpos = xp.arange(pos0, end)[:, None]
+        kpos = xp.arange(start, end)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= qpos - kpos < window
+        s = s.reshape(n_kv, g, t, n)
+        s = xp.where(allowed, s, np.float32(-np.inf))
+        s -= s.max(axis=-1, keepdims=True)
+        p = xp.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        o = xp.matmul(p.reshape(n_kv, g * t, n), v.transpose(1, 0, 2))  # (n_kv, g*t, dv)
+        return xp.ascontiguousarray(o.reshape(n_kv, g, t, dv).transpose(2, 0, 1, 3)).reshape(t, n_head * dv)
+
+    def glu(self, gate: Any, up: Any, act: str) -> Any:
+        """``act(gate) * up``; act "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation as ggml_gelu)."""
+        xp = self.xp
+        if act == "silu":
+            with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0 gives the right limit, 0
+                return gate / (np.float32(1.0) + xp.exp(-gate)) * up
+        c = np.float32(0.7978845608028654)
+        return np.float32(0.5) * gate * (1.0 + xp.tanh(c * (gate + np.float32(0.044715) * gate ** 3))) * up
+
