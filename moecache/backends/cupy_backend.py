@@ -4,8 +4,10 @@ Weights are uploaded in their GGUF quant format and dequantized on the GPU by th
 ``moecache/quants/cuda/dequant.cu`` (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; F16/BF16/F32 by array
 conversion); a matmul dequantizes W to a float32 scratch matrix and calls cuBLAS (``x @ W.T``).
 Other quant formats are dequantized once at load on the CPU and kept as float32 on the GPU (said
-once per format). This is the correct-first version of the GPU runtime: fused quantized GEMV
-kernels for decode and tensor-core prefill are the GPU runtime issue's next steps.
+once per format). Up to 16 tokens, the same five formats use fused kernels that read the quantized
+rows once (a warp per output row, no scratch matrix). This is the correct-first version of the GPU
+runtime: faster GEMV (vectorized loads, integer dot products) and tensor-core prefill are the GPU
+runtime issue's next steps.
 
 Requires CuPy (``pip install -e '.[cuda]'``); importing this module without it raises ImportError.
 """
@@ -29,6 +31,8 @@ CUDA_SRC = Path(__file__).resolve().parents[1] / "quants" / "cuda" / "dequant.cu
 KERNELS = {"Q8_0": ("deq_q8_0", 32, 34), "Q4_0": ("deq_q4_0", 32, 18), "Q5_0": ("deq_q5_0", 32, 22),
            "Q4_K": ("deq_q4_k", 256, 144), "Q6_K": ("deq_q6_k", 256, 210)}
 THREADS = 128
+GEMV_MAX_TOKENS = 16  # MAX_TOK of dequant.cu: fewer tokens use the fused kernels, more dequantize + cuBLAS
+GEMV_ROWS_PER_BLOCK = 4  # warps (one output row each) per CUDA block
 
 
 class CupyBackend(ArrayOps):
@@ -100,9 +104,19 @@ class CupyBackend(ArrayOps):
         return out
 
     def matmul(self, w: Linear, x: cp.ndarray) -> cp.ndarray:
-        """``x @ W.T``: float32 (T, n_in) -> (T, n_out)."""
+        """``x @ W.T``: float32 (T, n_in) -> (T, n_out). Up to GEMV_MAX_TOKENS tokens: a fused kernel
+        reads the quantized rows once (one warp per row); more: dequantize W, then cuBLAS."""
         if w.is_f32:
             return x @ w.data.T
+        name = format_for(w.ggml_type, w.name).name
+        if x.shape[0] <= GEMV_MAX_TOKENS and name in KERNELS and w.data.ndim == 2:
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            n_rows, row_bytes = w.data.shape
+            y = cp.empty((x.shape[0], n_rows), cp.float32)
+            kern = self._module.get_function("gemv_" + KERNELS[name][0].removeprefix("deq_"))
+            kern(((n_rows + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (32 * GEMV_ROWS_PER_BLOCK,),
+                 (w.data, x, y, np.int64(n_rows), np.int64(row_bytes), np.int64(w.n_in), np.int32(x.shape[0])))
+            return y
         return x @ self.dequantize(w).T
 
     def embed(self, w: Linear, ids: np.ndarray) -> cp.ndarray:

@@ -117,3 +117,122 @@ extern "C" __global__ void deq_q6_k(const unsigned char *W, float *out, long lon
         }
     }
 }
+
+// ---- quantized matrix x few-token products (decode): Y[t, r] = sum_i W[r, i] * X[t, i] --------
+// One warp per output row; lane l walks blocks l, l+32, ... of the row and dots each decoded block
+// with every token's slice of X; the 32 partial sums are reduced with shuffles. X: float32
+// (n_tok, n_in) row-major, Y: float32 (n_tok, n_rows); n_tok <= MAX_TOK.
+
+#define MAX_TOK 16
+
+__device__ __forceinline__ float dot_q8_0(const unsigned char *blk, const float *x) {
+    float d = f16_at(blk), s = 0.f;
+    const signed char *q = (const signed char *)(blk + 2);
+    for (int i = 0; i < 32; ++i) s += (float)q[i] * x[i];
+    return d * s;
+}
+
+__device__ __forceinline__ float dot_q4_0(const unsigned char *blk, const float *x) {
+    float d = f16_at(blk), s = 0.f;
+    for (int j = 0; j < 16; ++j) {
+        int q = blk[2 + j];
+        s += (float)((q & 0xF) - 8) * x[j] + (float)((q >> 4) - 8) * x[j + 16];
+    }
+    return d * s;
+}
+
+__device__ __forceinline__ float dot_q5_0(const unsigned char *blk, const float *x) {
+    float d = f16_at(blk), s = 0.f;
+    unsigned int qh = (unsigned int)blk[2] | ((unsigned int)blk[3] << 8) | ((unsigned int)blk[4] << 16) |
+                      ((unsigned int)blk[5] << 24);
+    for (int j = 0; j < 16; ++j) {
+        int q = blk[6 + j];
+        int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
+        s += (float)(((q & 0xF) | (h0 << 4)) - 16) * x[j] + (float)(((q >> 4) | (h1 << 4)) - 16) * x[j + 16];
+    }
+    return d * s;
+}
+
+// K-quants are dotted by 32-weight sub-block (j = 0..7 of a 256-weight block) so that a warp's
+// lanes share a row's work even when it has few 256-blocks.
+__device__ __forceinline__ float dot_q4_k_sub(const unsigned char *blk, int j, const float *x) {
+    float d = f16_at(blk), dmin = f16_at(blk + 2);
+    int sc, m;
+    scale_min_k4(j, blk + 4, &sc, &m);
+    const unsigned char *q = blk + 16 + 32 * (j / 2);
+    int shift = 4 * (j % 2);
+    float a = 0.f, sx = 0.f;
+    for (int l = 0; l < 32; ++l) {
+        a += (float)((q[l] >> shift) & 0xF) * x[l];
+        sx += x[l];
+    }
+    return d * sc * a - dmin * m * sx;
+}
+
+__device__ __forceinline__ float dot_q6_k_sub(const unsigned char *blk, int j, const float *x) {
+    int n = j / 4, g = j % 4;
+    const unsigned char *ql = blk + 64 * n + 32 * (g % 2), *qh = blk + 128 + 32 * n;
+    const signed char *sc = (const signed char *)(blk + 192) + 8 * n + 2 * g;
+    float d = f16_at(blk + 208);
+    int lshift = 4 * (g / 2), hshift = 2 * g;
+    float a0 = 0.f, a1 = 0.f;
+    for (int l = 0; l < 16; ++l) {
+        int q = (int)(((ql[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+        a0 += q * x[l];
+    }
+    for (int l = 16; l < 32; ++l) {
+        int q = (int)(((ql[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+        a1 += q * x[l];
+    }
+    return d * (sc[0] * a0 + sc[1] * a1);
+}
+
+#define GEMV_KERNEL(NAME, DOT, BS, TSZ)                                                              \
+extern "C" __global__ void NAME(const unsigned char *W, const float *X, float *Y, long long n_rows,   \
+                                long long row_bytes, long long n_in, int n_tok) {                     \
+    long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
+    int lane = threadIdx.x % 32;                                                                      \
+    if (r >= n_rows) return;                                                                          \
+    float acc[MAX_TOK];                                                                               \
+    for (int t = 0; t < n_tok; ++t) acc[t] = 0.f;                                                     \
+    const unsigned char *row = W + r * row_bytes;                                                     \
+    long long nb = n_in / BS;                                                                         \
+    for (long long k = lane; k < nb; k += 32) {                                                       \
+        const unsigned char *blk = row + k * TSZ;                                                     \
+        for (int t = 0; t < n_tok; ++t) acc[t] += DOT(blk, X + t * n_in + k * BS);                    \
+    }                                                                                                 \
+    for (int t = 0; t < n_tok; ++t) {                                                                 \
+        float v = acc[t];                                                                             \
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);                   \
+        if (lane == 0) Y[t * n_rows + r] = v;                                                         \
+    }                                                                                                 \
+}
+
+GEMV_KERNEL(gemv_q8_0, dot_q8_0, 32, 34)
+GEMV_KERNEL(gemv_q4_0, dot_q4_0, 32, 18)
+GEMV_KERNEL(gemv_q5_0, dot_q5_0, 32, 22)
+
+// sub-block variant: lane l walks 32-weight sub-blocks l, l+32, ... (8 per 256-weight block)
+#define GEMV_KERNEL_SUB(NAME, DOT, TSZ)                                                              \
+extern "C" __global__ void NAME(const unsigned char *W, const float *X, float *Y, long long n_rows,   \
+                                long long row_bytes, long long n_in, int n_tok) {                     \
+    long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
+    int lane = threadIdx.x % 32;                                                                      \
+    if (r >= n_rows) return;                                                                          \
+    float acc[MAX_TOK];                                                                               \
+    for (int t = 0; t < n_tok; ++t) acc[t] = 0.f;                                                     \
+    const unsigned char *row = W + r * row_bytes;                                                     \
+    long long ns = n_in / 32;                                                                         \
+    for (long long k = lane; k < ns; k += 32) {                                                       \
+        const unsigned char *blk = row + (k / 8) * TSZ;                                               \
+        for (int t = 0; t < n_tok; ++t) acc[t] += DOT(blk, (int)(k % 8), X + t * n_in + k * 32);      \
+    }                                                                                                 \
+    for (int t = 0; t < n_tok; ++t) {                                                                 \
+        float v = acc[t];                                                                             \
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);                   \
+        if (lane == 0) Y[t * n_rows + r] = v;                                                         \
+    }                                                                                                 \
+}
+
+GEMV_KERNEL_SUB(gemv_q4_k, dot_q4_k_sub, 144)
+GEMV_KERNEL_SUB(gemv_q6_k, dot_q6_k_sub, 210)
