@@ -48,8 +48,8 @@ CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in t
 BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size.")]
 UBatchOpt = Annotated[int, typer.Option("-ub", "--ubatch-size", help="Physical batch size (tokens per forward pass).")]
 ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = physical cores).")]
-NglOpt = Annotated[Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="Accepted for llama.cpp compatibility; "
-                                               "this version runs on the CPU.")]
+NglOpt = Annotated[Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="> 0: run on the GPU (CuPy backend, "
+                                               "first version: all layers, experts on the CPU); default: CPU.")]
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
 EscapeOpt = Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, \\xHH, ...) "
                                          "in the prompt text, as llama.cpp does by default.")]

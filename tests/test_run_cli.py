@@ -198,3 +198,20 @@ def test_one_shot_notes_ignored_chat_flags_and_checks_template_names_first(code_
     r = runner.invoke(app, ["run", "-m", str(code_moe_tiny), "--chat-template", "nonsense"])
     assert r.exit_code == 1 and "unknown chat template 'nonsense'" in r.output
     assert "model:" not in r.output  # failed before loading the model
+
+
+def test_ngl_without_a_usable_gpu_says_so_and_runs_on_the_cpu(code_moe_tiny, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *a, **k):  # CI has no CuPy; make it so on a GPU machine too
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'", name="cupy")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    monkeypatch.delitem(sys.modules, "moecache.backends.cupy_backend", raising=False)
+    r = runner.invoke(app, ["run", "-m", str(code_moe_tiny), "-p", "import os", "-n", "4", "--temp", "0",
+                            "-ngl", "99"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("CuPy is not installed") == 1 and "backend: cpu" in r.output
