@@ -191,12 +191,13 @@ class Engine:
         """Empty the KV cache (start a new sequence)."""
         self.kv.clear()
 
-    def eval(self, tokens: list[int] | np.ndarray, logits: str = "last") -> np.ndarray:
+    def eval(self, tokens: list[int] | np.ndarray, logits: str | np.ndarray = "last") -> np.ndarray:
         """Append ``tokens`` to the sequence, ``n_ubatch`` at a time.
 
         Args:
             tokens: int ids.
-            logits: ``"last"`` (float32 (1, n_vocab)) or ``"all"`` (float32 (T, n_vocab)).
+            logits: ``"last"`` (float32 (1, n_vocab)), ``"all"`` (float32 (T, n_vocab)), or an
+                ascending int array of rows of ``tokens`` (float32 (len(rows), n_vocab)).
 
         Raises:
             ContextFullError: they do not fit (nothing is evaluated then).
@@ -206,16 +207,19 @@ class Engine:
         if toks.size == 0:
             raise ValueError("no tokens to evaluate")
         self.kv.check_room(toks.size)
+        if isinstance(logits, str):
+            rows = np.arange(toks.size) if logits == "all" else np.array([toks.size - 1])
+        else:
+            rows = np.asarray(logits, dtype=np.int64)
         out = []
         for i in range(0, toks.size, self.n_ubatch):
             part = toks[i:i + self.n_ubatch]
-            last = i + self.n_ubatch >= toks.size
-            if logits == "all":
-                out.append(self.model.forward(part, self.kv, logits="all"))
-            elif last:
-                out.append(self.model.forward(part, self.kv, logits="last"))
-            else:
-                self.model.forward(part, self.kv, logits=np.empty(0, np.int64))
+            want = rows[(rows >= i) & (rows < i + part.size)] - i
+            lg = self.model.forward(part, self.kv, logits=want)
+            if want.size:
+                out.append(lg)
+        if not out:
+            return np.empty((0, self.gguf.config.n_vocab), np.float32)
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def generate(self, prompt: list[int], sampler: Sampler, n_predict: int,
@@ -314,15 +318,7 @@ class Engine:
             if self.tokenizer.add_bos and bos is not None:
                 chunk[0] = bos
             self.kv.clear()
-            rows = []
-            for i in range(0, n_ctx, self.n_ubatch):
-                part = chunk[i:i + self.n_ubatch]
-                want = np.arange(part.size)[np.arange(i, i + part.size) >= first]
-                want = want[i + want < n_ctx - 1]
-                lg = self.model.forward(part, self.kv, logits=want)
-                if want.size:
-                    rows.append(lg)
-            logits = np.concatenate(rows)
+            logits = self.eval(chunk, logits=np.arange(first, n_ctx - 1))
             targets = chunk[first + 1:n_ctx]
             tok_nll = np.empty(targets.size)
             for r0 in range(0, targets.size, 32):  # float64 a few rows at a time (a row is n_vocab wide)

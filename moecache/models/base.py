@@ -143,6 +143,7 @@ class DecoderLM:
         self.rope_factors = backend.to_host(backend.vector(factors)) if factors is not None else None
         self.experts = experts if experts is not None else CPUExperts(expert_weights(model, self.act), backend)
         self.route_observers: list[RouteObserver] = []
+        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
 
     # ---- the pieces an architecture file may override ------------------------------------------
     def block(self, il: int, x: Any, pos: np.ndarray, kv: KVCache) -> Any:
@@ -192,6 +193,7 @@ class DecoderLM:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
         kv.check_room(tokens.size)
         pos = np.arange(kv.n_past, kv.n_past + tokens.size)
+        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}  # this pass's cos/sin (see _rope_tables)
         x = self.be.embed(self.token_embd, tokens)
         s = self.embed_scale()
         if s is not None:
@@ -252,8 +254,7 @@ class DecoderLM:
             q = self.norm(q, L["attn_q_norm"])
             k = self.norm(k, L["attn_k_norm"])
         rope = self.rope_spec(il)
-        cos, sin = rope.angles(pos)
-        cos, sin = be.asarray(cos), be.asarray(sin)
+        cos, sin = self._rope_tables(rope, pos)
         q = be.rope(q, cos, sin, rope.neox)
         k = be.rope(k, cos, sin, rope.neox)
         pos0 = int(pos[0])
@@ -261,6 +262,16 @@ class DecoderLM:
         o = be.attention(q, kv.k[il], kv.v[il], pos0, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
                          window=self.window(il), softcap=c.attn_logit_softcapping if self.attn_softcap else None)
         return self._proj(L, "attn_output", o)
+
+    def _rope_tables(self, rope: RopeSpec, pos: np.ndarray) -> tuple[Any, Any]:
+        """cos/sin of ``rope`` at ``pos`` on the backend, computed once per forward pass for each
+        distinct RoPE (gemma3 has two; the others one) instead of once per layer."""
+        key = (rope.n_rot, rope.base, rope.freq_scale)
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            cos, sin = rope.angles(pos)
+            tables = self._rope_cache[key] = (self.be.asarray(cos), self.be.asarray(sin))
+        return tables
 
     def _proj(self, L: dict[str, Any], name: str, x: Any) -> Any:
         y = self.be.matmul(L[name], x)

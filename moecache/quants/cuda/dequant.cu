@@ -13,26 +13,15 @@ __device__ __forceinline__ float f16_at(const unsigned char *p) {
     return __half2float(__ushort_as_half(h));
 }
 
-extern "C" __global__ void deq_q8_0(const unsigned char *W, float *out, long long n_rows,
-                                    long long row_bytes, long long n_blocks_row) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_rows * n_blocks_row) return;
-    long long r = b / n_blocks_row, k = b % n_blocks_row;
-    const unsigned char *blk = W + r * row_bytes + k * 34;
+// One block's weights into y[0 .. block size): one function per format.
+__device__ __forceinline__ void deq_block_q8_0(const unsigned char *blk, float *y) {
     float d = f16_at(blk);
-    float *y = out + (r * n_blocks_row + k) * 32;
     const signed char *q = (const signed char *)(blk + 2);
     for (int i = 0; i < 32; ++i) y[i] = d * (float)q[i];
 }
 
-extern "C" __global__ void deq_q4_0(const unsigned char *W, float *out, long long n_rows,
-                                    long long row_bytes, long long n_blocks_row) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_rows * n_blocks_row) return;
-    long long r = b / n_blocks_row, k = b % n_blocks_row;
-    const unsigned char *blk = W + r * row_bytes + k * 18;
+__device__ __forceinline__ void deq_block_q4_0(const unsigned char *blk, float *y) {
     float d = f16_at(blk);
-    float *y = out + (r * n_blocks_row + k) * 32;
     for (int j = 0; j < 16; ++j) {
         int q = blk[2 + j];
         y[j] = d * (float)((q & 0xF) - 8);
@@ -40,16 +29,10 @@ extern "C" __global__ void deq_q4_0(const unsigned char *W, float *out, long lon
     }
 }
 
-extern "C" __global__ void deq_q5_0(const unsigned char *W, float *out, long long n_rows,
-                                    long long row_bytes, long long n_blocks_row) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_rows * n_blocks_row) return;
-    long long r = b / n_blocks_row, k = b % n_blocks_row;
-    const unsigned char *blk = W + r * row_bytes + k * 22;
+__device__ __forceinline__ void deq_block_q5_0(const unsigned char *blk, float *y) {
     float d = f16_at(blk);
     unsigned int qh = (unsigned int)blk[2] | ((unsigned int)blk[3] << 8) | ((unsigned int)blk[4] << 16) |
                       ((unsigned int)blk[5] << 24);
-    float *y = out + (r * n_blocks_row + k) * 32;
     for (int j = 0; j < 16; ++j) {
         int q = blk[6 + j];
         int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
@@ -68,15 +51,9 @@ __device__ __forceinline__ void scale_min_k4(int j, const unsigned char *s, int 
     }
 }
 
-extern "C" __global__ void deq_q4_k(const unsigned char *W, float *out, long long n_rows,
-                                    long long row_bytes, long long n_blocks_row) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_rows * n_blocks_row) return;
-    long long r = b / n_blocks_row, k = b % n_blocks_row;
-    const unsigned char *blk = W + r * row_bytes + k * 144;
+__device__ __forceinline__ void deq_block_q4_k(const unsigned char *blk, float *y) {
     float d = f16_at(blk), dmin = f16_at(blk + 2);
     const unsigned char *scales = blk + 4, *qs = blk + 16;
-    float *y = out + (r * n_blocks_row + k) * 256;
     for (int j = 0; j < 4; ++j) {
         int sc1, m1, sc2, m2;
         scale_min_k4(2 * j, scales, &sc1, &m1);
@@ -90,16 +67,10 @@ extern "C" __global__ void deq_q4_k(const unsigned char *W, float *out, long lon
     }
 }
 
-extern "C" __global__ void deq_q6_k(const unsigned char *W, float *out, long long n_rows,
-                                    long long row_bytes, long long n_blocks_row) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_rows * n_blocks_row) return;
-    long long r = b / n_blocks_row, k = b % n_blocks_row;
-    const unsigned char *blk = W + r * row_bytes + k * 210;
+__device__ __forceinline__ void deq_block_q6_k(const unsigned char *blk, float *y) {
     const unsigned char *ql = blk, *qh = blk + 128;
     const signed char *sc = (const signed char *)(blk + 192);
     float d = f16_at(blk + 208);
-    float *y = out + (r * n_blocks_row + k) * 256;
     for (int n = 0; n < 2; ++n) {
         const unsigned char *l0 = ql + 64 * n, *h0 = qh + 32 * n;
         const signed char *s0 = sc + 8 * n;
@@ -118,43 +89,44 @@ extern "C" __global__ void deq_q6_k(const unsigned char *W, float *out, long lon
     }
 }
 
+// kernel NAME: thread b decodes block b of the (n_rows, n_blocks_row) grid of blocks
+#define DEQ_KERNEL(NAME, DEQ, BS, TSZ)                                                               \
+extern "C" __global__ void NAME(const unsigned char *W, float *out, long long n_rows,                \
+                                long long row_bytes, long long n_blocks_row) {                        \
+    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                   \
+    if (b >= n_rows * n_blocks_row) return;                                                           \
+    long long r = b / n_blocks_row, k = b % n_blocks_row;                                             \
+    DEQ(W + r * row_bytes + k * TSZ, out + b * BS);                                                   \
+}
+
+DEQ_KERNEL(deq_q8_0, deq_block_q8_0, 32, 34)
+DEQ_KERNEL(deq_q4_0, deq_block_q4_0, 32, 18)
+DEQ_KERNEL(deq_q5_0, deq_block_q5_0, 32, 22)
+DEQ_KERNEL(deq_q4_k, deq_block_q4_k, 256, 144)
+DEQ_KERNEL(deq_q6_k, deq_block_q6_k, 256, 210)
+
 // ---- quantized matrix x few-token products (decode): Y[t, r] = sum_i W[r, i] * X[t, i] --------
-// One warp per output row; lane l walks blocks l, l+32, ... of the row and dots each decoded block
-// with every token's slice of X; the 32 partial sums are reduced with shuffles. X: float32
+// One warp per output row; each lane dots 32-weight units of the row (see GEMV_KERNEL) with every
+// token's slice of X; the 32 partial sums are reduced with shuffles. X: float32
 // (n_tok, n_in) row-major, Y: float32 (n_tok, n_rows); n_tok <= MAX_TOK.
 
 #define MAX_TOK 16
 
-__device__ __forceinline__ float dot_q8_0(const unsigned char *blk, const float *x) {
-    float d = f16_at(blk), s = 0.f;
-    const signed char *q = (const signed char *)(blk + 2);
-    for (int i = 0; i < 32; ++i) s += (float)q[i] * x[i];
-    return d * s;
+// 32-weight formats: decode the block into registers with its deq_block_* and dot it with x.
+#define DOT32(NAME, DEQ)                                                                             \
+__device__ __forceinline__ float NAME(const unsigned char *blk, int, const float *x) {               \
+    float y[32];                                                                                      \
+    DEQ(blk, y);                                                                                      \
+    float s = 0.f;                                                                                    \
+    for (int i = 0; i < 32; ++i) s += y[i] * x[i];                                                    \
+    return s;                                                                                         \
 }
 
-__device__ __forceinline__ float dot_q4_0(const unsigned char *blk, const float *x) {
-    float d = f16_at(blk), s = 0.f;
-    for (int j = 0; j < 16; ++j) {
-        int q = blk[2 + j];
-        s += (float)((q & 0xF) - 8) * x[j] + (float)((q >> 4) - 8) * x[j + 16];
-    }
-    return d * s;
-}
+DOT32(dot_q8_0, deq_block_q8_0)
+DOT32(dot_q4_0, deq_block_q4_0)
+DOT32(dot_q5_0, deq_block_q5_0)
 
-__device__ __forceinline__ float dot_q5_0(const unsigned char *blk, const float *x) {
-    float d = f16_at(blk), s = 0.f;
-    unsigned int qh = (unsigned int)blk[2] | ((unsigned int)blk[3] << 8) | ((unsigned int)blk[4] << 16) |
-                      ((unsigned int)blk[5] << 24);
-    for (int j = 0; j < 16; ++j) {
-        int q = blk[6 + j];
-        int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
-        s += (float)(((q & 0xF) | (h0 << 4)) - 16) * x[j] + (float)(((q >> 4) | (h1 << 4)) - 16) * x[j + 16];
-    }
-    return d * s;
-}
-
-// K-quants are dotted by 32-weight sub-block (j = 0..7 of a 256-weight block) so that a warp's
-// lanes share a row's work even when it has few 256-blocks.
+// K-quants are dotted by 32-weight sub-block (j = 0..7 of a 256-weight block).
 __device__ __forceinline__ float dot_q4_k_sub(const unsigned char *blk, int j, const float *x) {
     float d = f16_at(blk), dmin = f16_at(blk + 2);
     int sc, m;
@@ -187,33 +159,10 @@ __device__ __forceinline__ float dot_q6_k_sub(const unsigned char *blk, int j, c
     return d * (sc[0] * a0 + sc[1] * a1);
 }
 
-#define GEMV_KERNEL(NAME, DOT, BS, TSZ)                                                              \
-extern "C" __global__ void NAME(const unsigned char *W, const float *X, float *Y, long long n_rows,   \
-                                long long row_bytes, long long n_in, int n_tok) {                     \
-    long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
-    int lane = threadIdx.x % 32;                                                                      \
-    if (r >= n_rows) return;                                                                          \
-    float acc[MAX_TOK];                                                                               \
-    for (int t = 0; t < n_tok; ++t) acc[t] = 0.f;                                                     \
-    const unsigned char *row = W + r * row_bytes;                                                     \
-    long long nb = n_in / BS;                                                                         \
-    for (long long k = lane; k < nb; k += 32) {                                                       \
-        const unsigned char *blk = row + k * TSZ;                                                     \
-        for (int t = 0; t < n_tok; ++t) acc[t] += DOT(blk, X + t * n_in + k * BS);                    \
-    }                                                                                                 \
-    for (int t = 0; t < n_tok; ++t) {                                                                 \
-        float v = acc[t];                                                                             \
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);                   \
-        if (lane == 0) Y[t * n_rows + r] = v;                                                         \
-    }                                                                                                 \
-}
-
-GEMV_KERNEL(gemv_q8_0, dot_q8_0, 32, 34)
-GEMV_KERNEL(gemv_q4_0, dot_q4_0, 32, 18)
-GEMV_KERNEL(gemv_q5_0, dot_q5_0, 32, 22)
-
-// sub-block variant: lane l walks 32-weight sub-blocks l, l+32, ... (8 per 256-weight block)
-#define GEMV_KERNEL_SUB(NAME, DOT, TSZ)                                                              \
+// Lane l walks the row's 32-weight units l, l+32, ...: a unit is a whole block of the 32-weight
+// formats (SUBS = 1) or one of the 8 sub-blocks of a 256-weight block (SUBS = 8), so a warp's lanes
+// share a row's work even when it has few 256-blocks.
+#define GEMV_KERNEL(NAME, DOT, SUBS, TSZ)                                                            \
 extern "C" __global__ void NAME(const unsigned char *W, const float *X, float *Y, long long n_rows,   \
                                 long long row_bytes, long long n_in, int n_tok) {                     \
     long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
@@ -224,8 +173,8 @@ extern "C" __global__ void NAME(const unsigned char *W, const float *X, float *Y
     const unsigned char *row = W + r * row_bytes;                                                     \
     long long ns = n_in / 32;                                                                         \
     for (long long k = lane; k < ns; k += 32) {                                                       \
-        const unsigned char *blk = row + (k / 8) * TSZ;                                               \
-        for (int t = 0; t < n_tok; ++t) acc[t] += DOT(blk, (int)(k % 8), X + t * n_in + k * 32);      \
+        const unsigned char *blk = row + (k / SUBS) * TSZ;                                            \
+        for (int t = 0; t < n_tok; ++t) acc[t] += DOT(blk, (int)(k % SUBS), X + t * n_in + k * 32);   \
     }                                                                                                 \
     for (int t = 0; t < n_tok; ++t) {                                                                 \
         float v = acc[t];                                                                             \
@@ -234,5 +183,8 @@ extern "C" __global__ void NAME(const unsigned char *W, const float *X, float *Y
     }                                                                                                 \
 }
 
-GEMV_KERNEL_SUB(gemv_q4_k, dot_q4_k_sub, 144)
-GEMV_KERNEL_SUB(gemv_q6_k, dot_q6_k_sub, 210)
+GEMV_KERNEL(gemv_q8_0, dot_q8_0, 1, 34)
+GEMV_KERNEL(gemv_q4_0, dot_q4_0, 1, 18)
+GEMV_KERNEL(gemv_q5_0, dot_q5_0, 1, 22)
+GEMV_KERNEL(gemv_q4_k, dot_q4_k_sub, 8, 144)
+GEMV_KERNEL(gemv_q6_k, dot_q6_k_sub, 8, 210)
