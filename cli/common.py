@@ -80,42 +80,26 @@ def resolve_model(model: Path | None) -> Path:
     return Path(path)
 
 
-def gpu_backend(ngl: int | None):
-    """The backend ``-ngl`` asks for: None (the CPU) unless ngl > 0 and a CUDA GPU answers through
-    CuPy; a GPU that was asked for but is not usable is said once, with the reason."""
-    if ngl is None or ngl <= 0:
-        return None
-    try:
-        from moecache.backends.cupy_backend import CupyBackend, available
-    except ImportError as e:
-        note(f"note: -ngl {ngl}: CuPy is not installed ({e.name}): running on the CPU "
-             f"(pip install -e '.[cuda]' for the GPU)")
-        return None
-    ok, why = available()
-    if not ok:
-        note(f"note: -ngl {ngl}: no usable GPU ({why}): running on the CPU")
-        return None
-    note(f"note: -ngl {ngl}: GPU backend on {why} (first version: every layer's dense weights on the GPU, "
-         f"routed experts on the CPU)")
-    return CupyBackend(log=note)
-
-
-def load_engine(model: Path, config, ngl: int | None, flash_attn: str | None):
-    """Build the engine on the backend ``-ngl`` selects, printing what was resolved; flags this
-    version does not implement are said once."""
+def load_engine(model: Path, config, placement, flash_attn: str | None):
+    """Build the engine with the placement flags, printing what was resolved (devices, layers on the
+    GPU, fallbacks); flags this version does not implement are said once."""
     from moecache.engine import Engine
 
     if flash_attn not in (None, "on", "off", "auto"):
         raise UserError(f"-fa must be on, off or auto, got {flash_attn!r}")
     if flash_attn == "on":
         note(f"note: -fa {flash_attn} ignored: one attention implementation per backend for now")
-    backend = gpu_backend(ngl)
-    eng = Engine(model, config, log=note, backend=backend)
+    eng = Engine(model, config, log=note, placement=placement)
     c = eng.gguf.config
-    if backend is not None and ngl is not None and ngl < c.n_layer:
-        note(f"note: -ngl {ngl} < {c.n_layer} layers: partial offload is not built yet, all layers are on the GPU")
+    pl = eng.placement
     ctx_src = f"-c {config.n_ctx}" if config.n_ctx else "the model's trained context"
-    where = f"cuda ({eng.n_threads} CPU threads)" if backend is not None else f"cpu, {eng.n_threads} threads"
+    if pl is not None and pl.devices:
+        from moecache.devices import gpu_name
+
+        gpus = ", ".join(f"{d}: {gpu_name(d)}" for d in pl.devices)
+        where = f"cuda [{gpus}] + {eng.n_threads} CPU threads | {pl.summary()}"
+    else:
+        where = f"cpu, {eng.n_threads} threads"
     note(f"model: {eng.gguf.path.name} ({c.arch}, {c.n_layer} layers, {eng.gguf.n_bytes / 2**20:.0f} MiB) | "
          f"backend: {where} | n_ctx {eng.n_ctx} ({ctx_src}) | n_ubatch {eng.n_ubatch} | "
          f"loaded in {eng.load_seconds:.2f} s")

@@ -48,8 +48,30 @@ CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in t
 BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size.")]
 UBatchOpt = Annotated[int, typer.Option("-ub", "--ubatch-size", help="Physical batch size (tokens per forward pass).")]
 ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = physical cores).")]
-NglOpt = Annotated[Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="> 0: run on the GPU (CuPy backend, "
-                                               "first version: all layers, experts on the CPU); default: CPU.")]
+NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", help="Layers on the GPU, counted from the "
+                                     "last (> n_layer: the output layer too); -1 = all that fit; 0 = CPU only.")]
+CpuMoeOpt = Annotated[bool, typer.Option("-cmoe", "--cpu-moe", help="Keep every layer's routed experts in host RAM "
+                                         "(computed on the CPU; prompt ubatches of 32+ tokens on the GPU).")]
+NCpuMoeOpt = Annotated[int, typer.Option("-ncmoe", "--n-cpu-moe", help="Keep the routed experts of the first N "
+                                         "layers in host RAM.")]
+SplitOpt = Annotated[str, typer.Option("-sm", "--split-mode", help="layer: split layers over the GPUs; none: -mg only.")]
+TsOpt = Annotated[Optional[str], typer.Option("-ts", "--tensor-split", help="Proportions of layers per GPU, e.g. 3,1 "
+                                              "(default: by free memory).")]
+MgOpt = Annotated[int, typer.Option("-mg", "--main-gpu", help="The GPU of -sm none.")]
+
+
+def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, tensor_split: str | None,
+                      main_gpu: int):
+    """The placement flags as a PlacementOptions (ValueError naming -ts if it does not parse)."""
+    from moecache.placement import PlacementOptions
+
+    ts: tuple[float, ...] = ()
+    if tensor_split:
+        try:
+            ts = tuple(float(v) for v in tensor_split.replace("/", ",").split(","))
+        except ValueError:
+            raise ValueError(f"-ts {tensor_split!r}: expected comma-separated numbers, e.g. 3,1") from None
+    return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu)
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
 EscapeOpt = Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, \\xHH, ...) "
                                          "in the prompt text, as llama.cpp does by default.")]
@@ -78,7 +100,12 @@ def run(
     batch_size: BatchOpt = 2048,
     ubatch_size: UBatchOpt = 512,
     threads: ThreadsOpt = 0,
-    ngl: NglOpt = None,
+    ngl: NglOpt = -1,
+    cpu_moe: CpuMoeOpt = False,
+    n_cpu_moe: NCpuMoeOpt = 0,
+    split_mode: SplitOpt = "layer",
+    tensor_split: TsOpt = None,
+    main_gpu: MgOpt = 0,
     flash_attn: FaOpt = None,
     temp: Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")] = 0.8,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 40,
@@ -107,7 +134,8 @@ def run(
         sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
-        opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, ngl, flash_attn,
+        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu)
+        opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, pl, flash_attn,
                           escape, special)
         run_command(opts, EngineConfig(ctx_size, batch_size, ubatch_size, threads), sp)
     _user_errors(body)
@@ -122,7 +150,12 @@ def perplexity(
     ubatch_size: UBatchOpt = 512,
     threads: ThreadsOpt = 0,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
-    ngl: NglOpt = None,
+    ngl: NglOpt = -1,
+    cpu_moe: CpuMoeOpt = False,
+    n_cpu_moe: NCpuMoeOpt = 0,
+    split_mode: SplitOpt = "layer",
+    tensor_split: TsOpt = None,
+    main_gpu: MgOpt = 0,
     flash_attn: FaOpt = None,
     escape: Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, ...) in "
                                          "the text; off by default, as in llama-perplexity.")] = False,
@@ -137,8 +170,9 @@ def perplexity(
             raise UserError("perplexity needs a text file: -f FILE")
         if ctx_size <= 0:
             raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
+        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu)
         perplexity_command(model, file, ctx_size, EngineConfig(ctx_size, batch_size, ubatch_size, threads), chunks,
-                           ngl, flash_attn, escape)
+                           pl, flash_attn, escape)
     _user_errors(body)
 
 

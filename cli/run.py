@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import sys
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ class RunOptions:
     system: str | None
     chat_template: str | None
     as_json: bool
-    ngl: int | None
+    placement: Any  # moecache.placement.PlacementOptions
     flash_attn: str | None
     escape: bool = True
     special: bool = False
@@ -68,7 +70,7 @@ def run_command(opts: RunOptions, engine_config, sampling) -> None:
     check_chat_template_name(opts.chat_template)
     if not chat and (opts.system is not None or opts.chat_template is not None):
         note("note: -sys and --chat-template apply to chat (-cnv); this one-shot run completes the raw prompt")
-    eng = load_engine(resolve_model(opts.model), engine_config, opts.ngl, opts.flash_attn)
+    eng = load_engine(resolve_model(opts.model), engine_config, opts.placement, opts.flash_attn)
     try:
         sampler = Sampler(sampling, eng.n_ctx)
         if sampling.temp > 0:

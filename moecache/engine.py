@@ -21,7 +21,11 @@ import psutil
 from moecache.backends import NumpyBackend
 from moecache.gguf_file import GGUFModel, open_gguf
 from moecache.kv_cache import ContextFullError
-from moecache.models import build_model
+from moecache.devices import gpu_free_bytes, make_backends
+from moecache.models import build_model, model_class
+from moecache.models.base import expert_weights
+from moecache.moe.executor import placed_experts
+from moecache.placement import Placement, PlacementOptions, model_sizes, plan
 from moecache.sampling import Sampler
 from moecache.tokenizer import Tokenizer
 
@@ -127,7 +131,13 @@ class Engine:
         path: GGUF file (first shard of a split model).
         config: settings; ValueError if impossible.
         log: where one-line notes go (resolved settings, fallbacks); default: discard.
-        backend: array backend; default :class:`NumpyBackend` (the CPU).
+        backend: one array backend for every layer (routed experts in host RAM); default: as
+            ``placement`` decides.
+        placement: the placement flags (``-ngl``, ``--cpu-moe``, ``-sm``, ...), resolved against the
+            free GPU memory by :func:`moecache.placement.plan`; None with no backend = the CPU.
+            The decision and every fallback are logged once.
+        cuda_graph: replay one-token decode steps as a CUDA graph when the whole model is on one
+            GPU (:mod:`moecache.backends.cuda_graph`); False = op by op.
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -135,7 +145,7 @@ class Engine:
     """
 
     def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
-                 backend: Any = None):
+                 backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -149,13 +159,20 @@ class Engine:
         self.gguf: GGUFModel = open_gguf(path)
         try:
             self.tokenizer = Tokenizer.from_gguf(self.gguf)
-            self.backend = backend if backend is not None else NumpyBackend()
-            self.model = build_model(self.gguf, self.backend)
             cfg = self.gguf.config
             self.n_ctx = config.n_ctx or cfg.context_length
             if config.n_ctx and config.n_ctx > cfg.context_length:
                 self.log(f"note: -c {config.n_ctx} is larger than the model's trained context "
                          f"{cfg.context_length}: quality may drop past it")
+            self.placement: Placement | None = None
+            if backend is not None or placement is None:
+                self.backend = backend if backend is not None else NumpyBackend()
+                self.model = build_model(self.gguf, self.backend)
+            else:
+                self.model = self._place(placement)
+                self.backend = self.model.output_be
+                if self.placement is not None and self.placement.devices:
+                    self._decode_graph(cuda_graph)
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             self.kv = self.model.new_kv_cache(self.n_ctx)
             self.warmup()
@@ -163,6 +180,30 @@ class Engine:
             self.gguf.close()
             raise
         self.load_seconds = time.perf_counter() - t0
+
+    def _place(self, opts: PlacementOptions) -> Any:
+        """Plan the placement on the free GPU memory, build the backends and the model on them."""
+        free, why = gpu_free_bytes()
+        if not free and opts.n_gpu_layers != 0:
+            self.log(f"note: no usable GPU ({why}): running on the CPU")
+        pl = plan(opts, model_sizes(self.gguf, self.n_ctx), free)
+        for n in pl.notes:
+            self.log("note: " + n)
+        self.placement = pl
+        bes = make_backends([*pl.layer_device, pl.output_device], self.log)
+        layer_bes = [bes[d] for d in pl.layer_device]
+        experts = placed_experts(expert_weights(self.gguf, model_class(self.gguf).act), pl.experts_on_device,
+                                 layer_bes, pl.offload_min_batch)
+        return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device])
+
+    def _decode_graph(self, wanted: bool) -> None:
+        from moecache.backends.cuda_graph import DecodeGraph, eligible
+
+        why = eligible(self.model) if wanted else "disabled"
+        if why is None:
+            self.model.decode_graph = DecodeGraph(self.model, self.log)
+        elif wanted:
+            self.log(f"note: decode steps run op by op, not as a CUDA graph ({why})")
 
     def warmup(self) -> None:
         """One token through the model and back out of the cache: loads the compiled kernels so the

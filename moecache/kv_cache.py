@@ -9,6 +9,7 @@ before anything is written, so the cache is never left half-updated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,17 +43,23 @@ class KVCache:
         shape: the sizes (see :class:`KVShape`).
         xp: array module the buffers live in (numpy; cupy on the GPU backend).
         dtype: element type (float32 on the CPU).
+        zeros: ``(layer, shape) -> zero array`` to allocate each layer's buffers where that layer
+            runs (several devices); default ``xp.zeros``.
 
     Attributes:
         k, v: lists of ``n_layer`` arrays, ``(n_ctx, n_head_kv, head_dim[_v])``.
         n_past: number of positions filled.
     """
 
-    def __init__(self, shape: KVShape, xp: Any = np, dtype: Any = np.float32):
+    def __init__(self, shape: KVShape, xp: Any = np, dtype: Any = np.float32,
+                 zeros: Callable[[int, tuple[int, ...]], Any] | None = None):
         self.shape = shape
         self.xp = xp
-        self.k = [xp.zeros((shape.n_ctx, shape.n_head_kv, shape.head_dim), dtype) for _ in range(shape.n_layer)]
-        self.v = [xp.zeros((shape.n_ctx, shape.n_head_kv, shape.head_dim_v), dtype) for _ in range(shape.n_layer)]
+        if zeros is None:
+            def zeros(il: int, shp: tuple[int, ...]) -> Any:
+                return xp.zeros(shp, dtype)
+        self.k = [zeros(il, (shape.n_ctx, shape.n_head_kv, shape.head_dim)) for il in range(shape.n_layer)]
+        self.v = [zeros(il, (shape.n_ctx, shape.n_head_kv, shape.head_dim_v)) for il in range(shape.n_layer)]
         self.n_past = 0
 
     @property

@@ -20,7 +20,22 @@ def gpu():
     return CupyBackend()
 
 
-@pytest.mark.parametrize("fmt_name", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K", "F16", "BF16"])
+ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4",
+               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+
+
+def poison(shape, dtype=np.float32):
+    """Fill a pool block of this size with NaN and free it: the backend's next cp.empty of the
+    same size gets it back, so an output the kernel forgets to write stays NaN and fails."""
+    a = cp.full(shape, np.nan, dtype)
+    del a
+
+
+def _seed() -> int:
+    return int(np.random.SeedSequence().entropy % 2**32)
+
+
+@pytest.mark.parametrize("fmt_name", ALL_FORMATS)
 def test_dequant_kernels_match_gguf_py(gpu, fmt_name):
     from gguf.quants import dequantize
 
@@ -28,19 +43,21 @@ def test_dequant_kernels_match_gguf_py(gpu, fmt_name):
     from moecache.quants.formats import FORMATS
     from moecache.quants.random_blocks import random_rows
 
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seed = _seed()
     rng = np.random.default_rng(seed)
     fmt = FORMATS[fmt_name]
     n_rows, n_in = 37, 512
     raw = random_rows(fmt, n_rows, n_in, rng)
     ref = dequantize(raw, fmt.ggml_type).astype(np.float64).reshape(n_rows, n_in)
     w = Linear("w", cp.asarray(raw), fmt.ggml_type, n_in)
+    poison((n_rows, n_in))
     got = cp.asnumpy(gpu.dequantize(w)).astype(np.float64)
     assert np.isfinite(got).all(), f"seed {seed}"
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 1e-6, f"{fmt_name} seed {seed}: {err:.2e}"
     # a row subset (the embedding path)
-    sub = cp.asnumpy(gpu.dequantize(w, w.data[cp.asarray([3, 0, 36])]))
+    poison((3, n_in))
+    sub = cp.asnumpy(gpu.embed(w, np.array([3, 0, 36])))
     np.testing.assert_allclose(sub, ref[[3, 0, 36]], rtol=1e-6, atol=1e-7)
 
 
@@ -84,7 +101,7 @@ def test_code_moe_tiny_gpu_equals_cpu(gpu, code_moe_tiny):
     assert rel < 1e-4
 
 
-@pytest.mark.parametrize("fmt_name", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt_name", ALL_FORMATS)
 @pytest.mark.parametrize("n_tok", [1, 3, 16])
 def test_fused_gemv_matches_gguf_py(gpu, fmt_name, n_tok):
     from gguf.quants import dequantize
@@ -93,7 +110,7 @@ def test_fused_gemv_matches_gguf_py(gpu, fmt_name, n_tok):
     from moecache.quants.formats import FORMATS
     from moecache.quants.random_blocks import random_rows
 
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seed = _seed()
     rng = np.random.default_rng(seed)
     fmt = FORMATS[fmt_name]
     n_rows, n_in = 301, 1024
@@ -101,7 +118,161 @@ def test_fused_gemv_matches_gguf_py(gpu, fmt_name, n_tok):
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
     ref = x.astype(np.float64) @ dequantize(raw, fmt.ggml_type).astype(np.float64).reshape(n_rows, n_in).T
     w = Linear("w", cp.asarray(raw), fmt.ggml_type, n_in)
+    poison((n_tok, n_rows))
     got = cp.asnumpy(gpu.matmul(w, cp.asarray(x)))
     assert got.shape == (n_tok, n_rows) and np.isfinite(got).all()
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert err < 2e-6, f"{fmt_name} T={n_tok} seed {seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("MXFP4", "MXFP4", "Q5_0"),
+                                   ("IQ4_XS", "Q4_K", "Q3_K")])
+@pytest.mark.parametrize("n_tok", [1, 5, 40])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_moe_ffn_gpu_matches_numpy_twin(gpu, types, n_tok, act):
+    """Both GPU MoE paths (decode kernels up to 16 tokens, batched cuBLAS beyond) against the CPU
+    kernel, itself tested against gguf-py in tests/test_moe_kernel.py."""
+    from moecache.backends import NumpyBackend
+    from moecache.moe.routing import topk_routing
+    from moecache.quants.formats import FORMATS
+    from moecache.quants.random_blocks import random_rows
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    n_exp, k, n_embd, ff = 16, 4, 512, 256
+    fg, fu, fd = (FORMATS[t] for t in types)
+
+    def stack(fmt, rows, n_in):
+        return np.stack([random_rows(fmt, rows, n_in, rng, std=0.05) for _ in range(n_exp)])
+
+    g, u, d = stack(fg, ff, n_embd), stack(fu, ff, n_embd), stack(fd, n_embd, ff)
+    tt = (fg.ggml_type, fu.ggml_type, fd.ggml_type)
+    h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    r = topk_routing(rng.dirichlet(np.ones(n_exp), n_tok).astype(np.float32), k, True)
+    ref = NumpyBackend().moe_ffn(g, u, d, tt, r, h, act)
+    poison((n_tok, n_embd))
+    got = cp.asnumpy(gpu.moe_ffn(gpu.upload(g), gpu.upload(u), gpu.upload(d), tt, r, cp.asarray(h), act))
+    assert np.isfinite(got).all()
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 1e-5, f"{types} T={n_tok} seed {seed}: {err:.2e}"
+
+
+def test_softmax_topk_kernel_matches_numpy(gpu):
+    from moecache.backends import NumpyBackend
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for n_expert, k, renorm in [(128, 8, True), (60, 4, False), (8, 2, True), (256, 8, True)]:
+        logits = rng.standard_normal((33, n_expert)).astype(np.float32) * 3
+        ref = NumpyBackend().topk_routing(logits, k, renorm)
+        got = gpu.topk_routing(cp.asarray(logits), k, renorm).host()
+        np.testing.assert_array_equal(got.ids, ref.ids, err_msg=f"seed {seed}")
+        np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1, 4, 16, 40])
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])
+def test_layer_ops_match_numpy_twin(gpu, n_tok, window, softcap):
+    from moecache.backends import NumpyBackend
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    cpu_ = NumpyBackend()
+    n_ctx, n_head, n_kv, d = 64, 8, 2, 128
+    pos0 = 20
+    q = rng.standard_normal((n_tok, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float32)
+    ref = cpu_.attention(q, k, v, pos0, 0.09, window, softcap)
+    got = cp.asnumpy(gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos0, 0.09, window, softcap))
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5, err_msg=f"attention seed {seed}")
+    x = rng.standard_normal((n_tok, 300)).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    np.testing.assert_allclose(cp.asnumpy(gpu.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6)),
+                               cpu_.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cp.asnumpy(gpu.rms_norm(cp.asarray(q), None, 1e-6)), cpu_.rms_norm(q, None, 1e-6),
+                               rtol=1e-5, atol=1e-6)
+    cos = rng.standard_normal((n_tok, 48)).astype(np.float32)
+    sin = rng.standard_normal((n_tok, 48)).astype(np.float32)
+    for neox in (True, False):
+        np.testing.assert_allclose(cp.asnumpy(gpu.rope(cp.asarray(q), cp.asarray(cos), cp.asarray(sin), neox)),
+                                   cpu_.rope(q, cos, sin, neox), rtol=1e-5, atol=1e-5)
+    for act in ("silu", "gelu"):
+        np.testing.assert_allclose(cp.asnumpy(gpu.glu(cp.asarray(x), cp.asarray(x[::-1].copy()), act)),
+                                   cpu_.glu(x, x[::-1].copy(), act), rtol=1e-5, atol=1e-6)
+
+
+PLACEMENTS = [dict(), dict(n_gpu_layers=2), dict(cpu_moe=True), dict(n_cpu_moe=2), dict(n_gpu_layers=5)]
+
+
+@pytest.mark.parametrize("opts", PLACEMENTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "auto")
+def test_placements_equal_cpu(gpu, opts, tmp_path):
+    """Full GPU, partial -ngl, --cpu-moe and --n-cpu-moe (with op offload of the 40-token prompt)
+    all give the CPU's logits, prompt and decode."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, P["tiny"], seed=5)
+    rng = np.random.default_rng(8)
+    with Engine(path, EngineConfig(n_ctx=64)) as c, \
+            Engine(path, EngineConfig(n_ctx=64), placement=PlacementOptions(**opts)) as g:
+        tokens = rng.integers(0, c.gguf.config.n_vocab, 44)
+        assert g.placement is not None and g.placement.devices == [0]
+        ref = np.vstack([c.eval(tokens[:40], logits="all")] + [c.eval(tokens[i:i + 1]) for i in range(40, 44)])
+        got = np.vstack([g.eval(tokens[:40], logits="all")] + [g.eval(tokens[i:i + 1]) for i in range(40, 44)])
+        offloaded = sum(getattr(e, "offloaded_bytes", 0) for e in g.model.experts.executors.values())
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"{opts or 'auto'}: {g.placement.summary()}; rel {rel:.2e}; offloaded {offloaded} B")
+    assert np.isfinite(got).all() and rel < 1e-4
+    if opts.get("cpu_moe") or opts.get("n_cpu_moe"):
+        assert offloaded > 0  # the 40-token prompt ran the host experts on the GPU
+
+
+def test_two_backends_on_one_gpu_pass_the_hidden_state(gpu, tmp_path):
+    """-sm layer's hand-over between GPU backends (here two on device 0; a second GPU if present)."""
+    from moecache.backends import NumpyBackend
+    from moecache.backends.cupy_backend import CupyBackend, device_count
+    from moecache.gguf_file import open_gguf
+    from moecache.models import build_model
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, P["tiny"], seed=6)
+    other = CupyBackend(1 if device_count() > 1 else 0)
+    with open_gguf(path) as m:
+        tokens = np.random.default_rng(9).integers(0, m.config.n_vocab, 10)
+        cpu_lm = build_model(m, NumpyBackend())
+        ref = cpu_lm.forward(tokens, cpu_lm.new_kv_cache(16), logits="all")
+        bes = [gpu, gpu, other, other]
+        lm = build_model(m, gpu, layer_backends=bes, output_backend=other)
+        got = lm.forward(tokens, lm.new_kv_cache(16), logits="all")
+    gpu.activate()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_cuda_graph_decode_equals_op_by_op(gpu, tmp_path):
+    """Decode steps replayed from the captured graph give the op-by-op logits at every position,
+    and after a reset (the same KV cache) too."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    for preset in ("tiny", "tiny-gemma3"):
+        path = tmp_path / f"{preset}.gguf"
+        write_model(path, P[preset], seed=7)
+        tokens = np.random.default_rng(3).integers(0, 200, 30)
+        with Engine(path, EngineConfig(n_ctx=64), placement=PlacementOptions(), cuda_graph=False) as a, \
+                Engine(path, EngineConfig(n_ctx=64), placement=PlacementOptions()) as b:
+            assert a.model.decode_graph is None and b.model.decode_graph is not None
+            for rep in range(2):
+                a.reset()
+                b.reset()
+                ref = np.vstack([a.eval(tokens[:5])] + [a.eval(tokens[i:i + 1]) for i in range(5, 30)])
+                got = np.vstack([b.eval(tokens[:5])] + [b.eval(tokens[i:i + 1]) for i in range(5, 30)])
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=preset)
+            assert b.model.decode_graph.failed is None and b.model.decode_graph.replays >= 50

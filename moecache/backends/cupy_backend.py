@@ -1,13 +1,14 @@
-"""GPU backend (first slice): the model's operations on CuPy arrays.
+"""GPU backend: the model's operations on CuPy arrays, on one CUDA device.
 
-Weights are uploaded in their GGUF quant format and dequantized on the GPU by the CUDA kernels of
-``moecache/quants/cuda/dequant.cu`` (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; F16/BF16/F32 by array
-conversion); a matmul dequantizes W to a float32 scratch matrix and calls cuBLAS (``x @ W.T``).
-Other quant formats are dequantized once at load on the CPU and kept as float32 on the GPU (said
-once per format). Up to 16 tokens, the same five formats use fused kernels that read the quantized
-rows once (a warp per output row, no scratch matrix). This is the correct-first version of the GPU
-runtime: faster GEMV (vectorized loads, integer dot products) and tensor-core prefill are the GPU
-runtime issue's next steps.
+Weights are uploaded in their GGUF quant format and dequantized inside the CUDA kernels of
+``moecache/quants/cuda/dequant.cu`` (every format of :mod:`moecache.quants.formats`, F16/BF16/F32
+included). Up to :data:`GEMV_MAX_TOKENS` tokens a matmul is one fused kernel that reads each
+quantized row once (a warp per output row); larger ubatches dequantize W to a float32 scratch
+matrix and call cuBLAS. The layer operations (RMSNorm, RoPE, gated activation, decode attention,
+softmax top-k routing) are one launch each from ``moecache/backends/cuda/ops.cu``. Routed experts
+resident on the device run through :meth:`CupyBackend.moe_ffn`: two kernels for decode-sized
+ubatches (routing read from device memory, no host round trip), batched cuBLAS over the used
+experts for prompt ubatches.
 
 Requires CuPy (``pip install -e '.[cuda]'``); importing this module without it raises ImportError.
 """
@@ -19,117 +20,356 @@ from pathlib import Path
 from typing import Any, Callable
 
 import cupy as cp
+import numba
 import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.ops import ArrayOps
 from moecache.gguf_file import TensorView
-from moecache.quants.formats import format_for
+from moecache.moe.routing import Routing
+from moecache.quants.formats import FORMATS, format_for
 
-CUDA_SRC = Path(__file__).resolve().parents[1] / "quants" / "cuda" / "dequant.cu"
-# format name -> (kernel name, weights per block, bytes per block)
-KERNELS = {"Q8_0": ("deq_q8_0", 32, 34), "Q4_0": ("deq_q4_0", 32, 18), "Q5_0": ("deq_q5_0", 32, 22),
-           "Q4_K": ("deq_q4_k", 256, 144), "Q6_K": ("deq_q6_k", 256, 210)}
-THREADS = 128
-GEMV_MAX_TOKENS = 16  # MAX_TOK of dequant.cu: fewer tokens use the fused kernels, more dequantize + cuBLAS
-GEMV_ROWS_PER_BLOCK = 4  # warps (one output row each) per CUDA block
+QUANT_SRC = Path(__file__).resolve().parents[1] / "quants" / "cuda" / "dequant.cu"
+OPS_SRC = Path(__file__).resolve().parent / "cuda" / "ops.cu"
+# format name -> kernel suffix in dequant.cu (deq_<s>, gemv_<s>, moe_glu_<s>, moe_down_<s>, deq_experts_<s>)
+SUFFIX = {name: name.lower() for name in FORMATS}
+THREADS = 256  # DEQ_THREADS of dequant.cu (the dequantize kernels rely on it)
+GEMV_MAX_TOKENS = 16  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
+WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
+ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
+ATT_MAX_HEAD_DIM = 256
+ATT_WARPS = 16  # ATT_WARPS of ops.cu: warps per (head, query) block of attn_decode
+MOE_SCRATCH_BYTES = 256 << 20  # dequantized expert weights of one prompt-MoE chunk
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _gather_rows(src, idx, dst):  # dst[i] = src[idx[i]], rows split over the CPU threads
+    n, per = dst.shape
+    chunk = 1 << 16
+    n_chunks = (per + chunk - 1) // chunk
+    for j in numba.prange(n * n_chunks):
+        i = j // n_chunks
+        c0 = (j % n_chunks) * chunk
+        c1 = min(per, c0 + chunk)
+        dst[i, c0:c1] = src[idx[i], c0:c1]
+
+
+NULL = np.uint64(0)  # a null pointer argument of a kernel
+
+
+def _i64(v: int) -> np.int64:
+    return np.int64(v)
 
 
 class CupyBackend(ArrayOps):
-    """Array operations on one GPU (the current CuPy device).
+    """Array operations on one GPU.
 
     Args:
-        log: where one-line notes go (formats without a GPU kernel); default: discard.
+        device: CUDA device ordinal.
+        log: where one-line notes go; default: discard.
     """
 
     name = "cuda"
     xp = cp
 
-    def __init__(self, log: Callable[[str], None] | None = None):
+    def __init__(self, device: int = 0, log: Callable[[str], None] | None = None):
+        self.device = device
         self.log = log or (lambda s: None)
         self._noted: set[str] = set()
         self._cpu = NumpyBackend()
+        self._fns: dict[str, Any] = {}
+        self._inv_freq: dict[bytes, cp.ndarray] = {}
+        self._staging: np.ndarray | None = None  # page-locked buffer of upload_experts
 
+    def activate(self) -> None:
+        """Make this backend's GPU the current CUDA device (before running a layer placed on it)."""
+        cp.cuda.Device(self.device).use()
+
+    # ---- kernels -------------------------------------------------------------------------------
     @cached_property
-    def _module(self) -> cp.RawModule:
-        return cp.RawModule(code=CUDA_SRC.read_text(), options=("-std=c++17",))
+    def _modules(self) -> tuple[cp.RawModule, cp.RawModule]:
+        with cp.cuda.Device(self.device):
+            return (cp.RawModule(code=QUANT_SRC.read_text(), options=("-std=c++17",)),
+                    cp.RawModule(code=OPS_SRC.read_text(), options=("-std=c++17",)))
 
-    # ---- weights -------------------------------------------------------------------------------
+    def _fn(self, name: str) -> Any:
+        f = self._fns.get(name)
+        if f is None:
+            quant, ops = self._modules
+            with cp.cuda.Device(self.device):
+                try:
+                    f = ops.get_function(name)
+                except cp.cuda.driver.CUDADriverError:
+                    f = quant.get_function(name)
+            self._fns[name] = f
+        return f
+
+    # ---- weights and arrays ------------------------------------------------------------------------
+    def _put(self, a: np.ndarray) -> cp.ndarray:
+        with cp.cuda.Device(self.device):
+            return cp.asarray(a)
+
     def linear(self, t: TensorView) -> Linear:
-        """Upload a matrix (or stacked experts): raw blocks for formats with a kernel, float32 else."""
+        """Upload a matrix (or stacked experts) in its GGUF format; F32 as a float32 matrix."""
         fmt = format_for(t.ggml_type, t.name)
+        if t.shape[-1] % 32 == 0:  # every format, F32 included, as raw rows for the kernels (no cuBLAS
+            # in the decode step: a CUDA graph cannot capture CuPy's cuBLAS calls)
+            return Linear(t.name, self._put(t.data), t.ggml_type, t.shape[-1])
         if fmt.name == "F32":
-            return Linear(t.name, cp.asarray(t.data.view(np.float32)), t.ggml_type, t.shape[-1])
-        if fmt.name in KERNELS:
-            return Linear(t.name, cp.asarray(t.data), t.ggml_type, t.shape[-1])
-        if fmt.name not in self._noted:
-            self._noted.add(fmt.name)
-            self.log(f"note: no GPU kernel for {fmt.name} yet: its tensors are dequantized on the CPU at load "
-                     f"and kept as float32 on the GPU")
+            return Linear(t.name, self._put(t.data.view(np.float32)), t.ggml_type, t.shape[-1])
+        # only the float formats allow rows that are not a multiple of 32
+        self._note(f"{t.name}: rows of {t.shape[-1]} elements (not a multiple of 32) are kept as float32 on the GPU")
         rows = t.data.reshape(-1, t.data.shape[-1])
         dense = self._cpu.dequantize_rows(rows, t.ggml_type, t.shape[-1], t.name)
-        return Linear(t.name, cp.asarray(dense.reshape(*t.shape)), t.ggml_type, t.shape[-1])
+        return Linear(t.name, self._put(dense.reshape(*t.shape)), t.ggml_type, t.shape[-1])
+
+    def _note(self, msg: str) -> None:
+        if msg not in self._noted:
+            self._noted.add(msg)
+            self.log("note: " + msg)
 
     def vector(self, t: TensorView) -> cp.ndarray:
         """A 1-D tensor as float32 on the GPU."""
-        return cp.asarray(self._cpu.vector(t))
+        return self._put(self._cpu.vector(t))
+
+    def upload(self, a: np.ndarray) -> cp.ndarray:
+        """Raw weight bytes (e.g. stacked experts) copied to this GPU as they are."""
+        return self._put(np.ascontiguousarray(a))
+
+    def upload_experts(self, w: np.ndarray, used: np.ndarray) -> cp.ndarray:
+        """``w[used]`` (stacked experts, uint8 (n_expert, rows, row_bytes)) copied to this GPU: CPU
+        threads gather the experts into a page-locked staging buffer, then one copy at pinned speed
+        (pageable copies run ~8x slower, ../shared/anchors.md)."""
+        n = int(used.size)
+        per = int(np.prod(w.shape[1:]))
+        need = n * per
+        if self._staging is None or self._staging.size < need:
+            import cupyx
+
+            self._staging = cupyx.empty_pinned((max(need, 1),), np.uint8)
+        host = self._staging[:need].reshape(n, per)
+        _gather_rows(w.reshape(w.shape[0], per), np.ascontiguousarray(used, np.int64), host)
+        with cp.cuda.Device(self.device):
+            out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
+            out.reshape(n, per).set(host)
+        return out
 
     def asarray(self, a: np.ndarray) -> cp.ndarray:
         """Host array -> GPU array."""
-        return cp.asarray(a)
+        return self._put(a)
+
+    def adopt(self, a: Any) -> cp.ndarray:
+        """An array of any backend as an array on this GPU (copied from the host or another GPU)."""
+        if isinstance(a, np.ndarray):
+            return self._put(a)
+        if a.device.id == self.device:
+            return a
+        with cp.cuda.Device(self.device):
+            out = cp.empty_like(a)
+            out.data.copy_from_device(a.data, a.nbytes)
+        return out
 
     def to_host(self, a: cp.ndarray) -> np.ndarray:
         """GPU array -> numpy array (a device-to-host copy)."""
         return cp.asnumpy(a)
 
-    # ---- operations ----------------------------------------------------------------------------
-    def dequantize(self, w: Linear, rows: cp.ndarray | None = None) -> cp.ndarray:
-        """float32 (n, n_in) of W's rows (all, or the uint8 block rows given)."""
+    def zeros(self, shape: tuple[int, ...]) -> cp.ndarray:
+        """float32 zeros on this GPU (the KV cache's buffers)."""
+        with cp.cuda.Device(self.device):
+            return cp.zeros(shape, cp.float32)
+
+    # ---- quantized operations ----------------------------------------------------------------------
+    def _suffix(self, w: Linear) -> str:
+        return SUFFIX[format_for(w.ggml_type, w.name).name]
+
+    def dequantize(self, w: Linear, idx: cp.ndarray | None = None) -> cp.ndarray:
+        """float32 (n, n_in) of W's rows: all of them, or rows ``idx`` (int64 device array)."""
         if w.is_f32:
-            return w.data if rows is None else rows
-        data = w.data if rows is None else rows
-        name = format_for(w.ggml_type, w.name).name
-        if name == "F16":
-            return data.view(cp.float16).astype(cp.float32)
-        if name == "BF16":
-            return (data.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
-        kname, bs, tsz = KERNELS[name]
-        n_rows, row_bytes = data.shape
-        nb = w.n_in // bs
+            return w.data if idx is None else w.data[idx]
+        n_rows = w.data.shape[0] if idx is None else idx.shape[0]
         out = cp.empty((n_rows, w.n_in), cp.float32)
-        total = n_rows * nb
-        kern = self._module.get_function(kname)
-        kern(((total + THREADS - 1) // THREADS,), (THREADS,),
-             (data, out, np.int64(n_rows), np.int64(row_bytes), np.int64(nb)))
+        units = n_rows * (w.n_in // 32)
+        self._fn("deq_" + self._suffix(w))(
+            ((units + THREADS - 1) // THREADS,), (THREADS,),
+            (w.data, NULL if idx is None else idx, out, _i64(n_rows), _i64(w.data.shape[1]), _i64(w.n_in)))
         return out
 
     def matmul(self, w: Linear, x: cp.ndarray) -> cp.ndarray:
-        """``x @ W.T``: float32 (T, n_in) -> (T, n_out). Up to GEMV_MAX_TOKENS tokens: a fused kernel
-        reads the quantized rows once (one warp per row); more: dequantize W, then cuBLAS."""
+        """``x @ W.T``: float32 (T, n_in) -> (T, n_out). Up to GEMV_MAX_TOKENS tokens a fused kernel
+        reads the quantized rows once; more: dequantize W, then cuBLAS."""
         if w.is_f32:
             return x @ w.data.T
-        name = format_for(w.ggml_type, w.name).name
-        if x.shape[0] <= GEMV_MAX_TOKENS and name in KERNELS and w.data.ndim == 2:
-            x = cp.ascontiguousarray(x, dtype=cp.float32)
-            n_rows, row_bytes = w.data.shape
-            y = cp.empty((x.shape[0], n_rows), cp.float32)
-            kern = self._module.get_function("gemv_" + KERNELS[name][0].removeprefix("deq_"))
-            kern(((n_rows + GEMV_ROWS_PER_BLOCK - 1) // GEMV_ROWS_PER_BLOCK,), (32 * GEMV_ROWS_PER_BLOCK,),
-                 (w.data, x, y, np.int64(n_rows), np.int64(row_bytes), np.int64(w.n_in), np.int32(x.shape[0])))
-            return y
-        return x @ self.dequantize(w).T
+        if x.shape[0] > GEMV_MAX_TOKENS:
+            return x @ self.dequantize(w).T
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n_rows, row_bytes = w.data.shape
+        y = cp.empty((x.shape[0], n_rows), cp.float32)
+        self._fn("gemv_" + self._suffix(w))(
+            ((n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,), (32 * WARPS_PER_BLOCK,),
+            (w.data, x, y, _i64(n_rows), _i64(row_bytes), _i64(w.n_in), np.int32(x.shape[0])))
+        return y
 
-    def embed(self, w: Linear, ids: np.ndarray) -> cp.ndarray:
-        """Rows ``ids`` of an embedding matrix, dequantized: int (T,) -> float32 (T, n_in)."""
-        idx = cp.asarray(np.asarray(ids, dtype=np.int64))
-        return self.dequantize(w, w.data[idx]) if not w.is_f32 else w.data[idx]
+    def embed(self, w: Linear, ids: Any) -> cp.ndarray:
+        """Rows ``ids`` of an embedding matrix, dequantized: int (T,) (host, or int64 on this GPU) ->
+        float32 (T, n_in)."""
+        if not isinstance(ids, cp.ndarray):
+            ids = self._put(np.asarray(ids, dtype=np.int64))
+        return self.dequantize(w, ids)
+
+    # ---- layer operations (ops.cu; the numpy twins are in ArrayOps) ---------------------------------
+    def rms_norm(self, x: cp.ndarray, w: cp.ndarray | None, eps: float) -> cp.ndarray:
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n = x.shape[-1]
+        y = cp.empty_like(x)
+        threads = 32 * min(8, max(1, (n + 127) // 128))
+        self._fn("rms_norm")((x.size // n,), (threads,), (x, NULL if w is None else w, y, _i64(n), np.float32(eps)))
+        return y
+
+    def rope(self, x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, neox: bool) -> cp.ndarray:
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        t, h, d = x.shape
+        y = cp.empty_like(x)
+        n = t * h * (d // 2)
+        self._fn("rope")(((n + THREADS - 1) // THREADS,), (THREADS,),
+                         (x, y, cp.ascontiguousarray(cos), cp.ascontiguousarray(sin), np.int32(t), np.int32(h),
+                          np.int32(d), np.int32(cos.shape[1]), np.int32(bool(neox))))
+        return y
+
+    def glu(self, gate: cp.ndarray, up: cp.ndarray, act: str) -> cp.ndarray:
+        gate = cp.ascontiguousarray(gate, dtype=cp.float32)
+        up = cp.ascontiguousarray(up, dtype=cp.float32)
+        out = cp.empty_like(gate)
+        self._fn("glu")(((gate.size + THREADS - 1) // THREADS,), (THREADS,),
+                        (gate, up, out, _i64(gate.size), np.int32(act != "silu")))
+        return out
+
+    def positions(self, pos: np.ndarray) -> cp.ndarray:
+        return self._put(np.asarray(pos, dtype=np.int32))
+
+    def rope_tables(self, inv_freq: np.ndarray, pos: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        key = inv_freq.tobytes()
+        inv = self._inv_freq.get(key)
+        if inv is None:  # once per RoPE, never while a CUDA graph is being captured
+            inv = self._inv_freq[key] = self._put(np.asarray(inv_freq, np.float64))
+        t, half = pos.shape[0], inv.shape[0]
+        cs = cp.empty((t, half), cp.float32)
+        sn = cp.empty((t, half), cp.float32)
+        self._fn("rope_table")(((t * half + 127) // 128,), (128,), (inv, pos, cs, sn, np.int32(t), np.int32(half)))
+        return cs, sn
+
+    def kv_store(self, k_all: cp.ndarray, v_all: cp.ndarray, pos: cp.ndarray, k: cp.ndarray, v: cp.ndarray) -> None:
+        t = k.shape[0]
+        rk, rv = k_all.shape[1] * k_all.shape[2], v_all.shape[1] * v_all.shape[2]
+        self._fn("kv_store")(((max(rk, rv) + 127) // 128, t), (128,),
+                             (cp.ascontiguousarray(k), cp.ascontiguousarray(v), k_all, v_all, pos, np.int32(t),
+                              np.int32(rk), np.int32(rv)))
+
+    def attention(self, q: cp.ndarray, k_all: cp.ndarray, v_all: cp.ndarray, pos0: Any, scale: float,
+                  window: int | None = None, softcap: float | None = None) -> cp.ndarray:
+        t, n_head, d = q.shape
+        dv = v_all.shape[2]
+        if t > ATT_MAX_TOKENS or d > ATT_MAX_HEAD_DIM or dv > ATT_MAX_HEAD_DIM:
+            return super().attention(q, k_all, v_all, pos0, scale, window, softcap)
+        pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        out = cp.empty((t, n_head * dv), cp.float32)
+        self._fn("attn_decode")((n_head, t), (32 * ATT_WARPS,),
+                                (q, k_all, v_all, out, pos, np.int32(n_head), np.int32(k_all.shape[1]),
+                                 np.int32(d), np.int32(dv), np.float32(scale), np.int32(window or 0),
+                                 np.float32(softcap or 0.0)))
+        return out
+
+    def topk_routing(self, logits: cp.ndarray, k: int, renorm: bool) -> Routing:
+        """Softmax top-k routing on the GPU (ties: lower id first); ids and weights stay on the device."""
+        logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+        t, n_expert = logits.shape
+        if n_expert > 1024:
+            return self._cpu.topk_routing(cp.asnumpy(logits), k, renorm)
+        ids = cp.empty((t, k), cp.int32)
+        w = cp.empty((t, k), cp.float32)
+        self._fn("softmax_topk")((t,), (32,), (logits, ids, w, np.int32(n_expert), np.int32(k), np.int32(renorm)))
+        return Routing(ids, w)
+
+    def moe_ffn(self, gate: cp.ndarray, up: cp.ndarray, down: cp.ndarray, types: tuple[int, int, int],
+                routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray:
+        """Routed experts on the GPU; the same contract as :meth:`NumpyBackend.moe_ffn` (weights here
+        are device arrays of raw blocks, (n_expert, rows, row_bytes))."""
+        h = cp.ascontiguousarray(h, dtype=cp.float32)
+        t, n_embd = h.shape
+        if t > GEMV_MAX_TOKENS:
+            return self._moe_prompt(gate, up, down, types, routing, h, act)
+        ids = cp.ascontiguousarray(cp.asarray(routing.ids), dtype=cp.int32)
+        w = cp.ascontiguousarray(cp.asarray(routing.weights), dtype=cp.float32)
+        k = ids.shape[1]
+        n_exp, ff, rb = gate.shape
+        fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
+        if types[0] != types[1]:
+            return self._moe_prompt(gate, up, down, types, routing, h, act)
+        a = cp.empty((t * k, ff), cp.float32)
+        self._fn("moe_glu_" + fg)(
+            ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
+            (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
+             np.int32(act != "silu")))
+        y = cp.empty((t, n_embd), cp.float32)
+        rbd = down.shape[2]
+        self._fn("moe_down_" + fd)(
+            ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
+            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff)))
+        return y
+
+    def _deq_experts(self, w: cp.ndarray, ggml_type: int, eids: cp.ndarray, n_in: int, out: cp.ndarray) -> cp.ndarray:
+        n_used = eids.shape[0]
+        _, n_rows, rb = w.shape
+        units = n_used * n_rows * (n_in // 32)
+        self._fn("deq_experts_" + SUFFIX[format_for(ggml_type).name])(
+            ((units + THREADS - 1) // THREADS,), (THREADS,),
+            (w, eids, out, _i64(n_used), _i64(n_rows), _i64(rb), _i64(n_rows * rb), _i64(n_in)))
+        return out[:n_used * n_rows * n_in].reshape(n_used, n_rows, n_in)
+
+    def _moe_prompt(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray:
+        """Prompt-sized ubatches: per chunk of used experts, dequantize their weights and run batched
+        cuBLAS GEMMs over their tokens (padded to the chunk's largest group), then sum each token's
+        k outputs with its weights in one pass."""
+        eids, offs, rows, wts = routing.groups()
+        t, n_embd = h.shape
+        k = routing.ids.shape[1]
+        _, ff, _ = gate.shape
+        counts = np.diff(offs)
+        per_expert = 4 * ff * n_embd
+        chunk = max(1, MOE_SCRATCH_BYTES // per_expert)
+        scratch = cp.empty(min(chunk, len(eids)) * per_expert // 4, cp.float32)
+        y_pairs = cp.empty((t * k, n_embd), cp.float32)  # row i: the pair at CSR position i
+        for g0 in range(0, len(eids), chunk):
+            g1 = min(len(eids), g0 + chunk)
+            m = int(counts[g0:g1].max())
+            slot = np.arange(m)[None, :]
+            valid = slot < counts[g0:g1, None]
+            pos = np.where(valid, offs[g0:g1, None] + slot, offs[g0:g1, None])  # padding repeats a real pair
+            xp_ = h[cp.asarray(rows[pos])]  # (C, m, n_embd)
+            e_dev = cp.asarray(eids[g0:g1])
+            wg = self._deq_experts(gate, types[0], e_dev, n_embd, scratch)
+            gg = cp.matmul(xp_, wg.transpose(0, 2, 1))
+            wu = self._deq_experts(up, types[1], e_dev, n_embd, scratch)
+            a = self.glu(gg, cp.matmul(xp_, wu.transpose(0, 2, 1)), act)
+            wd = self._deq_experts(down, types[2], e_dev, ff, scratch)
+            yc = cp.matmul(a, wd.transpose(0, 2, 1))  # (C, m, n_embd)
+            flat_valid = np.flatnonzero(valid.reshape(-1))
+            y_pairs[cp.asarray(pos.reshape(-1)[flat_valid])] = yc.reshape(-1, n_embd)[cp.asarray(flat_valid)]
+        # token t's pairs, in token order: CSR positions sorted by token (stable), k per token
+        by_token = np.argsort(rows, kind="stable").astype(np.int32)
+        out = cp.empty((t, n_embd), cp.float32)
+        starts = np.arange(0, t * k + 1, k, dtype=np.int32)
+        self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, t), (THREADS,),
+                                (y_pairs, cp.asarray(by_token), cp.asarray(wts[by_token]), cp.asarray(starts),
+                                 out, np.int32(t), _i64(n_embd)))
+        return out
 
 
-__all__ = ["CupyBackend", "KERNELS"]
+__all__ = ["CupyBackend", "GEMV_MAX_TOKENS", "available"]
 
 
 def available() -> tuple[bool, str]:
-    """(True, device name) when a CUDA device answers, else (False, the reason)."""
+    """(True, device 0's name) when a CUDA device answers, else (False, the reason)."""
     try:
         n = cp.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - any CUDA error means no usable GPU
@@ -138,3 +378,11 @@ def available() -> tuple[bool, str]:
         return False, "no CUDA device"
     props: Any = cp.cuda.runtime.getDeviceProperties(0)
     return True, props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
+def device_count() -> int:
+    """CUDA devices visible (0 when CUDA does not answer)."""
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001
+        return 0

@@ -12,6 +12,7 @@ import numpy as np
 
 from moecache.backends.ops import ArrayOps
 from moecache.gguf_file import TensorView
+from moecache.moe.routing import Routing, softmax, topk_routing
 from moecache.quants import cpu
 from moecache.quants.formats import format_for
 
@@ -53,6 +54,26 @@ class NumpyBackend(ArrayOps):
 
     name = "cpu"
     xp = np
+    device = None  # no GPU
+
+    def activate(self) -> None:
+        """Make this backend's device current (nothing to do on the CPU)."""
+
+    def adopt(self, a) -> np.ndarray:
+        """An array of any backend as a numpy array (copied from a GPU if it lives on one)."""
+        return a if isinstance(a, np.ndarray) else a.get()
+
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """float32 zeros (the KV cache's buffers)."""
+        return np.zeros(shape, np.float32)
+
+    def upload_experts(self, w: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """``w[used]`` of stacked experts as this backend keeps them (a host copy here)."""
+        return np.take(w, used, axis=0)
+
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        """Raw weight bytes as this backend keeps them: host arrays stay where they are (no copy)."""
+        return a
 
     # ---- weights -------------------------------------------------------------------------------
     def linear(self, t: TensorView) -> Linear:
@@ -95,6 +116,27 @@ class NumpyBackend(ArrayOps):
             tile = cpu.dequantize(w.data[r0:r0 + rows], w.ggml_type, w.n_in, w.name)
             np.matmul(x, tile.T, out=out[:, r0:r0 + rows])
         return out
+
+    def topk_routing(self, logits: np.ndarray, k: int, renorm: bool) -> Routing:
+        """Softmax top-k routing of router logits float32 (T, n_expert) (see :func:`topk_routing`)."""
+        return topk_routing(softmax(np.asarray(logits, np.float32)), k, renorm)
+
+    def moe_ffn(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tuple[int, int, int],
+                routing: Routing, h: np.ndarray, act: str) -> np.ndarray:
+        """``sum_s w[t,s] * down_e(act(gate_e h_t) * up_e h_t)`` over each token's routed experts e = ids[t, s].
+
+        Args:
+            gate, up: uint8 (n_expert, expert_ff, row_bytes); down: uint8 (n_expert, n_embd, row_bytes).
+            types: GGML type ids of (gate, up, down).
+            routing: ids into the stacked experts and weights, (T, k).
+            h: float32 (T, n_embd). act: "silu" or "gelu".
+
+        Returns:
+            float32 (T, n_embd).
+        """
+        eids, offs, rows, wts = routing.groups()
+        return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
+                           act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
 
     def embed(self, w: Linear, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of an embedding matrix, dequantized: int (T,) -> float32 (T, n_in)."""

@@ -47,12 +47,32 @@ class ArrayOps:
             out[..., 1:2 * half:2] = a * s + b * c
         return out
 
-    def attention(self, q: Any, k_all: Any, v_all: Any, pos0: int, scale: float,
+    def positions(self, pos: np.ndarray) -> Any:
+        """A pass's positions (int (T,), host) as this backend's int32 array."""
+        return self.xp.asarray(np.asarray(pos, dtype=np.int32))
+
+    def rope_tables(self, inv_freq: np.ndarray, pos: Any) -> tuple[Any, Any]:
+        """cos and sin, float32 (T, n_rot/2), of the angles ``pos[t] * inv_freq[i]`` computed in float64
+        (see :meth:`moecache.models.base.RopeSpec.angles`)."""
+        xp = self.xp
+        a = xp.asarray(pos).astype(np.float64)[:, None] * xp.asarray(inv_freq, dtype=np.float64)[None, :]
+        return xp.cos(a).astype(np.float32), xp.sin(a).astype(np.float32)
+
+    def kv_store(self, k_all: Any, v_all: Any, pos: Any, k: Any, v: Any) -> None:
+        """Write keys/values (T, n_head_kv, head_dim[_v]) of contiguous positions ``pos`` into one
+        layer's cache (n_ctx, ...). The caller checked that they fit (KVCache.check_room)."""
+        p0 = int(pos[0])
+        t = k.shape[0]
+        k_all[p0:p0 + t] = k
+        v_all[p0:p0 + t] = v
+
+    def attention(self, q: Any, k_all: Any, v_all: Any, pos0: Any, scale: float,
                   window: int | None = None, softcap: float | None = None) -> Any:
         """Causal multi-head attention of T new queries over the cached positions, grouped-query.
 
         Args:
-            q: float32 (T, n_head, head_dim), positions ``pos0 .. pos0 + T - 1``.
+            q: float32 (T, n_head, head_dim), positions ``pos0 .. pos0 + T - 1``; ``pos0`` an int or
+                the pass's positions array (its first element is used).
             k_all, v_all: the layer's cache, (n_ctx, n_head_kv, head_dim[_v]); positions
                 ``0 .. pos0 + T - 1`` must be filled. Query head h reads KV head ``h // (n_head / n_head_kv)``.
             scale: multiplies q.k (usually ``1/sqrt(head_dim)``).
@@ -64,6 +84,7 @@ class ArrayOps:
             float32 (T, n_head * head_dim_v).
         """
         xp = self.xp
+        pos0 = int(pos0) if np.ndim(pos0) == 0 else int(pos0[0])
         t, n_head, d = q.shape
         end = pos0 + t
         start = 0 if window is None else max(0, pos0 - window + 1)

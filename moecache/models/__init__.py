@@ -39,9 +39,10 @@ def model_class(model: GGUFModel) -> type[DecoderLM]:
     return CLASSES[arch]
 
 
-def build_model(model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None) -> DecoderLM:
-    """The forward pass of ``model`` on ``backend`` (see :class:`DecoderLM`)."""
-    return model_class(model)(model, backend, experts)
+def build_model(model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None,
+                layer_backends: list[Any] | None = None, output_backend: Any = None) -> DecoderLM:
+    """The forward pass of ``model`` on ``backend`` (see :class:`DecoderLM` for the arguments)."""
+    return model_class(model)(model, backend, experts, layer_backends, output_backend)
 
 
 __all__ = ["CLASSES", "DecoderLM", "build_model", "model_class"]

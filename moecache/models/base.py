@@ -24,7 +24,8 @@ from moecache.arch import ModelConfig
 from moecache.errors import MoecacheError
 from moecache.gguf_file import GGUFModel
 from moecache.kv_cache import KVCache, KVShape
-from moecache.moe.executor import CPUExperts, ExpertExecutor, ExpertWeights, Routing
+from moecache.moe.executor import CPUExperts, ExpertExecutor, ExpertWeights
+from moecache.moe.routing import Routing, softmax, topk_routing  # noqa: F401 - re-exported
 
 RouteObserver = Callable[[int, Routing], None]
 
@@ -47,34 +48,17 @@ class RopeSpec:
     neox: bool
     factors: np.ndarray | None = None
 
-    def angles(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin, float32 (T, n_rot/2), of int positions (T,). Angles in float64, then rounded."""
+    def inv_freq(self) -> np.ndarray:
+        """float64 (n_rot/2,): ``freq_scale * base^(-2i / n_rot) / factor[i]``, the angle per position."""
         inv = self.base ** (-np.arange(0, self.n_rot, 2, dtype=np.float64) / self.n_rot)
         if self.factors is not None:
             inv = inv / self.factors.astype(np.float64)
-        a = pos.astype(np.float64)[:, None] * (self.freq_scale * inv)[None, :]
+        return self.freq_scale * inv
+
+    def angles(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin, float32 (T, n_rot/2), of int positions (T,). Angles in float64, then rounded."""
+        a = pos.astype(np.float64)[:, None] * self.inv_freq()[None, :]
         return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
-
-
-def softmax(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, float32."""
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
-
-
-def topk_routing(probs: np.ndarray, k: int, renorm: bool, scale: float | None = None) -> Routing:
-    """The k largest of ``probs`` (T, n_expert) per token, their probabilities as weights.
-
-    ``renorm`` divides the k weights by their sum (llama.cpp ``norm_w``; Qwen3-MoE
-    ``norm_topk_prob``); ``scale`` multiplies them (``expert_weights_scale``).
-    """
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k].astype(np.int32)
-    w = np.take_along_axis(probs, ids, axis=-1).astype(np.float32)
-    if renorm:
-        w = w / w.sum(axis=-1, keepdims=True)
-    if scale and scale != 1.0:  # 0 means unset, as in llama.cpp
-        w = w * np.float32(scale)
-    return Routing(ids, w.astype(np.float32))
 
 
 def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
@@ -94,9 +78,14 @@ class DecoderLM:
 
     Args:
         model: the opened GGUF (config and tensor views; weights stay memory-mapped).
-        backend: array operations (:class:`moecache.backends.NumpyBackend` on the CPU).
+        backend: array operations (:class:`moecache.backends.NumpyBackend` on the CPU): every
+            layer's unless ``layer_backends`` says otherwise.
         experts: executor of the routed experts; None = :class:`CPUExperts` over the file's
-            expert tensors.
+            expert tensors (on each layer's backend).
+        layer_backends: per layer, the backend holding its weights and KV cache (partial GPU
+            offload, several GPUs); the hidden state moves between backends where they change.
+            Token embeddings live on layer 0's backend.
+        output_backend: backend of the output norm and matrix; default ``backend``.
 
     Attributes:
         cfg: the :class:`ModelConfig`.
@@ -116,34 +105,54 @@ class DecoderLM:
     attn_softcap: ClassVar[bool] = False
     final_softcap: ClassVar[bool] = False
 
-    def __init__(self, model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None):
+    def __init__(self, model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None,
+                 layer_backends: list[Any] | None = None, output_backend: Any = None):
         self.cfg: ModelConfig = model.config
-        self.be = backend
         self.gguf = model
         c = self.cfg
         if c.rope_scaling_type not in (None, "none", "linear"):
             raise MoecacheError(f"{c.arch}: rope scaling type '{c.rope_scaling_type}' is not supported yet "
                                 f"(supported: none, linear)")
+        self.layer_be = list(layer_backends) if layer_backends is not None else [backend] * c.n_layer
+        if len(self.layer_be) != c.n_layer:
+            raise ValueError(f"layer_backends: {len(self.layer_be)} backends for {c.n_layer} layers")
+        self.output_be = output_backend if output_backend is not None else backend
+        self.be = self.layer_be[0]  # the backend of the layer being run (forward switches it)
         t = model.tensors
-        self.token_embd = backend.linear(t["token_embd.weight"])
-        self.output_norm = backend.vector(t["output_norm.weight"])
-        self.output = backend.linear(t["output.weight"]) if "output.weight" in t else self.token_embd
+        self.token_embd = self.layer_be[0].linear(t["token_embd.weight"])
+        ob = self.output_be
+        self.output_norm = ob.vector(t["output_norm.weight"])
+        if "output.weight" in t:
+            self.output = ob.linear(t["output.weight"])
+        else:  # tied embeddings: share the upload when input and output are on the same backend
+            self.output = self.token_embd if ob is self.layer_be[0] else ob.linear(t["token_embd.weight"])
         self.layers: list[dict[str, Any]] = []
         for il in range(c.n_layer):
             pre = f"blk.{il}."
+            be = self.layer_be[il]
             d: dict[str, Any] = {}
             for name, tv in t.items():
                 if name.startswith(pre):
                     key = name[len(pre):].removesuffix(".weight")
                     if key.endswith("_exps"):
                         continue  # routed experts stay in host memory, owned by the executor
-                    d[key] = backend.vector(tv) if len(tv.shape) == 1 else backend.linear(tv)
+                    d[key] = be.vector(tv) if len(tv.shape) == 1 else be.linear(tv)
             self.layers.append(d)
         factors = t.get("rope_freqs.weight")
-        self.rope_factors = backend.to_host(backend.vector(factors)) if factors is not None else None
-        self.experts = experts if experts is not None else CPUExperts(expert_weights(model, self.act), backend)
+        self.rope_factors = self._cpu_vector(factors) if factors is not None else None
+        if experts is None:
+            from moecache.moe.executor import ExpertsByLayer
+            ew = expert_weights(model, self.act)
+            experts = ExpertsByLayer({il: CPUExperts({il: e}, self.layer_be[il]) for il, e in ew.items()})
+        self.experts = experts
+        self.decode_graph: Any = None  # set to a moecache.backends.cuda_graph.DecodeGraph to replay decode steps
         self.route_observers: list[RouteObserver] = []
         self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
+
+    @staticmethod
+    def _cpu_vector(t: Any) -> np.ndarray:
+        from moecache.backends import NumpyBackend
+        return NumpyBackend().vector(t)
 
     # ---- the pieces an architecture file may override ------------------------------------------
     def block(self, il: int, x: Any, pos: np.ndarray, kv: KVCache) -> Any:
@@ -168,7 +177,8 @@ class DecoderLM:
     def new_kv_cache(self, n_ctx: int) -> KVCache:
         """An empty KV cache of ``n_ctx`` positions on the backend."""
         c = self.cfg
-        return KVCache(KVShape(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim_v), xp=self.be.xp)
+        return KVCache(KVShape(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim_v),
+                       zeros=lambda il, shape: self.layer_be[il].zeros(shape))
 
     def forward(self, tokens: np.ndarray, kv: KVCache, logits: str | np.ndarray = "last") -> np.ndarray:
         """Run T tokens at positions ``kv.n_past ..`` and append them to the cache.
@@ -193,13 +203,13 @@ class DecoderLM:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
         kv.check_room(tokens.size)
         pos = np.arange(kv.n_past, kv.n_past + tokens.size)
-        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}  # this pass's cos/sin (see _rope_tables)
-        x = self.be.embed(self.token_embd, tokens)
-        s = self.embed_scale()
-        if s is not None:
-            x = x * np.float32(s)
-        for il in range(c.n_layer):
-            x = self.block(il, x, pos, kv)
+        last_only = (logits == "last") if isinstance(logits, str) else np.array_equal(logits, [tokens.size - 1])
+        if self.decode_graph is not None and tokens.size == 1 and last_only:
+            out = self.decode_graph.run(self, tokens, pos, kv)
+            if out is not None:
+                kv.advance(1)
+                return out
+        x = self.body(tokens, pos, kv, {})
         kv.advance(tokens.size)
         if isinstance(logits, str):
             if logits == "last":
@@ -212,6 +222,42 @@ class DecoderLM:
                 return np.empty((0, c.n_vocab), np.float32)
             x = x[idx]
         return self.be.to_host(self.head(x))
+
+    def body(self, tokens: Any, pos: np.ndarray, kv: KVCache, pos_inputs: dict[int, Any]) -> Any:
+        """Embedding and every block: int (T,) tokens (host, or on layer 0's backend) at host positions
+        ``pos`` -> hidden states float32 (T, n_embd) on the output backend, KV cache written.
+        ``pos_inputs`` maps ``id(backend)`` to that backend's positions array; missing ones are
+        uploaded once (a CUDA graph passes its own persistent buffers)."""
+        self._pos_host = pos
+        self._pos_inputs = pos_inputs
+        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}  # this pass's cos/sin (see _rope_tables)
+        self._use(self.layer_be[0])
+        x = self.be.embed(self.token_embd, tokens)
+        s = self.embed_scale()
+        if s is not None:
+            x = x * np.float32(s)
+        for il in range(self.cfg.n_layer):
+            if self.layer_be[il] is not self.be:
+                self._use(self.layer_be[il])
+                x = self.be.adopt(x)
+            x = self.block(il, x, pos, kv)
+        if self.output_be is not self.be:
+            self._use(self.output_be)
+            x = self.be.adopt(x)
+        return x
+
+    def positions(self) -> Any:
+        """This pass's positions on the current backend, int32 (T,) (uploaded once per backend)."""
+        key = id(self.be)
+        p = self._pos_inputs.get(key)
+        if p is None:
+            p = self._pos_inputs[key] = self.be.positions(self._pos_host)
+        return p
+
+    def _use(self, be: Any) -> None:
+        """Run what follows on ``be`` (its device made current)."""
+        self.be = be
+        be.activate()
 
     def head(self, x: Any) -> Any:
         """Final norm and output projection (with final logit soft-capping if the model has it)."""
@@ -254,23 +300,22 @@ class DecoderLM:
             q = self.norm(q, L["attn_q_norm"])
             k = self.norm(k, L["attn_k_norm"])
         rope = self.rope_spec(il)
-        cos, sin = self._rope_tables(rope, pos)
+        cos, sin = self._rope_tables(rope)
         q = be.rope(q, cos, sin, rope.neox)
         k = be.rope(k, cos, sin, rope.neox)
-        pos0 = int(pos[0])
-        kv.store(il, pos0, k, v)
-        o = be.attention(q, kv.k[il], kv.v[il], pos0, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
+        p = self.positions()
+        be.kv_store(kv.k[il], kv.v[il], p, k, v)
+        o = be.attention(q, kv.k[il], kv.v[il], p, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
                          window=self.window(il), softcap=c.attn_logit_softcapping if self.attn_softcap else None)
         return self._proj(L, "attn_output", o)
 
-    def _rope_tables(self, rope: RopeSpec, pos: np.ndarray) -> tuple[Any, Any]:
-        """cos/sin of ``rope`` at ``pos`` on the backend, computed once per forward pass for each
-        distinct RoPE (gemma3 has two; the others one) instead of once per layer."""
-        key = (rope.n_rot, rope.base, rope.freq_scale)
+    def _rope_tables(self, rope: RopeSpec) -> tuple[Any, Any]:
+        """cos/sin of ``rope`` at this pass's positions on the backend, computed once per forward pass
+        for each distinct RoPE (gemma3 has two; the others one) instead of once per layer."""
+        key = (id(self.be), rope.n_rot, rope.base, rope.freq_scale)
         tables = self._rope_cache.get(key)
         if tables is None:
-            cos, sin = rope.angles(pos)
-            tables = self._rope_cache[key] = (self.be.asarray(cos), self.be.asarray(sin))
+            tables = self._rope_cache[key] = self.be.rope_tables(rope.inv_freq(), self.positions())
         return tables
 
     def _proj(self, L: dict[str, Any], name: str, x: Any) -> Any:
@@ -291,14 +336,16 @@ class DecoderLM:
         return softmax(np.asarray(logits, dtype=np.float32))
 
     def route(self, il: int, x: Any) -> Routing:
-        """Top-k softmax routing of the normed input x (T, n_embd) -> ids and weights (T, k);
-        ``renorm_topk`` decides renormalising (per architecture, as llama.cpp hard-codes it)."""
-        return topk_routing(self.router_probs(il, x), self.cfg.n_expert_used, self.renorm_topk)
+        """Top-k softmax routing of the normed input x (T, n_embd) -> ids and weights (T, k), on the
+        layer's backend (they stay on the GPU there); ``renorm_topk`` decides renormalising (per
+        architecture, as llama.cpp hard-codes it)."""
+        logits = self.be.matmul(self.layers[il]["ffn_gate_inp"], x)
+        return self.be.topk_routing(logits, self.cfg.n_expert_used, self.renorm_topk)
 
     def moe(self, il: int, x: Any) -> Any:
         """Routed experts of block ``il`` on the normed input x (T, n_embd) -> (T, n_embd): route,
-        tell the observers, run the executor."""
+        tell the observers (host arrays), run the executor."""
         r = self.route(il, x)
         for obs in self.route_observers:
-            obs(il, r)
+            obs(il, r.host())
         return self.experts(il, x, r)

@@ -21,9 +21,9 @@ class Qwen2Moe(DecoderLM):
         y = self.norm(h, L["ffn_norm"])
         out = self.moe(il, y)
         if "ffn_gate_shexp" in L:
-            # ffn_gate_inp_shexp is one float row (n_embd,): a plain product, (T, 1); `@` and xp.exp
-            # are shared by numpy and CuPy arrays, so this needs no backend op
-            gate = (y @ L["ffn_gate_inp_shexp"])[:, None]
+            # ffn_gate_inp_shexp is one float row (n_embd,): a plain dot product, (T, 1), written with
+            # operators numpy and CuPy share (no BLAS call: the GPU decode step is graph-captured)
+            gate = (y * L["ffn_gate_inp_shexp"]).sum(axis=-1, keepdims=True)
             shared = self.dense_ffn(il, y, suffix="_shexp")
             out = out + shared / (np.float32(1.0) + self.be.xp.exp(-gate))
         return h + out

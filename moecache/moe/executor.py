@@ -15,37 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from moecache.moe.routing import Routing
 from moecache.quants import cpu
-
-
-@dataclass(frozen=True)
-class Routing:
-    """Top-k routing of one MoE layer for the T tokens of a ubatch (host arrays).
-
-    Attributes:
-        ids: int32 (T, k) expert ids per token, best first.
-        weights: float32 (T, k) the weight of each expert's output in the token's sum.
-    """
-
-    ids: np.ndarray
-    weights: np.ndarray
-
-    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The routed (token, expert) pairs grouped by expert (CSR), as :func:`cpu.moe_ffn` takes them.
-
-        Returns:
-            ``(expert_ids int32 (G,), offsets int32 (G+1,), token_rows int32 (P,), weights float32 (P,))``
-            with pairs of ``expert_ids[g]`` at ``offsets[g]:offsets[g+1]``, P = T * k.
-        """
-        t, k = self.ids.shape
-        flat = self.ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        sorted_ids = flat[order]
-        eids, counts = np.unique(sorted_ids, return_counts=True)
-        offsets = np.zeros(eids.shape[0] + 1, np.int32)
-        np.cumsum(counts, out=offsets[1:])
-        rows = (order // k).astype(np.int32)
-        return eids.astype(np.int32), offsets, rows, self.weights.reshape(-1)[order].astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -74,23 +45,88 @@ class ExpertExecutor(Protocol):
 
 
 class CPUExperts:
-    """Every routed expert on the CPU (Numba), straight from the host copy of the weights.
+    """Routed experts kept in host RAM, computed on the CPU (Numba) from the host copy of the weights.
+
+    With ``offload_min_batch`` set, ubatches of that many tokens or more instead copy the experts
+    they use to the layer's backend and compute there (llama.cpp's op offload of host-resident
+    experts for prompt processing: one copy of each used expert serves many tokens).
 
     Args:
         layers: layer index -> that layer's experts.
-        backend: the model's backend, for moving h to the host and the result back (a no-op on
-            the CPU backend); None = numpy arrays in and out.
+        backend: the layer's backend, for moving h to the host and the result back (a no-op on
+            the CPU backend) and for offloaded ubatches; None = numpy arrays in and out.
+        offload_min_batch: tokens from which a ubatch is offloaded; None = never.
     """
 
-    def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None):
+    def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None):
         self.layers = layers
         self.backend = backend
+        self.offload_min_batch = offload_min_batch
+        self.offloaded_bytes = 0  # expert bytes copied to the backend so far (op offload)
 
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
-        eids, offs, rows, wts = routing.groups()
-        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
+        r = routing.host()
         be = self.backend
+        if be is not None and self.offload_min_batch is not None and r.ids.shape[0] >= self.offload_min_batch:
+            return self._offload(e, h, r)
+        eids, offs, rows, wts = r.groups()
+        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
         hh = be.to_host(h) if be is not None else h
         out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, act=act)
         return be.asarray(out) if be is not None else out
+
+    def _offload(self, e: ExpertWeights, h: Any, r: Routing) -> Any:
+        be = self.backend
+        used = np.unique(r.ids)
+        parts = [be.upload_experts(w, used) for w in (e.gate, e.up, e.down)]
+        self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
+        local = Routing(np.searchsorted(used, r.ids).astype(np.int32), r.weights)
+        return be.moe_ffn(*parts, e.types, local, h, e.act)
+
+
+class DeviceExperts:
+    """Routed experts resident on a backend (all of them, for the layers given): the full-GPU path.
+
+    Args:
+        layers: layer index -> that layer's experts (host views; copied to ``backend`` here).
+        backend: where they live and are computed (its ``upload`` and ``moe_ffn``).
+    """
+
+    def __init__(self, layers: dict[int, ExpertWeights], backend: Any):
+        self.backend = backend
+        self.layers = {il: (backend.upload(e.gate), backend.upload(e.up), backend.upload(e.down), e.types, e.act)
+                       for il, e in layers.items()}
+
+    def __call__(self, il: int, h: Any, routing: Routing) -> Any:
+        g, u, d, types, act = self.layers[il]
+        return self.backend.moe_ffn(g, u, d, types, routing, h, act)
+
+
+class ExpertsByLayer:
+    """One executor per layer (the placement: host experts on some layers, resident on others).
+
+    Args:
+        executors: layer index -> the executor of that layer's experts.
+    """
+
+    def __init__(self, executors: dict[int, ExpertExecutor]):
+        self.executors = executors
+
+    def __call__(self, il: int, h: Any, routing: Routing) -> Any:
+        return self.executors[il](il, h, routing)
+
+
+def placed_experts(layers: dict[int, ExpertWeights], on_device: list[bool] | tuple[bool, ...],
+                   layer_backends: list[Any], offload_min_batch: int | None) -> ExpertsByLayer:
+    """The executor of a placement: each MoE layer's experts resident on its backend
+    (:class:`DeviceExperts`) where ``on_device[il]``, else in host RAM (:class:`CPUExperts`, op
+    offload to the layer's GPU from ``offload_min_batch`` tokens; never on a CPU layer)."""
+    ex: dict[int, ExpertExecutor] = {}
+    for il, e in layers.items():
+        be = layer_backends[il]
+        if on_device[il]:
+            ex[il] = DeviceExperts({il: e}, be)
+        else:
+            ex[il] = CPUExperts({il: e}, be, offload_min_batch if be.device is not None else None)
+    return ExpertsByLayer(ex)

@@ -1,0 +1,114 @@
+"""One-token decode steps replayed as a CUDA graph.
+
+A decode step launches a few hundred small kernels; issued one by one from Python each costs ~5 us
+of launch plus the Python around it, far more than the GPU's work (../shared/anchors.md measures
+~1 us per node in a replayed graph). When the whole model sits on one GPU (dense weights, KV
+cache and every routed expert, so routing never leaves the device), :class:`DecodeGraph` captures
+:meth:`DecoderLM.body` + the output head for one token once per KV cache, with the token id and
+the position in persistent device buffers that every kernel reads (RoPE tables, KV write and
+attention take positions from device memory), and replays it for every later step. Allocations
+made during capture come from a private memory pool that lives as long as the graph, so nothing
+outside it can reuse the graph's buffers.
+
+A capture that fails (an operation that needs the host mid-step) is said once and the steps run op
+by op from then on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cupy as cp
+import numpy as np
+
+
+@dataclass
+class _Captured:
+    kv: Any
+    graph: Any
+    stream: cp.cuda.Stream
+    pool: cp.cuda.MemoryPool
+    tok: cp.ndarray
+    pos: cp.ndarray
+    out: cp.ndarray
+    pinned: np.ndarray  # (token, position) staged in page-locked memory
+
+
+class DecodeGraph:
+    """Replays decode steps of ``model`` (all on one CupyBackend) as a CUDA graph.
+
+    Args:
+        model: a DecoderLM whose layers, output and experts are all on ``model.output_be``.
+        log: where the one-line note of a failed capture goes.
+    """
+
+    def __init__(self, model: Any, log: Callable[[str], None] | None = None):
+        self.be = model.output_be
+        self.log = log or (lambda s: None)
+        self.failed: str | None = None
+        self._cap: _Captured | None = None
+        self.replays = 0
+
+    def run(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> np.ndarray | None:
+        """Logits float32 (1, n_vocab) of one token at ``pos`` (KV written), or None when the step must
+        run op by op (route observers attached, capture failed)."""
+        if self.failed is not None or model.route_observers:
+            return None
+        cap = self._cap
+        if cap is None or cap.kv is not kv:
+            cap = self._capture(model, tokens, pos, kv)
+            if cap is None:
+                return None
+        cap.pinned[0] = int(tokens[0])
+        cap.pinned[1] = int(pos[0])
+        with cap.stream:
+            cap.tok.set(cap.pinned[:1].astype(np.int64), stream=cap.stream)
+            cap.pos.set(cap.pinned[1:].astype(np.int32), stream=cap.stream)
+            cap.graph.launch(cap.stream)
+            out = cap.out.get(stream=cap.stream)
+        self.replays += 1
+        return out
+
+    def _capture(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> _Captured | None:
+        be = self.be
+        be.activate()
+        stream = cp.cuda.Stream(non_blocking=True)
+        pool = cp.cuda.MemoryPool()
+        tok = be.asarray(np.asarray(tokens[:1], np.int64))
+        posb = be.positions(pos[:1])
+
+        def step() -> cp.ndarray:
+            x = model.body(tok, pos[:1], kv, {id(be): posb})
+            return model.head(x[-1:])
+
+        try:
+            with cp.cuda.using_allocator(pool.malloc), stream:
+                step()  # warm-up on this stream: loads kernels, fills caches (writes this step's KV)
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    out = step()
+                finally:
+                    graph = stream.end_capture()
+        except Exception as e:  # noqa: BLE001 - any failure means: run op by op
+            self.failed = f"{type(e).__name__}: {e}"
+            self.log(f"note: CUDA graph capture of the decode step failed ({self.failed}); decoding op by op")
+            return None
+        self._cap = _Captured(kv, graph, stream, pool, tok, posb, out, np.zeros(2, np.int64))
+        return self._cap
+
+
+def eligible(model: Any) -> str | None:
+    """None if ``model`` can replay decode steps as a graph, else the reason it cannot."""
+    from moecache.moe.executor import DeviceExperts, ExpertsByLayer
+
+    be = model.output_be
+    if getattr(be, "name", "") != "cuda":
+        return "output not on a GPU"
+    if any(b is not be for b in model.layer_be):
+        return "layers on more than one device"
+    ex = model.experts
+    if isinstance(ex, ExpertsByLayer) and not all(isinstance(e, DeviceExperts) for e in ex.executors.values()):
+        return "routed experts in host RAM"
+    return None

@@ -1,0 +1,52 @@
+"""The GPUs this process can use, and the backend of each device id.
+
+Every way of ending up without a GPU (CuPy not installed, no CUDA device, a driver error) comes
+back as a reason string for the caller to print once; nothing here raises for a missing GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from moecache.backends import NumpyBackend
+from moecache.placement import CPU
+
+
+def gpu_free_bytes() -> tuple[list[int], str]:
+    """Free memory of each visible CUDA device in bytes, and a reason when the list is empty."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        return [], f"CuPy is not installed ({e.name}; pip install -e '.[cuda]' for the GPU)"
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+        free = []
+        for i in range(n):
+            with cp.cuda.Device(i):
+                free.append(int(cp.cuda.runtime.memGetInfo()[0]))
+    except Exception as e:  # noqa: BLE001 - any CUDA error means no usable GPU
+        return [], f"CUDA unavailable: {e}"
+    if not free:
+        return [], "no CUDA device"
+    return free, ""
+
+
+def gpu_name(device: int) -> str:
+    """The CUDA device's name (for notes)."""
+    import cupy as cp
+
+    name: Any = cp.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def make_backends(devices: list[int], log: Callable[[str], None]) -> dict[int, Any]:
+    """One backend per device id: ``CPU`` -> NumpyBackend, a GPU ordinal -> CupyBackend on it."""
+    out: dict[int, Any] = {CPU: NumpyBackend()}
+    if any(d != CPU for d in devices):
+        from moecache.backends.cupy_backend import CupyBackend
+
+        for d in devices:
+            if d != CPU:
+                out[d] = CupyBackend(d, log=log)
+    return out

@@ -1,0 +1,268 @@
+"""Layer placement: which device holds each layer's dense weights, KV cache and routed experts.
+
+The semantics are llama.cpp's (``common/arg.cpp``, ``src/llama-model.cpp``):
+
+- ``-ngl N``: the *last* N layers run on the GPU(s); with N > n_layer the output layer too. The
+  default (``-1`` here) places every layer that fits.
+- ``--cpu-moe``: every layer's routed experts stay in host RAM; ``--n-cpu-moe N``: those of the
+  first N layers do. Host experts are computed on the CPU, except prompt ubatches of
+  ``offload_min_batch``+ tokens, which copy the experts they use to the GPU (op offload).
+- Without either flag the experts of every GPU layer go to the GPU while they fit; when they do
+  not, the experts of the first layers stay in host RAM (the smallest ``--n-cpu-moe`` that fits),
+  and a note says so.
+- ``-sm layer`` (default) splits the GPU layers over the GPUs in contiguous ranges, in proportion to
+  ``-ts`` (default: each GPU's free memory); ``-sm none`` uses ``-mg`` only.
+
+:func:`plan` is pure (sizes and free memory in, a :class:`Placement` out), so CI checks it without a
+GPU; :func:`model_sizes` measures a GGUF.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moecache.gguf_file import GGUFModel
+
+CPU = -1  # device id of the host in Placement.layer_device
+
+RESERVE_BYTES = 1 << 30  # per GPU: activations, cuBLAS workspace, the prompt-MoE scratch, CUDA context
+USABLE_FRACTION = 0.95  # of each GPU's free memory
+
+
+class PlacementError(ValueError):
+    """Impossible placement flags (the message names the flag)."""
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """The placement flags (llama.cpp names).
+
+    Attributes:
+        n_gpu_layers: ``-ngl``; -1 = auto (all layers that fit), 0 = CPU only.
+        cpu_moe: ``--cpu-moe``.
+        n_cpu_moe: ``--n-cpu-moe``/``-ncmoe``.
+        split_mode: ``-sm``: "layer" or "none".
+        tensor_split: ``-ts``: proportions per GPU; empty = by free memory.
+        main_gpu: ``-mg``: the GPU of ``-sm none``.
+        offload_min_batch: prompt ubatches of at least this many tokens compute host experts on the
+            GPU (llama.cpp's op offload threshold, 32).
+    """
+
+    n_gpu_layers: int = -1
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    split_mode: str = "layer"
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int = 0
+    offload_min_batch: int = 32
+
+    def validate(self, n_gpus: int) -> None:
+        """Raise PlacementError naming the flag of any impossible value."""
+        if self.n_gpu_layers < -1:
+            raise PlacementError(f"-ngl must be >= 0 (or -1 for auto), got {self.n_gpu_layers}")
+        if self.n_cpu_moe < 0:
+            raise PlacementError(f"--n-cpu-moe must be >= 0, got {self.n_cpu_moe}")
+        if self.split_mode not in ("layer", "none"):
+            raise PlacementError(f"-sm {self.split_mode!r}: supported split modes are 'layer' and 'none'")
+        if any(v < 0 for v in self.tensor_split) or (self.tensor_split and sum(self.tensor_split) <= 0):
+            raise PlacementError(f"-ts {self.tensor_split}: proportions must be >= 0 with a positive sum")
+        if n_gpus and len(self.tensor_split) > n_gpus:
+            raise PlacementError(f"-ts has {len(self.tensor_split)} values but {n_gpus} GPU(s) are visible")
+        if n_gpus and not 0 <= self.main_gpu < n_gpus:
+            raise PlacementError(f"-mg {self.main_gpu}: {n_gpus} GPU(s) are visible (0..{n_gpus - 1})")
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Bytes a model needs per part (as the GPU backend stores them).
+
+    Attributes:
+        dense: per layer, the non-expert weights.
+        experts: per layer, the routed experts (0 for dense layers).
+        kv: per layer, the KV cache at the chosen n_ctx.
+        output: output norm + output matrix + token embeddings.
+        largest_matrix_f32: the largest dense matrix dequantized to float32 (the prompt-path scratch).
+    """
+
+    dense: tuple[int, ...]
+    experts: tuple[int, ...]
+    kv: int
+    output: int
+    largest_matrix_f32: int = 0
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.dense)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where everything lives.
+
+    Attributes:
+        layer_device: per layer, ``CPU`` or a GPU ordinal (dense weights + KV cache).
+        experts_on_device: per layer, True if its routed experts are resident on that layer's GPU.
+        output_device: ``CPU`` or a GPU ordinal for the output norm and matrix.
+        offload_min_batch: op-offload threshold of host experts on GPU layers (None: never).
+        notes: what was decided and why (printed once).
+    """
+
+    layer_device: tuple[int, ...]
+    experts_on_device: tuple[bool, ...]
+    output_device: int
+    offload_min_batch: int | None = 32
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def devices(self) -> list[int]:
+        """GPU ordinals in use, ascending."""
+        return sorted({d for d in (*self.layer_device, self.output_device) if d != CPU})
+
+    @property
+    def n_gpu_layers(self) -> int:
+        return sum(d != CPU for d in self.layer_device)
+
+    def summary(self) -> str:
+        """One line: GPU layers per device, host-expert layers."""
+        n = len(self.layer_device)
+        if not self.devices:
+            return f"all {n} layers on the CPU"
+        parts = []
+        for d in self.devices:
+            ls = [i for i, x in enumerate(self.layer_device) if x == d]
+            if ls:
+                parts.append(f"GPU {d}: layers {ls[0]}-{ls[-1]}")
+        host = sum(1 for i in range(n) if self.layer_device[i] != CPU and not self.experts_on_device[i])
+        out = "GPU %d" % self.output_device if self.output_device != CPU else "CPU"
+        moe = f"; experts of {host} GPU layers in host RAM" if host else ""
+        return f"{self.n_gpu_layers}/{n} layers on GPU ({', '.join(parts)}); output on {out}{moe}"
+
+
+def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
+    """Measure ``model``: weight bytes per layer (1-D tensors as float32) and the float32 KV cache."""
+    c = model.config
+    dense = [0] * c.n_layer
+    experts = [0] * c.n_layer
+    output = 0
+    largest = 0
+    for name, t in model.tensors.items():
+        n_elem = int(np.prod(t.shape))
+        nbytes = 4 * n_elem if len(t.shape) == 1 else int(t.n_bytes)
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            if name.endswith("_exps.weight"):
+                experts[il] += nbytes
+            else:
+                dense[il] += nbytes
+        else:
+            output += nbytes
+        if len(t.shape) == 2:
+            largest = max(largest, 4 * n_elem)
+    kv = n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
+    return ModelSizes(tuple(dense), tuple(experts), kv, output, largest)
+
+
+def _split(layers: list[int], gpus: list[int], weights: list[float]) -> dict[int, int]:
+    """Contiguous ranges of ``layers`` over ``gpus`` in proportion to ``weights`` (llama.cpp -sm layer)."""
+    total = sum(weights)
+    cum, acc = [], 0.0
+    for w in weights:
+        acc += w / total
+        cum.append(acc)
+    out = {}
+    n = len(layers)
+    for j, il in enumerate(layers):
+        frac = j / n if n else 0.0
+        g = next((i for i, c in enumerate(cum) if frac < c - 1e-12), len(gpus) - 1)
+        out[il] = gpus[g]
+    return out
+
+
+def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Placement:
+    """Place the model (see the module docstring for the rules).
+
+    Args:
+        opts: the flags.
+        sizes: what the model needs (:func:`model_sizes`).
+        gpu_free: free bytes of each visible GPU (empty: no GPU).
+
+    Raises:
+        PlacementError: impossible flags, or dense layers asked for with ``-ngl N`` that do not fit.
+    """
+    n = sizes.n_layer
+    opts.validate(len(gpu_free))
+    notes: list[str] = []
+    if not gpu_free or opts.n_gpu_layers == 0:
+        return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
+    gpus = [opts.main_gpu] if opts.split_mode == "none" else list(range(len(gpu_free)))
+    weights = list(opts.tensor_split) + [0.0] * (len(gpu_free) - len(opts.tensor_split)) if opts.tensor_split \
+        else [float(f) for f in gpu_free]
+    if opts.split_mode == "none":
+        weights = [1.0]
+    elif opts.tensor_split:
+        keep = [i for i, w in enumerate(weights) if w > 0]
+        gpus, weights = [gpus[i] for i in keep], [weights[i] for i in keep]
+    budget = {g: int(gpu_free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
+
+    def layout(n_gl: int) -> tuple[dict[int, int], int]:
+        gl = list(range(n - min(n_gl, n), n))
+        return _split(gl, gpus, weights), (gpus[-1] if n_gl > n else CPU)
+
+    def dense_use(dev: dict[int, int], out_dev: int) -> dict[int, int]:
+        use = {g: 0 for g in gpus}
+        for il, g in dev.items():
+            use[g] += sizes.dense[il] + sizes.kv
+        if out_dev != CPU:
+            use[out_dev] += sizes.output
+        return use
+
+    auto_ngl = opts.n_gpu_layers == -1
+    n_gl = n + 1 if auto_ngl else opts.n_gpu_layers
+    while True:
+        dev, out_dev = layout(n_gl)
+        use = dense_use(dev, out_dev)
+        if all(use[g] <= budget[g] for g in gpus):
+            break
+        if not auto_ngl:
+            g = next(g for g in gpus if use[g] > budget[g])
+            raise PlacementError(
+                f"-ngl {opts.n_gpu_layers}: the dense weights and KV cache need {use[g] / 2**30:.2f} GiB on GPU {g}, "
+                f"{max(budget[g], 0) / 2**30:.2f} GiB usable: lower -ngl or -c")
+        n_gl -= 1
+        if n_gl == 0:
+            notes.append("no layer fits in GPU memory: running on the CPU")
+            return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
+    if auto_ngl and n_gl <= n:
+        notes.append(f"-ngl auto: {n_gl} of {n} layers fit in GPU memory (dense weights + KV cache)")
+
+    on_dev = [il in dev and not opts.cpu_moe and il >= opts.n_cpu_moe and sizes.experts[il] > 0 for il in range(n)]
+    if not opts.cpu_moe and not opts.n_cpu_moe:
+        moved = 0
+        for il in range(n):  # first layers' experts to host until every GPU fits
+            exp_use = dict(use)
+            for j, g in dev.items():
+                if on_dev[j]:
+                    exp_use[g] += sizes.experts[j]
+            over = [g for g in gpus if exp_use[g] > budget[g]]
+            if not over:
+                break
+            if on_dev[il] and dev[il] in over:
+                on_dev[il] = False
+                moved += 1
+        if moved:
+            notes.append(f"routed experts of {moved} layer(s) do not fit in GPU memory: they stay in host RAM and "
+                         f"run on the CPU (as --n-cpu-moe {moved}; the expert cache is not built yet)")
+    else:
+        exp_use = dict(use)
+        for j, g in dev.items():
+            if on_dev[j]:
+                exp_use[g] += sizes.experts[j]
+        over = [g for g in gpus if exp_use[g] > budget[g]]
+        if over:
+            g = over[0]
+            raise PlacementError(f"the experts placed on GPU {g} need {exp_use[g] / 2**30:.2f} GiB with the dense "
+                                 f"weights, {max(budget[g], 0) / 2**30:.2f} GiB usable: raise --n-cpu-moe")
+    layer_device = tuple(dev.get(il, CPU) for il in range(n))
+    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes))
