@@ -170,3 +170,17 @@ def test_engine_without_a_gpu_says_so_once_and_runs_on_the_cpu(tiny_moe, monkeyp
         assert e.placement is not None and e.placement.devices == []
         assert isinstance(e.backend, NumpyBackend)
     assert sum("no usable GPU (CuPy is not installed" in n for n in notes) == 1
+
+
+@pytest.mark.parametrize("args,msg", [(["-sm", "row"], "-sm 'row'"), (["-ts", "3,x"], "-ts '3,x'"),
+                                      (["--n-cpu-moe", "-1"], "--n-cpu-moe must be >= 0")])
+def test_cli_placement_flags_are_checked(tmp_path, args, msg):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=1)
+    r = CliRunner().invoke(app, ["run", "-m", str(path), "-p", "hi", "-n", "1", *args])
+    assert r.exit_code == 1 and msg in r.output and "Traceback" not in r.output
