@@ -80,13 +80,15 @@ def host_read_bandwidth(threads: int) -> float:
     return x.nbytes * 5 / (time.perf_counter() - t0)
 
 
-def run_arm(model: Path, arm: str, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
+def run_arm(model: Path, arm: str, n_prompt: int, n_gen: int, reps: int, threads: int, load_mode: str = "mmap") -> dict:
     import cupy as cp
 
     opts = arm_options(arm)
     rng = np.random.default_rng(0)
+    t_load = time.perf_counter()
     with Engine(model, EngineConfig(n_ctx=n_prompt + n_gen + 8, n_ubatch=n_prompt, n_threads=threads),
-                log=print, placement=opts, cuda_graph=arm != "gpu-eager") as eng:
+                log=print, placement=opts, cuda_graph=arm != "gpu-eager", load_mode=load_mode) as eng:
+        t_load = time.perf_counter() - t_load
         c = eng.gguf.config
         used: list[float] = []
         eng.model.route_observers.append(lambda il, r: used.append(np.unique(r.ids).size / c.n_expert))
@@ -120,7 +122,7 @@ def run_arm(model: Path, arm: str, n_prompt: int, n_gen: int, reps: int, threads
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
     frac = c.n_expert_used / c.n_expert
-    return {"arm": arm, "placement": summary, "pp": statistics.median(pp), "tg": statistics.median(tg),
+    return {"arm": arm, "load_mode": load_mode, "load_s": t_load, "placement": summary, "pp": statistics.median(pp), "tg": statistics.median(tg),
             "pp_runs": pp, "tg_runs": tg, "dense_bytes": dense, "dev_expert_bytes": dev_exp,
             "host_expert_bytes": host_exp, "tok_dev_expert_bytes": dev_exp * frac,
             "tok_host_expert_bytes": host_exp * frac, "expert_use_pp": float(np.mean(used)) if used else 0.0,
@@ -135,13 +137,14 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("-t", type=int, default=16)
+    ap.add_argument("--load-modes", default="mmap", help="comma-separated: mmap, pin (each arm runs in each)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     hbm = hbm_bandwidth()
     ram = host_read_bandwidth(a.t)
     rows = []
-    for arm in a.arms.split(","):
-        r = run_arm(a.model, arm, a.p, a.n, a.r, a.t)
+    for arm, mode in [(x, m) for x in a.arms.split(",") for m in a.load_modes.split(",")]:
+        r = run_arm(a.model, arm, a.p, a.n, a.r, a.t, mode)
         t_tok = (r["dense_bytes"] + r["tok_dev_expert_bytes"]) / hbm + r["tok_host_expert_bytes"] / ram
         # pp floor: every weight read once per ubatch (host experts cross PCIe or are read by the CPU)
         t_pp = (r["dense_bytes"] + r["dev_expert_bytes"]) / hbm + r["host_expert_bytes"] / ram
@@ -152,13 +155,13 @@ def main() -> None:
     lines = [f"# GPU runtime by placement: {a.model.name}", "",
              f"Host: {platform.node()}, {platform.processor() or platform.machine()}; measured HBM copy "
              f"{hbm / 1e12:.2f} TB/s (read + write), host read {ram / 1e9:.1f} GB/s ({a.t} threads).",
-             f"Command: `python bench/gpu_runtime.py -m {a.model.name} --arms {a.arms} -p {a.p} -n {a.n} -r {a.r} "
-             f"-t {a.t}`", "",
-             f"| arm | placement | pp{a.p} t/s | pp floor | tg{a.n} t/s | tg floor | tg % of floor | VRAM GiB | "
-             f"experts used per layer (pp) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"Command: `python bench/gpu_runtime.py -m {a.model.name} --arms {a.arms} --load-modes {a.load_modes} "
+             f"-p {a.p} -n {a.n} -r {a.r} -t {a.t}`", "",
+             f"| arm | load mode | load s | placement | pp{a.p} t/s | pp floor | tg{a.n} t/s | tg floor | tg % of floor | "
+             f"VRAM GiB | experts used per layer (pp) |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['placement']} | {r['pp']:.1f} | {r['pp_floor']:.0f} | {r['tg']:.2f} | "
+        lines.append(f"| {r['arm']} | {r['load_mode']} | {r['load_s']:.1f} | {r['placement']} | {r['pp']:.1f} | {r['pp_floor']:.0f} | {r['tg']:.2f} | "
                      f"{r['tg_floor']:.0f} | {100 * r['tg'] / r['tg_floor']:.0f}% | {r['vram_bytes'] / 2**30:.2f} | "
                      f"{100 * r['expert_use_pp']:.0f}% |")
     text = "\n".join(lines) + "\n"

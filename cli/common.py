@@ -80,16 +80,76 @@ def resolve_model(model: Path | None) -> Path:
     return Path(path)
 
 
-def load_engine(model: Path, config, placement, flash_attn: str | None):
-    """Build the engine with the placement flags, printing what was resolved (devices, layers on the
-    GPU, fallbacks); flags this version does not implement are said once."""
-    from moecache.engine import Engine
+def resolve_settings(model: Path, flags, verbose: bool):
+    """Resolve the defaults the user did not set (moecache.probe.resolve_defaults) from the model's
+    facts and the startup probe, and print them in one short table on stderr (``-v``: every value
+    with its reason)."""
+    from moecache.gguf_file import open_gguf
+    from moecache.probe import ModelFacts, resolve_defaults, startup_probe
+
+    with open_gguf(model) as g:
+        experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
+        facts = ModelFacts(g.n_bytes, experts, g.config.context_length)
+    probe = startup_probe()
+    res = resolve_defaults(facts, probe, flags)
+    rows = [("-ub", str(res.n_ubatch), "n_ubatch"), ("-c", str(res.n_ctx or "trained"), "n_ctx"),
+            ("-t", str(res.n_threads), "n_threads"), ("--load-mode", res.load_mode, "load_mode")]
+    if verbose:
+        if "experts" in res.reasons:
+            rows.append(("experts", "host RAM" if res.experts_in_ram else "GPU", "experts"))
+        if res.prompt_gpu is not None:
+            rows.append(("prompt GPU", str(res.prompt_gpu), "prompt_gpu"))
+        for gi in probe.gpus:
+            link = f"PCIe {gi.pcie_gen}.0 x{gi.pcie_width}" if gi.pcie_gen else "PCIe link unknown"
+            rows.append((f"GPU {gi.index}", f"{gi.name}, {gi.vram_free / 2**30:.1f}/{gi.vram_total / 2**30:.1f} GiB free",
+                         f"{link}, pinned H2D {gi.h2d_pinned / 1e9:.1f} GB/s"))
+        for name, value, why in rows:
+            reason = res.reasons.get(why, why)
+            note(f"resolved: {name:12s} {value:>10s}  ({reason})")
+    else:
+        note("resolved: " + " | ".join(f"{n} {v}" for n, v, _ in rows)
+             + (" | experts in host RAM" if res.experts_in_ram else ""))
+    return res
+
+
+def pin_progress_bar():
+    """A rich progress bar for --load-mode pin (GB copied, GB/s), and the callback that drives it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    prog = Progress(TextColumn("pinning weights"), BarColumn(), TextColumn("{task.fields[gb]}"),
+                    console=Console(stderr=True), transient=True)
+    task = prog.add_task("pin", total=1, gb="")
+
+    def update(done: int, total: int, secs: float) -> None:
+        if not prog.live.is_started:
+            prog.start()
+        rate = done / secs / 1e9 if secs > 0 else 0.0
+        prog.update(task, completed=done, total=total, gb=f"{done / 1e9:.1f}/{total / 1e9:.1f} GB, {rate:.1f} GB/s")
+        if done >= total:
+            prog.stop()
+    return update
+
+
+def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | None, verbose: bool = False):
+    """Resolve the settings (printed), build the engine with the placement flags, print what was
+    resolved at load (devices, layers on the GPU, fallbacks); flags this version does not
+    implement are said once.
+
+    Args:
+        flags: moecache.probe.UserFlags (None = not passed).
+    """
+    from moecache.engine import Engine, EngineConfig
 
     if flash_attn not in (None, "on", "off", "auto"):
         raise UserError(f"-fa must be on, off or auto, got {flash_attn!r}")
     if flash_attn == "on":
         note(f"note: -fa {flash_attn} ignored: one attention implementation per backend for now")
-    eng = Engine(model, config, log=note, placement=placement)
+    res = resolve_settings(model, flags, verbose)
+    config = EngineConfig(res.n_ctx, max(n_batch, res.n_ubatch) if flags.n_ubatch is None else n_batch,
+                          res.n_ubatch, res.n_threads)
+    eng = Engine(model, config, log=note, placement=placement, load_mode=res.load_mode,
+                 pin_progress=pin_progress_bar() if res.load_mode == "pin" else None)
     c = eng.gguf.config
     pl = eng.placement
     ctx_src = f"-c {config.n_ctx}" if config.n_ctx else "the model's trained context"
@@ -102,7 +162,7 @@ def load_engine(model: Path, config, placement, flash_attn: str | None):
         where = f"cpu, {eng.n_threads} threads"
     note(f"model: {eng.gguf.path.name} ({c.arch}, {c.n_layer} layers, {eng.gguf.n_bytes / 2**20:.0f} MiB) | "
          f"backend: {where} | n_ctx {eng.n_ctx} ({ctx_src}) | n_ubatch {eng.n_ubatch} | "
-         f"loaded in {eng.load_seconds:.2f} s")
+         f"load mode {eng.load_mode} | loaded in {eng.load_seconds:.2f} s")
     return eng
 
 

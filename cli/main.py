@@ -44,10 +44,17 @@ def not_built(command: str, what: str) -> None:
 # ---- options shared by the commands (llama.cpp names) -------------------------------------------
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (first shard of a split model). "
                                                   "Default for `run`: the gemma3-270m package's model.")]
-CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's trained context).")]
+CtxOpt = Annotated[Optional[int], typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's "
+                                               "trained context); default: resolved at startup (printed).")]
 BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size.")]
-UBatchOpt = Annotated[int, typer.Option("-ub", "--ubatch-size", help="Physical batch size (tokens per forward pass).")]
-ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (0 = physical cores).")]
+UBatchOpt = Annotated[Optional[int], typer.Option("-ub", "--ubatch-size", help="Physical batch size (tokens per "
+                                                  "forward pass); default: resolved at startup (printed).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads (0 = physical cores); "
+                                                   "default: resolved at startup (printed).")]
+LoadModeOpt = Annotated[Optional[str], typer.Option("--load-mode", help="mmap: map the file; pin: copy the weights "
+                                                    "into page-locked RAM at load; auto (default): serve pins when "
+                                                    "it fits, run/perplexity map.")]
+VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Print every resolved setting with its reason.")]
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", help="Layers on the GPU, counted from the "
                                      "last (> n_layer: the output layer too); -1 = all that fit; 0 = CPU only.")]
 CpuMoeOpt = Annotated[bool, typer.Option("-cmoe", "--cpu-moe", help="Keep every layer's routed experts in host RAM "
@@ -96,10 +103,12 @@ def run(
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt: complete it once and exit.")] = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of generation).")] = -1,
-    ctx_size: CtxOpt = 0,
+    ctx_size: CtxOpt = None,
     batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    threads: ThreadsOpt = 0,
+    ubatch_size: UBatchOpt = None,
+    threads: ThreadsOpt = None,
+    load_mode: LoadModeOpt = None,
+    verbose: VerboseOpt = False,
     ngl: NglOpt = -1,
     cpu_moe: CpuMoeOpt = False,
     n_cpu_moe: NCpuMoeOpt = 0,
@@ -128,7 +137,7 @@ def run(
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
         from cli.run import RunOptions, run_command
-        from moecache.engine import EngineConfig
+        from moecache.probe import UserFlags
         from moecache.sampling import DEFAULT_SEED, SamplingParams
 
         sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -136,8 +145,8 @@ def run(
                             presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
         pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu)
         opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, pl, flash_attn,
-                          escape, special)
-        run_command(opts, EngineConfig(ctx_size, batch_size, ubatch_size, threads), sp)
+                          escape, special, verbose)
+        run_command(opts, UserFlags("run", ubatch_size, ctx_size, threads, load_mode), batch_size, sp)
     _user_errors(body)
 
 
@@ -145,10 +154,12 @@ def run(
 def perplexity(
     model: ModelOpt = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Text file to score.")] = None,
-    ctx_size: CtxOpt = 512,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Chunk size in tokens.")] = 512,
     batch_size: BatchOpt = 2048,
-    ubatch_size: UBatchOpt = 512,
-    threads: ThreadsOpt = 0,
+    ubatch_size: UBatchOpt = None,
+    threads: ThreadsOpt = None,
+    load_mode: LoadModeOpt = None,
+    verbose: VerboseOpt = False,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ngl: NglOpt = -1,
     cpu_moe: CpuMoeOpt = False,
@@ -164,15 +175,15 @@ def perplexity(
     def body() -> None:
         from cli.common import UserError
         from cli.perplexity import perplexity_command
-        from moecache.engine import EngineConfig
+        from moecache.probe import UserFlags
 
         if file is None:
             raise UserError("perplexity needs a text file: -f FILE")
         if ctx_size <= 0:
             raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
         pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu)
-        perplexity_command(model, file, ctx_size, EngineConfig(ctx_size, batch_size, ubatch_size, threads), chunks,
-                           pl, flash_attn, escape)
+        perplexity_command(model, file, ctx_size, UserFlags("perplexity", ubatch_size, ctx_size, threads, load_mode),
+                           batch_size, chunks, pl, flash_attn, escape, verbose)
     _user_errors(body)
 
 
@@ -188,10 +199,18 @@ def bench(ctx: typer.Context) -> None:
     not_built("bench", "needs the GPU runtime and the expert cache")
 
 
-@app.command("probe-pcie", context_settings=_PASSTHROUGH)
-def probe_pcie(ctx: typer.Context) -> None:
-    """Measure GPU links (PCIe bandwidth), VRAM, host RAM bandwidth and cores. (Not built yet.)"""
-    not_built("probe-pcie", "the startup probe comes later")
+@app.command("probe-pcie")
+def probe_pcie(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object instead of tables.")] = False,
+    size: Annotated[int, typer.Option("--size", help="Test buffer size in MiB.")] = 256,
+    reps: Annotated[int, typer.Option("--reps", help="Repetitions; the median is reported.")] = 5,
+) -> None:
+    """Measure GPU links (PCIe generation/width, copy bandwidths), VRAM, host RAM bandwidth and cores."""
+    def body() -> None:
+        from cli.probe import probe_command
+
+        probe_command(as_json, size, reps)
+    _user_errors(body)
 
 
 @app.command(context_settings=_PASSTHROUGH)

@@ -12,8 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli.common import UserError, load_engine, note, read_text_arg, resolve_model
 
 
-def perplexity_command(model: Path | None, file: Path, n_ctx: int, engine_config, n_chunks: int,
-                       placement, flash_attn: str | None, escape: bool = False) -> None:
+def perplexity_command(model: Path | None, file: Path, n_ctx: int, flags, n_batch: int, n_chunks: int,
+                       placement, flash_attn: str | None, escape: bool = False, verbose: bool = False) -> None:
     """Tokenize ``file`` as llama-perplexity does (BOS as the model says, special-token text not
     parsed, escapes processed only with ``-e`` (perplexity.cpp turns llama.cpp's default escaping
     off), one trailing newline dropped), score at most
@@ -21,7 +21,7 @@ def perplexity_command(model: Path | None, file: Path, n_ctx: int, engine_config
     if n_ctx < 4:
         raise UserError(f"-c must be >= 4 for perplexity, got {n_ctx}")
     text = read_text_arg(None, file, escape)
-    eng = load_engine(resolve_model(model), engine_config, placement, flash_attn)
+    eng = load_engine(resolve_model(model), flags, n_batch, placement, flash_attn, verbose)
     try:
         tokens = eng.tokenizer.encode(text, parse_special=False)
         if len(tokens) < 2 * n_ctx:

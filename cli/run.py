@@ -30,6 +30,7 @@ class RunOptions:
     flash_attn: str | None
     escape: bool = True
     special: bool = False
+    verbose: bool = False
 
 
 def read_prompt(opts: RunOptions) -> str | None:
@@ -51,7 +52,7 @@ def check_chat_template_name(name: str | None) -> None:
                         f"or a Jinja template")
 
 
-def run_command(opts: RunOptions, engine_config, sampling) -> None:
+def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
     """Validate, load, then complete once or chat. Raises UserError / MoecacheError for the caller."""
     from moecache.sampling import Sampler
 
@@ -70,7 +71,7 @@ def run_command(opts: RunOptions, engine_config, sampling) -> None:
     check_chat_template_name(opts.chat_template)
     if not chat and (opts.system is not None or opts.chat_template is not None):
         note("note: -sys and --chat-template apply to chat (-cnv); this one-shot run completes the raw prompt")
-    eng = load_engine(resolve_model(opts.model), engine_config, opts.placement, opts.flash_attn)
+    eng = load_engine(resolve_model(opts.model), flags, n_batch, opts.placement, opts.flash_attn, opts.verbose)
     try:
         sampler = Sampler(sampling, eng.n_ctx)
         if sampling.temp > 0:

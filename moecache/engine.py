@@ -22,6 +22,7 @@ from moecache.backends import NumpyBackend
 from moecache.gguf_file import GGUFModel, open_gguf
 from moecache.kv_cache import ContextFullError
 from moecache.devices import gpu_free_bytes, make_backends
+from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
 from moecache.models.base import expert_weights
 from moecache.moe.executor import placed_experts
@@ -138,6 +139,8 @@ class Engine:
             The decision and every fallback are logged once.
         cuda_graph: replay one-token decode steps as a CUDA graph when the whole model is on one
             GPU (:mod:`moecache.backends.cuda_graph`); False = op by op.
+        load_mode: "mmap" (weights read from the mapped file) or "pin" (copied into page-locked RAM
+            at load, :func:`moecache.load_mode.pin_model`; ``pin_progress`` sees the copy).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -145,7 +148,8 @@ class Engine:
     """
 
     def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
-                 backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True):
+                 backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
+                 load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -157,7 +161,13 @@ class Engine:
         self.n_threads = n_threads
         t0 = time.perf_counter()
         self.gguf: GGUFModel = open_gguf(path)
+        self.pinned = None
         try:
+            if load_mode not in ("mmap", "pin"):
+                raise ValueError(f"load_mode must be mmap or pin, got {load_mode!r}")
+            self.load_mode = load_mode
+            if load_mode == "pin":
+                self.pinned = pin_model(self.gguf, pin_progress)
             self.tokenizer = Tokenizer.from_gguf(self.gguf)
             cfg = self.gguf.config
             self.n_ctx = config.n_ctx or cfg.context_length
@@ -185,7 +195,7 @@ class Engine:
         """Plan the placement on the free GPU memory, build the backends and the model on them."""
         free, why = gpu_free_bytes()
         if not free and opts.n_gpu_layers != 0:
-            self.log(f"note: no usable GPU ({why}): running on the CPU")
+            self.log(f"note: no usable GPU: {why}; running on the CPU")
         pl = plan(opts, model_sizes(self.gguf, self.n_ctx), free)
         for n in pl.notes:
             self.log("note: " + n)

@@ -169,7 +169,7 @@ def test_engine_without_a_gpu_says_so_once_and_runs_on_the_cpu(tiny_moe, monkeyp
     with Engine(tiny_moe, EngineConfig(n_ctx=32), log=notes.append, placement=PlacementOptions()) as e:
         assert e.placement is not None and e.placement.devices == []
         assert isinstance(e.backend, NumpyBackend)
-    assert sum("no usable GPU (CuPy is not installed" in n for n in notes) == 1
+    assert sum("no usable GPU: CuPy is not installed" in n for n in notes) == 1
 
 
 @pytest.mark.parametrize("args,msg", [(["-sm", "row"], "-sm 'row'"), (["-ts", "3,x"], "-ts '3,x'"),

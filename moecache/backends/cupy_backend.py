@@ -54,6 +54,14 @@ def _gather_rows(src, idx, dst):  # dst[i] = src[idx[i]], rows split over the CP
         dst[i, c0:c1] = src[idx[i], c0:c1]
 
 
+def _is_pinned(a: np.ndarray) -> bool:
+    """Whether a host array lives in page-locked memory (``--load-mode pin``)."""
+    try:
+        return int(cp.cuda.runtime.pointerGetAttributes(a.ctypes.data).type) == 1  # cudaMemoryTypeHost
+    except Exception:  # noqa: BLE001 - pageable memory may raise on older runtimes
+        return False
+
+
 NULL = np.uint64(0)  # a null pointer argument of a kernel
 
 
@@ -137,11 +145,18 @@ class CupyBackend(ArrayOps):
         return self._put(np.ascontiguousarray(a))
 
     def upload_experts(self, w: np.ndarray, used: np.ndarray) -> cp.ndarray:
-        """``w[used]`` (stacked experts, uint8 (n_expert, rows, row_bytes)) copied to this GPU: CPU
+        """``w[used]`` (stacked experts, uint8 (n_expert, rows, row_bytes); ``used`` ascending) copied to
+        this GPU: from pinned weights a run of consecutive experts is one DMA copy; otherwise CPU
         threads gather the experts into a page-locked staging buffer, then one copy at pinned speed
         (pageable copies run ~8x slower, ../shared/anchors.md)."""
         n = int(used.size)
         per = int(np.prod(w.shape[1:]))
+        if n and int(used[-1]) - int(used[0]) == n - 1 and _is_pinned(w):
+            # --load-mode pin and one run of experts (a long prompt uses them all): one DMA copy
+            with cp.cuda.Device(self.device):
+                out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
+                out.set(w[int(used[0]):int(used[0]) + n])
+            return out
         need = n * per
         if self._staging is None or self._staging.size < need:
             import cupyx

@@ -1,0 +1,143 @@
+"""Startup probe and the resolution of defaults (moecache/probe.py), load modes, probe-pcie on a
+machine without a GPU. The resolution is a pure function: table-driven cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moecache.probe import GiB, GpuInfo, HostInfo, ModelFacts, Probe, UserFlags, resolve_defaults
+
+HOST = HostInfo("test cpu", 16, 32, 128 * GiB, 120 * GiB)
+
+
+def gpu(i, free_gib, h2d=50e9):
+    return GpuInfo(i, f"gpu{i}", "9.0", int(free_gib * GiB), int(free_gib * GiB) + GiB, 5, 16, "test", h2d)
+
+
+MOE_BIG = ModelFacts(60 * GiB, 55 * GiB, 40960)
+MOE_SMALL = ModelFacts(10 * GiB, 8 * GiB, 40960)
+DENSE_BIG = ModelFacts(60 * GiB, 0, 8192)
+MOE_SHORT_CTX = ModelFacts(60 * GiB, 55 * GiB, 8192)
+
+CASES = [
+    # (name, model, gpus, flags, expected (ub, ctx, threads, mode, experts_in_ram, prompt_gpu))
+    ("1 gpu 24G, big moe", MOE_BIG, [gpu(0, 24)], UserFlags(), (2048, 32768, 15, "mmap", True, 0)),
+    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], UserFlags(), (1024, 32768, 15, "mmap", True, 0)),
+    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], UserFlags(), (512, 32768, 15, "mmap", True, 0)),
+    ("2 gpus, fastest link second", MOE_BIG, [gpu(0, 24, 25e9), gpu(1, 12, 50e9)], UserFlags(),
+     (2048, 32768, 14, "mmap", True, 1)),
+    ("4 gpus mismatched", MOE_BIG, [gpu(0, 8), gpu(1, 8, 12e9), gpu(2, 8), gpu(3, 22, 3e9)], UserFlags(),
+     (2048, 32768, 12, "mmap", True, 0)),
+    ("model fits in VRAM: llama.cpp defaults", MOE_SMALL, [gpu(0, 24)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
+    ("fits only across 4 GPUs", MOE_BIG, [gpu(i, 20) for i in range(4)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
+    ("no GPU", MOE_BIG, [], UserFlags(), (512, 0, 16, "mmap", False, None)),
+    ("dense model larger than VRAM", DENSE_BIG, [gpu(0, 24)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
+    ("short trained context caps -c", MOE_SHORT_CTX, [gpu(0, 24)], UserFlags(), (2048, 8192, 15, "mmap", True, 0)),
+    ("user flags win", MOE_BIG, [gpu(0, 24)], UserFlags("run", 256, 4096, 3, "pin"), (256, 4096, 3, "pin", True, 0)),
+    ("serve pins when it fits RAM", MOE_BIG, [gpu(0, 24)], UserFlags("serve"), (2048, 32768, 15, "pin", True, 0)),
+]
+
+
+@pytest.mark.parametrize("name,model,gpus,flags,want", CASES, ids=[c[0] for c in CASES])
+def test_resolution_table(name, model, gpus, flags, want):
+    r = resolve_defaults(model, Probe(HOST, tuple(gpus)), flags)
+    assert (r.n_ubatch, r.n_ctx, r.n_threads, r.load_mode, r.experts_in_ram, r.prompt_gpu) == want
+    assert set(r.reasons) >= {"n_ubatch", "n_ctx", "n_threads", "load_mode"}
+
+
+def test_serve_maps_a_model_that_does_not_fit_ram():
+    host = HostInfo("cpu", 16, 32, 64 * GiB, 62 * GiB)
+    r = resolve_defaults(MOE_BIG, Probe(host, (gpu(0, 24),)), UserFlags("serve"))
+    assert r.load_mode == "mmap" and "does not fit" in r.reasons["load_mode"]
+
+
+def test_bad_load_mode_is_named():
+    with pytest.raises(ValueError, match="--load-mode must be mmap, pin or auto"):
+        resolve_defaults(MOE_BIG, Probe(HOST), UserFlags(load_mode="fast"))
+
+
+def test_startup_probe_remembers_links_per_boot(tmp_path, monkeypatch):
+    import moecache.probe as probe
+
+    calls = []
+
+    def fake_gpu_infos(measure_bytes, reps, full, cached=None):
+        if "0000:01:00" not in cached:
+            calls.append(measure_bytes)
+            cached["0000:01:00"] = {"h2d_pinned": 42e9}
+        return [GpuInfo(0, "g", "9.0", GiB, 2 * GiB, h2d_pinned=cached["0000:01:00"]["h2d_pinned"])], ""
+
+    monkeypatch.setattr(probe, "gpu_infos", fake_gpu_infos)
+    cache = tmp_path / "probe.json"
+    p1 = probe.startup_probe(cache)
+    p2 = probe.startup_probe(cache)
+    assert calls == [probe.STARTUP_PROBE_BYTES]  # measured once, then read back
+    assert p1.gpus[0].h2d_pinned == p2.gpus[0].h2d_pinned == 42e9
+    data = json.loads(cache.read_text())
+    data["boot_id"] = "another boot"
+    cache.write_text(json.dumps(data))
+    probe.startup_probe(cache)
+    assert len(calls) == 2  # a new boot measures again
+
+
+def test_startup_probe_without_gpu_is_fast_and_says_why(tmp_path):
+    import time
+
+    from moecache.probe import startup_probe
+
+    t0 = time.perf_counter()
+    p = startup_probe(tmp_path / "p.json")
+    assert time.perf_counter() - t0 < 1.0
+    assert p.host.physical_cores >= 1 and p.host.ram_total > 0
+    assert p.gpus or p.no_gpu_reason
+
+
+def test_pin_refuses_before_allocating(tmp_path, monkeypatch):
+    import moecache.load_mode as lm
+    from moecache.errors import MoecacheError
+    from moecache.gguf_file import open_gguf
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=1)
+
+    class VM:
+        total = 8 * GiB
+        available = 4 * GiB
+
+    monkeypatch.setattr(lm.psutil, "virtual_memory", lambda: VM)
+    with open_gguf(path) as m, pytest.raises(MoecacheError, match="headroom.*use --load-mode mmap"):
+        lm.pin_model(m)
+
+
+def test_cli_probe_pcie_without_gpu_prints_host_and_exits_0():
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["probe-pcie", "--json", "--size", "8", "--reps", "1"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["host"]["ram_read_all"] > 0 and data["host"]["physical_cores"] >= 1
+    if not data["gpus"]:
+        assert data["no_gpu_reason"]
+    r = CliRunner().invoke(app, ["probe-pcie", "--size", "0"])
+    assert r.exit_code == 1 and "--size" in r.output
+
+
+def test_run_prints_the_resolved_settings(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=1)
+    r = CliRunner().invoke(app, ["run", "-m", str(path), "-p", "hi", "-n", "2", "--temp", "0", "-v"])
+    assert r.exit_code == 0, r.output
+    for name in ("-ub", "-c", "-t", "--load-mode"):
+        assert f"resolved: {name}" in r.output
+    r = CliRunner().invoke(app, ["run", "-m", str(path), "-p", "hi", "-n", "1", "--load-mode", "fast"])
+    assert r.exit_code == 1 and "--load-mode must be mmap, pin or auto" in r.output
