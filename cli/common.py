@@ -146,6 +146,10 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
     if flash_attn == "on":
         note(f"note: -fa {flash_attn} ignored: one attention implementation per backend for now")
     res = resolve_settings(model, flags, verbose)
+    if res.prompt_gpu is not None:
+        import dataclasses
+
+        placement = dataclasses.replace(placement, prompt_gpu=res.prompt_gpu)
     config = EngineConfig(res.n_ctx, max(n_batch, res.n_ubatch) if flags.n_ubatch is None else n_batch,
                           res.n_ubatch, res.n_threads)
     eng = Engine(model, config, log=note, placement=placement, load_mode=res.load_mode,

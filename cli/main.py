@@ -7,6 +7,7 @@ exit 1; commands that are not built yet say so and exit 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,6 +17,9 @@ import typer
 from moecache.threads import short_openmp_spin
 
 short_openmp_spin()  # before any OpenMP runtime loads (see moecache/threads.py)
+# GPU ordinals in PCI bus order (CUDA's default is fastest first): -sm layer keeps layers in bus
+# order and -mg / -ts index GPUs as nvidia-smi lists them. A user's own setting wins.
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 app = typer.Typer(
     name="moecache",

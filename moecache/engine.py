@@ -200,10 +200,11 @@ class Engine:
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl
-        bes = make_backends([*pl.layer_device, pl.output_device], self.log)
+        bes = make_backends(pl.devices + [-1], self.log)
         layer_bes = [bes[d] for d in pl.layer_device]
         experts = placed_experts(expert_weights(self.gguf, model_class(self.gguf).act), pl.experts_on_device,
-                                 layer_bes, pl.offload_min_batch)
+                                 layer_bes, pl.offload_min_batch,
+                                 bes[pl.prompt_gpu] if pl.prompt_gpu is not None else None)
         return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device])
 
     def _decode_graph(self, wanted: bool) -> None:

@@ -48,6 +48,8 @@ class PlacementOptions:
         main_gpu: ``-mg``: the GPU of ``-sm none``.
         offload_min_batch: prompt ubatches of at least this many tokens compute host experts on the
             GPU (llama.cpp's op offload threshold, 32).
+        prompt_gpu: the GPU those ubatches run on (the startup probe picks the fastest host link);
+            None = each layer's own GPU.
     """
 
     n_gpu_layers: int = -1
@@ -57,6 +59,7 @@ class PlacementOptions:
     tensor_split: tuple[float, ...] = ()
     main_gpu: int = 0
     offload_min_batch: int = 32
+    prompt_gpu: int | None = None
 
     def validate(self, n_gpus: int) -> None:
         """Raise PlacementError naming the flag of any impossible value."""
@@ -106,6 +109,7 @@ class Placement:
         experts_on_device: per layer, True if its routed experts are resident on that layer's GPU.
         output_device: ``CPU`` or a GPU ordinal for the output norm and matrix.
         offload_min_batch: op-offload threshold of host experts on GPU layers (None: never).
+        prompt_gpu: the GPU offloaded prompt ubatches run on (None: each layer's own).
         notes: what was decided and why (printed once).
     """
 
@@ -114,11 +118,13 @@ class Placement:
     output_device: int
     offload_min_batch: int | None = 32
     notes: tuple[str, ...] = field(default=(), compare=False)
+    prompt_gpu: int | None = None
 
     @property
     def devices(self) -> list[int]:
         """GPU ordinals in use, ascending."""
-        return sorted({d for d in (*self.layer_device, self.output_device) if d != CPU})
+        return sorted({d for d in (*self.layer_device, self.output_device, self.prompt_gpu)
+                       if d is not None and d != CPU})
 
     @property
     def n_gpu_layers(self) -> int:
@@ -265,4 +271,6 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
             raise PlacementError(f"the experts placed on GPU {g} need {exp_use[g] / 2**30:.2f} GiB with the dense "
                                  f"weights, {max(budget[g], 0) / 2**30:.2f} GiB usable: raise --n-cpu-moe")
     layer_device = tuple(dev.get(il, CPU) for il in range(n))
-    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes))
+    used = {d for d in layer_device if d != CPU}
+    prompt = opts.prompt_gpu if opts.prompt_gpu in used and len(used) > 1 else None
+    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt)

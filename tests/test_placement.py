@@ -184,3 +184,22 @@ def test_cli_placement_flags_are_checked(tmp_path, args, msg):
     write_model(path, PRESETS["tiny"], seed=1)
     r = CliRunner().invoke(app, ["run", "-m", str(path), "-p", "hi", "-n", "1", *args])
     assert r.exit_code == 1 and msg in r.output and "Traceback" not in r.output
+
+
+def test_prompt_gpu_is_the_fastest_link_and_offload_goes_there(tiny_moe):
+    p = plan(PlacementOptions(prompt_gpu=1), sizes(), [80 * GiB, 80 * GiB])
+    assert p.prompt_gpu == 1 and p.devices == [0, 1]
+    assert plan(PlacementOptions(prompt_gpu=0), sizes(), [80 * GiB]).prompt_gpu is None  # one GPU: its own
+    with open_gguf(tiny_moe) as m:
+        ew = expert_weights(m, "silu")
+        il = min(ew)
+        rng = np.random.default_rng(4)
+        layer_be, fast = TwinBackend(0), TwinBackend(1)
+        ex = placed_experts({il: ew[il]}, [False] * m.config.n_layer, [layer_be] * m.config.n_layer, 32, fast)
+        from moecache.moe.routing import topk_routing
+        h = rng.standard_normal((40, m.config.n_embd)).astype(np.float32)
+        r = topk_routing(rng.dirichlet(np.ones(m.config.n_expert), 40).astype(np.float32), m.config.n_expert_used, True)
+        got = ex(il, h, r)
+        ref = CPUExperts({il: ew[il]}, NumpyBackend())(il, h, r)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert fast.adopted == 1 and layer_be.adopted == 1  # h went to the prompt GPU, the result came back

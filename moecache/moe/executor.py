@@ -56,12 +56,16 @@ class CPUExperts:
         backend: the layer's backend, for moving h to the host and the result back (a no-op on
             the CPU backend) and for offloaded ubatches; None = numpy arrays in and out.
         offload_min_batch: tokens from which a ubatch is offloaded; None = never.
+        offload_backend: the GPU offloaded ubatches run on (the one with the fastest host link);
+            default: the layer's backend. h moves there and the result comes back.
     """
 
-    def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None):
+    def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None,
+                 offload_backend: Any = None):
         self.layers = layers
         self.backend = backend
         self.offload_min_batch = offload_min_batch
+        self.offload_backend = offload_backend if offload_backend is not None else backend
         self.offloaded_bytes = 0  # expert bytes copied to the backend so far (op offload)
 
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
@@ -77,12 +81,20 @@ class CPUExperts:
         return be.asarray(out) if be is not None else out
 
     def _offload(self, e: ExpertWeights, h: Any, r: Routing) -> Any:
-        be = self.backend
+        ob = self.offload_backend
         used = np.unique(r.ids)
-        parts = [be.upload_experts(w, used) for w in (e.gate, e.up, e.down)]
+        moved = ob is not self.backend
+        if moved:
+            ob.activate()
+            h = ob.adopt(h)
+        parts = [ob.upload_experts(w, used) for w in (e.gate, e.up, e.down)]
         self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
         local = Routing(np.searchsorted(used, r.ids).astype(np.int32), r.weights)
-        return be.moe_ffn(*parts, e.types, local, h, e.act)
+        out = ob.moe_ffn(*parts, e.types, local, h, e.act)
+        if moved:
+            self.backend.activate()
+            out = self.backend.adopt(out)
+        return out
 
 
 class DeviceExperts:
@@ -118,15 +130,18 @@ class ExpertsByLayer:
 
 
 def placed_experts(layers: dict[int, ExpertWeights], on_device: list[bool] | tuple[bool, ...],
-                   layer_backends: list[Any], offload_min_batch: int | None) -> ExpertsByLayer:
+                   layer_backends: list[Any], offload_min_batch: int | None,
+                   offload_backend: Any = None) -> ExpertsByLayer:
     """The executor of a placement: each MoE layer's experts resident on its backend
     (:class:`DeviceExperts`) where ``on_device[il]``, else in host RAM (:class:`CPUExperts`, op
-    offload to the layer's GPU from ``offload_min_batch`` tokens; never on a CPU layer)."""
+    offload from ``offload_min_batch`` tokens to ``offload_backend``, default the layer's GPU;
+    never on a CPU layer)."""
     ex: dict[int, ExpertExecutor] = {}
     for il, e in layers.items():
         be = layer_backends[il]
         if on_device[il]:
             ex[il] = DeviceExperts({il: e}, be)
         else:
-            ex[il] = CPUExperts({il: e}, be, offload_min_batch if be.device is not None else None)
+            ex[il] = CPUExperts({il: e}, be, offload_min_batch if be.device is not None else None,
+                                offload_backend if be.device is not None else None)
     return ExpertsByLayer(ex)
