@@ -1,0 +1,170 @@
+"""The expert-cache policy: which (layer, expert) pairs occupy the VRAM slots.
+
+One pool of ``n_slots`` slots serves every layer (a layer with skewed routing can take more slots
+than one whose routing is flat). Per (layer, expert) the policy keeps **usage**, an exponentially
+weighted average of "used by this token" with time constant ``window`` tokens
+(``u <- beta * u + (1 - beta) * [used]``, ``beta = 1 - 1/window``), so ``u * window`` estimates the
+uses over the next ``window`` tokens.
+
+After a layer's routing, each expert that missed is a candidate (most used first):
+
+- **payback**: admit it only if the time it is expected to save over the window,
+  ``u_e * window * (t_cpu - t_gpu)``, exceeds the upload cost ``t_upload`` (bytes / measured link
+  bandwidth); over a resident victim ``v`` the saving is ``(u_e - u_v) * window * (t_cpu - t_gpu)``;
+- **hysteresis**: a challenger also needs ``u_e >= (1 + hysteresis) * u_v``, and an expert admitted
+  less than ``min_residency`` tokens ago is not evicted: no ping-pong between near-equal experts;
+- **upload budget**: at most ``uploads_per_token`` uploads per token on average (a credit that
+  refills by that much per token, capped at ``burst``); the live engine sets it from measured
+  upload and token times, the replay and ``--deterministic`` from fixed counts.
+
+Victims are the least-used residents of any layer. The policy only decides; the executor copies
+(:mod:`moecache.moe.cache`) and tells the policy when a slot's copy completed.
+Source of the rule: ../shared/design.md ("swap only when it pays back").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Policy settings; times in seconds per expert (gate + up + down of one token).
+
+    Attributes:
+        window: ``--moe-cache-window``: the usage time constant in tokens.
+        t_cpu: computing one routed pair on the CPU (a miss).
+        t_gpu: computing one routed pair from a slot (a hit).
+        t_upload: copying one expert into a slot (expert bytes / link bandwidth).
+        uploads_per_token: average upload budget per token (the credit's refill).
+        burst: most uploads the credit can save up (a topic switch may use them at once).
+        hysteresis: relative usage margin a challenger needs over its victim.
+        min_residency: tokens an admitted expert is safe from eviction.
+    """
+
+    window: int = 64
+    t_cpu: float = 66e-6
+    t_gpu: float = 4e-6
+    t_upload: float = 48e-6
+    uploads_per_token: float = 16.0
+    burst: float = 128.0
+    hysteresis: float = 0.5
+    min_residency: int = 4
+
+    def validate(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"--moe-cache-window must be >= 1 token, got {self.window}")
+        if min(self.t_cpu, self.t_gpu, self.t_upload) < 0 or self.uploads_per_token < 0:
+            raise ValueError("policy times and the upload budget must be >= 0")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One decision: upload ``expert`` of ``layer`` into a slot, evicting ``victim`` (layer, expert) or
+    taking a free slot (``victim`` None)."""
+
+    layer: int
+    expert: int
+    victim: tuple[int, int] | None
+
+
+class CachePolicy:
+    """Usage statistics and admission decisions for one pool.
+
+    Args:
+        n_layer, n_expert: the model's MoE shape (layers without experts simply never route).
+        n_slots: slots in the pool.
+        config: the knobs (:class:`PolicyConfig`).
+    """
+
+    def __init__(self, n_layer: int, n_expert: int, n_slots: int, config: PolicyConfig = PolicyConfig()):
+        config.validate()
+        self.cfg = config
+        self.n_slots = n_slots
+        self.beta = 1.0 - 1.0 / config.window
+        self.usage = np.zeros((n_layer, n_expert))
+        self.resident = np.zeros((n_layer, n_expert), bool)  # in a slot, or its copy in flight
+        self.admitted_at = np.full((n_layer, n_expert), -(1 << 60), np.int64)
+        self.clock = np.zeros(n_layer, np.int64)  # tokens seen per layer
+        self.n_resident = 0
+        self.credit = float(config.burst)
+        self.uploads = 0
+
+    def new_tokens(self, n_tokens: int) -> None:
+        """Start a forward pass of ``n_tokens`` tokens: refill the upload credit."""
+        self.credit = min(self.cfg.burst, self.credit + self.cfg.uploads_per_token * n_tokens)
+
+    def observe(self, layer: int, ids: np.ndarray) -> None:
+        """Record a layer's routing of T tokens (int (T, k) expert ids): decay, then count the uses."""
+        t = ids.shape[0]
+        u = self.usage[layer]
+        used = np.zeros(u.shape[0])
+        np.add.at(used, ids.reshape(-1), 1.0)
+        u *= self.beta ** t
+        u += (1.0 - self.beta) * np.minimum(used, t)  # a token uses an expert at most once
+        self.clock[layer] += t
+
+    def decide(self, layer: int, missed: np.ndarray) -> list[Admission]:
+        """Admissions for the experts of ``layer`` that missed (after :meth:`observe`), most used
+        first, within the credit. The returned experts count as resident from now (their copies are
+        in flight); victims are no longer resident."""
+        cfg = self.cfg
+        gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
+        out: list[Admission] = []
+        if gain <= 0 or missed.size == 0:
+            return out
+        cand = np.unique(missed)
+        cand = cand[~self.resident[layer, cand]]
+        cand = cand[np.argsort(-self.usage[layer, cand], kind="stable")]
+        for e in cand:
+            if self.credit < 1.0:
+                break
+            ue = self.usage[layer, e]
+            if self.n_resident < self.n_slots:
+                if ue * gain <= cfg.t_upload:
+                    break  # later candidates are used less
+                victim = None
+            else:
+                victim = self._victim()
+                if victim is None:
+                    break
+                uv = self.usage[victim]
+                if (ue - uv) * gain <= cfg.t_upload or ue < (1.0 + cfg.hysteresis) * uv:
+                    break
+                self.resident[victim] = False
+                self.n_resident -= 1
+            self.resident[layer, e] = True
+            self.admitted_at[layer, e] = self.clock[layer]
+            self.n_resident += 1
+            self.credit -= 1.0
+            self.uploads += 1
+            out.append(Admission(layer, int(e), victim))
+        return out
+
+    def _victim(self) -> tuple[int, int] | None:
+        """The least-used resident past its minimum residency, as (layer, expert)."""
+        age = self.clock[:, None] - self.admitted_at
+        ok = self.resident & (age >= self.cfg.min_residency)
+        if not ok.any():
+            return None
+        masked = np.where(ok, self.usage, np.inf)
+        flat = int(np.argmin(masked))
+        return divmod(flat, self.usage.shape[1])
+
+    def preload(self, usage: np.ndarray) -> list[Admission]:
+        """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
+        usage), most used first; the usage becomes the starting statistics."""
+        self.usage[...] = usage
+        order = np.argsort(-usage, axis=None, kind="stable")
+        out = []
+        for flat in order:
+            if self.n_resident >= self.n_slots or usage.flat[flat] <= 0:
+                break
+            layer, e = divmod(int(flat), usage.shape[1])
+            if not self.resident[layer, e]:
+                self.resident[layer, e] = True
+                self.n_resident += 1
+                out.append(Admission(layer, e, None))
+        return out

@@ -1,0 +1,146 @@
+"""Routing processes for benchmarks: realistic expert choices for models whose routers are random.
+
+Our large benchmark models have random weights; their routers route near-uniformly and say nothing
+about how a real model's routing uses a cache. A routing process replaces the router's choice
+(the router still runs: its cost is real) with ids drawn from the parametric process of
+``../shared/routing.md``, calibrated to published measurements of real MoE models. For layer l and
+token t, the top-k of
+
+    logit[e] = s * z_l[e] + tau * w_l[e] + g * x_{l,t}[e] + Gumbel(0, 1)
+
+with ``z_l ~ N(0, 1)`` the static popularity of the layer's experts, ``w_l = sqrt(1 - lam) * u_topic
++ sqrt(lam) * v_prompt`` the prompt's hot set, ``x_{l,t} = rho * x_{l,t-1} + sqrt(1 - rho^2) * eps``
+an AR(1) drift (short-range reuse); weights = softmax over the chosen logits. A recorded trace
+(:class:`TraceRouting`) replays real routing instead.
+
+Text generated under a routing process is meaningless; speed, hit rate and uploads are what it
+measures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moecache.moe.routing import Routing
+
+
+@dataclass(frozen=True)
+class ProcessParams:
+    """Parameters of the routing process (routing.md's table)."""
+
+    s: float
+    tau: float
+    g: float
+    rho: float
+    lam: float = 0.6
+
+
+PRESETS: dict[str, ProcessParams] = {
+    "qwen3-moe": ProcessParams(2.0, 2.0, 2.0, 0.7),
+    "olmoe": ProcessParams(1.0, 1.0, 2.0, 0.7),
+    "low-locality": ProcessParams(0.0, 0.5, 2.0, 0.7),
+    "uniform": ProcessParams(0.0, 0.0, 0.0, 0.0),
+}
+
+
+class RoutingProcess:
+    """The parametric routing process of one model.
+
+    Args:
+        params: a preset's parameters (:data:`PRESETS`).
+        n_layer, n_expert, k: the model's shape (presets keep the model's own top-k).
+        seed: fixes the model's popularity, the topic, the first prompt and every draw.
+    """
+
+    def __init__(self, params: ProcessParams, n_layer: int, n_expert: int, k: int, seed: int = 0):
+        if not 0 < k <= n_expert:
+            raise ValueError(f"top-k {k} must be in 1..{n_expert}")
+        self.p = params
+        self.n_layer, self.n_expert, self.k = n_layer, n_expert, k
+        self.rng = np.random.default_rng(seed)
+        self.z = self.rng.standard_normal((n_layer, n_expert))
+        self.topic = self.rng.standard_normal((n_layer, n_expert))
+        self.x = self.rng.standard_normal((n_layer, n_expert))
+        self.new_prompt()
+
+    def new_prompt(self) -> None:
+        """Draw a new prompt's hot set (``v_prompt``); the topic and popularity stay."""
+        lam = self.p.lam
+        v = self.rng.standard_normal((self.n_layer, self.n_expert))
+        self.w = math.sqrt(1 - lam) * self.topic + math.sqrt(lam) * v
+
+    def route(self, layer: int, n_tokens: int) -> Routing:
+        """The next ``n_tokens`` tokens' choices at ``layer``: ids int32 (T, k) best first, weights
+        float32 (T, k) (softmax over the chosen logits)."""
+        p = self.p
+        base = p.s * self.z[layer] + p.tau * self.w[layer]
+        a, b = p.rho, math.sqrt(max(0.0, 1.0 - p.rho * p.rho))
+        logits = np.empty((n_tokens, self.n_expert))
+        x = self.x[layer]
+        for t in range(n_tokens):
+            x = a * x + b * self.rng.standard_normal(self.n_expert)
+            logits[t] = base + p.g * x
+        self.x[layer] = x
+        logits += self.rng.gumbel(size=logits.shape)
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, :self.k]
+        chosen = np.take_along_axis(logits, ids, axis=1)
+        w = np.exp(chosen - chosen.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        return Routing(ids.astype(np.int32), w.astype(np.float32))
+
+
+class TraceRouting:
+    """A recorded routing trace: ``routes`` (n_layer, ..., k) expert ids in token order.
+
+    ``.npz`` files hold ``routes`` (and optionally ``weights`` of the same shape); middle axes are
+    flattened into one token axis (``code-moe-tiny.routes.npz``: [layers, windows, tokens, k]).
+    Without weights the chosen experts weigh equally. Raises ValueError on a malformed file.
+    """
+
+    def __init__(self, path: str | Path):
+        with np.load(path) as f:
+            if "routes" not in f:
+                raise ValueError(f"{path}: no 'routes' array (expected [layer, ..., k] expert ids)")
+            routes = np.asarray(f["routes"])
+            weights = np.asarray(f["weights"]) if "weights" in f else None
+        if routes.ndim < 3:
+            raise ValueError(f"{path}: 'routes' must be [layer, tokens..., k], got shape {routes.shape}")
+        self.n_layer, self.k = routes.shape[0], routes.shape[-1]
+        self.routes = routes.reshape(self.n_layer, -1, self.k).astype(np.int32)
+        self.weights = None if weights is None else weights.reshape(self.routes.shape).astype(np.float32)
+        self.n_expert = int(self.routes.max()) + 1
+        self.pos = np.zeros(self.n_layer, np.int64)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.routes.shape[1]
+
+    def route(self, layer: int, n_tokens: int) -> Routing:
+        """The trace's next ``n_tokens`` choices at ``layer`` (wrapping around at the end)."""
+        idx = (self.pos[layer] + np.arange(n_tokens)) % self.n_tokens
+        self.pos[layer] += n_tokens
+        ids = self.routes[layer, idx]
+        w = self.weights[layer, idx] if self.weights is not None else np.full(ids.shape, 1.0 / self.k, np.float32)
+        return Routing(ids, w)
+
+
+def make_routing(name: str, n_layer: int, n_expert: int, k: int, seed: int = 0) -> RoutingProcess | TraceRouting:
+    """``--routing NAME|FILE``: a preset process for this model shape, or a trace file.
+
+    Raises:
+        ValueError: an unknown preset and no such file, or a trace that does not fit the model.
+    """
+    if name in PRESETS:
+        return RoutingProcess(PRESETS[name], n_layer, n_expert, k, seed)
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--routing {name!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    tr = TraceRouting(path)
+    if tr.n_layer < n_layer or tr.n_expert > n_expert:
+        raise ValueError(f"--routing {name}: trace has {tr.n_layer} layers and experts < {tr.n_expert}; "
+                         f"the model has {n_layer} layers and {n_expert} experts")
+    return tr

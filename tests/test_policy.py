@@ -1,0 +1,154 @@
+"""Routing processes (../shared/routing.md), the cache policy and its replay: the presets reproduce
+routing.md's reference numbers, and the policy beats plain LRU in modelled time per token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moecache.moe.policy import CachePolicy, PolicyConfig
+from moecache.moe.replay import replay_lru, replay_policy
+from moecache.moe.routing_process import PRESETS, RoutingProcess, TraceRouting, make_routing
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "models" / "code-moe-tiny.routes.npz"
+L = 8  # layers replayed (statistics are per layer; 8 keep the tests fast)
+
+
+def lru_hit_rates(preset, n_expert, k, slots_per_layer, seed=1, tokens=256):
+    return [100 * replay_lru(make_routing(preset, L, n_expert, k, seed), L, tokens, s * L).hit_rate
+            for s in slots_per_layer]
+
+
+def test_qwen3_preset_reproduces_the_lru_curve():
+    # routing.md: about 32/72/88/95 % at 6/19/38/64 % of 128 experts, 256 cold decode tokens
+    got = lru_hit_rates("qwen3-moe", 128, 8, [8, 24, 49, 82])
+    for g, want in zip(got, [32, 72, 88, 95]):
+        assert abs(g - want) < 6, got
+
+
+def test_olmoe_preset_reproduces_the_lru_curve():
+    got = lru_hit_rates("olmoe", 64, 8, [8, 16, 24, 32])
+    for g, want in zip(got, [26, 56, 69, 77]):
+        assert abs(g - want) < 6, got
+
+
+def test_low_locality_overlap_and_prefill_coverage():
+    src = make_routing("low-locality", 1, 128, 4, 0)
+    ids = src.route(0, 600).ids
+    overlap = np.mean([len(set(a) & set(b)) / 4 for a, b in zip(ids[:-1], ids[1:])])
+    assert 0.11 < overlap < 0.22  # routing.md: ~16%
+    for preset, n_expert, lo in (("qwen3-moe", 128, 0.70), ("olmoe", 64, 0.95)):
+        src = make_routing(preset, L, n_expert, 8, 2)
+        touched = [np.unique(src.route(layer, 512).ids).size / n_expert for layer in range(L)]
+        assert np.mean(touched) >= lo, (preset, touched)
+
+
+def test_uniform_has_no_skew_and_weights_are_a_softmax():
+    r = make_routing("uniform", 2, 64, 8, 3).route(0, 4000)
+    counts = np.bincount(r.ids.reshape(-1), minlength=64) / r.ids.size
+    assert counts.max() < 1.25 / 64 and counts.min() > 0.75 / 64
+    assert np.allclose(r.weights.sum(axis=1), 1.0, atol=1e-5) and (r.weights > 0).all()
+    assert all(len(set(row)) == 8 for row in r.ids)  # k distinct experts per token
+
+
+@pytest.mark.parametrize("preset,n_expert,slots", [("qwen3-moe", 128, 24), ("qwen3-moe", 128, 49),
+                                                   ("olmoe", 64, 16), ("olmoe", 64, 24),
+                                                   ("uniform", 128, 24), ("low-locality", 128, 64)])
+def test_policy_beats_lru_in_modelled_time(preset, n_expert, slots):
+    cfg = PolicyConfig()
+    lru = replay_lru(make_routing(preset, L, n_expert, 8, 5), L, 256, slots * L, cfg)
+    ours = replay_policy(make_routing(preset, L, n_expert, 8, 5), L, n_expert, 256, slots * L, cfg)
+    assert ours.us_per_token < 0.95 * lru.us_per_token, (ours, lru)
+    assert ours.uploads_per_token <= cfg.uploads_per_token
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found (../shared/models beside the checkout)")
+@pytest.mark.parametrize("slots", [4, 8, 12])
+def test_policy_beats_lru_on_the_real_trace(slots):
+    tr = TraceRouting(TRACE)
+    assert (tr.n_layer, tr.n_expert, tr.k) == (8, 16, 4)
+    lru = replay_lru(TraceRouting(TRACE), 8, 4096, slots * 8)
+    ours = replay_policy(TraceRouting(TRACE), 8, 16, 4096, slots * 8)
+    # routing README: per-layer LRU 0.273 / 0.610 / 0.849 at 4 / 8 / 12 slots (65k tokens)
+    assert abs(lru.hit_rate - {4: 0.273, 8: 0.610, 12: 0.849}[slots]) < 0.04
+    assert ours.us_per_token < 0.8 * lru.us_per_token and ours.hit_rate >= lru.hit_rate
+
+
+def test_admission_must_pay_back():
+    ids = np.array([[3, 5]])
+    cheap = CachePolicy(1, 8, 4, PolicyConfig(window=64, t_cpu=66e-6, t_gpu=4e-6, t_upload=48e-6))
+    cheap.new_tokens(1)
+    cheap.observe(0, ids)
+    assert [a.expert for a in cheap.decide(0, ids[0])] == [3, 5]  # one use over 64 tokens saves 62 us > 48
+    dear = CachePolicy(1, 8, 4, PolicyConfig(window=64, t_cpu=66e-6, t_gpu=4e-6, t_upload=100e-6))
+    dear.new_tokens(1)
+    dear.observe(0, ids)
+    assert dear.decide(0, ids[0]) == []  # saves 62 us, costs 100: no upload
+
+
+def test_upload_budget_is_respected():
+    cfg = PolicyConfig(uploads_per_token=2, burst=2)
+    pol = CachePolicy(4, 64, 200, cfg)
+    src = make_routing("uniform", 4, 64, 8, 0)
+    for t in range(50):
+        pol.new_tokens(1)
+        before = pol.uploads
+        for layer in range(4):
+            ids = src.route(layer, 1).ids
+            pol.observe(layer, ids)
+            pol.decide(layer, ids[0][~pol.resident[layer, ids[0]]])
+        assert pol.uploads - before <= 2
+    assert pol.uploads <= 2 * 50 + 2
+
+
+def test_no_ping_pong_between_two_alternating_experts():
+    pol = CachePolicy(1, 4, 1, PolicyConfig())
+    for t in range(200):
+        ids = np.array([[t % 2]])
+        pol.new_tokens(1)
+        pol.observe(0, ids)
+        pol.decide(0, ids[0][~pol.resident[0, ids[0]]])
+    assert pol.uploads == 1  # the first one fills the slot; the equally used other never displaces it
+
+
+def test_recent_admissions_are_not_evicted_and_hot_experts_displace_cold_ones():
+    pol = CachePolicy(1, 8, 1, PolicyConfig(min_residency=4))
+    pol.new_tokens(1)
+    pol.observe(0, np.array([[0]]))
+    assert [a.expert for a in pol.decide(0, np.array([0]))] == [0]
+    for t in range(3):  # a hot newcomer cannot evict expert 0 during its minimum residency
+        pol.new_tokens(1)
+        pol.observe(0, np.array([[1]]))
+        assert pol.decide(0, np.array([1])) == []
+    for t in range(30):
+        pol.new_tokens(1)
+        pol.observe(0, np.array([[1]]))
+        adm = pol.decide(0, np.array([1]) if not pol.resident[0, 1] else np.array([], int))
+        if adm:
+            assert adm[0].victim == (0, 0)
+            break
+    assert pol.resident[0, 1] and not pol.resident[0, 0]
+
+
+def test_preload_fills_slots_with_the_most_used():
+    pol = CachePolicy(2, 4, 3, PolicyConfig())
+    usage = np.array([[0.5, 0.0, 0.2, 0.1], [0.05, 0.4, 0.0, 0.0]])
+    adm = pol.preload(usage)
+    assert [(a.layer, a.expert) for a in adm] == [(0, 0), (1, 1), (0, 2)] and pol.n_resident == 3
+
+
+def test_bad_routing_names_and_files(tmp_path):
+    with pytest.raises(ValueError, match="not a preset"):
+        make_routing("zipf", 2, 8, 2)
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, ids=np.zeros((2, 3, 2)))
+    with pytest.raises(ValueError, match="no 'routes' array"):
+        make_routing(str(bad), 2, 8, 2)
+    small = tmp_path / "small.npz"
+    np.savez(small, routes=np.zeros((1, 10, 2), np.uint8))
+    with pytest.raises(ValueError, match="trace has 1 layers"):
+        make_routing(str(small), 2, 8, 2)
+    assert set(PRESETS) == {"qwen3-moe", "olmoe", "low-locality", "uniform"}
+    assert isinstance(make_routing("olmoe", 2, 64, 8), RoutingProcess)
