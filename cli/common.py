@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -80,6 +83,38 @@ def resolve_model(model: Path | None) -> Path:
     return Path(path)
 
 
+@dataclass(frozen=True)
+class CacheOptions:
+    """The expert-cache flags other than sizing (which is placement)."""
+
+    window: int = 64
+    stats_every: int = 0
+    routing: str | None = None
+    deterministic: bool = False
+
+
+# Numba expert kernel throughput per physical core (Q4_K, bench/results/kernels-h200-cpu.md: ~20 GB/s
+# on 16 cores): the policy's estimate of a miss's CPU time
+CPU_EXPERT_BYTES_PER_CORE_S = 1.3e9
+DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
+
+
+def policy_config(expert_bytes: int, probe, cache: CacheOptions, res):
+    """The cache policy's costs from the expert size, the cores and the measured link (fixed values
+    with --deterministic or MOECACHE_DETERMINISTIC=1)."""
+    from moecache.moe.policy import PolicyConfig
+
+    det = cache.deterministic or os.environ.get("MOECACHE_DETERMINISTIC") == "1"
+    link = 0.0
+    if not det and probe.gpus:
+        gi = probe.gpus[res.prompt_gpu or 0]
+        link = gi.h2d_pinned
+    link = link or DETERMINISTIC_LINK_BYTES_S
+    cores = res.n_threads if det else max(1, res.n_threads)
+    return PolicyConfig(window=cache.window, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
+                        t_gpu=expert_bytes / 1e12, t_upload=expert_bytes / link)
+
+
 def resolve_settings(model: Path, flags, verbose: bool):
     """Resolve the defaults the user did not set (moecache.probe.resolve_defaults) from the model's
     facts and the startup probe, and print them in one short table on stderr (``-v``: every value
@@ -90,6 +125,9 @@ def resolve_settings(model: Path, flags, verbose: bool):
     with open_gguf(model) as g:
         experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
         facts = ModelFacts(g.n_bytes, experts, g.config.context_length)
+        per_layer = [sum(t.n_bytes for n, t in g.tensors.items() if n.startswith(f"blk.{il}.") and n.endswith("_exps.weight"))
+                     for il in range(g.config.n_layer)]
+        expert_each = max(per_layer) // g.config.n_expert if g.config.n_expert else 0
     probe = startup_probe()
     res = resolve_defaults(facts, probe, flags)
     rows = [("-ub", str(res.n_ubatch), "n_ubatch"), ("-c", str(res.n_ctx or "trained"), "n_ctx"),
@@ -109,7 +147,7 @@ def resolve_settings(model: Path, flags, verbose: bool):
     else:
         note("resolved: " + " | ".join(f"{n} {v}" for n, v, _ in rows)
              + (" | experts in host RAM" if res.experts_in_ram else ""))
-    return res
+    return res, probe, expert_each
 
 
 def pin_progress_bar():
@@ -131,7 +169,8 @@ def pin_progress_bar():
     return update
 
 
-def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | None, verbose: bool = False):
+def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | None, verbose: bool = False,
+                cache: CacheOptions | None = None):
     """Resolve the settings (printed), build the engine with the placement flags, print what was
     resolved at load (devices, layers on the GPU, fallbacks); flags this version does not
     implement are said once.
@@ -145,7 +184,8 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
         raise UserError(f"-fa must be on, off or auto, got {flash_attn!r}")
     if flash_attn == "on":
         note(f"note: -fa {flash_attn} ignored: one attention implementation per backend for now")
-    res = resolve_settings(model, flags, verbose)
+    cache = cache or CacheOptions()
+    res, probe, expert_each = resolve_settings(model, flags, verbose)
     if res.prompt_gpu is not None:
         import dataclasses
 
@@ -153,7 +193,19 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
     config = EngineConfig(res.n_ctx, max(n_batch, res.n_ubatch) if flags.n_ubatch is None else n_batch,
                           res.n_ubatch, res.n_threads)
     eng = Engine(model, config, log=note, placement=placement, load_mode=res.load_mode,
-                 pin_progress=pin_progress_bar() if res.load_mode == "pin" else None)
+                 pin_progress=pin_progress_bar() if res.load_mode == "pin" else None,
+                 policy_config=policy_config(expert_each, probe, cache, res) if expert_each else None)
+    if cache.routing:
+        from moecache.moe.routing_process import make_routing
+
+        c = eng.gguf.config
+        try:
+            eng.model.routing_override = make_routing(cache.routing, c.n_layer, c.n_expert, c.n_expert_used)
+        except ValueError:
+            eng.close()
+            raise
+        note(f"note: --routing {cache.routing}: the router runs but its choice is replaced: the output text is "
+             f"meaningless (for speed, hit-rate and upload measurements)")
     c = eng.gguf.config
     pl = eng.placement
     ctx_src = f"-c {config.n_ctx}" if config.n_ctx else "the model's trained context"
@@ -168,6 +220,17 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
          f"backend: {where} | n_ctx {eng.n_ctx} ({ctx_src}) | n_ubatch {eng.n_ubatch} | "
          f"load mode {eng.load_mode} | loaded in {eng.load_seconds:.2f} s")
     return eng
+
+
+def cache_stats_lines(eng) -> list[str]:
+    """The expert caches' counters (``--moe-cache-stats``, and at exit)."""
+    out = []
+    for i, c in enumerate(eng.caches):
+        s = c.stats
+        per = max(1, s.tokens)
+        out.append(f"expert cache {i}: hit rate {100 * s.hit_rate:.1f}% ({s.hits} hits, {s.misses} misses) | "
+                   f"{s.uploads / per:.2f} uploads, {s.uploaded_bytes / per / 2**20:.1f} MiB per token over {s.tokens} tokens")
+    return out
 
 
 def timing_lines(t) -> list[str]:

@@ -59,6 +59,37 @@ LoadModeOpt = Annotated[Optional[str], typer.Option("--load-mode", help="mmap: m
                                                     "into page-locked RAM at load; auto (default): serve pins when "
                                                     "it fits, run/perplexity map.")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Print every resolved setting with its reason.")]
+MoeCacheOpt = Annotated[Optional[int], typer.Option("--moe-cache", help="Expert cache per GPU: -1 = fill free VRAM "
+                                                    "(default when the model does not fit), 0 = off, N = at most N MiB.")]
+VramBudgetOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Use at most this much of each GPU "
+                                                      "(e.g. 8GiB, 12000MiB): emulates a smaller card.")]
+MoeWindowOpt = Annotated[int, typer.Option("--moe-cache-window", help="Tokens of expert-usage history the cache "
+                                           "policy weighs.")]
+MoeStatsOpt = Annotated[int, typer.Option("--moe-cache-stats", help="Print the cache's hit rate and uploads every N "
+                                          "tokens and at exit (0 = off, -1 = at exit only).")]
+RoutingOpt = Annotated[Optional[str], typer.Option("--routing", help="Benchmarks only: replace the router's choice by "
+                                                   "a routing process (uniform, qwen3-moe, olmoe, low-locality) or a "
+                                                   "recorded trace (.npz); the text becomes meaningless.")]
+DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache decisions from fixed costs, not "
+                                                "measured timings (also MOECACHE_DETERMINISTIC=1).")]
+
+
+def parse_size(text: str | None, flag: str) -> int:
+    """``8GiB``, ``8G``, ``12000MiB``, ``512M``, ``1073741824`` -> bytes (ValueError naming the flag)."""
+    if not text:
+        return 0
+    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if value < 0 or unit not in units:
+        raise ValueError(f"{flag} {text!r}: expected a size such as 8GiB, 12000MiB or 512M")
+    return int(value * units[unit])
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", help="Layers on the GPU, counted from the "
                                      "last (> n_layer: the output layer too); -1 = all that fit; 0 = CPU only.")]
 CpuMoeOpt = Annotated[bool, typer.Option("-cmoe", "--cpu-moe", help="Keep every layer's routed experts in host RAM "
@@ -72,7 +103,7 @@ MgOpt = Annotated[int, typer.Option("-mg", "--main-gpu", help="The GPU of -sm no
 
 
 def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, tensor_split: str | None,
-                      main_gpu: int):
+                      main_gpu: int, moe_cache: int | None = None, vram_budget: str | None = None):
     """The placement flags as a PlacementOptions (ValueError naming -ts if it does not parse)."""
     from moecache.placement import PlacementOptions
 
@@ -82,7 +113,8 @@ def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, 
             ts = tuple(float(v) for v in tensor_split.replace("/", ",").split(","))
         except ValueError:
             raise ValueError(f"-ts {tensor_split!r}: expected comma-separated numbers, e.g. 3,1") from None
-    return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu)
+    return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu, moe_cache=moe_cache,
+                            vram_budget=parse_size(vram_budget, "--vram-budget"))
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
 EscapeOpt = Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, \\xHH, ...) "
                                          "in the prompt text, as llama.cpp does by default.")]
@@ -119,6 +151,12 @@ def run(
     split_mode: SplitOpt = "layer",
     tensor_split: TsOpt = None,
     main_gpu: MgOpt = 0,
+    moe_cache: MoeCacheOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    moe_cache_window: MoeWindowOpt = 64,
+    moe_cache_stats: MoeStatsOpt = 0,
+    routing: RoutingOpt = None,
+    deterministic: DeterministicOpt = False,
     flash_attn: FaOpt = None,
     temp: Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")] = 0.8,
     top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 40,
@@ -140,6 +178,7 @@ def run(
 ) -> None:
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
+        from cli.common import CacheOptions
         from cli.run import RunOptions, run_command
         from moecache.probe import UserFlags
         from moecache.sampling import DEFAULT_SEED, SamplingParams
@@ -147,9 +186,10 @@ def run(
         sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
-        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu)
+        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
+        cache = CacheOptions(moe_cache_window, moe_cache_stats, routing, deterministic)
         opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, pl, flash_attn,
-                          escape, special, verbose)
+                          escape, special, verbose, cache)
         run_command(opts, UserFlags("run", ubatch_size, ctx_size, threads, load_mode), batch_size, sp)
     _user_errors(body)
 
@@ -171,13 +211,18 @@ def perplexity(
     split_mode: SplitOpt = "layer",
     tensor_split: TsOpt = None,
     main_gpu: MgOpt = 0,
+    moe_cache: MoeCacheOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    moe_cache_window: MoeWindowOpt = 64,
+    moe_cache_stats: MoeStatsOpt = 0,
+    deterministic: DeterministicOpt = False,
     flash_attn: FaOpt = None,
     escape: Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, ...) in "
                                          "the text; off by default, as in llama-perplexity.")] = False,
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
     def body() -> None:
-        from cli.common import UserError
+        from cli.common import CacheOptions, UserError
         from cli.perplexity import perplexity_command
         from moecache.probe import UserFlags
 
@@ -185,9 +230,10 @@ def perplexity(
             raise UserError("perplexity needs a text file: -f FILE")
         if ctx_size <= 0:
             raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
-        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu)
+        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
         perplexity_command(model, file, ctx_size, UserFlags("perplexity", ubatch_size, ctx_size, threads, load_mode),
-                           batch_size, chunks, pl, flash_attn, escape, verbose)
+                           batch_size, chunks, pl, flash_attn, escape, verbose,
+                           CacheOptions(moe_cache_window, moe_cache_stats, None, deterministic))
     _user_errors(body)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import UserError, load_engine, note, read_text_arg, resolve_model, timing_lines
+from cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model, timing_lines
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class RunOptions:
     escape: bool = True
     special: bool = False
     verbose: bool = False
+    cache: Any = None  # cli.common.CacheOptions
 
 
 def read_prompt(opts: RunOptions) -> str | None:
@@ -71,7 +72,8 @@ def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
     check_chat_template_name(opts.chat_template)
     if not chat and (opts.system is not None or opts.chat_template is not None):
         note("note: -sys and --chat-template apply to chat (-cnv); this one-shot run completes the raw prompt")
-    eng = load_engine(resolve_model(opts.model), flags, n_batch, opts.placement, opts.flash_attn, opts.verbose)
+    eng = load_engine(resolve_model(opts.model), flags, n_batch, opts.placement, opts.flash_attn, opts.verbose,
+                      opts.cache)
     try:
         sampler = Sampler(sampling, eng.n_ctx)
         if sampling.temp > 0:
@@ -83,6 +85,9 @@ def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
             _chat(eng, sampler, opts, prompt)
         else:
             _complete(eng, sampler, opts, prompt)
+        if eng.caches and opts.cache is not None and opts.cache.stats_every:
+            for line in cache_stats_lines(eng):
+                note(line)
     finally:
         eng.close()
 
@@ -97,10 +102,17 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
     stream = eng.tokenizer.streamer(skip_special=not opts.special)
     out = sys.stdout
 
+    every = opts.cache.stats_every if opts.cache is not None else 0
+    n_done = [0]
+
     def on_token(t: int) -> None:
         if not opts.as_json:
             out.write(stream.push(t))
             out.flush()
+        n_done[0] += 1
+        if every > 0 and eng.caches and n_done[0] % every == 0:
+            for line in cache_stats_lines(eng):
+                note(line)
     try:
         res = eng.generate(ids, sampler, opts.n_predict, on_token)
     except ContextFullError as e:
@@ -112,7 +124,10 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
                    "tokens": res.tokens, "stop": res.stop,
                    "timings": {"prompt_n": t.n_prompt, "prompt_ms": t.t_prompt * 1e3, "prompt_per_second": t.pp_tps,
                                "predicted_n": t.n_gen, "eval_runs": t.n_eval, "predicted_ms": t.t_eval * 1e3,
-                               "predicted_per_second": t.tg_tps}}, out, ensure_ascii=False)
+                               "predicted_per_second": t.tg_tps},
+                   **({"moe_cache": [{"hit_rate": c.stats.hit_rate, "uploads": c.stats.uploads,
+                                      "uploaded_bytes": c.stats.uploaded_bytes} for c in eng.caches]}
+                      if eng.caches else {})}, out, ensure_ascii=False)
         out.write("\n")
     else:
         out.write(stream.flush() + "\n")

@@ -25,7 +25,9 @@ from moecache.devices import gpu_free_bytes, make_backends
 from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
 from moecache.models.base import expert_weights
+from moecache.moe.cache import CachedExperts
 from moecache.moe.executor import placed_experts
+from moecache.moe.policy import CachePolicy, PolicyConfig
 from moecache.placement import Placement, PlacementOptions, model_sizes, plan
 from moecache.sampling import Sampler
 from moecache.tokenizer import Tokenizer
@@ -141,6 +143,8 @@ class Engine:
             GPU (:mod:`moecache.backends.cuda_graph`); False = op by op.
         load_mode: "mmap" (weights read from the mapped file) or "pin" (copied into page-locked RAM
             at load, :func:`moecache.load_mode.pin_model`; ``pin_progress`` sees the copy).
+        policy_config: the expert cache's policy knobs (default :class:`PolicyConfig`; the CLI
+            sets the costs from the expert size and the measured link).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -149,7 +153,8 @@ class Engine:
 
     def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
-                 load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None):
+                 load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
+                 policy_config: PolicyConfig | None = None):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -162,6 +167,8 @@ class Engine:
         t0 = time.perf_counter()
         self.gguf: GGUFModel = open_gguf(path)
         self.pinned = None
+        self.caches: list[CachedExperts] = []
+        self.policy_config = policy_config or PolicyConfig()
         try:
             if load_mode not in ("mmap", "pin"):
                 raise ValueError(f"load_mode must be mmap or pin, got {load_mode!r}")
@@ -202,12 +209,23 @@ class Engine:
         self.placement = pl
         bes = make_backends(pl.devices + [-1], self.log)
         layer_bes = [bes[d] for d in pl.layer_device]
-        experts = placed_experts(expert_weights(self.gguf, model_class(self.gguf).act), pl.experts_on_device,
-                                 layer_bes, pl.offload_min_batch,
+        ew = expert_weights(self.gguf, model_class(self.gguf).act)
+        experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,
                                  bes[pl.prompt_gpu] if pl.prompt_gpu is not None else None)
+        self.caches = []
+        c = self.gguf.config
+        for g, slots in pl.cache_slots:
+            layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
+            cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
+                                  pl.offload_min_batch)
+            self.caches.append(cache)
+            for il in layers:
+                experts.executors[il] = cache
         return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device])
 
     def _decode_graph(self, wanted: bool) -> None:
+        if getattr(self.model.output_be, "name", "") != "cuda":
+            return  # graphs are a CUDA feature; nothing to say on other backends
         from moecache.backends.cuda_graph import DecodeGraph, eligible
 
         why = eligible(self.model) if wanted else "disabled"
@@ -224,7 +242,9 @@ class Engine:
         self.kv.clear()
 
     def close(self) -> None:
-        """Release the model file."""
+        """Release the model file (and the expert caches' worker threads)."""
+        for c in self.caches:
+            c.close()
         self.gguf.close()
 
     def __enter__(self) -> Engine:

@@ -50,6 +50,10 @@ class PlacementOptions:
             GPU (llama.cpp's op offload threshold, 32).
         prompt_gpu: the GPU those ubatches run on (the startup probe picks the fastest host link);
             None = each layer's own GPU.
+        moe_cache: ``--moe-cache``: None = not given (auto), -1 = fill free VRAM, 0 = off, N = at most
+            N MiB per GPU.
+        vram_budget: ``--vram-budget`` in bytes per GPU (0 = none): the program uses at most this
+            much of each GPU (emulates a smaller card; the KV cache and every buffer count).
     """
 
     n_gpu_layers: int = -1
@@ -60,6 +64,8 @@ class PlacementOptions:
     main_gpu: int = 0
     offload_min_batch: int = 32
     prompt_gpu: int | None = None
+    moe_cache: int | None = None
+    vram_budget: int = 0
 
     def validate(self, n_gpus: int) -> None:
         """Raise PlacementError naming the flag of any impossible value."""
@@ -73,6 +79,10 @@ class PlacementOptions:
             raise PlacementError(f"-ts {self.tensor_split}: proportions must be >= 0 with a positive sum")
         if n_gpus and len(self.tensor_split) > n_gpus:
             raise PlacementError(f"-ts has {len(self.tensor_split)} values but {n_gpus} GPU(s) are visible")
+        if self.moe_cache is not None and self.moe_cache < -1:
+            raise PlacementError(f"--moe-cache must be -1 (fill VRAM), 0 (off) or a size in MiB, got {self.moe_cache}")
+        if self.vram_budget < 0:
+            raise PlacementError(f"--vram-budget must be >= 0, got {self.vram_budget}")
         if n_gpus and not 0 <= self.main_gpu < n_gpus:
             raise PlacementError(f"-mg {self.main_gpu}: {n_gpus} GPU(s) are visible (0..{n_gpus - 1})")
 
@@ -87,6 +97,7 @@ class ModelSizes:
         kv: per layer, the KV cache at the chosen n_ctx.
         output: output norm + output matrix + token embeddings.
         largest_matrix_f32: the largest dense matrix dequantized to float32 (the prompt-path scratch).
+        expert_each: bytes of one expert's three matrices (one cache slot).
     """
 
     dense: tuple[int, ...]
@@ -94,6 +105,7 @@ class ModelSizes:
     kv: int
     output: int
     largest_matrix_f32: int = 0
+    expert_each: int = 0  # bytes of one expert (gate + up + down): a cache slot
 
     @property
     def n_layer(self) -> int:
@@ -110,6 +122,7 @@ class Placement:
         output_device: ``CPU`` or a GPU ordinal for the output norm and matrix.
         offload_min_batch: op-offload threshold of host experts on GPU layers (None: never).
         prompt_gpu: the GPU offloaded prompt ubatches run on (None: each layer's own).
+        cache_slots: ``(GPU, slots)`` of each GPU's expert cache over its host-expert layers.
         notes: what was decided and why (printed once).
     """
 
@@ -119,6 +132,7 @@ class Placement:
     offload_min_batch: int | None = 32
     notes: tuple[str, ...] = field(default=(), compare=False)
     prompt_gpu: int | None = None
+    cache_slots: tuple[tuple[int, int], ...] = ()  # (GPU, slots) of the expert cache; empty = off
 
     @property
     def devices(self) -> list[int]:
@@ -143,7 +157,8 @@ class Placement:
         host = sum(1 for i in range(n) if self.layer_device[i] != CPU and not self.experts_on_device[i])
         out = "GPU %d" % self.output_device if self.output_device != CPU else "CPU"
         moe = f"; experts of {host} GPU layers in host RAM" if host else ""
-        return f"{self.n_gpu_layers}/{n} layers on GPU ({', '.join(parts)}); output on {out}{moe}"
+        cache = "".join(f"; expert cache GPU {g}: {s} slots" for g, s in self.cache_slots)
+        return f"{self.n_gpu_layers}/{n} layers on GPU ({', '.join(parts)}); output on {out}{moe}{cache}"
 
 
 def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
@@ -167,7 +182,8 @@ def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
         if len(t.shape) == 2:
             largest = max(largest, 4 * n_elem)
     kv = n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
-    return ModelSizes(tuple(dense), tuple(experts), kv, output, largest)
+    each = max(experts) // c.n_expert if c.n_expert else 0
+    return ModelSizes(tuple(dense), tuple(experts), kv, output, largest, each)
 
 
 def _split(layers: list[int], gpus: list[int], weights: list[float]) -> dict[int, int]:
@@ -210,7 +226,10 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     elif opts.tensor_split:
         keep = [i for i, w in enumerate(weights) if w > 0]
         gpus, weights = [gpus[i] for i in keep], [weights[i] for i in keep]
-    budget = {g: int(gpu_free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
+    free = [min(f, opts.vram_budget) if opts.vram_budget else f for f in gpu_free]
+    if opts.vram_budget:
+        notes.append(f"--vram-budget {opts.vram_budget / 2**30:.1f} GiB per GPU")
+    budget = {g: int(free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
 
     def layout(n_gl: int) -> tuple[dict[int, int], int]:
         gl = list(range(n - min(n_gl, n), n))
@@ -244,7 +263,16 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
         notes.append(f"-ngl auto: {n_gl} of {n} layers fit in GPU memory (dense weights + KV cache)")
 
     on_dev = [il in dev and not opts.cpu_moe and il >= opts.n_cpu_moe and sizes.experts[il] > 0 for il in range(n)]
-    if not opts.cpu_moe and not opts.n_cpu_moe:
+    explicit = opts.cpu_moe or opts.n_cpu_moe
+    all_use = dict(use)
+    for j, g in dev.items():
+        if on_dev[j]:
+            all_use[g] += sizes.experts[j]
+    fits = all(all_use[g] <= budget[g] for g in gpus)
+    if not explicit and not fits and opts.moe_cache != 0 and sizes.expert_each:
+        # the model does not fit: every routed expert in host RAM, free VRAM becomes the cache
+        on_dev = [False] * n
+    elif not explicit:
         moved = 0
         for il in range(n):  # first layers' experts to host until every GPU fits
             exp_use = dict(use)
@@ -259,7 +287,7 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
                 moved += 1
         if moved:
             notes.append(f"routed experts of {moved} layer(s) do not fit in GPU memory: they stay in host RAM and "
-                         f"run on the CPU (as --n-cpu-moe {moved}; the expert cache is not built yet)")
+                         f"run on the CPU (as --n-cpu-moe {moved}; --moe-cache 0)")
     else:
         exp_use = dict(use)
         for j, g in dev.items():
@@ -271,6 +299,41 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
             raise PlacementError(f"the experts placed on GPU {g} need {exp_use[g] / 2**30:.2f} GiB with the dense "
                                  f"weights, {max(budget[g], 0) / 2**30:.2f} GiB usable: raise --n-cpu-moe")
     layer_device = tuple(dev.get(il, CPU) for il in range(n))
+    cache = _cache_slots(opts, sizes, dev, on_dev, use, budget, gpus, explicit, fits, notes)
     used = {d for d in layer_device if d != CPU}
     prompt = opts.prompt_gpu if opts.prompt_gpu in used and len(used) > 1 else None
-    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt)
+    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache)
+
+
+def _cache_slots(opts: PlacementOptions, sizes: ModelSizes, dev: dict[int, int], on_dev: list[bool],
+                 use: dict[int, int], budget: dict[int, int], gpus: list[int], explicit: bool, fits: bool,
+                 notes: list[str]) -> tuple[tuple[int, int], ...]:
+    """Slots of each GPU's expert cache (its host-expert layers, its VRAM left after the dense
+    weights, KV cache and resident experts), with the note saying what was requested and granted."""
+    host_layers = {g: [il for il, d in dev.items() if d == g and not on_dev[il] and sizes.experts[il]] for g in gpus}
+    if not any(host_layers.values()) or not sizes.expert_each:
+        return ()
+    if opts.moe_cache == 0:
+        notes.append("expert cache off (--moe-cache 0): host experts run on the CPU")
+        return ()
+    if explicit and opts.moe_cache is None:
+        notes.append("expert cache off: --cpu-moe / --n-cpu-moe place experts explicitly (add --moe-cache to cache)")
+        return ()
+    out = []
+    for g in gpus:
+        if not host_layers[g]:
+            continue
+        left = budget[g] - use[g] - sum(sizes.experts[il] for il, d in dev.items() if d == g and on_dev[il])
+        want = left if opts.moe_cache in (None, -1) else min(left, opts.moe_cache << 20)
+        slots = max(0, want) // sizes.expert_each
+        slots = min(slots, sum(sizes.experts[il] for il in host_layers[g]) // sizes.expert_each)  # all of them at most
+        requested = "fill free VRAM" if opts.moe_cache in (None, -1) else f"{opts.moe_cache} MiB"
+        if slots == 0:
+            notes.append(f"expert cache off on GPU {g}: no VRAM left after the dense weights and KV cache "
+                         f"(requested {requested}, {max(left, 0) / 2**20:.0f} MiB left)")
+            continue
+        why = "" if fits or explicit else " (the model does not fit in VRAM)"
+        notes.append(f"expert cache on GPU {g}{why}: requested {requested}, granted "
+                     f"{slots * sizes.expert_each / 2**20:.0f} MiB = {slots} slots of {sizes.expert_each / 2**20:.2f} MiB")
+        out.append((g, slots))
+    return tuple(out)

@@ -296,3 +296,33 @@ def test_pinned_weights_give_the_same_logits(gpu, tmp_path):
         ref = np.vstack([c.eval(tokens[:40], logits="all"), c.eval(tokens[40:41]), c.eval(tokens[41:])])
         got = np.vstack([g.eval(tokens[:40], logits="all"), g.eval(tokens[40:41]), g.eval(tokens[41:])])
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path):
+    """The expert cache with real streams: a --vram-budget that leaves room for a third of the
+    experts; every decode step's logits equal the CPU's while experts are uploaded and evicted."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.gguf_file import open_gguf
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import SynthConfig, write_model
+
+    path = tmp_path / "moe.gguf"
+    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=21)
+    with open_gguf(path) as m:
+        sz = model_sizes(m, 96)
+    need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    budget = int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
+    rng = np.random.default_rng(5)
+    with Engine(path, EngineConfig(n_ctx=96)) as ref, \
+            Engine(path, EngineConfig(n_ctx=96), placement=PlacementOptions(vram_budget=budget)) as eng:
+        assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
+        toks = rng.integers(0, 200, 40)
+        np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-4)
+        for step in range(50):
+            t = [int(rng.integers(0, 200))]
+            a, b = eng.eval(t), ref.eval(t)
+            assert np.isfinite(a).all()
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"step {step}")
+        s = eng.caches[0].stats
+        assert s.hits > 0 and s.uploads > eng.placement.cache_slots[0][1]

@@ -54,6 +54,19 @@ def _gather_rows(src, idx, dst):  # dst[i] = src[idx[i]], rows split over the CP
         dst[i, c0:c1] = src[idx[i], c0:c1]
 
 
+class _SlotCopy:
+    """An expert upload in flight: its completion event and the pinned buffers it reads."""
+
+    def __init__(self, event: cp.cuda.Event, keep: list):
+        self.event, self.keep = event, keep
+
+    def done(self) -> bool:
+        if self.event.done:
+            self.keep = []  # the pinned buffers go back to CuPy's pool
+            return True
+        return False
+
+
 def _is_pinned(a: np.ndarray) -> bool:
     """Whether a host array lives in page-locked memory (``--load-mode pin``)."""
     try:
@@ -88,6 +101,7 @@ class CupyBackend(ArrayOps):
         self._fns: dict[str, Any] = {}
         self._inv_freq: dict[bytes, cp.ndarray] = {}
         self._staging: np.ndarray | None = None  # page-locked buffer of upload_experts
+        self._copy_stream: cp.cuda.Stream | None = None  # expert-cache uploads
 
     def activate(self) -> None:
         """Make this backend's GPU the current CUDA device (before running a layer placed on it)."""
@@ -168,6 +182,27 @@ class CupyBackend(ArrayOps):
             out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
             out.reshape(n, per).set(host)
         return out
+
+    def start_slot_copy(self, dsts: tuple[cp.ndarray, ...], slot: int, srcs: tuple[np.ndarray, ...]) -> "_SlotCopy":
+        """Copy host ``srcs[i]`` into ``dsts[i][slot]`` on this GPU's copy stream, asynchronously; the
+        copy waits for the work already queued on the compute stream (a kernel may still read the
+        slot's previous expert). Pageable sources go through pinned buffers from CuPy's pinned pool.
+        ``done()`` of the result says when the slot may be read."""
+        with cp.cuda.Device(self.device):
+            if self._copy_stream is None:
+                self._copy_stream = cp.cuda.Stream(non_blocking=True)
+            cs = self._copy_stream
+            cs.wait_event(cp.cuda.get_current_stream().record())
+            keep = []
+            for dst, src in zip(dsts, srcs):
+                if not _is_pinned(src):
+                    mem = cp.cuda.alloc_pinned_memory(src.nbytes)
+                    buf = np.frombuffer(mem, np.uint8, src.nbytes).reshape(src.shape)
+                    buf[...] = src
+                    keep.append(mem)
+                    src = buf
+                dst[slot].set(src, stream=cs)
+            return _SlotCopy(cs.record(), keep)
 
     def asarray(self, a: np.ndarray) -> cp.ndarray:
         """Host array -> GPU array."""

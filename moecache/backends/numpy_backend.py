@@ -71,6 +71,12 @@ class NumpyBackend(ArrayOps):
         """``w[used]`` of stacked experts as this backend keeps them (a host copy here)."""
         return np.take(w, used, axis=0)
 
+    def start_slot_copy(self, dsts: tuple[np.ndarray, ...], slot: int, srcs: tuple[np.ndarray, ...]) -> "TwinCopy":
+        """Copy ``srcs[i]`` into ``dsts[i][slot]`` (an expert into a cache slot). The CPU twin of the
+        GPU's asynchronous copy: it lands at the second ``done()`` poll, so callers must honour
+        "in flight" as they must on the GPU."""
+        return TwinCopy(dsts, slot, srcs)
+
     def upload(self, a: np.ndarray) -> np.ndarray:
         """Raw weight bytes as this backend keeps them: host arrays stay where they are (no copy)."""
         return a
@@ -143,3 +149,22 @@ class NumpyBackend(ArrayOps):
         if w.is_f32:
             return w.data[ids]
         return cpu.dequantize(w.data[ids], w.ggml_type, w.n_in, w.name)
+
+
+class TwinCopy:
+    """An expert copy into a slot that completes at its second :meth:`done` poll (see
+    :meth:`NumpyBackend.start_slot_copy`)."""
+
+    def __init__(self, dsts, slot, srcs):
+        self.dsts, self.slot, self.srcs = dsts, slot, srcs
+        self.polls = 0
+
+    def done(self) -> bool:
+        self.polls += 1
+        if self.polls < 2:
+            return False
+        if self.srcs is not None:
+            for d, s in zip(self.dsts, self.srcs):
+                d[self.slot] = s
+            self.srcs = None
+        return True

@@ -146,6 +146,7 @@ class DecoderLM:
             experts = ExpertsByLayer({il: CPUExperts({il: e}, self.layer_be[il]) for il, e in ew.items()})
         self.experts = experts
         self.decode_graph: Any = None  # set to a moecache.backends.cuda_graph.DecodeGraph to replay decode steps
+        self.routing_override: Any = None  # benchmarks: a routing process replacing the router's choice
         self.route_observers: list[RouteObserver] = []
         self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
 
@@ -346,6 +347,8 @@ class DecoderLM:
         """Routed experts of block ``il`` on the normed input x (T, n_embd) -> (T, n_embd): route,
         tell the observers (host arrays), run the executor."""
         r = self.route(il, x)
+        if self.routing_override is not None:  # --routing: the router ran (its cost is real); its choice is replaced
+            r = self.routing_override.route(il, x.shape[0])
         for obs in self.route_observers:
             obs(il, r.host())
         return self.experts(il, x, r)

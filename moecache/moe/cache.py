@@ -1,0 +1,197 @@
+"""The expert cache: slots of hot experts on a GPU, hybrid hit/miss execution, uploads.
+
+A **pool** is ``n_slots`` slots on one backend; each slot holds one expert's gate, up and down
+matrices in their GGUF format (stacked arrays ``(n_slots, rows, row_bytes)``) for the expert
+signature (shapes and types) most layers share; layers of another signature run uncached. The **map**
+``slot_of[layer][expert]`` says which slot holds an expert (-1: none); an expert becomes visible in
+the map only after its upload completed, and leaves it before its slot is overwritten.
+
+Per MoE layer and decode ubatch (:meth:`CachedExperts.__call__`):
+
+1. the routing comes to the host (the layer's one sync point) and the routed pairs split into hits
+   (expert in a visible slot) and misses;
+2. the misses run on the CPU (Numba, in a worker thread: the kernels release the GIL) while the
+   hits run on the backend from the slots (one ``moe_ffn`` over the slot arrays; a miss pair rides
+   along with weight 0 on slot 0), and the CPU partial sum is added on the backend;
+3. the policy (:mod:`moecache.moe.policy`) sees the routing and may admit missed experts; their
+   uploads start (on the GPU: a separate copy stream ordered after the compute stream, so no kernel
+   still reads a victim's slot) and land in the map at a later call, when complete.
+
+Prompt ubatches (``offload_min_batch`` tokens or more) run like host experts with op offload: the
+experts they use are copied to the backend and computed there.
+
+The backend supplies ``upload``, ``moe_ffn``, ``to_host``/``asarray`` and ``start_slot_copy`` (a
+copy of host bytes into ``pool[slot]`` returning an object with ``done()``); NumpyBackend is the
+CPU twin, where copies complete one poll later so the in-flight rules are exercised in CI.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moecache.moe.executor import CPUExperts, ExpertWeights
+from moecache.moe.policy import Admission, CachePolicy
+from moecache.moe.routing import Routing
+from moecache.quants import cpu
+
+
+@dataclass
+class CacheStats:
+    """Counters since the start (or the last :meth:`reset`)."""
+
+    tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    uploaded_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        self.tokens = self.hits = self.misses = self.uploads = self.uploaded_bytes = 0
+
+
+@dataclass
+class _Pool:
+    """Slots of one expert signature: stacked (n_slots, rows, row_bytes) gate, up, down on the backend."""
+
+    gate: Any
+    up: Any
+    down: Any
+    types: tuple[int, int, int]
+    owner: list = field(default_factory=list)  # slot -> (layer, expert) or None
+
+
+class CachedExperts:
+    """Routed experts in host RAM with a cache of hot ones in slots on ``backend``.
+
+    Args:
+        layers: layer index -> that layer's experts (host views; pinned with ``--load-mode pin``).
+        backend: where the slots live and hits are computed (a CupyBackend; NumpyBackend as the
+            CPU twin).
+        n_slots: slots per signature pool (the budget divided by the bytes of one expert).
+        policy: decides admissions (its pool size must equal the total slots).
+        offload_min_batch: prompt ubatches of this many tokens go the op-offload way.
+    """
+
+    def __init__(self, layers: dict[int, ExpertWeights], backend: Any, n_slots: int, policy: CachePolicy,
+                 offload_min_batch: int | None = 32):
+        self.layers = layers
+        self.be = backend
+        self.policy = policy
+        self.offload = CPUExperts(layers, backend, offload_min_batch)
+        self.offload_min_batch = offload_min_batch
+        self.stats = CacheStats()
+        # one pool, for the expert signature (shapes, types) most layers share; layers with another
+        # signature (rare mixed-type models) run uncached
+        sigs = {il: (e.gate.shape[1:], e.up.shape[1:], e.down.shape[1:], e.types) for il, e in layers.items()}
+        main = max(set(sigs.values()), key=list(sigs.values()).count) if sigs else None
+        self.cached_layers = {il for il, sg in sigs.items() if sg == main}
+        self.pool = None
+        if main is not None:
+            g, u, d, types = main
+            self.pool = _Pool(backend.upload(np.zeros((n_slots, *g), np.uint8)),
+                              backend.upload(np.zeros((n_slots, *u), np.uint8)),
+                              backend.upload(np.zeros((n_slots, *d), np.uint8)), types, [None] * n_slots)
+        if policy.n_slots != n_slots:
+            raise ValueError(f"policy has {policy.n_slots} slots, the pool {n_slots}")
+        n_expert = max(e.gate.shape[0] for e in layers.values()) if layers else 0
+        n_layer = max(layers) + 1 if layers else 0
+        self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
+        self._pending: list[tuple[Any, int, int, int]] = []  # (copy, layer, expert, slot)
+        self._first = min(self.cached_layers) if self.cached_layers else 0
+        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecache-miss")
+
+    # ---- uploads ---------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Publish the slots whose copies completed."""
+        still = []
+        for copy, layer, e, slot in self._pending:
+            if copy.done():
+                self.slot_of[layer, e] = slot
+            else:
+                still.append((copy, layer, e, slot))
+        self._pending = still
+
+    def _apply(self, adm: list[Admission]) -> None:
+        pool = self.pool
+        for a in adm:
+            if a.victim is None:
+                slot = pool.owner.index(None)
+            else:
+                vl, ve = a.victim
+                slot = pool.owner.index((vl, ve))
+                self.slot_of[vl, ve] = -1  # unmapped before its slot is overwritten
+                self._pending = [p for p in self._pending if (p[1], p[2]) != (vl, ve)]
+            pool.owner[slot] = (a.layer, a.expert)
+            e = self.layers[a.layer]
+            copy = self.be.start_slot_copy((pool.gate, pool.up, pool.down), slot,
+                                           (e.gate[a.expert], e.up[a.expert], e.down[a.expert]))
+            self._pending.append((copy, a.layer, a.expert, slot))
+            self.stats.uploads += 1
+            self.stats.uploaded_bytes += e.gate[a.expert].nbytes + e.up[a.expert].nbytes + e.down[a.expert].nbytes
+
+    # ---- execution --------------------------------------------------------------------------------
+    def __call__(self, il: int, h: Any, routing: Routing) -> Any:
+        e = self.layers[il]
+        r = routing.host()
+        t = r.ids.shape[0]
+        if il == self._first:
+            self.policy.new_tokens(t)
+            self.stats.tokens += t
+        self.poll()
+        if il not in self.cached_layers:
+            return self.offload(il, h, r)
+        if self.offload_min_batch is not None and t >= self.offload_min_batch:
+            out = self.offload(il, h, r)
+            self.policy.observe(il, r.ids)
+            return out
+        slots = self.slot_of[il][r.ids]
+        hit = slots >= 0
+        n_hit = int(hit.sum())
+        self.stats.hits += n_hit
+        self.stats.misses += hit.size - n_hit
+        be = self.be
+        cpu_part = None
+        if n_hit < hit.size:  # misses: CPU, in the worker thread, while the backend computes hits
+            miss = Routing(r.ids, np.where(hit, 0.0, r.weights).astype(np.float32))
+            eids, offs, rows, wts = _miss_groups(miss, ~hit)
+            hh = be.to_host(h)
+            act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
+            cpu_part = self._workers.submit(cpu.moe_ffn, e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh,
+                                            None, act)
+        out = None
+        if n_hit:
+            pool = self.pool
+            local = Routing(np.where(hit, slots, 0).astype(np.int32), np.where(hit, r.weights, 0.0).astype(np.float32))
+            out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, local, h, e.act)
+        if cpu_part is not None:
+            part = be.asarray(cpu_part.result())
+            out = part if out is None else out + part
+        self.policy.observe(il, r.ids)
+        missed = r.ids[~hit]
+        self._apply(self.policy.decide(il, missed))
+        return out
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True)
+
+
+def _miss_groups(r: Routing, miss: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """CSR groups (as Routing.groups) of the missed pairs only."""
+    t, k = r.ids.shape
+    flat = r.ids.reshape(-1)
+    sel = np.flatnonzero(miss.reshape(-1))
+    order = sel[np.argsort(flat[sel], kind="stable")]
+    eids, counts = np.unique(flat[order], return_counts=True)
+    offs = np.zeros(eids.shape[0] + 1, np.int32)
+    np.cumsum(counts, out=offs[1:])
+    return (eids.astype(np.int32), offs, (order // k).astype(np.int32),
+            r.weights.reshape(-1)[order].astype(np.float32))

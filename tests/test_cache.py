@@ -1,0 +1,194 @@
+"""The expert cache's hybrid executor on the CPU twin (NumpyBackend: slots in host arrays, copies
+that land one poll late): hybrid output equals the all-CPU output for any cache map and routing,
+a slot is never read while its copy is in flight, and a generation with the cache churning gives
+the CPU-only logits at every step. tests/test_gpu.py runs the same on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moecache.backends import NumpyBackend
+from moecache.gguf_file import open_gguf
+from moecache.models import build_model
+from moecache.models.base import expert_weights
+from moecache.moe.cache import CachedExperts
+from moecache.moe.executor import CPUExperts
+from moecache.moe.policy import CachePolicy, PolicyConfig
+from moecache.moe.routing import topk_routing
+
+NEVER = PolicyConfig(t_upload=1.0)  # uploads never pay back: the map stays as the test sets it
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from moecache.testing.synth import PRESETS, SynthConfig, write_model
+
+    path = tmp_path_factory.mktemp("cache") / "moe.gguf"
+    base = PRESETS["tiny"]
+    cfg = SynthConfig(**{**base.__dict__, "n_expert": 16, "n_expert_used": 4, "name": "synthetic-cache"})
+    write_model(path, cfg, seed=21)
+    return path
+
+
+def _cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig()):
+    return CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(n_layer, n_expert, n_slots, cfg), 32)
+
+
+def _fill(cache, ew, pairs):
+    """Put (layer, expert) pairs into slots directly (a known map)."""
+    for slot, (il, e) in enumerate(pairs):
+        for pool_arr, src in zip((cache.pool.gate, cache.pool.up, cache.pool.down), (ew[il].gate, ew[il].up, ew[il].down)):
+            pool_arr[slot] = src[e]
+        cache.pool.owner[slot] = (il, e)
+        cache.slot_of[il, e] = slot
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hybrid_equals_cpu_for_random_maps_and_routings(model_path, seed):
+    rng = np.random.default_rng(seed)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = int(rng.integers(1, c.n_layer * c.n_expert))
+        cache = _cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)
+        pairs = [(int(p) // c.n_expert, int(p) % c.n_expert) for p in rng.choice(c.n_layer * c.n_expert, n_slots,
+                                                                                  replace=False)]
+        _fill(cache, ew, pairs)
+        ref_ex = CPUExperts(ew, NumpyBackend())
+        for il in ew:
+            t = int(rng.integers(1, 20))
+            h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+            r = topk_routing(rng.dirichlet(np.ones(c.n_expert), t).astype(np.float32), c.n_expert_used, True)
+            np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+        assert cache.stats.hits > 0 and cache.stats.misses > 0
+        cache.close()
+
+
+def test_all_hits_and_all_misses(model_path):
+    rng = np.random.default_rng(7)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        h = rng.standard_normal((3, c.n_embd)).astype(np.float32)
+        r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 3).astype(np.float32), c.n_expert_used, True)
+        ref = CPUExperts(ew, NumpyBackend())(0, h, r)
+        full = _cache(ew, c.n_layer, c.n_expert, c.n_expert, NEVER)
+        _fill(full, ew, [(0, e) for e in range(c.n_expert)])
+        np.testing.assert_allclose(full(0, h, r), ref, rtol=1e-5, atol=1e-6)
+        assert full.stats.misses == 0
+        empty = _cache(ew, c.n_layer, c.n_expert, 4, NEVER)
+        np.testing.assert_allclose(empty(0, h, r), ref, rtol=1e-5, atol=1e-6)
+        assert empty.stats.hits == 0
+
+
+def test_slots_are_not_read_while_their_copy_is_in_flight(model_path):
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = _cache(ew, c.n_layer, c.n_expert, 2)
+        h = np.ones((1, c.n_embd), np.float32)
+        from moecache.moe.routing import Routing
+        r = Routing(np.array([[3, 5, 7, 9][:c.n_expert_used]], np.int32),
+                    np.full((1, c.n_expert_used), 1.0 / c.n_expert_used, np.float32))
+        cache(0, h, r)  # admits two experts: copies in flight
+        assert cache.stats.uploads == 2 and (cache.slot_of[0] == -1).all()
+        cache.poll()  # first poll: the twin's copies have not landed
+        assert (cache.slot_of[0] == -1).all()
+        cache.poll()
+        assert sorted(np.flatnonzero(cache.slot_of[0] >= 0).tolist()) == [3, 5]
+
+
+def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
+    rng = np.random.default_rng(3)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = c.n_layer * c.n_expert // 4  # a quarter of the experts: hits, misses and evictions
+        cache = _cache(ew, c.n_layer, c.n_expert, n_slots, PolicyConfig(window=8, min_residency=1, hysteresis=0.1))
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache)
+        kv_ref, kv = ref_lm.new_kv_cache(128), lm.new_kv_cache(128)
+        prompt = rng.integers(0, c.n_vocab, 40)  # a prompt ubatch: the op-offload path
+        np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
+        tok = int(prompt[-1])
+        for step in range(60):
+            ref = ref_lm.forward(np.array([tok]), kv_ref)
+            got = lm.forward(np.array([tok]), kv)
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"step {step}")
+            tok = int(rng.integers(0, c.n_vocab))  # random tokens: routing moves, the cache churns
+        s = cache.stats
+        assert s.hits > 0 and s.misses > 0 and s.uploads > n_slots  # evictions happened
+        assert 0 < s.hit_rate < 1
+        cache.close()
+
+
+class Twin(NumpyBackend):
+    """A NumpyBackend standing in for GPU 0 (the placement's device)."""
+
+    device = 0
+
+
+def test_engine_places_the_cache_when_the_model_does_not_fit(model_path, monkeypatch):
+    import moecache.engine as engine_mod
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+
+    with open_gguf(model_path) as m:
+        sz = model_sizes(m, 96)
+    need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
+    monkeypatch.setattr(engine_mod, "gpu_free_bytes", lambda: ([free], ""))
+    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log: {-1: NumpyBackend(), 0: Twin()})
+    notes: list[str] = []
+    rng = np.random.default_rng(5)
+    with Engine(model_path, EngineConfig(n_ctx=96)) as ref, \
+            Engine(model_path, EngineConfig(n_ctx=96), log=notes.append, placement=PlacementOptions()) as eng:
+        pl = eng.placement
+        assert pl.layer_device == (0,) * sz.n_layer and not any(pl.experts_on_device)
+        assert len(pl.cache_slots) == 1 and 0 < pl.cache_slots[0][1] < sum(sz.experts) // sz.expert_each
+        assert any("expert cache on GPU 0 (the model does not fit in VRAM)" in n for n in notes)
+        toks = rng.integers(0, m.config.n_vocab, 40)
+        np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
+        for i in range(30):
+            t = [int(rng.integers(0, m.config.n_vocab))]
+            np.testing.assert_allclose(eng.eval(t), ref.eval(t), rtol=1e-4, atol=1e-5)
+        st = eng.caches[0].stats
+        assert st.hits > 0 and st.uploads > 0
+
+
+@pytest.mark.parametrize("opts,want", [
+    (dict(), "expert cache on GPU 0"), (dict(moe_cache=0), "expert cache off (--moe-cache 0)"),
+    (dict(cpu_moe=True), "expert cache off: --cpu-moe"), (dict(cpu_moe=True, moe_cache=64), "requested 64 MiB")])
+def test_cache_sizing_notes(opts, want):
+    from moecache.placement import ModelSizes, PlacementOptions, plan
+    from moecache.probe import GiB
+
+    sizes = ModelSizes((GiB // 2,) * 8, (2 * GiB,) * 8, GiB // 4, GiB // 2, 0, 2 * GiB // 128)
+    p = plan(PlacementOptions(**opts), sizes, [12 * GiB])
+    assert any(want in n for n in p.notes), p.notes
+    if "moe_cache" in opts and opts["moe_cache"] == 64:
+        assert p.cache_slots == ((0, (64 << 20) // sizes.expert_each),)
+    p = plan(PlacementOptions(vram_budget=8 * GiB), sizes, [80 * GiB])  # a big GPU, emulated small
+    slots = dict(p.cache_slots)[0]
+    assert not any(p.experts_on_device) and slots * sizes.expert_each < 8 * GiB - 6 * GiB
+
+
+def test_cli_cache_flags(model_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    run = ["run", "-m", str(model_path), "-p", "hello", "-n", "3", "--temp", "0", "-c", "64"]
+    r = CliRunner().invoke(app, run + ["--moe-cache", "0", "--vram-budget", "8GiB", "--routing", "qwen3-moe",
+                                       "--moe-cache-window", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "output text is meaningless" in r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("{"))
+    assert len(json.loads(line)["tokens"]) == 3
+    for args, msg in ((["--vram-budget", "lots"], "--vram-budget 'lots'"), (["--routing", "zipf"], "not a preset"),
+                      (["--moe-cache", "-5"], "--moe-cache must be")):
+        r = CliRunner().invoke(app, run + args)
+        assert r.exit_code == 1 and msg in r.output, r.output
