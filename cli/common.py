@@ -128,7 +128,7 @@ def resolve_settings(model: Path, flags, verbose: bool):
         per_layer = [sum(t.n_bytes for n, t in g.tensors.items() if n.startswith(f"blk.{il}.") and n.endswith("_exps.weight"))
                      for il in range(g.config.n_layer)]
         expert_each = max(per_layer) // g.config.n_expert if g.config.n_expert else 0
-    probe = startup_probe()
+    probe = startup_probe(with_gpus=flags.n_gpu_layers != 0)
     res = resolve_defaults(facts, probe, flags)
     rows = [("-ub", str(res.n_ubatch), "n_ubatch"), ("-c", str(res.n_ctx or "trained"), "n_ctx"),
             ("-t", str(res.n_threads), "n_threads"), ("--load-mode", res.load_mode, "load_mode")]
@@ -185,25 +185,29 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
     if flash_attn == "on":
         note(f"note: -fa {flash_attn} ignored: one attention implementation per backend for now")
     cache = cache or CacheOptions()
+    import dataclasses
+
+    flags = dataclasses.replace(flags, n_gpu_layers=placement.n_gpu_layers, vram_budget=placement.vram_budget)
     res, probe, expert_each = resolve_settings(model, flags, verbose)
     if res.prompt_gpu is not None:
-        import dataclasses
-
         placement = dataclasses.replace(placement, prompt_gpu=res.prompt_gpu)
     config = EngineConfig(res.n_ctx, max(n_batch, res.n_ubatch) if flags.n_ubatch is None else n_batch,
                           res.n_ubatch, res.n_threads)
+    override = None
+    if cache.routing:  # checked before the (possibly long) load
+        from moecache.gguf_file import open_gguf
+        from moecache.moe.routing_process import make_routing
+
+        with open_gguf(model) as g:
+            c = g.config
+            if not c.n_expert:
+                raise UserError(f"--routing: {model.name} has no routed experts")
+            override = make_routing(cache.routing, c.n_layer, c.n_expert, c.n_expert_used)
     eng = Engine(model, config, log=note, placement=placement, load_mode=res.load_mode,
                  pin_progress=pin_progress_bar() if res.load_mode == "pin" else None,
                  policy_config=policy_config(expert_each, probe, cache, res) if expert_each else None)
-    if cache.routing:
-        from moecache.moe.routing_process import make_routing
-
-        c = eng.gguf.config
-        try:
-            eng.model.routing_override = make_routing(cache.routing, c.n_layer, c.n_expert, c.n_expert_used)
-        except ValueError:
-            eng.close()
-            raise
+    if override is not None:
+        eng.model.routing_override = override
         note(f"note: --routing {cache.routing}: the router runs but its choice is replaced: the output text is "
              f"meaningless (for speed, hit-rate and upload measurements)")
     c = eng.gguf.config

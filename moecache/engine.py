@@ -194,7 +194,7 @@ class Engine:
             self.kv = self.model.new_kv_cache(self.n_ctx)
             self.warmup()
         except BaseException:
-            self.gguf.close()
+            self.close()
             raise
         self.load_seconds = time.perf_counter() - t0
 
@@ -240,6 +240,8 @@ class Engine:
         tok = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
         self.model.forward(np.array([tok]), self.kv)
         self.kv.clear()
+        for c in self.caches:
+            c.stats.reset()  # the warm-up token is not the user's
 
     def close(self) -> None:
         """Release the model file (and the expert caches' worker threads)."""

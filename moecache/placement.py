@@ -7,9 +7,11 @@ The semantics are llama.cpp's (``common/arg.cpp``, ``src/llama-model.cpp``):
 - ``--cpu-moe``: every layer's routed experts stay in host RAM; ``--n-cpu-moe N``: those of the
   first N layers do. Host experts are computed on the CPU, except prompt ubatches of
   ``offload_min_batch``+ tokens, which copy the experts they use to the GPU (op offload).
-- Without either flag the experts of every GPU layer go to the GPU while they fit; when they do
-  not, the experts of the first layers stay in host RAM (the smallest ``--n-cpu-moe`` that fits),
-  and a note says so.
+- Without either flag the experts of every GPU layer go to the GPU when they all fit. When they do
+  not, every routed expert stays in host RAM and the VRAM left over becomes the expert cache
+  (``--moe-cache``, :mod:`moecache.moe.cache`); with ``--moe-cache 0`` the experts of the first
+  layers stay in host RAM instead (the smallest ``--n-cpu-moe`` that fits). Notes say which.
+  ``--vram-budget`` caps the memory used per GPU.
 - ``-sm layer`` (default) splits the GPU layers over the GPUs in contiguous ranges, in proportion to
   ``-ts`` (default: each GPU's free memory); ``-sm none`` uses ``-mg`` only.
 
@@ -95,9 +97,10 @@ class ModelSizes:
         dense: per layer, the non-expert weights.
         experts: per layer, the routed experts (0 for dense layers).
         kv: per layer, the KV cache at the chosen n_ctx.
-        output: output norm + output matrix + token embeddings.
+        output: output norm + output matrix (the token embeddings when tied).
         largest_matrix_f32: the largest dense matrix dequantized to float32 (the prompt-path scratch).
         expert_each: bytes of one expert's three matrices (one cache slot).
+        token_embd: the token embeddings, on layer 0's device.
     """
 
     dense: tuple[int, ...]
@@ -106,6 +109,7 @@ class ModelSizes:
     output: int
     largest_matrix_f32: int = 0
     expert_each: int = 0  # bytes of one expert (gate + up + down): a cache slot
+    token_embd: int = 0  # kept with layer 0 (and counted again on the output GPU when tied)
 
     @property
     def n_layer(self) -> int:
@@ -167,6 +171,7 @@ def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
     dense = [0] * c.n_layer
     experts = [0] * c.n_layer
     output = 0
+    embd = 0
     largest = 0
     for name, t in model.tensors.items():
         n_elem = int(np.prod(t.shape))
@@ -177,24 +182,30 @@ def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
                 experts[il] += nbytes
             else:
                 dense[il] += nbytes
+        elif name == "token_embd.weight":
+            embd = nbytes
         else:
             output += nbytes
         if len(t.shape) == 2:
             largest = max(largest, 4 * n_elem)
     kv = n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
     each = max(experts) // c.n_expert if c.n_expert else 0
-    return ModelSizes(tuple(dense), tuple(experts), kv, output, largest, each)
+    if "output.weight" not in model.tensors:
+        output += embd  # tied: the output device holds its own copy
+    return ModelSizes(tuple(dense), tuple(experts), kv, output, largest, each, embd)
 
 
-def _split(layers: list[int], gpus: list[int], weights: list[float]) -> dict[int, int]:
-    """Contiguous ranges of ``layers`` over ``gpus`` in proportion to ``weights`` (llama.cpp -sm layer)."""
+def _split(layers: list[int], gpus: list[int], weights: list[float], n_total: int | None = None) -> dict[int, int]:
+    """Contiguous ranges of ``layers`` over ``gpus`` in proportion to ``weights`` (llama.cpp -sm layer):
+    layer j of ``n_total`` offloaded layers (the output layer counts when it is offloaded) goes to the
+    first GPU whose cumulative share exceeds j / n_total."""
     total = sum(weights)
     cum, acc = [], 0.0
     for w in weights:
         acc += w / total
         cum.append(acc)
     out = {}
-    n = len(layers)
+    n = n_total or len(layers)
     for j, il in enumerate(layers):
         frac = j / n if n else 0.0
         g = next((i for i, c in enumerate(cum) if frac < c - 1e-12), len(gpus) - 1)
@@ -233,12 +244,15 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
 
     def layout(n_gl: int) -> tuple[dict[int, int], int]:
         gl = list(range(n - min(n_gl, n), n))
-        return _split(gl, gpus, weights), (gpus[-1] if n_gl > n else CPU)
+        # the output layer takes a share of the split when it is on the GPU (llama.cpp: act_gpu_layers)
+        return _split(gl, gpus, weights, len(gl) + (1 if n_gl > n else 0)), (gpus[-1] if n_gl > n else CPU)
 
     def dense_use(dev: dict[int, int], out_dev: int) -> dict[int, int]:
         use = {g: 0 for g in gpus}
         for il, g in dev.items():
             use[g] += sizes.dense[il] + sizes.kv
+        if 0 in dev:
+            use[dev[0]] += sizes.token_embd
         if out_dev != CPU:
             use[out_dev] += sizes.output
         return use

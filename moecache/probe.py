@@ -248,6 +248,13 @@ def gpu_infos(measure_bytes: int, reps: int, full: bool, cached: dict | None = N
     cp, why = _import_cupy()
     if cp is None:
         return [], why
+    try:
+        return _gpu_infos(cp, measure_bytes, reps, full, cached), ""
+    except Exception as e:  # noqa: BLE001 - a busy, full or faulty GPU: say why, run without it
+        return [], f"GPU probe failed: {type(e).__name__}: {e}"
+
+
+def _gpu_infos(cp, measure_bytes: int, reps: int, full: bool, cached: dict | None) -> list[GpuInfo]:
     out = []
     for i in range(cp.cuda.runtime.getDeviceCount()):
         props = cp.cuda.runtime.getDeviceProperties(i)
@@ -264,7 +271,7 @@ def gpu_infos(measure_bytes: int, reps: int, full: bool, cached: dict | None = N
         bw = bw or {}
         out.append(GpuInfo(i, name, f"{props['major']}.{props['minor']}", int(free), int(total), gen, width, src,
                            **{k: float(v) for k, v in bw.items()}))
-    return out, ""
+    return out
 
 
 def full_probe(size: int = 256 << 20, reps: int = 5) -> Probe:
@@ -281,9 +288,12 @@ def _boot_id() -> str:
         return f"boot-{int(psutil.boot_time())}"
 
 
-def startup_probe(cache_file: Path | None = None) -> Probe:
+def startup_probe(cache_file: Path | None = None, with_gpus: bool = True) -> Probe:
     """The fast probe of a command's startup: system counters, plus pinned host->device bandwidth per
-    GPU measured once per boot (then read from ``cache_file``)."""
+    GPU measured once per boot (then read from ``cache_file``); ``with_gpus`` False (``-ngl 0``)
+    leaves the GPUs alone."""
+    if not with_gpus:
+        return Probe(host_info(), (), "-ngl 0")
     path = cache_file or CACHE_FILE
     cached: dict = {}
     try:
@@ -326,6 +336,8 @@ class UserFlags:
     n_ctx: int | None = None
     n_threads: int | None = None
     load_mode: str | None = None  # None and "auto" both mean: resolve
+    n_gpu_layers: int = -1  # -ngl 0: the GPUs are not used (resolved as if there were none)
+    vram_budget: int = 0  # --vram-budget: each GPU's free memory counts as at most this
 
 
 @dataclass(frozen=True)
@@ -362,7 +374,11 @@ def resolve_defaults(model: ModelFacts, probe: Probe, flags: UserFlags) -> Resol
         ValueError: ``--load-mode`` not one of mmap, pin, auto.
     """
     reasons: dict[str, str] = {}
-    gpus = probe.gpus
+    gpus = () if flags.n_gpu_layers == 0 else probe.gpus
+    if flags.vram_budget:
+        from dataclasses import replace
+
+        gpus = tuple(replace(g, vram_free=min(g.vram_free, flags.vram_budget)) for g in gpus)
     free_total = sum(g.vram_free for g in gpus)
     big = bool(gpus) and model.is_moe and model.n_bytes > free_total
     host = probe.host

@@ -108,7 +108,7 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
         cache = _cache(ew, c.n_layer, c.n_expert, n_slots, PolicyConfig(window=8, min_residency=1, hysteresis=0.1))
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache)
-        kv_ref, kv = ref_lm.new_kv_cache(128), lm.new_kv_cache(128)
+        kv_ref, kv = ref_lm.new_kv_cache(160), lm.new_kv_cache(160)
         prompt = rng.integers(0, c.n_vocab, 40)  # a prompt ubatch: the op-offload path
         np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
         tok = int(prompt[-1])
@@ -117,6 +117,10 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
             got = lm.forward(np.array([tok]), kv)
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"step {step}")
             tok = int(rng.integers(0, c.n_vocab))  # random tokens: routing moves, the cache churns
+        more = rng.integers(0, c.n_vocab, 40)  # a second prompt ubatch reads resident experts from their slots
+        np.testing.assert_allclose(lm.forward(more, kv, logits="all"), ref_lm.forward(more, kv_ref, logits="all"),
+                                   rtol=1e-4, atol=1e-5)
+        assert cache.prompt_slot_reads > 0
         s = cache.stats
         assert s.hits > 0 and s.misses > 0 and s.uploads > n_slots  # evictions happened
         assert 0 < s.hit_rate < 1

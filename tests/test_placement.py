@@ -68,10 +68,14 @@ def test_auto_ngl_drops_layers_that_do_not_fit():
 
 
 def test_split_layers_over_gpus():
+    # llama.cpp's split: the output layer counts (9 offloaded layers), layer j goes to the first GPU
+    # whose cumulative share exceeds j / 9: 7 layers on GPU 0, 1 layer + the output on GPU 1
     p = plan(PlacementOptions(tensor_split=(3, 1)), sizes(), [80 * GiB, 80 * GiB])
-    assert p.layer_device == (0,) * 6 + (1,) * 2 and p.output_device == 1
+    assert p.layer_device == (0,) * 7 + (1,) * 1 and p.output_device == 1
     p = plan(PlacementOptions(), sizes(), [60 * GiB, 20 * GiB])  # default: by free memory
-    assert p.layer_device == (0,) * 6 + (1,) * 2
+    assert p.layer_device == (0,) * 7 + (1,) * 1
+    p = plan(PlacementOptions(n_gpu_layers=8, tensor_split=(1, 1)), sizes(), [80 * GiB, 80 * GiB])
+    assert p.layer_device == (0,) * 4 + (1,) * 4 and p.output_device == CPU  # output on the CPU: 8 split
     p = plan(PlacementOptions(split_mode="none", main_gpu=1), sizes(), [80 * GiB, 80 * GiB])
     assert p.layer_device == (1,) * 8 and p.devices == [1]
     p = plan(PlacementOptions(tensor_split=(0, 1)), sizes(), [80 * GiB, 80 * GiB])

@@ -148,7 +148,7 @@ def test_bad_routing_names_and_files(tmp_path):
         make_routing(str(bad), 2, 8, 2)
     small = tmp_path / "small.npz"
     np.savez(small, routes=np.zeros((1, 10, 2), np.uint8))
-    with pytest.raises(ValueError, match="trace has 1 layers"):
+    with pytest.raises(ValueError, match="the trace has 1 layers"):
         make_routing(str(small), 2, 8, 2)
     assert set(PRESETS) == {"qwen3-moe", "olmoe", "low-locality", "uniform"}
     assert isinstance(make_routing("olmoe", 2, 64, 8), RoutingProcess)

@@ -32,7 +32,7 @@ class _Captured:
     tok: cp.ndarray
     pos: cp.ndarray
     out: cp.ndarray
-    pinned: np.ndarray  # (token, position) staged in page-locked memory
+    staged: np.ndarray  # (token, position) of the next replay, host side
 
 
 class DecodeGraph:
@@ -52,19 +52,19 @@ class DecodeGraph:
 
     def run(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> np.ndarray | None:
         """Logits float32 (1, n_vocab) of one token at ``pos`` (KV written), or None when the step must
-        run op by op (route observers attached, capture failed)."""
-        if self.failed is not None or model.route_observers:
+        run op by op (route observers attached, a routing process replacing the router, capture failed)."""
+        if self.failed is not None or model.route_observers or model.routing_override is not None:
             return None
         cap = self._cap
         if cap is None or cap.kv is not kv:
             cap = self._capture(model, tokens, pos, kv)
             if cap is None:
                 return None
-        cap.pinned[0] = int(tokens[0])
-        cap.pinned[1] = int(pos[0])
+        cap.staged[0] = int(tokens[0])
+        cap.staged[1] = int(pos[0])
         with cap.stream:
-            cap.tok.set(cap.pinned[:1].astype(np.int64), stream=cap.stream)
-            cap.pos.set(cap.pinned[1:].astype(np.int32), stream=cap.stream)
+            cap.tok.set(cap.staged[:1].astype(np.int64), stream=cap.stream)
+            cap.pos.set(cap.staged[1:].astype(np.int32), stream=cap.stream)
             cap.graph.launch(cap.stream)
             out = cap.out.get(stream=cap.stream)
         self.replays += 1

@@ -223,6 +223,11 @@ class CupyBackend(ArrayOps):
         """GPU array -> numpy array (a device-to-host copy)."""
         return cp.asnumpy(a)
 
+    def zeros_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
+        """uint8 zeros allocated on this GPU (expert-cache slots; nothing staged through host memory)."""
+        with cp.cuda.Device(self.device):
+            return cp.zeros(shape, cp.uint8)
+
     def zeros(self, shape: tuple[int, ...]) -> cp.ndarray:
         """float32 zeros on this GPU (the KV cache's buffers)."""
         with cp.cuda.Device(self.device):

@@ -77,6 +77,10 @@ class NumpyBackend(ArrayOps):
         "in flight" as they must on the GPU."""
         return TwinCopy(dsts, slot, srcs)
 
+    def zeros_u8(self, shape: tuple[int, ...]) -> np.ndarray:
+        """uint8 zeros (expert-cache slots)."""
+        return np.zeros(shape, np.uint8)
+
     def upload(self, a: np.ndarray) -> np.ndarray:
         """Raw weight bytes as this backend keeps them: host arrays stay where they are (no copy)."""
         return a

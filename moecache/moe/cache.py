@@ -12,13 +12,16 @@ Per MoE layer and decode ubatch (:meth:`CachedExperts.__call__`):
    (expert in a visible slot) and misses;
 2. the misses run on the CPU (Numba, in a worker thread: the kernels release the GIL) while the
    hits run on the backend from the slots (one ``moe_ffn`` over the slot arrays; a miss pair rides
-   along with weight 0 on slot 0), and the CPU partial sum is added on the backend;
+   along with weight 0 on one of the visible hit slots: wasted work, never a torn read), and the CPU
+   partial sum is added on the backend;
 3. the policy (:mod:`moecache.moe.policy`) sees the routing and may admit missed experts; their
    uploads start (on the GPU: a separate copy stream ordered after the compute stream, so no kernel
    still reads a victim's slot) and land in the map at a later call, when complete.
 
-Prompt ubatches (``offload_min_batch`` tokens or more) run like host experts with op offload: the
-experts they use are copied to the backend and computed there.
+Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend:
+resident ones are gathered from their slots on the device, the others copied from the host (op
+offload). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
+to decode's hot set; routing.md).
 
 The backend supplies ``upload``, ``moe_ffn``, ``to_host``/``asarray`` and ``start_slot_copy`` (a
 copy of host bytes into ``pool[slot]`` returning an object with ``done()``); NumpyBackend is the
@@ -88,7 +91,8 @@ class CachedExperts:
         self.policy = policy
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
-        self.stats = CacheStats()
+        self.stats = CacheStats()  # decode ubatches
+        self.prompt_slot_reads = 0  # experts prompt ubatches read from slots instead of copying
         # one pool, for the expert signature (shapes, types) most layers share; layers with another
         # signature (rare mixed-type models) run uncached
         sigs = {il: (e.gate.shape[1:], e.up.shape[1:], e.down.shape[1:], e.types) for il, e in layers.items()}
@@ -97,21 +101,22 @@ class CachedExperts:
         self.pool = None
         if main is not None:
             g, u, d, types = main
-            self.pool = _Pool(backend.upload(np.zeros((n_slots, *g), np.uint8)),
-                              backend.upload(np.zeros((n_slots, *u), np.uint8)),
-                              backend.upload(np.zeros((n_slots, *d), np.uint8)), types, [None] * n_slots)
+            self.pool = _Pool(backend.zeros_u8((n_slots, *g)), backend.zeros_u8((n_slots, *u)),
+                              backend.zeros_u8((n_slots, *d)), types, [None] * n_slots)
         if policy.n_slots != n_slots:
             raise ValueError(f"policy has {policy.n_slots} slots, the pool {n_slots}")
         n_expert = max(e.gate.shape[0] for e in layers.values()) if layers else 0
         n_layer = max(layers) + 1 if layers else 0
         self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
         self._pending: list[tuple[Any, int, int, int]] = []  # (copy, layer, expert, slot)
+        self._retired: list[Any] = []  # copies of evicted experts still in flight
         self._first = min(self.cached_layers) if self.cached_layers else 0
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecache-miss")
 
     # ---- uploads ---------------------------------------------------------------------------------
     def poll(self) -> None:
-        """Publish the slots whose copies completed."""
+        """Publish the slots whose copies completed; forget retired copies once they are done."""
+        self._retired = [c for c in self._retired if not c.done()]
         still = []
         for copy, layer, e, slot in self._pending:
             if copy.done():
@@ -129,6 +134,9 @@ class CachedExperts:
                 vl, ve = a.victim
                 slot = pool.owner.index((vl, ve))
                 self.slot_of[vl, ve] = -1  # unmapped before its slot is overwritten
+                # a victim whose own copy is still in flight: keep that copy (and its pinned source
+                # buffers) alive until it completes; the new copy is queued after it on the stream
+                self._retired += [p[0] for p in self._pending if (p[1], p[2]) == (vl, ve)]
                 self._pending = [p for p in self._pending if (p[1], p[2]) != (vl, ve)]
             pool.owner[slot] = (a.layer, a.expert)
             e = self.layers[a.layer]
@@ -150,7 +158,7 @@ class CachedExperts:
         if il not in self.cached_layers:
             return self.offload(il, h, r)
         if self.offload_min_batch is not None and t >= self.offload_min_batch:
-            out = self.offload(il, h, r)
+            out = self._prompt(il, e, h, r)
             self.policy.observe(il, r.ids)
             return out
         slots = self.slot_of[il][r.ids]
@@ -170,7 +178,10 @@ class CachedExperts:
         out = None
         if n_hit:
             pool = self.pool
-            local = Routing(np.where(hit, slots, 0).astype(np.int32), np.where(hit, r.weights, 0.0).astype(np.float32))
+            # a miss pair rides along with weight 0 on a slot that is visible (fully copied), never
+            # on one whose copy may be in flight
+            fill = int(slots[hit][0])
+            local = Routing(np.where(hit, slots, fill).astype(np.int32), np.where(hit, r.weights, 0.0).astype(np.float32))
             out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, local, h, e.act)
         if cpu_part is not None:
             part = be.asarray(cpu_part.result())
@@ -179,6 +190,30 @@ class CachedExperts:
         missed = r.ids[~hit]
         self._apply(self.policy.decide(il, missed))
         return out
+
+    def _prompt(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
+        """A prompt ubatch: every used expert computed on the backend; the resident ones are read from
+        their slots (a device-side gather), only the others are copied from the host."""
+        be = self.be
+        used = np.unique(r.ids)
+        slots = self.slot_of[il][used]
+        res = slots >= 0
+        order = np.concatenate([used[res], used[~res]])
+        local = np.zeros(self.slot_of.shape[1], np.int32)
+        local[order] = np.arange(order.size, dtype=np.int32)
+        parts = []
+        pool = self.pool
+        for w, pool_arr in zip((e.gate, e.up, e.down), (pool.gate, pool.up, pool.down)):
+            pieces = []
+            if res.any():
+                pieces.append(pool_arr[be.asarray(slots[res].astype(np.int64))] if be.device is not None
+                              else pool_arr[slots[res]])
+            if (~res).any():
+                pieces.append(be.upload_experts(w, used[~res]))
+                self.offload.offloaded_bytes += int(pieces[-1].nbytes)
+            parts.append(pieces[0] if len(pieces) == 1 else be.xp.concatenate(pieces))
+        self.prompt_slot_reads += int(res.sum())
+        return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)

@@ -14,11 +14,12 @@ After a layer's routing, each expert that missed is a candidate (most used first
 - **hysteresis**: a challenger also needs ``u_e >= (1 + hysteresis) * u_v``, and an expert admitted
   less than ``min_residency`` tokens ago is not evicted: no ping-pong between near-equal experts;
 - **upload budget**: at most ``uploads_per_token`` uploads per token on average (a credit that
-  refills by that much per token, capped at ``burst``); the live engine sets it from measured
-  upload and token times, the replay and ``--deterministic`` from fixed counts.
+  refills by that much per token, capped at ``burst``). A fixed count for now; deriving it from
+  measured upload and token times is still to do.
 
-Victims are the least-used residents of any layer. The policy only decides; the executor copies
-(:mod:`moecache.moe.cache`) and tells the policy when a slot's copy completed.
+Victims are the least-used residents of any layer. The policy only decides, and counts an admitted
+expert as resident at once; the executor (:mod:`moecache.moe.cache`) copies it and publishes the
+slot when the copy completed.
 Source of the rule: ../shared/design.md ("swap only when it pays back").
 """
 

@@ -102,7 +102,13 @@ class TraceRouting:
     """
 
     def __init__(self, path: str | Path):
-        with np.load(path) as f:
+        try:
+            f = np.load(path)
+        except Exception as e:  # noqa: BLE001 - a corrupt zip, a pickle, not numpy at all
+            raise ValueError(f"{path}: not a routing trace (.npz with 'routes'): {e}") from None
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path}: not a routing trace (.npz with a 'routes' array)")
+        with f:
             if "routes" not in f:
                 raise ValueError(f"{path}: no 'routes' array (expected [layer, ..., k] expert ids)")
             routes = np.asarray(f["routes"])
@@ -141,6 +147,6 @@ def make_routing(name: str, n_layer: int, n_expert: int, k: int, seed: int = 0) 
         raise ValueError(f"--routing {name!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     tr = TraceRouting(path)
     if tr.n_layer < n_layer or tr.n_expert > n_expert:
-        raise ValueError(f"--routing {name}: trace has {tr.n_layer} layers and experts < {tr.n_expert}; "
-                         f"the model has {n_layer} layers and {n_expert} experts")
+        raise ValueError(f"--routing {name}: the trace has {tr.n_layer} layers and expert ids up to "
+                         f"{tr.n_expert - 1}; the model has {n_layer} layers and {n_expert} experts")
     return tr
