@@ -112,7 +112,7 @@ def policy_config(expert_bytes: int, probe, cache: CacheOptions, res):
     link = link or DETERMINISTIC_LINK_BYTES_S
     cores = res.n_threads if det else max(1, res.n_threads)
     return PolicyConfig(window=cache.window, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
-                        t_gpu=expert_bytes / 1e12, t_upload=expert_bytes / link)
+                        t_gpu=expert_bytes / 1e12, t_upload=expert_bytes / link, adaptive=not det)
 
 
 def resolve_settings(model: Path, flags, verbose: bool):
@@ -233,7 +233,9 @@ def cache_stats_lines(eng) -> list[str]:
         s = c.stats
         per = max(1, s.tokens)
         out.append(f"expert cache {i}: hit rate {100 * s.hit_rate:.1f}% ({s.hits} hits, {s.misses} misses) | "
-                   f"{s.uploads / per:.2f} uploads, {s.uploaded_bytes / per / 2**20:.1f} MiB per token over {s.tokens} tokens")
+                   f"{s.uploads / per:.2f} uploads, {s.uploaded_bytes / per / 2**20:.1f} MiB per token over {s.tokens} tokens | "
+                   f"CPU misses {1e3 * c.cpu_s.sum() / per:.2f} ms/token, waited {1e3 * c.wait_s.sum() / per:.2f} ms/token "
+                   f"(upload budget {c.policy.uploads_per_token:.1f}/token)")
     return out
 
 

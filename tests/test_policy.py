@@ -152,3 +152,16 @@ def test_bad_routing_names_and_files(tmp_path):
         make_routing(str(small), 2, 8, 2)
     assert set(PRESETS) == {"qwen3-moe", "olmoe", "low-locality", "uniform"}
     assert isinstance(make_routing("olmoe", 2, 64, 8), RoutingProcess)
+
+
+def test_adaptive_budget_follows_token_time_unless_deterministic():
+    pol = CachePolicy(1, 8, 4, PolicyConfig(t_upload=50e-6, uploads_per_token=16))
+    pol.set_budget(400e-6)  # half of a 400 us token fits 4 uploads of 50 us
+    assert pol.uploads_per_token == 4.0
+    pol.set_budget(10e-6)
+    assert pol.uploads_per_token == 1.0  # never below one
+    pol.set_budget(1.0)
+    assert pol.uploads_per_token == 16.0  # never above the configured cap
+    fixed = CachePolicy(1, 8, 4, PolicyConfig(t_upload=50e-6, uploads_per_token=16, adaptive=False))
+    fixed.set_budget(400e-6)
+    assert fixed.uploads_per_token == 16.0

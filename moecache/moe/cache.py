@@ -30,6 +30,7 @@ CPU twin, where copies complete one poll later so the in-flight rules are exerci
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,11 @@ class CachedExperts:
         self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
         self._pending: list[tuple[Any, int, int, int]] = []  # (copy, layer, expert, slot)
         self._retired: list[Any] = []  # copies of evicted experts still in flight
+        self._last_start: float | None = None  # measured decode token time (the adaptive upload budget)
+        self._last_t = 0
+        self._token_s: float | None = None
+        self.cpu_s = np.zeros(n_layer)  # per layer: CPU time of the misses (worker thread)
+        self.wait_s = np.zeros(n_layer)  # per layer: time the caller waited for the CPU part
         self._first = min(self.cached_layers) if self.cached_layers else 0
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecache-miss")
 
@@ -152,6 +158,12 @@ class CachedExperts:
         r = routing.host()
         t = r.ids.shape[0]
         if il == self._first:
+            now = time.perf_counter()
+            if self._last_start is not None and self._last_t and self._last_t < (self.offload_min_batch or 1 << 30):
+                per_token = (now - self._last_start) / self._last_t
+                self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
+                self.policy.set_budget(self._token_s)
+            self._last_start, self._last_t = now, t
             self.policy.new_tokens(t)
             self.stats.tokens += t
         self.poll()
@@ -173,8 +185,7 @@ class CachedExperts:
             eids, offs, rows, wts = _miss_groups(miss, ~hit)
             hh = be.to_host(h)
             act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-            cpu_part = self._workers.submit(cpu.moe_ffn, e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh,
-                                            None, act)
+            cpu_part = self._workers.submit(self._timed_cpu, il, e, eids, offs, rows, wts, hh, act)
         out = None
         if n_hit:
             pool = self.pool
@@ -184,11 +195,20 @@ class CachedExperts:
             local = Routing(np.where(hit, slots, fill).astype(np.int32), np.where(hit, r.weights, 0.0).astype(np.float32))
             out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, local, h, e.act)
         if cpu_part is not None:
-            part = be.asarray(cpu_part.result())
+            t0 = time.perf_counter()
+            res_cpu = cpu_part.result()
+            self.wait_s[il] += time.perf_counter() - t0
+            part = be.asarray(res_cpu)
             out = part if out is None else out + part
         self.policy.observe(il, r.ids)
         missed = r.ids[~hit]
         self._apply(self.policy.decide(il, missed))
+        return out
+
+    def _timed_cpu(self, il, e, eids, offs, rows, wts, hh, act):
+        t0 = time.perf_counter()
+        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, None, act)
+        self.cpu_s[il] += time.perf_counter() - t0
         return out
 
     def _prompt(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:

@@ -14,8 +14,10 @@ After a layer's routing, each expert that missed is a candidate (most used first
 - **hysteresis**: a challenger also needs ``u_e >= (1 + hysteresis) * u_v``, and an expert admitted
   less than ``min_residency`` tokens ago is not evicted: no ping-pong between near-equal experts;
 - **upload budget**: at most ``uploads_per_token`` uploads per token on average (a credit that
-  refills by that much per token, capped at ``burst``). A fixed count for now; deriving it from
-  measured upload and token times is still to do.
+  refills by that much per token, capped at ``burst``). With ``adaptive`` the executor replaces the
+  count by what fits in half of the measured token time at ``t_upload`` each
+  (:meth:`CachePolicy.set_budget`); ``--deterministic`` keeps the fixed count, so decisions
+  follow token counts only.
 
 Victims are the least-used residents of any layer. The policy only decides, and counts an admitted
 expert as resident at once; the executor (:mod:`moecache.moe.cache`) copies it and publishes the
@@ -43,6 +45,8 @@ class PolicyConfig:
         burst: most uploads the credit can save up (a topic switch may use them at once).
         hysteresis: relative usage margin a challenger needs over its victim.
         min_residency: tokens an admitted expert is safe from eviction.
+        adaptive: let the executor set the budget from measured token times (False: fixed,
+            ``--deterministic``).
     """
 
     window: int = 64
@@ -53,6 +57,7 @@ class PolicyConfig:
     burst: float = 128.0
     hysteresis: float = 0.5
     min_residency: int = 4
+    adaptive: bool = True
 
     def validate(self) -> None:
         if self.window < 1:
@@ -92,10 +97,18 @@ class CachePolicy:
         self.n_resident = 0
         self.credit = float(config.burst)
         self.uploads = 0
+        self.uploads_per_token = config.uploads_per_token
 
     def new_tokens(self, n_tokens: int) -> None:
         """Start a forward pass of ``n_tokens`` tokens: refill the upload credit."""
-        self.credit = min(self.cfg.burst, self.credit + self.cfg.uploads_per_token * n_tokens)
+        self.credit = min(self.cfg.burst, self.credit + self.uploads_per_token * n_tokens)
+
+    def set_budget(self, token_seconds: float) -> None:
+        """Adaptive budget: the uploads that fit in half a token's measured time (at least one,
+        at most the configured count); ignored unless ``adaptive``."""
+        if self.cfg.adaptive and token_seconds > 0 and self.cfg.t_upload > 0:
+            fit = 0.5 * token_seconds / self.cfg.t_upload
+            self.uploads_per_token = float(min(self.cfg.uploads_per_token, max(1.0, fit)))
 
     def observe(self, layer: int, ids: np.ndarray) -> None:
         """Record a layer's routing of T tokens (int (T, k) expert ids): decay, then count the uses."""
