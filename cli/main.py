@@ -243,10 +243,37 @@ def serve(ctx: typer.Context) -> None:
     not_built("serve", "the OpenAI-compatible server comes later")
 
 
-@app.command(context_settings=_PASSTHROUGH)
-def bench(ctx: typer.Context) -> None:
-    """Benchmark pp/tg speed like llama-bench, with expert-cache arms. (Not built yet.)"""
-    not_built("bench", "needs the GPU runtime and the expert cache")
+@app.command()
+def bench(
+    model: Annotated[list[Path], typer.Option("-m", "--model", help="GGUF model (repeat -m for several).")],
+    n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt lengths (pp tests).")] = "512",
+    n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generated tokens (tg tests).")] = "128",
+    pg: Annotated[Optional[str], typer.Option("-pg", help="pp,tg pairs timed together, e.g. 512,128.")] = None,
+    depth: Annotated[str, typer.Option("-d", "--n-depth", help="Tokens already in the context.")] = "0",
+    reps: Annotated[int, typer.Option("-r", "--repetitions", help="Timed runs per test.")] = 5,
+    threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="CPU threads.")] = None,
+    batch_size: Annotated[str, typer.Option("-b", "--batch-size")] = "2048",
+    ubatch_size: Annotated[str, typer.Option("-ub", "--ubatch-size")] = "512",
+    ngl: Annotated[str, typer.Option("-ngl", "--n-gpu-layers", help="GPU layers (-1 = all that fit).")] = "99",
+    n_cpu_moe: Annotated[str, typer.Option("-ncmoe", "--n-cpu-moe")] = "0",
+    moe_cache: Annotated[Optional[str], typer.Option("--moe-cache", help="Expert cache MiB per GPU (-1 fill, 0 off).")] = None,
+    vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="VRAM per GPU, e.g. 8GiB,12GiB.")] = None,
+    moe_cache_window: Annotated[str, typer.Option("--moe-cache-window")] = "64",
+    routing: Annotated[Optional[str], typer.Option("--routing", help="Routing processes/traces (see run --help).")] = None,
+    n_gen_warmup: Annotated[int, typer.Option("--n-gen-warmup", help="Generate N tokens before timing: an expert "
+                                              "cache starts cold and needs warming.")] = 0,
+    no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Skip the untimed warm-up run of each test.")] = False,
+    load_mode: LoadModeOpt = None,
+    output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
+) -> None:
+    """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
+    with the expert cache's parameters."""
+    def body() -> None:
+        from cli.bench import bench_command
+
+        bench_command(model, n_prompt, n_gen, pg, depth, reps, threads, batch_size, ubatch_size, ngl, n_cpu_moe,
+                      moe_cache, vram_budget, moe_cache_window, routing, n_gen_warmup, not no_warmup, load_mode, output)
+    _user_errors(body)
 
 
 @app.command("probe-pcie")

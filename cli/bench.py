@@ -1,0 +1,73 @@
+"""``moecache bench``: parse the llama-bench-style lists, load each combination, print the table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cli.common import CacheOptions, UserError, load_engine, note
+
+
+def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
+                  threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
+                  vram_budget: str | None, window: str, routing: str | None, n_gen_warmup: int, warmup: bool,
+                  load_mode: str | None, output: str) -> None:
+    from cli.main import parse_size
+    from moecache.benchmark import BenchParams, bench, expand, make_tests, parse_list, render
+    from moecache.placement import PlacementOptions
+    from moecache.probe import UserFlags
+
+    if output not in ("md", "csv", "json", "jsonl"):
+        raise UserError(f"-o {output!r}: expected md, csv, json or jsonl")
+    if reps < 1:
+        raise UserError(f"-r must be >= 1, got {reps}")
+    if n_gen_warmup < 0:
+        raise UserError(f"--n-gen-warmup must be >= 0, got {n_gen_warmup}")
+    for m in models:
+        if not m.is_file():
+            raise UserError(f"-m {m}: no such file")
+    pgs = parse_list(pg, "-pg")
+    if len(pgs) % 2:
+        raise UserError(f"-pg {pg!r}: expected pp,tg pairs")
+    tests = make_tests(parse_list(n_prompt, "-p"), parse_list(n_gen, "-n"), list(zip(pgs[::2], pgs[1::2])),
+                       parse_list(depth, "-d"))
+    if not tests:
+        raise UserError("no tests: give -p, -n or -pg with values > 0")
+    lists = {"model": models, "n_batch": parse_list(batch, "-b"), "n_ubatch": parse_list(ubatch, "-ub"),
+             "n_threads": parse_list(threads, "-t") or [0], "n_gpu_layers": parse_list(ngl, "-ngl"),
+             "n_cpu_moe": parse_list(n_cpu_moe, "--n-cpu-moe"),
+             "moe_cache": parse_list(moe_cache, "--moe-cache") or [None],
+             "vram_budget": [parse_size(v, "--vram-budget") for v in (vram_budget or "").split(",") if v] or [0],
+             "moe_cache_window": parse_list(window, "--moe-cache-window"),
+             "routing": [v for v in (routing or "").split(",") if v] or [None]}
+    base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, 64, None, load_mode or "auto")
+    combos = expand(base, **lists)
+    varied = [k for k, v in lists.items() if len(v) > 1 and k != "model"]
+    n_ctx = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
+
+    def make_engine(p: BenchParams):
+        pl = PlacementOptions(p.n_gpu_layers, False, p.n_cpu_moe, moe_cache=p.moe_cache, vram_budget=p.vram_budget)
+        flags = UserFlags("bench", p.n_ubatch, n_ctx, p.n_threads or None, None if p.load_mode == "auto" else p.load_mode)
+        return load_engine(p.model, flags, p.n_batch, pl, None, False,
+                           CacheOptions(p.moe_cache_window, 0, p.routing, False))
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    total = len(combos) * len(tests)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=Console(stderr=True), transient=True) as prog:
+        task = prog.add_task("bench", total=total)
+
+        started = [0]
+
+        def progress(name: str) -> None:  # called as each test starts
+            prog.update(task, description=name, completed=started[0])
+            started[0] += 1
+
+        results = bench(combos, tests, reps, warmup, n_gen_warmup, make_engine, progress)
+        prog.update(task, completed=total)
+    sys.stdout.write(render(results, output, varied))
+    if any(r.fields.get("routing") for r in results):
+        note("note: --routing replaced the routers' choices: speeds, hit rates and uploads are measured; the text "
+             "is meaningless")

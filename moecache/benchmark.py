@@ -1,0 +1,325 @@
+"""``moecache bench``: llama-bench's method and output conventions, plus expert-cache parameters.
+
+Every parameter takes a comma list and ``first-last+step`` / ``first-last*mult`` ranges; the bench
+runs every combination (:func:`expand`). Tests are llama-bench's: ``pp N`` (one N-token prompt),
+``tg N`` (N single-token decode steps), ``pp N+tg M`` (both, timed together), each optionally after
+``-d D`` tokens of context (``pp512 @ d4096``). Tokens are random ids and nothing is sampled, so
+tokenization and sampling are outside the timings, as in llama-bench. Each test runs ``-r`` times
+after one untimed warm-up run; ``--n-gen-warmup N`` first generates N tokens (an expert cache needs
+warming). Results carry llama-bench's field names (``tools/llama-bench/llama-bench.cpp``,
+``test::get_fields``) where they apply, plus ours (``moe_cache_mib_granted``, ``vram_budget``,
+``routing``, ``hit_rate``, ``uploads_per_token``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# llama-bench's result fields that moecache fills (same names, same meaning), then ours
+LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
+                      "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads",
+                      "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "flash_attn", "tensor_split",
+                      "load_mode", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts",
+                      "stddev_ts")
+OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "hit_rate",
+              "uploads_per_token", "n_gen_warmup")
+
+
+def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
+    """``"1,2,4"``, ``"8-32+8"`` (8, 16, 24, 32), ``"1-16*2"`` (1, 2, 4, 8, 16) -> values.
+
+    Raises:
+        ValueError: naming ``flag`` and the bad item.
+    """
+    if text is None:
+        return []
+    out: list = []
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            if kind is int and "-" in item[1:]:
+                first, rest = item[0] + item[1:].split("-", 1)[0], item[1:].split("-", 1)[1]
+                op = "+" if "+" in rest else "*" if "*" in rest else None
+                last, step = (rest.split(op) if op else (rest, "1"))
+                a, b, s = int(first), int(last), int(step)
+                if s <= 0 or (op == "*" and s < 2) or b < a:
+                    raise ValueError
+                v = a
+                while v <= b:
+                    out.append(v)
+                    v = v * s if op == "*" else v + s
+                    if op == "*" and v == 0:
+                        break
+            else:
+                out.append(kind(item))
+        except ValueError:
+            raise ValueError(f"{flag} {item!r}: expected a number, a comma list or a range like 8-32+8 or 1-16*2") \
+                from None
+    return out
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    """One combination of the loading parameters (one engine) and the tests run on it."""
+
+    model: Path
+    n_batch: int
+    n_ubatch: int
+    n_threads: int
+    n_gpu_layers: int
+    n_cpu_moe: int
+    moe_cache: int | None
+    vram_budget: int
+    moe_cache_window: int
+    routing: str | None
+    load_mode: str
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    """One llama-bench test: n_prompt prompt tokens and/or n_gen decode steps after n_depth tokens."""
+
+    n_prompt: int
+    n_gen: int
+    n_depth: int = 0
+
+    @property
+    def name(self) -> str:
+        """llama-bench's test name: ``pp512``, ``tg128``, ``pp512+tg128``, `` @ d4096`` appended."""
+        if self.n_prompt and self.n_gen:
+            base = f"pp{self.n_prompt}+tg{self.n_gen}"
+        elif self.n_prompt:
+            base = f"pp{self.n_prompt}"
+        else:
+            base = f"tg{self.n_gen}"
+        return base + (f" @ d{self.n_depth}" if self.n_depth else "")
+
+
+def make_tests(prompts: list[int], gens: list[int], pgs: list[tuple[int, int]], depths: list[int]) -> list[BenchTest]:
+    """llama-bench's test list: every pp, then every tg, then every pp+tg, for each depth."""
+    out = []
+    for d in depths or [0]:
+        out += [BenchTest(p, 0, d) for p in prompts if p > 0]
+        out += [BenchTest(0, g, d) for g in gens if g > 0]
+        out += [BenchTest(p, g, d) for p, g in pgs]
+    return out
+
+
+@dataclass
+class Result:
+    """One test's measurements and the fields of its row."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    samples_ns: list[int] = field(default_factory=list)
+
+    n_tokens: int = 0  # n_prompt + n_gen of the test
+
+    @property
+    def samples_ts(self) -> list[float]:
+        return [self.n_tokens * 1e9 / s for s in self.samples_ns]
+
+
+def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool, rng: np.random.Generator) -> list[int]:
+    """Time ``test`` ``reps`` times on ``eng`` (one untimed run first unless ``warmup`` is False);
+    returns the samples in ns."""
+    vocab = eng.gguf.config.n_vocab
+
+    def once() -> int:
+        eng.reset()
+        if test.n_depth:
+            eng.eval(rng.integers(0, vocab, test.n_depth))
+        t0 = time.perf_counter_ns()
+        if test.n_prompt:
+            eng.eval(rng.integers(0, vocab, test.n_prompt))
+        for _ in range(test.n_gen):
+            eng.eval([int(rng.integers(0, vocab))])
+        return time.perf_counter_ns() - t0
+
+    if warmup:
+        once()
+    return [once() for _ in range(reps)]
+
+
+def model_info(eng: Any) -> dict[str, Any]:
+    """model_type (arch, params, dominant type), model_size (bytes) and model_n_params."""
+    from gguf import GGMLQuantizationType
+
+    g = eng.gguf
+    n_params = sum(int(np.prod(t.shape)) for t in g.tensors.values())
+    by_type: dict[int, int] = {}
+    for t in g.tensors.values():
+        by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
+    main = GGMLQuantizationType(max(by_type, key=by_type.get)).name
+    size = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
+    return {"model_type": f"{g.config.arch} {size} {main}", "model_size": g.n_bytes, "model_n_params": n_params}
+
+
+def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: bool, n_gen_warmup: int,
+          make_engine: Callable[[BenchParams], Any], progress: Callable[[str], None] | None = None) -> list[Result]:
+    """Run every test on every parameter combination (one engine per combination).
+
+    Args:
+        make_engine: builds the engine of a combination (the CLI's loader: placement, cache, routing).
+        progress: told the name of each test as it starts.
+    """
+    results = []
+    cpu_info = _cpu_info()
+    for p in params:
+        eng = make_engine(p)
+        try:
+            rng = np.random.default_rng(0)
+            info = model_info(eng)
+            if n_gen_warmup:
+                eng.reset()
+                eng.eval(rng.integers(0, eng.gguf.config.n_vocab, 1))
+                for _ in range(n_gen_warmup):
+                    eng.eval([int(rng.integers(0, eng.gguf.config.n_vocab))])
+            pl = getattr(eng, "placement", None)
+            slot_bytes = _slot_bytes(eng)
+            for test in tests:
+                if progress:
+                    progress(f"{p.model.name} {test.name}")
+                for c in eng.caches:
+                    c.stats.reset()
+                samples = run_test(eng, test, reps, warmup, rng)
+                r = Result(samples_ns=samples, n_tokens=test.n_prompt + test.n_gen)
+                hits = sum(c.stats.hits for c in eng.caches)
+                misses = sum(c.stats.misses for c in eng.caches)
+                uploads = sum(c.stats.uploads for c in eng.caches)
+                toks = sum(c.stats.tokens for c in eng.caches)
+                r.fields = {
+                    "build_commit": _commit(), "build_number": 0, "cpu_info": cpu_info, "gpu_info": _gpu_info(pl),
+                    "backends": "CUDA" if pl is not None and pl.devices else "CPU",
+                    "model_filename": str(p.model), **info, "n_batch": p.n_batch, "n_ubatch": p.n_ubatch,
+                    "n_threads": eng.n_threads, "n_gpu_layers": p.n_gpu_layers, "n_cpu_moe": p.n_cpu_moe,
+                    "split_mode": "layer", "main_gpu": 0, "flash_attn": "auto", "tensor_split": "0.00",
+                    "load_mode": getattr(eng, "load_mode", p.load_mode), "n_prompt": test.n_prompt, "n_gen": test.n_gen, "n_depth": test.n_depth,
+                    "test_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "moe_cache": -1 if p.moe_cache is None else p.moe_cache,
+                    "moe_cache_mib_granted": round(sum(s for _, s in (pl.cache_slots if pl else ())) * slot_bytes
+                                                   / 2**20, 1),
+                    "vram_budget": p.vram_budget, "moe_cache_window": p.moe_cache_window, "routing": p.routing or "",
+                    "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+                    "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
+                }
+                tss = r.samples_ts
+                r.fields.update({"avg_ns": int(statistics.mean(samples)),
+                                 "stddev_ns": int(statistics.stdev(samples)) if len(samples) > 1 else 0,
+                                 "avg_ts": statistics.mean(tss),
+                                 "stddev_ts": statistics.stdev(tss) if len(tss) > 1 else 0.0})
+                results.append(r)
+        finally:
+            eng.close()
+    return results
+
+
+def _slot_bytes(eng: Any) -> int:
+    for c in getattr(eng, "caches", []):
+        pool = c.pool
+        return int(pool.gate[0].nbytes + pool.up[0].nbytes + pool.down[0].nbytes)
+    return 0
+
+
+def _cpu_info() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_info(pl: Any) -> str:
+    if pl is None or not pl.devices:
+        return ""
+    from moecache.devices import gpu_name
+
+    return ", ".join(gpu_name(d) for d in pl.devices)
+
+
+def _commit() -> str:
+    try:
+        import subprocess
+
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# ---- output -----------------------------------------------------------------------------------------
+def _size(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+def to_markdown(results: list[Result], varied: list[str]) -> str:
+    """llama-bench's markdown table: model, size, params, backend, ngl, threads, the varied
+    parameters, test and ``t/s`` as ``avg ± stddev``; hit rate when a cache ran."""
+    cols = ["model", "size", "params", "backend", "ngl", "threads"] + varied
+    has_cache = any(r.fields.get("hit_rate") is not None for r in results)
+    header = cols + ["test", "t/s"] + (["hit rate"] if has_cache else [])
+    lines = ["| " + " | ".join(header) + " |",
+             "| " + " | ".join("---:" if h in ("size", "params", "ngl", "threads", "t/s", "hit rate") or h in varied
+                              else "---" for h in header) + " |"]
+    for r in results:
+        f = r.fields
+        row = [f["model_type"], _size(f["model_size"]), _params(f["model_n_params"]), f["backends"],
+               str(f["n_gpu_layers"]), str(f["n_threads"])] + [str(f[v]) for v in varied]
+        row += [BenchTest(f["n_prompt"], f["n_gen"], f["n_depth"]).name, f"{f['avg_ts']:.2f} ± {f['stddev_ts']:.2f}"]
+        if has_cache:
+            row.append("-" if f.get("hit_rate") is None else f"{100 * f['hit_rate']:.1f}%")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_records(results: list[Result]) -> list[dict]:
+    """One dict per test: llama-bench's fields, ours, and samples_ns / samples_ts."""
+    keys = LLAMA_BENCH_FIELDS + OUR_FIELDS
+    return [{**{k: r.fields.get(k) for k in keys}, "samples_ns": r.samples_ns, "samples_ts": r.samples_ts}
+            for r in results]
+
+
+def render(results: list[Result], fmt: str, varied: list[str]) -> str:
+    """``-o md|csv|json|jsonl``. Raises ValueError for another format."""
+    if fmt == "md":
+        return to_markdown(results, varied)
+    recs = to_records(results)
+    if fmt == "json":
+        return json.dumps(recs, indent=2) + "\n"
+    if fmt == "jsonl":
+        return "".join(json.dumps(r) + "\n" for r in recs)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(LLAMA_BENCH_FIELDS + OUR_FIELDS))
+        w.writeheader()
+        for r in recs:
+            w.writerow({k: r[k] for k in LLAMA_BENCH_FIELDS + OUR_FIELDS})
+        return buf.getvalue()
+    raise ValueError(f"-o {fmt!r}: expected md, csv, json or jsonl")
+
+
+def expand(base: BenchParams, **lists: list) -> list[BenchParams]:
+    """Every combination of the listed values over ``base`` (a field -> values mapping)."""
+    names = [k for k, v in lists.items() if v]
+    combos = itertools.product(*(lists[k] for k in names))
+    return [replace(base, **dict(zip(names, c))) for c in combos]

@@ -1,0 +1,79 @@
+"""`moecache bench`: llama-bench's conventions (field names, test names, lists and ranges, output
+formats) on a tiny model."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from moecache.benchmark import LLAMA_BENCH_FIELDS, BenchTest, make_tests, parse_list
+
+FIELDS = Path(__file__).parent / "data" / "llamacpp" / "llama-bench-fields.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=2)
+    return path
+
+
+def test_lists_and_ranges():
+    assert parse_list("512", "-p") == [512]
+    assert parse_list("1,2,4", "-t") == [1, 2, 4]
+    assert parse_list("8-32+8", "-t") == [8, 16, 24, 32]
+    assert parse_list("1-16*2", "-ub") == [1, 2, 4, 8, 16]
+    assert parse_list("-1", "--moe-cache") == [-1]
+    with pytest.raises(ValueError, match="-p 'x'"):
+        parse_list("x", "-p")
+    with pytest.raises(ValueError, match="range"):
+        parse_list("32-8+8", "-t")
+
+
+def test_test_names_follow_llama_bench():
+    assert [t.name for t in make_tests([512], [128], [(512, 128)], [0, 4096])] == [
+        "pp512", "tg128", "pp512+tg128", "pp512 @ d4096", "tg128 @ d4096", "pp512+tg128 @ d4096"]
+    assert BenchTest(0, 128, 512).name == "tg128 @ d512"  # as in llama-bench's README table
+
+
+def test_field_names_are_llama_benchs():
+    documented = {ln.strip() for ln in FIELDS.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    assert set(LLAMA_BENCH_FIELDS) <= documented
+    assert {"avg_ts", "stddev_ts", "samples_ts", "samples_ns", "model_filename", "n_prompt", "n_gen"} <= documented
+
+
+def test_bench_on_a_tiny_model_in_every_format(tiny):
+    r = CliRunner().invoke(app, ["bench", "-m", str(tiny), "-p", "16", "-n", "4", "-d", "0,8", "-r", "2",
+                                 "-t", "1,2", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(r.stdout)
+    assert len(recs) == 2 * 2 * 2  # threads x tests x depths
+    for rec in recs:
+        assert rec["avg_ts"] > 0 and len(rec["samples_ts"]) == 2 and len(rec["samples_ns"]) == 2
+        assert rec["n_prompt"] + rec["n_gen"] > 0 and rec["model_n_params"] > 0 and rec["model_size"] > 0
+    assert {rec["n_threads"] for rec in recs} == {1, 2} and {rec["n_depth"] for rec in recs} == {0, 8}
+    md = CliRunner().invoke(app, ["bench", "-m", str(tiny), "-p", "16", "-n", "4", "-r", "2", "-t", "1,2"])
+    assert md.exit_code == 0, md.output
+    assert "| test | t/s |" in md.stdout and "| pp16 |" in md.stdout and "| tg4 |" in md.stdout and " ± " in md.stdout
+    out = CliRunner().invoke(app, ["bench", "-m", str(tiny), "-p", "16", "-n", "0", "-r", "1", "-o", "csv"])
+    rows = list(csv.DictReader(io.StringIO(out.stdout)))
+    assert len(rows) == 1 and rows[0]["n_prompt"] == "16"
+    jl = CliRunner().invoke(app, ["bench", "-m", str(tiny), "-p", "0", "-n", "2", "-r", "1", "-o", "jsonl",
+                                  "--routing", "uniform", "--n-gen-warmup", "3"])
+    rec = json.loads(jl.stdout)
+    assert rec["routing"] == "uniform" and rec["n_gen_warmup"] == 3 and rec["n_gen"] == 2
+
+
+@pytest.mark.parametrize("args,msg", [(["-o", "xml"], "-o 'xml'"), (["-r", "0"], "-r must be"),
+                                      (["-pg", "512"], "pp,tg pairs"), (["-p", "0", "-n", "0"], "no tests")])
+def test_bad_bench_flags(tiny, args, msg):
+    r = CliRunner().invoke(app, ["bench", "-m", str(tiny), *args])
+    assert r.exit_code == 1 and msg in r.output
