@@ -8,9 +8,10 @@ same tests, seed, ``-c`` and load mode, after the same warm-up of generated toke
   here with the placement planner on the model's sizes, i.e. the most expert layers on the GPU);
 - ``cache on``: every expert in host RAM, the budget's free VRAM as the expert cache.
 
-The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens at ``-c 4096``; the
-long test is ``long-configparser.py.txt``'s (~12k tokens) at ``-c 16384``, prefill and decode reported
-separately. Writes a markdown table and jsonl under ``--out``. ``--llama-bench PATH`` adds stock
+The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens; the long test is
+``long-configparser.py.txt``'s (~12k tokens); prefill and decode reported separately. ``moecache
+bench`` sizes the context for its tests (prompt + decode + warm-up), and the best static arm is
+planned with that same context, so every arm's KV cache is the same size. Writes a markdown table and jsonl under ``--out``. ``--llama-bench PATH`` adds stock
 llama.cpp's ``llama-bench`` on the same file at the best static ``-ncmoe``.
 
     python bench/cache_arms.py -m /tmp/q30.gguf --vram-budget 8GiB,12GiB \\
@@ -87,8 +88,9 @@ def main() -> None:
     rows = []
     tests = {"short": ("tetris-chat.txt", 4096), "long": ("long-configparser.py.txt", 16384)}
     for test in a.tests.split(","):
-        prompt_file, n_ctx = tests[test]
+        prompt_file, _ = tests[test]
         n_prompt = prompt_tokens(a.model, prompt_file)
+        n_ctx = max(n_prompt, a.n) + max(1, a.warmup) + 8  # as moecache bench sizes it
         for budget_text in a.vram_budget.split(","):
             budget = parse_size(budget_text, "--vram-budget")
             static_n = best_static(a.model, n_ctx, budget, free[0])
@@ -117,10 +119,11 @@ def main() -> None:
     a.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if a.llama_bench:
         env = dict(os.environ, LD_LIBRARY_PATH=str(a.llama_bench.parent))
-        out = subprocess.run([str(a.llama_bench), "-m", str(a.model), "-p", "512", "-n", str(a.n), "-ngl", "99",
-                              "-ncmoe", str(best_static(a.model, 4096, parse_size(a.vram_budget.split(",")[0],
-                                                                                  "--vram-budget"), free[0])),
-                              "-o", "md"], capture_output=True, text=True, env=env)
+        n_prompt = prompt_tokens(a.model, tests["short"][0])
+        n_ctx = max(n_prompt, a.n) + max(1, a.warmup) + 8
+        ncmoe = best_static(a.model, n_ctx, parse_size(a.vram_budget.split(",")[0], "--vram-budget"), free[0])
+        out = subprocess.run([str(a.llama_bench), "-m", str(a.model), "-p", str(n_prompt), "-n", str(a.n), "-ngl",
+                              "99", "-ncmoe", str(ncmoe), "-o", "md"], capture_output=True, text=True, env=env)
         a.out.with_suffix(".llama-bench.md").write_text(out.stdout + out.stderr[-2000:])
 
 

@@ -29,8 +29,11 @@ def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None,
     pgs = parse_list(pg, "-pg")
     if len(pgs) % 2:
         raise UserError(f"-pg {pg!r}: expected pp,tg pairs")
-    tests = make_tests(parse_list(n_prompt, "-p"), parse_list(n_gen, "-n"), list(zip(pgs[::2], pgs[1::2])),
-                       parse_list(depth, "-d"))
+    ps, ns, ds = parse_list(n_prompt, "-p"), parse_list(n_gen, "-n"), parse_list(depth, "-d")
+    for flag, vals in (("-p", ps), ("-n", ns), ("-pg", pgs), ("-d", ds)):
+        if any(v < 0 for v in vals):
+            raise UserError(f"{flag}: values must be >= 0, got {','.join(map(str, vals))}")
+    tests = make_tests(ps, ns, list(zip(pgs[::2], pgs[1::2])), ds)
     if not tests:
         raise UserError("no tests: give -p, -n or -pg with values > 0")
     lists = {"model": models, "n_batch": parse_list(batch, "-b"), "n_ubatch": parse_list(ubatch, "-ub"),

@@ -1,12 +1,14 @@
 """``moecache bench``: llama-bench's method and output conventions, plus expert-cache parameters.
 
 Every parameter takes a comma list and ``first-last+step`` / ``first-last*mult`` ranges; the bench
-runs every combination (:func:`expand`). Tests are llama-bench's: ``pp N`` (one N-token prompt),
+runs every combination (:func:`expand`), one engine per combination, sized for its largest test
+(llama-bench sizes the context per test; one engine per combination keeps the expert cache warm
+across its tests). Tests are llama-bench's: ``pp N`` (one N-token prompt),
 ``tg N`` (N single-token decode steps), ``pp N+tg M`` (both, timed together), each optionally after
 ``-d D`` tokens of context (``pp512 @ d4096``). Tokens are random ids and nothing is sampled, so
 tokenization and sampling are outside the timings, as in llama-bench. Each test runs ``-r`` times
-after one untimed warm-up run; ``--n-gen-warmup N`` first generates N tokens (an expert cache needs
-warming). Results carry llama-bench's field names (``tools/llama-bench/llama-bench.cpp``,
+after llama-bench's warm-up (one prompt and/or one token); ``--n-gen-warmup N`` first generates N
+tokens per engine (an expert cache needs warming). Cache counters cover the timed parts only. Results carry llama-bench's field names (``tools/llama-bench/llama-bench.cpp``,
 ``test::get_fields``) where they apply, plus ours (``moe_cache_mib_granted``, ``vram_budget``,
 ``routing``, ``hit_rate``, ``uploads_per_token``).
 """
@@ -115,7 +117,7 @@ def make_tests(prompts: list[int], gens: list[int], pgs: list[tuple[int, int]], 
     for d in depths or [0]:
         out += [BenchTest(p, 0, d) for p in prompts if p > 0]
         out += [BenchTest(0, g, d) for g in gens if g > 0]
-        out += [BenchTest(p, g, d) for p, g in pgs]
+        out += [BenchTest(p, g, d) for p, g in pgs if p > 0 or g > 0]
     return out
 
 
@@ -133,25 +135,40 @@ class Result:
         return [self.n_tokens * 1e9 / s for s in self.samples_ns]
 
 
-def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool, rng: np.random.Generator) -> list[int]:
-    """Time ``test`` ``reps`` times on ``eng`` (one untimed run first unless ``warmup`` is False);
-    returns the samples in ns."""
+def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
+             rng: np.random.Generator) -> tuple[list[int], dict[str, int]]:
+    """Time ``test`` ``reps`` times on ``eng``. The warm-up (unless ``warmup`` is False) is
+    llama-bench's: one ``n_prompt`` prompt and/or one generated token, no depth. Returns the samples
+    in ns and the expert caches' counters over the timed parts only (depth prefills and warm-up
+    excluded)."""
     vocab = eng.gguf.config.n_vocab
+    caches = list(getattr(eng, "caches", []))
+    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0}
 
     def once() -> int:
         eng.reset()
         if test.n_depth:
             eng.eval(rng.integers(0, vocab, test.n_depth))
+        for c in caches:
+            c.reset_stats()
         t0 = time.perf_counter_ns()
         if test.n_prompt:
             eng.eval(rng.integers(0, vocab, test.n_prompt))
         for _ in range(test.n_gen):
             eng.eval([int(rng.integers(0, vocab))])
-        return time.perf_counter_ns() - t0
+        ns = time.perf_counter_ns() - t0
+        for k in ("hits", "misses", "uploads"):
+            totals[k] += sum(getattr(c.stats, k) for c in caches)
+        totals["tokens"] += max((c.stats.tokens for c in caches), default=0)  # every cache counts every token
+        return ns
 
     if warmup:
-        once()
-    return [once() for _ in range(reps)]
+        eng.reset()
+        if test.n_prompt:
+            eng.eval(rng.integers(0, vocab, test.n_prompt))
+        if test.n_gen:
+            eng.eval([int(rng.integers(0, vocab))])
+    return [once() for _ in range(reps)], totals
 
 
 def model_info(eng: Any) -> dict[str, Any]:
@@ -193,14 +210,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
             for test in tests:
                 if progress:
                     progress(f"{p.model.name} {test.name}")
-                for c in eng.caches:
-                    c.stats.reset()
-                samples = run_test(eng, test, reps, warmup, rng)
+                samples, tot = run_test(eng, test, reps, warmup, rng)
                 r = Result(samples_ns=samples, n_tokens=test.n_prompt + test.n_gen)
-                hits = sum(c.stats.hits for c in eng.caches)
-                misses = sum(c.stats.misses for c in eng.caches)
-                uploads = sum(c.stats.uploads for c in eng.caches)
-                toks = sum(c.stats.tokens for c in eng.caches)
+                hits, misses, uploads, toks = tot["hits"], tot["misses"], tot["uploads"], tot["tokens"]
                 r.fields = {
                     "build_commit": _commit(), "build_number": 0, "cpu_info": cpu_info, "gpu_info": _gpu_info(pl),
                     "backends": "CUDA" if pl is not None and pl.devices else "CPU",
@@ -224,7 +236,21 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                 results.append(r)
         finally:
             eng.close()
+            del eng
+            _release_gpu_memory()  # the next combination is planned on the GPUs' free memory
     return results
+
+
+def _release_gpu_memory() -> None:
+    """Return CuPy's cached blocks to the driver (no-op without CuPy loaded)."""
+    import gc
+    import sys
+
+    gc.collect()
+    cp = sys.modules.get("cupy")
+    if cp is not None:
+        cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def _slot_bytes(eng: Any) -> int:

@@ -241,7 +241,7 @@ class Engine:
         self.model.forward(np.array([tok]), self.kv)
         self.kv.clear()
         for c in self.caches:
-            c.stats.reset()  # the warm-up token is not the user's
+            c.reset_stats()  # the warm-up token is not the user's
 
     def close(self) -> None:
         """Release the model file (and the expert caches' worker threads)."""

@@ -73,7 +73,9 @@ def test_bench_on_a_tiny_model_in_every_format(tiny):
 
 
 @pytest.mark.parametrize("args,msg", [(["-o", "xml"], "-o 'xml'"), (["-r", "0"], "-r must be"),
-                                      (["-pg", "512"], "pp,tg pairs"), (["-p", "0", "-n", "0"], "no tests")])
+                                      (["-pg", "512"], "pp,tg pairs"), (["-p", "0", "-n", "0"], "no tests"),
+                                      (["-d", "-8"], "-d: values must be >= 0"),
+                                      (["-p", "0", "-n", "0", "-pg", "0,0"], "no tests")])
 def test_bad_bench_flags(tiny, args, msg):
     r = CliRunner().invoke(app, ["bench", "-m", str(tiny), *args])
     assert r.exit_code == 1 and msg in r.output

@@ -155,7 +155,7 @@ def test_bad_routing_names_and_files(tmp_path):
 
 
 def test_adaptive_budget_follows_token_time_unless_deterministic():
-    pol = CachePolicy(1, 8, 4, PolicyConfig(t_upload=50e-6, uploads_per_token=16))
+    pol = CachePolicy(1, 8, 4, PolicyConfig(t_upload=50e-6, uploads_per_token=16, adaptive=True))
     pol.set_budget(400e-6)  # half of a 400 us token fits 4 uploads of 50 us
     assert pol.uploads_per_token == 4.0
     pol.set_budget(10e-6)

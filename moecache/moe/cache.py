@@ -111,9 +111,9 @@ class CachedExperts:
         self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
         self._pending: list[tuple[Any, int, int, int]] = []  # (copy, layer, expert, slot)
         self._retired: list[Any] = []  # copies of evicted experts still in flight
-        self._last_start: float | None = None  # measured decode token time (the adaptive upload budget)
-        self._last_t = 0
+        self._pass_start: float | None = None  # decode pass timing (the adaptive upload budget)
         self._token_s: float | None = None
+        self._last = max(self.cached_layers) if self.cached_layers else -1
         self.cpu_s = np.zeros(n_layer)  # per layer: CPU time of the misses (worker thread)
         self.wait_s = np.zeros(n_layer)  # per layer: time the caller waited for the CPU part
         self._first = min(self.cached_layers) if self.cached_layers else 0
@@ -158,12 +158,7 @@ class CachedExperts:
         r = routing.host()
         t = r.ids.shape[0]
         if il == self._first:
-            now = time.perf_counter()
-            if self._last_start is not None and self._last_t and self._last_t < (self.offload_min_batch or 1 << 30):
-                per_token = (now - self._last_start) / self._last_t
-                self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
-                self.policy.set_budget(self._token_s)
-            self._last_start, self._last_t = now, t
+            self._pass_start = time.perf_counter()
             self.policy.new_tokens(t)
             self.stats.tokens += t
         self.poll()
@@ -203,7 +198,21 @@ class CachedExperts:
         self.policy.observe(il, r.ids)
         missed = r.ids[~hit]
         self._apply(self.policy.decide(il, missed))
+        if il == self._last and self._pass_start is not None:
+            # the adaptive upload budget: the MoE stretch of this decode pass (first to last cached
+            # layer), so idle time between calls never counts as token time
+            per_token = (time.perf_counter() - self._pass_start) / t
+            self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
+            self.policy.set_budget(self._token_s)
+            self._pass_start = None
         return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters and the per-layer CPU / wait times (after a warm-up)."""
+        self.stats.reset()
+        self.cpu_s[:] = 0.0
+        self.wait_s[:] = 0.0
+        self._pass_start = None
 
     def _timed_cpu(self, il, e, eids, offs, rows, wts, hh, act):
         t0 = time.perf_counter()

@@ -45,8 +45,8 @@ class PolicyConfig:
         burst: most uploads the credit can save up (a topic switch may use them at once).
         hysteresis: relative usage margin a challenger needs over its victim.
         min_residency: tokens an admitted expert is safe from eviction.
-        adaptive: let the executor set the budget from measured token times (False: fixed,
-            ``--deterministic``).
+        adaptive: let the executor set the budget from measured token times (the CLI turns it on
+            unless ``--deterministic``; False: the fixed count).
     """
 
     window: int = 64
@@ -57,7 +57,7 @@ class PolicyConfig:
     burst: float = 128.0
     hysteresis: float = 0.5
     min_residency: int = 4
-    adaptive: bool = True
+    adaptive: bool = False
 
     def validate(self) -> None:
         if self.window < 1:
