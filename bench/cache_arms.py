@@ -11,11 +11,15 @@ same tests, seed, ``-c`` and load mode, after the same warm-up of generated toke
 The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens; the long test is
 ``long-configparser.py.txt``'s (~12k tokens); prefill and decode reported separately. ``moecache
 bench`` sizes the context for its tests (prompt + decode + warm-up), and the best static arm is
-planned with that same context, so every arm's KV cache is the same size. Writes a markdown table and jsonl under ``--out``. ``--llama-bench PATH`` adds stock
+planned with that same context, so every arm's KV cache is the same size. Writes a markdown table
+and jsonl under ``--out``. ``--llama-bench PATH`` adds stock
 llama.cpp's ``llama-bench`` on the same file at the best static ``-ncmoe``.
 
     python bench/cache_arms.py -m /tmp/q30.gguf --vram-budget 8GiB,12GiB \\
-        --routing qwen3-moe,low-locality,uniform --out bench/results/cache-arms-h200
+        --routing qwen3-moe,low-locality,uniform --out bench/results/cache-arms-h200 [--resume --max-arms 3]
+
+Arms are appended to OUT.jsonl as they finish; ``--resume`` skips those already there, so a matrix
+longer than one 10-minute device command runs in parts (``--max-arms`` bounds a part).
 """
 
 from __future__ import annotations
@@ -79,13 +83,22 @@ def main() -> None:
     ap.add_argument("--load-mode", default="pin")
     ap.add_argument("--llama-bench", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--resume", action="store_true", help="keep the arms already in OUT.jsonl and run the rest "
+                    "(a device command is limited to 10 minutes: run the matrix in parts)")
+    ap.add_argument("--max-arms", type=int, default=0, help="stop after this many arms (0 = all), for parts")
     a = ap.parse_args()
     free, why = gpu_free_bytes()
     if not free:
         raise SystemExit(f"no GPU: {why}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     log = a.out.with_suffix(".log")
-    rows = []
+    jsonl = a.out.with_suffix(".jsonl")
+    rows = [json.loads(ln) for ln in jsonl.read_text().splitlines() if ln.strip()] \
+        if a.resume and jsonl.exists() else []
+    if not a.resume:
+        jsonl.write_text("")
+    done = {(r["prompt"], r["budget"], r["routing"], r["arm"]) for r in rows}
+    ran = 0
     tests = {"short": ("tetris-chat.txt", 4096), "long": ("long-configparser.py.txt", 16384)}
     for test in a.tests.split(","):
         prompt_file, _ = tests[test]
@@ -102,9 +115,16 @@ def main() -> None:
                         f"best static (--n-cpu-moe {static_n})": ["--n-cpu-moe", str(static_n), "--moe-cache", "0"],
                         "cache on": ["--moe-cache", "-1"]}
                 for arm, extra in arms.items():
+                    if (prompt_file, budget_text, routing, arm) in done:
+                        continue
+                    if a.max_arms and ran >= a.max_arms:
+                        break
+                    ran += 1
                     for rec in run_arm(a.model, common + extra, log):
                         rec.update({"arm": arm, "prompt": prompt_file, "budget": budget_text})
                         rows.append(rec)
+                        with jsonl.open("a") as f:  # written as each arm ends: a part can stop anywhere
+                            f.write(json.dumps(rec) + "\n")
                         print(json.dumps({k: rec[k] for k in ("arm", "routing", "budget", "n_prompt", "n_gen",
                                                               "avg_ts", "hit_rate")}), flush=True)
     lines = [f"# Expert cache, three arms: {a.model.name}", "",
@@ -116,7 +136,6 @@ def main() -> None:
         hr = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
         lines.append(f"| {r['prompt']} | {r['budget']} | {r['routing']} | {r['arm']} | {test} | {r['avg_ts']:.2f} | {hr} |")
     a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    a.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if a.llama_bench:
         env = dict(os.environ, LD_LIBRARY_PATH=str(a.llama_bench.parent))
         n_prompt = prompt_tokens(a.model, tests["short"][0])

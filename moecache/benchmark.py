@@ -8,9 +8,10 @@ across its tests). Tests are llama-bench's: ``pp N`` (one N-token prompt),
 ``-d D`` tokens of context (``pp512 @ d4096``). Tokens are random ids and nothing is sampled, so
 tokenization and sampling are outside the timings, as in llama-bench. Each test runs ``-r`` times
 after llama-bench's warm-up (one prompt and/or one token); ``--n-gen-warmup N`` first generates N
-tokens per engine (an expert cache needs warming). Cache counters cover the timed parts only. Results carry llama-bench's field names (``tools/llama-bench/llama-bench.cpp``,
-``test::get_fields``) where they apply, plus ours (``moe_cache_mib_granted``, ``vram_budget``,
-``routing``, ``hit_rate``, ``uploads_per_token``).
+tokens per engine (an expert cache needs warming). Cache counters cover the timed parts only.
+Results carry llama-bench's field names (``tools/llama-bench/llama-bench.cpp``, ``test::get_fields``)
+where they apply, plus ours (``moe_cache_mib_granted``, ``vram_budget``, ``routing``, ``hit_rate``,
+``uploads_per_token``).
 """
 
 from __future__ import annotations
