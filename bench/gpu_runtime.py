@@ -45,41 +45,6 @@ def arm_options(arm: str) -> PlacementOptions:
     raise SystemExit(f"unknown arm {arm!r}: gpu, gpu-eager (no CUDA graph), cpu-moe, ncmoeN")
 
 
-def hbm_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second."""
-    import cupy as cp
-
-    a = cp.ones(1 << 29, cp.float32)
-    b = cp.empty_like(a)
-    b[...] = a
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b[...] = a
-    cp.cuda.Device().synchronize()
-    return 2 * a.nbytes * 10 / (time.perf_counter() - t0)
-
-
-def host_read_bandwidth(threads: int) -> float:
-    """Bytes per second a Numba prange sum reads from a 2 GiB host array."""
-    import numba
-
-    @numba.njit(parallel=True, cache=False, fastmath=True)  # vectorized sum: bound by RAM, not add latency
-    def total(x):
-        s = 0.0
-        for i in numba.prange(x.size):
-            s += x[i]
-        return s
-
-    numba.set_num_threads(threads)
-    x = np.ones(1 << 29, np.float32)
-    total(x)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        total(x)
-    return x.nbytes * 5 / (time.perf_counter() - t0)
-
-
 def run_arm(model: Path, arm: str, n_prompt: int, n_gen: int, reps: int, threads: int, load_mode: str = "mmap") -> dict:
     import cupy as cp
 
@@ -140,8 +105,12 @@ def main() -> None:
     ap.add_argument("--load-modes", default="mmap", help="comma-separated: mmap, pin (each arm runs in each)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    hbm = hbm_bandwidth()
-    ram = host_read_bandwidth(a.t)
+    import cupy as cp
+
+    from moecache.probe import gpu_bandwidths, ram_read_bandwidth
+
+    hbm = gpu_bandwidths(cp, 0, 1 << 30, 10)["d2d_copy"]  # bytes read + written per second
+    ram = ram_read_bandwidth(2 << 30, 5)[1]  # all of Numba's threads
     rows = []
     for arm, mode in [(x, m) for x in a.arms.split(",") for m in a.load_modes.split(",")]:
         r = run_arm(a.model, arm, a.p, a.n, a.r, a.t, mode)

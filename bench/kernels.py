@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moecache.quants import cpu  # noqa: E402  (sets up numba first)
 from moecache.quants.formats import FORMATS  # noqa: E402
+from moecache.probe import cpu_model  # noqa: E402
 from moecache.quants.random_blocks import random_rows  # noqa: E402
 
 import numba  # noqa: E402
@@ -61,16 +62,6 @@ def ram_bandwidth(mib: int, threads: int, reps: int) -> float:
     numba.set_num_threads(threads)
     t = median_time(lambda: _read_all(a), reps)
     return a.nbytes / t / 1e9
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -144,7 +135,7 @@ def main() -> None:
                         "frac_ram": gbps / ram_all})
             print(f"moe_ffn Q4_K {n_tok} tok: {t * 1e3:.2f} ms, {gbps:.1f} GB/s", file=sys.stderr)
 
-    host = {"cpu": cpu_name(), "threads": args.threads, "logical_cpus": os.cpu_count(),
+    host = {"cpu": cpu_model(), "threads": args.threads, "logical_cpus": os.cpu_count(),
             "numba": numba.__version__, "numpy": np.__version__, "python": platform.python_version(),
             "threading_layer": numba.threading_layer(),
             "cpu_features_env": os.environ.get("NUMBA_CPU_FEATURES", "")[-40:],

@@ -120,14 +120,13 @@ def resolve_settings(model: Path, flags, verbose: bool):
     facts and the startup probe, and print them in one short table on stderr (``-v``: every value
     with its reason)."""
     from moecache.gguf_file import open_gguf
+    from moecache.placement import model_sizes
     from moecache.probe import ModelFacts, resolve_defaults, startup_probe
 
     with open_gguf(model) as g:
         experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
         facts = ModelFacts(g.n_bytes, experts, g.config.context_length)
-        per_layer = [sum(t.n_bytes for n, t in g.tensors.items() if n.startswith(f"blk.{il}.") and n.endswith("_exps.weight"))
-                     for il in range(g.config.n_layer)]
-        expert_each = max(per_layer) // g.config.n_expert if g.config.n_expert else 0
+        expert_each = model_sizes(g, 1).expert_each
     probe = startup_probe(with_gpus=flags.n_gpu_layers != 0)
     res = resolve_defaults(facts, probe, flags)
     rows = [("-ub", str(res.n_ubatch), "n_ubatch"), ("-c", str(res.n_ctx or "trained"), "n_ctx"),

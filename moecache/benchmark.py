@@ -20,7 +20,6 @@ import csv
 import io
 import itertools
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from moecache.probe import cpu_model
 
 # llama-bench's result fields that moecache fills (same names, same meaning), then ours
 LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
@@ -195,7 +196,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
         progress: told the name of each test as it starts.
     """
     results = []
-    cpu_info = _cpu_info()
+    cpu_info = cpu_model()
     for p in params:
         eng = make_engine(p)
         try:
@@ -259,16 +260,6 @@ def _slot_bytes(eng: Any) -> int:
         pool = c.pool
         return int(pool.gate[0].nbytes + pool.up[0].nbytes + pool.down[0].nbytes)
     return 0
-
-
-def _cpu_info() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _gpu_info(pl: Any) -> str:

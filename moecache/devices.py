@@ -11,25 +11,14 @@ from typing import Any
 
 from moecache.backends import NumpyBackend
 from moecache.placement import CPU
+from moecache.probe import gpu_infos
 
 
 def gpu_free_bytes() -> tuple[list[int], str]:
-    """Free memory of each visible CUDA device in bytes, and a reason when the list is empty."""
-    try:
-        import cupy as cp
-    except ImportError as e:
-        return [], f"CuPy is not installed ({e.name}; pip install -e '.[cuda]' for the GPU)"
-    try:
-        n = cp.cuda.runtime.getDeviceCount()
-        free = []
-        for i in range(n):
-            with cp.cuda.Device(i):
-                free.append(int(cp.cuda.runtime.memGetInfo()[0]))
-    except Exception as e:  # noqa: BLE001 - any CUDA error means no usable GPU
-        return [], f"CUDA unavailable: {e}"
-    if not free:
-        return [], "no CUDA device"
-    return free, ""
+    """Free memory of each visible CUDA device in bytes, and a reason when the list is empty
+    (:func:`moecache.probe.gpu_infos` without measuring links)."""
+    gpus, why = gpu_infos(0, 1, full=False)
+    return [g.vram_free for g in gpus], why
 
 
 def gpu_name(device: int) -> str:

@@ -224,7 +224,6 @@ def gpu_bandwidths(cp, index: int, n_bytes: int, reps: int, full: bool = True) -
                 sync()
 
             out["d2d_copy"] = 2 * n_bytes / _timed(d2d, reps)
-        del dev, pinned
     return out
 
 

@@ -25,7 +25,7 @@ from moecache.errors import MoecacheError
 from moecache.gguf_file import GGUFModel
 from moecache.kv_cache import KVCache, KVShape
 from moecache.moe.executor import CPUExperts, ExpertExecutor, ExpertWeights
-from moecache.moe.routing import Routing, softmax, topk_routing  # noqa: F401 - re-exported
+from moecache.moe.routing import Routing
 
 RouteObserver = Callable[[int, Routing], None]
 
@@ -330,11 +330,6 @@ class DecoderLM:
         g = be.matmul(L[f"{prefix}_gate{suffix}"], x)
         u = be.matmul(L[f"{prefix}_up{suffix}"], x)
         return be.matmul(L[f"{prefix}_down{suffix}"], be.glu(g, u, self.act))
-
-    def router_probs(self, il: int, x: Any) -> np.ndarray:
-        """Softmax of the router logits ``ffn_gate_inp(x)``, float32 host (T, n_expert)."""
-        logits = self.be.to_host(self.be.matmul(self.layers[il]["ffn_gate_inp"], x))
-        return softmax(np.asarray(logits, dtype=np.float32))
 
     def route(self, il: int, x: Any) -> Routing:
         """Top-k softmax routing of the normed input x (T, n_embd) -> ids and weights (T, k), on the

@@ -176,8 +176,7 @@ class CachedExperts:
         be = self.be
         cpu_part = None
         if n_hit < hit.size:  # misses: CPU, in the worker thread, while the backend computes hits
-            miss = Routing(r.ids, np.where(hit, 0.0, r.weights).astype(np.float32))
-            eids, offs, rows, wts = _miss_groups(miss, ~hit)
+            eids, offs, rows, wts = r.groups(~hit)
             hh = be.to_host(h)
             act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
             cpu_part = self._workers.submit(self._timed_cpu, il, e, eids, offs, rows, wts, hh, act)
@@ -246,16 +245,3 @@ class CachedExperts:
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
-
-
-def _miss_groups(r: Routing, miss: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """CSR groups (as Routing.groups) of the missed pairs only."""
-    t, k = r.ids.shape
-    flat = r.ids.reshape(-1)
-    sel = np.flatnonzero(miss.reshape(-1))
-    order = sel[np.argsort(flat[sel], kind="stable")]
-    eids, counts = np.unique(flat[order], return_counts=True)
-    offs = np.zeros(eids.shape[0] + 1, np.int32)
-    np.cumsum(counts, out=offs[1:])
-    return (eids.astype(np.int32), offs, (order // k).astype(np.int32),
-            r.weights.reshape(-1)[order].astype(np.float32))

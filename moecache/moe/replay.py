@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     cfg = PolicyConfig(window=a.window)
-    print(f"| routing | slots | policy | hit rate | uploads/token | modelled us/token |")
+    print("| routing | slots | policy | hit rate | uploads/token | modelled us/token |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
     for f in (float(s) for s in a.slots.split(",")):
         src = make_routing(a.routing, a.layers, a.experts, a.k, a.seed)

@@ -38,19 +38,23 @@ class Routing:
             self._host.append(Routing(np.asarray(self.ids.get(), np.int32), np.asarray(self.weights.get(), np.float32)))
         return self._host[0]
 
-    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def groups(self, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The routed (token, expert) pairs grouped by expert (CSR), as :func:`moecache.quants.cpu.moe_ffn`
-        takes them.
+        takes them; with ``mask`` (bool (T, k)) only the pairs it selects (the expert cache's misses).
 
         Returns:
             ``(expert_ids int32 (G,), offsets int32 (G+1,), token_rows int32 (P,), weights float32 (P,))``
             with pairs of ``expert_ids[g]`` at ``offsets[g]:offsets[g+1]``, P = T * k, tokens in
-            increasing order within a group.
+            increasing order within a group; P = the selected pairs with a mask.
         """
         h = self.host()
         t, k = h.ids.shape
         flat = h.ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")
+        if mask is None:
+            order = np.argsort(flat, kind="stable")
+        else:
+            sel = np.flatnonzero(np.asarray(mask).reshape(-1))
+            order = sel[np.argsort(flat[sel], kind="stable")]
         eids, counts = np.unique(flat[order], return_counts=True)
         offsets = np.zeros(eids.shape[0] + 1, np.int32)
         np.cumsum(counts, out=offsets[1:])
