@@ -8,10 +8,10 @@ same tests, seed, ``-c`` and load mode, after the same warm-up of generated toke
   here with the placement planner on the model's sizes, i.e. the most expert layers on the GPU);
 - ``cache on``: every expert in host RAM, the budget's free VRAM as the expert cache.
 
-The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens; the long test is
-``long-configparser.py.txt``'s (~12k tokens); prefill and decode reported separately. ``moecache
-bench`` sizes the context for its tests (prompt + decode + warm-up), and the best static arm is
-planned with that same context, so every arm's KV cache is the same size. Writes a markdown table
+The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens, at ``-c 4096``;
+the long test is ``long-configparser.py.txt``'s (~12k tokens) at ``-c 16384``; prefill and decode
+reported separately. The best static arm is planned with that same context, so every arm's KV cache
+is the same size. Writes a markdown table
 and jsonl under ``--out``. ``--llama-bench PATH`` adds stock
 llama.cpp's ``llama-bench`` on the same file at the best static ``-ncmoe``.
 
@@ -45,19 +45,21 @@ def prompt_tokens(model: Path, name: str) -> int:
 
 
 def best_static(model: Path, n_ctx: int, budget: int, free: int) -> int:
-    """The smallest --n-cpu-moe whose placement fits ``budget`` (the most expert layers on the GPU)."""
+    """The smallest --n-cpu-moe whose placement fits ``budget`` with the cache off (the most expert
+    layers on the GPU): the planner's own choice for --moe-cache 0, as an explicit N."""
     from moecache.gguf_file import open_gguf
     from moecache.placement import PlacementError, PlacementOptions, model_sizes, plan
 
     with open_gguf(model) as m:
         sizes = model_sizes(m, n_ctx)
-    for n in range(sizes.n_layer + 1):
-        try:
-            plan(PlacementOptions(n_gpu_layers=99, n_cpu_moe=n, vram_budget=budget), sizes, [free])
-            return n
-        except PlacementError:
-            continue
-    raise SystemExit("no --n-cpu-moe fits the budget")
+    try:
+        pl = plan(PlacementOptions(n_gpu_layers=99, moe_cache=0, vram_budget=budget), sizes, [free])
+    except PlacementError as e:
+        raise SystemExit(f"no static placement fits the budget: {e}") from None
+    host = [il for il, on in enumerate(pl.experts_on_device) if not on and sizes.experts[il]]
+    if host and host != list(range(host[-1] + 1)):
+        raise SystemExit(f"the planner kept experts of layers {host} in host RAM: not an --n-cpu-moe placement")
+    return host[-1] + 1 if host else 0
 
 
 def run_arm(model: Path, args: list[str], log: Path) -> list[dict]:
@@ -66,6 +68,33 @@ def run_arm(model: Path, args: list[str], log: Path) -> list[dict]:
         f.write("$ " + " ".join(cmd) + "\n")
         out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True, check=True).stdout
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+
+
+def render(rows: list[dict], model_name: str, argv: str) -> str:
+    """The markdown table of the arms (one row per arm and test) and the cache-on ratios."""
+    lines = [f"# Expert cache, three arms: {model_name}", "",
+             f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}; "
+             f"`python bench/cache_arms.py {argv}`", "",
+             "| prompt | budget | routing | arm | test | t/s | hit rate | uploads/token | VRAM used MiB |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    speed: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        test = f"pp{r['n_prompt']}" if r["n_prompt"] and not r["n_gen"] else f"tg{r['n_gen']}"
+        hr = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
+        up = "-" if r.get("uploads_per_token") is None else f"{r['uploads_per_token']:.2f}"
+        vram = "-" if r.get("vram_used_mib") is None else str(r["vram_used_mib"])
+        lines.append(f"| {r['prompt']} | {r['budget']} | {r['routing']} | {r['arm']} | {test} | {r['avg_ts']:.2f} | "
+                     f"{hr} | {up} | {vram} |")
+        kind = "cache" if r["arm"] == "cache on" else "static" if r["arm"].startswith("best static") else "off"
+        speed.setdefault((r["prompt"], r["budget"], r["routing"], test), {})[kind] = r["avg_ts"]
+    lines += ["", "| prompt | budget | routing | test | cache on / best static | cache on / cache off |",
+              "| --- | --- | --- | --- | ---: | ---: |"]
+    for (prompt, budget, routing, test), v in speed.items():
+        if "cache" not in v:
+            continue
+        ratio = {k: f"{v['cache'] / v[k]:.2f}x" if v.get(k) else "-" for k in ("static", "off")}
+        lines.append(f"| {prompt} | {budget} | {routing} | {test} | {ratio['static']} | {ratio['off']} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -86,6 +115,9 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="keep the arms already in OUT.jsonl and run the rest "
                     "(a device command is limited to 10 minutes: run the matrix in parts)")
     ap.add_argument("--max-arms", type=int, default=0, help="stop after this many arms (0 = all), for parts")
+    ap.add_argument("--arms", default="off,static,cache", help="which arms: off, static, cache (comma list)")
+    ap.add_argument("--cold-static", action="store_true", help="no generated warm-up for the cache-off and static "
+                    "arms (they have no cache to warm; saves device time)")
     a = ap.parse_args()
     free, why = gpu_free_bytes()
     if not free:
@@ -101,21 +133,26 @@ def main() -> None:
     ran = 0
     tests = {"short": ("tetris-chat.txt", 4096), "long": ("long-configparser.py.txt", 16384)}
     for test in a.tests.split(","):
-        prompt_file, _ = tests[test]
+        prompt_file, n_ctx = tests[test]  # -c of every arm (its KV cache counts against the budget)
         n_prompt = prompt_tokens(a.model, prompt_file)
-        n_ctx = max(n_prompt, a.n) + max(1, a.warmup) + 8  # as moecache bench sizes it
+        if n_ctx < max(n_prompt, a.n) + max(1, a.warmup) + 8:
+            raise SystemExit(f"{prompt_file}: {n_prompt} tokens + {a.n} + warm-up {a.warmup} do not fit -c {n_ctx}")
         for budget_text in a.vram_budget.split(","):
             budget = parse_size(budget_text, "--vram-budget")
             static_n = best_static(a.model, n_ctx, budget, free[0])
             for routing in a.routing.split(","):
-                common = ["-p", str(n_prompt), "-n", str(a.n), "-r", str(a.r), "--n-gen-warmup", str(a.warmup),
+                common = ["-p", str(n_prompt), "-n", str(a.n), "-r", str(a.r), "-c", str(n_ctx),
                           "--vram-budget", budget_text, "--routing", routing, "--load-mode", a.load_mode,
                           "-ngl", "99"]
-                arms = {"cache off (--cpu-moe)": ["--n-cpu-moe", "999", "--moe-cache", "0"],
-                        f"best static (--n-cpu-moe {static_n})": ["--n-cpu-moe", str(static_n), "--moe-cache", "0"],
-                        "cache on": ["--moe-cache", "-1"]}
-                for arm, extra in arms.items():
-                    if (prompt_file, budget_text, routing, arm) in done:
+                # the generated warm-up fills the cache; with --cold-static the static arms (nothing to
+                # warm: their speed does not depend on the tokens before) skip it to save device time
+                cold = ["--n-gen-warmup", "0" if a.cold_static else str(a.warmup)]
+                arms = {"cache off (--cpu-moe)": ["--n-cpu-moe", "999", "--moe-cache", "0", *cold],
+                        f"best static (--n-cpu-moe {static_n})": ["--n-cpu-moe", str(static_n), "--moe-cache", "0", *cold],
+                        "cache on": ["--moe-cache", "-1", "--n-gen-warmup", str(a.warmup)]}
+                chosen = a.arms.split(",")
+                for (arm, extra), key in zip(arms.items(), ("off", "static", "cache")):
+                    if (prompt_file, budget_text, routing, arm) in done or key not in chosen:
                         continue
                     if a.max_arms and ran >= a.max_arms:
                         break
@@ -127,19 +164,11 @@ def main() -> None:
                             f.write(json.dumps(rec) + "\n")
                         print(json.dumps({k: rec[k] for k in ("arm", "routing", "budget", "n_prompt", "n_gen",
                                                               "avg_ts", "hit_rate")}), flush=True)
-    lines = [f"# Expert cache, three arms: {a.model.name}", "",
-             f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}; "
-             f"`python bench/cache_arms.py {' '.join(sys.argv[1:])}`", "",
-             "| prompt | budget | routing | arm | test | t/s | hit rate |", "| --- | --- | --- | --- | --- | ---: | ---: |"]
-    for r in rows:
-        test = f"pp{r['n_prompt']}" if r["n_prompt"] and not r["n_gen"] else f"tg{r['n_gen']}"
-        hr = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
-        lines.append(f"| {r['prompt']} | {r['budget']} | {r['routing']} | {r['arm']} | {test} | {r['avg_ts']:.2f} | {hr} |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    a.out.with_suffix(".md").write_text(render(rows, a.model.name, " ".join(sys.argv[1:])))
     if a.llama_bench:
         env = dict(os.environ, LD_LIBRARY_PATH=str(a.llama_bench.parent))
         n_prompt = prompt_tokens(a.model, tests["short"][0])
-        n_ctx = max(n_prompt, a.n) + max(1, a.warmup) + 8
+        n_ctx = tests["short"][1]
         ncmoe = best_static(a.model, n_ctx, parse_size(a.vram_budget.split(",")[0], "--vram-budget"), free[0])
         out = subprocess.run([str(a.llama_bench), "-m", str(a.model), "-p", str(n_prompt), "-n", str(a.n), "-ngl",
                               "99", "-ncmoe", str(ncmoe), "-o", "md"], capture_output=True, text=True, env=env)

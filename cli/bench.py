@@ -11,7 +11,7 @@ from cli.common import CacheOptions, UserError, load_engine, note
 def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
                   threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
                   vram_budget: str | None, window: str, routing: str | None, n_gen_warmup: int, warmup: bool,
-                  load_mode: str | None, output: str) -> None:
+                  load_mode: str | None, output: str, ctx_size: int | None = None) -> None:
     from cli.main import parse_size
     from moecache.benchmark import BenchParams, bench, expand, make_tests, parse_list, render
     from moecache.placement import PlacementOptions
@@ -46,7 +46,11 @@ def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None,
     base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, 64, None, load_mode or "auto")
     combos = expand(base, **lists)
     varied = [k for k, v in lists.items() if len(v) > 1 and k != "model"]
-    n_ctx = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
+    need = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
+    if ctx_size is not None and ctx_size < need:
+        raise UserError(f"-c {ctx_size}: the tests need {need} tokens of context (depth + prompt + generated + "
+                        f"warm-up)")
+    n_ctx = ctx_size or need
 
     def make_engine(p: BenchParams):
         pl = PlacementOptions(p.n_gpu_layers, False, p.n_cpu_moe, moe_cache=p.moe_cache, vram_budget=p.vram_budget)

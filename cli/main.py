@@ -56,8 +56,9 @@ UBatchOpt = Annotated[Optional[int], typer.Option("-ub", "--ubatch-size", help="
 ThreadsOpt = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads (0 = physical cores); "
                                                    "default: resolved at startup (printed).")]
 LoadModeOpt = Annotated[Optional[str], typer.Option("--load-mode", help="mmap: map the file; pin: copy the weights "
-                                                    "into page-locked RAM at load; auto (default): serve pins when "
-                                                    "it fits, run/perplexity map.")]
+                                                    "into page-locked RAM at load; auto (default): pin when it fits "
+                                                    "in RAM and the experts go to host RAM (or for serve), else "
+                                                    "map.")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Print every resolved setting with its reason.")]
 MoeCacheOpt = Annotated[Optional[int], typer.Option("--moe-cache", help="Expert cache per GPU: -1 = fill free VRAM "
                                                     "(default when the model does not fit), 0 = off, N = at most N MiB.")]
@@ -262,6 +263,8 @@ def bench(
     routing: Annotated[Optional[str], typer.Option("--routing", help="Routing processes/traces (see run --help).")] = None,
     n_gen_warmup: Annotated[int, typer.Option("--n-gen-warmup", help="Generate N tokens before timing: an expert "
                                               "cache starts cold and needs warming.")] = 0,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", help="Context size (its KV cache takes VRAM); "
+                                                    "default: what the tests need.")] = None,
     no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Skip the untimed warm-up run of each test.")] = False,
     load_mode: LoadModeOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
@@ -272,7 +275,8 @@ def bench(
         from cli.bench import bench_command
 
         bench_command(model, n_prompt, n_gen, pg, depth, reps, threads, batch_size, ubatch_size, ngl, n_cpu_moe,
-                      moe_cache, vram_budget, moe_cache_window, routing, n_gen_warmup, not no_warmup, load_mode, output)
+                      moe_cache, vram_budget, moe_cache_window, routing, n_gen_warmup, not no_warmup, load_mode, output,
+                      ctx_size)
     _user_errors(body)
 
 

@@ -11,7 +11,7 @@ after llama-bench's warm-up (one prompt and/or one token); ``--n-gen-warmup N`` 
 tokens per engine (an expert cache needs warming). Cache counters cover the timed parts only.
 Results carry llama-bench's field names (``tools/llama-bench/llama-bench.cpp``, ``test::get_fields``)
 where they apply, plus ours (``moe_cache_mib_granted``, ``vram_budget``, ``routing``, ``hit_rate``,
-``uploads_per_token``).
+``uploads_per_token``, ``vram_used_mib``: device memory the engine held, CUDA context excluded).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "load_mode", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts",
                       "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "hit_rate",
-              "uploads_per_token", "n_gen_warmup")
+              "uploads_per_token", "n_gen_warmup", "vram_used_mib")
 
 
 def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
@@ -159,6 +159,8 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
         for _ in range(test.n_gen):
             eng.eval([int(rng.integers(0, vocab))])
         ns = time.perf_counter_ns() - t0
+        for c in caches:
+            c.launched()  # account the last pass's routing (the zero-copy path accounts one pass late)
         for k in ("hits", "misses", "uploads"):
             totals[k] += sum(getattr(c.stats, k) for c in caches)
         totals["tokens"] += max((c.stats.tokens for c in caches), default=0)  # every cache counts every token
@@ -198,6 +200,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
     results = []
     cpu_info = cpu_model()
     for p in params:
+        base_vram = _gpu_used_bytes()
         eng = make_engine(p)
         try:
             rng = np.random.default_rng(0)
@@ -230,6 +233,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
                 }
+                used = _gpu_used_bytes()
+                r.fields["vram_used_mib"] = round((used - base_vram) / 2**20) if used is not None and base_vram is not None \
+                    else None
                 tss = r.samples_ts
                 r.fields.update({"avg_ns": int(statistics.mean(samples)),
                                  "stddev_ns": int(statistics.stdev(samples)) if len(samples) > 1 else 0,
@@ -241,6 +247,23 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
             del eng
             _release_gpu_memory()  # the next combination is planned on the GPUs' free memory
     return results
+
+
+def _gpu_used_bytes() -> int | None:
+    """Device memory in use on every GPU (total - free, bytes), or None without CuPy or a GPU. The
+    difference before loading and after the tests is what an engine held (its CUDA context excluded,
+    CuPy's cached blocks included)."""
+    try:
+        import cupy as cp
+
+        used = 0
+        for d in range(cp.cuda.runtime.getDeviceCount()):
+            with cp.cuda.Device(d):
+                free, total = cp.cuda.runtime.memGetInfo()
+            used += total - free
+        return used
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: nothing to measure
+        return None
 
 
 def _release_gpu_memory() -> None:

@@ -217,11 +217,19 @@ class Engine:
         for g, slots in pl.cache_slots:
             layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
-                                  pl.offload_min_batch)
+                                  pl.offload_min_batch, top_k=c.n_expert_used)
+            if cache.direct:
+                self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
+                         f"host RAM (zero-copy)")
+            else:
+                self.log(f"note: expert cache on GPU {g}: decode misses are computed on the CPU "
+                         f"({cache.direct_why})")
             self.caches.append(cache)
             for il in layers:
                 experts.executors[il] = cache
-        return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device])
+        model = build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device])
+        model.pass_hooks = list(self.caches)
+        return model
 
     def _decode_graph(self, wanted: bool) -> None:
         if getattr(self.model.output_be, "name", "") != "cuda":

@@ -20,8 +20,10 @@ GPUs; everything else keeps llama.cpp's defaults):
 - ``-t`` physical cores minus one per GPU (a core feeds each GPU);
 - routed experts in host RAM, the VRAM left after dense weights and KV cache as the expert budget;
 - prompt processing on the GPU with the fastest measured host link;
-- ``--load-mode auto``: ``serve`` pins when the model fits in available RAM with headroom,
-  ``run``/``bench``/``perplexity`` map the file.
+- ``--load-mode auto``: pin when the model fits in available RAM with headroom and either its
+  routed experts go to host RAM (the expert cache reads decode misses zero-copy from page-locked
+  memory: ~8x the decode speed of computing them on the CPU, bench/results/cache-arms-h200.md) or
+  the command is ``serve``; otherwise map the file.
 """
 
 from __future__ import annotations
@@ -413,12 +415,17 @@ def resolve_defaults(model: ModelFacts, probe: Probe, flags: UserFlags) -> Resol
         raise ValueError(f"--load-mode must be mmap, pin or auto, got {flags.load_mode!r}")
     if mode != "auto":
         reasons["load_mode"] = "--load-mode given"
-    elif flags.command == "serve" and pin_fits(model.n_bytes, host.ram_available, host.ram_total):
-        mode, reasons["load_mode"] = "pin", "serve, and the model fits in available RAM with headroom"
     else:
-        why = "serve, but the model does not fit in available RAM with headroom" if flags.command == "serve" \
-            else f"{flags.command} maps the file"
-        mode, reasons["load_mode"] = "mmap", why
+        fits = pin_fits(model.n_bytes, host.ram_available, host.ram_total)
+        wants = ("routed experts in host RAM (the expert cache reads misses zero-copy from page-locked RAM)"
+                 if big else "serve" if flags.command == "serve" else None)
+        if wants and fits:
+            mode, reasons["load_mode"] = "pin", f"{wants}, and the model fits in available RAM with headroom"
+        elif wants:
+            mode, reasons["load_mode"] = "mmap", (f"{wants}, but the model does not fit in available RAM with "
+                                                  f"headroom" + ("; the cache computes misses on the CPU" if big else ""))
+        else:
+            mode, reasons["load_mode"] = "mmap", f"{flags.command} maps the file"
     # experts and prompt GPU
     if big:
         reasons["experts"] = (f"model {model.n_bytes / GiB:.1f} GiB > {free_total / GiB:.1f} GiB free VRAM: "

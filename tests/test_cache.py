@@ -127,6 +127,110 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
         cache.close()
 
 
+def _direct_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig()):
+    return CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(n_layer, n_expert, n_slots, cfg), 32,
+                         direct=True, top_k=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_zero_copy_path_equals_cpu_for_random_maps_and_routings(model_path, seed):
+    """The zero-copy path (hits from slots, misses from the host arrays, one call) gives the all-CPU
+    output for any device map; the twin's device map is a separate array the hooks keep current."""
+    rng = np.random.default_rng(100 + seed)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = int(rng.integers(1, c.n_layer * c.n_expert))
+        cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)
+        assert cache.direct and cache.direct_why is None
+        _fill(cache, ew, [(int(p) // c.n_expert, int(p) % c.n_expert)
+                          for p in rng.choice(c.n_layer * c.n_expert, n_slots, replace=False)])
+        cache._map_dirty = True
+        ref_ex = CPUExperts(ew, NumpyBackend())
+        t = int(rng.integers(1, 17))
+        cache.begin_pass(t)
+        np.testing.assert_array_equal(cache._map_dev, cache.slot_of)
+        routes = {}
+        for il in ew:
+            h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+            r = topk_routing(rng.dirichlet(np.ones(c.n_expert), t).astype(np.float32), c.n_expert_used, True)
+            routes[il] = r.ids
+            np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+        cache.launched()
+        cache.end_pass()
+        assert cache.stats.tokens == 0  # accounted while the next pass runs
+        cache.launched()
+        hits = sum(int((cache.slot_of[il][routes[il]] >= 0).sum()) for il in ew)
+        assert cache.stats.tokens == t and cache.stats.hits == hits
+        assert cache.stats.hits + cache.stats.misses == len(ew) * t * c.n_expert_used
+        cache.close()
+
+
+def test_zero_copy_device_map_never_shows_a_slot_in_flight(model_path):
+    """Admissions made while a pass runs reach the device map only after their copy completed, and a
+    victim leaves the device map before the pass that follows its eviction."""
+    from moecache.moe.routing import Routing
+
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = _direct_cache(ew, c.n_layer, c.n_expert, 2, PolicyConfig(min_residency=0, hysteresis=0.0))
+        h = np.ones((1, c.n_embd), np.float32)
+        k = c.n_expert_used
+
+        def step(ids):
+            cache.begin_pass(1)
+            dev = cache._map_dev.copy()
+            for p, slot in enumerate(cache.pool.owner):  # every mapped slot holds its expert's bytes
+                if slot is not None and dev[slot[0], slot[1]] == p:
+                    np.testing.assert_array_equal(cache.pool.gate[p], ew[slot[0]].gate[slot[1]])
+            cache(0, h, Routing(np.array([ids[:k]], np.int32), np.full((1, k), 1.0 / k, np.float32)))
+            cache.launched()
+            cache.end_pass()
+            return dev
+
+        step([3, 5, 7, 9])
+        dev = step([3, 5, 7, 9])  # the first pass is accounted now: two admissions, copies in flight
+        assert cache.stats.uploads == 2 and (dev[0] == -1).all()
+        dev = step([3, 5, 7, 9])
+        assert (dev[0] == -1).all()  # the twin's copies land at their second poll
+        dev = step([3, 5, 7, 9])
+        assert sorted(np.flatnonzero(dev[0] >= 0).tolist()) == [3, 5]
+        for _ in range(12):  # a new hot set: 3 and 5 are evicted for two of it
+            dev = step([11, 13, 2, 4])
+        now = sorted(np.flatnonzero(cache.slot_of[0] >= 0).tolist())
+        assert len(now) == 2 and set(now) <= {11, 13, 2, 4}
+        assert sorted(np.flatnonzero(dev[0] >= 0).tolist()) == now
+        cache.close()
+
+
+def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
+    rng = np.random.default_rng(4)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = c.n_layer * c.n_expert // 4
+        cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, PolicyConfig(window=8, min_residency=1, hysteresis=0.1))
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache)
+        lm.pass_hooks = [cache]
+        kv_ref, kv = ref_lm.new_kv_cache(160), lm.new_kv_cache(160)
+        prompt = rng.integers(0, c.n_vocab, 40)
+        np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
+        tok = int(prompt[-1])
+        for step in range(60):
+            n = 1 if step % 10 else 3  # a few multi-token decode ubatches
+            toks = np.array([tok] + list(rng.integers(0, c.n_vocab, n - 1)))
+            ref = ref_lm.forward(toks, kv_ref)
+            got = lm.forward(toks, kv)
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"step {step}")
+            tok = int(rng.integers(0, c.n_vocab))
+        s = cache.stats
+        assert s.tokens == 40 + 54 + 6 * 3 - 1  # prompt + decode; the last pass is accounted at the next launch
+        assert s.hits > 0 and s.misses > 0 and s.uploads > n_slots
+        cache.close()
+
+
 class Twin(NumpyBackend):
     """A NumpyBackend standing in for GPU 0 (the placement's device)."""
 

@@ -298,31 +298,77 @@ def test_pinned_weights_give_the_same_logits(gpu, tmp_path):
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
-def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path):
-    """The expert cache with real streams: a --vram-budget that leaves room for a third of the
-    experts; every decode step's logits equal the CPU's while experts are uploaded and evicted."""
-    from moecache.engine import Engine, EngineConfig
+def _third_of_experts_budget(path, n_ctx):
     from moecache.gguf_file import open_gguf
-    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, model_sizes
+
+    with open_gguf(path) as m:
+        sz = model_sizes(m, n_ctx)
+    need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    return int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
+
+
+CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
+
+
+@pytest.mark.parametrize("load_mode", ["mmap", "pin"])
+def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
+    """The expert cache with real streams: a --vram-budget that leaves room for a third of the
+    experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
+    mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe.policy import PolicyConfig
+    from moecache.placement import PlacementOptions
     from moecache.testing.synth import PRESETS as P
     from moecache.testing.synth import SynthConfig, write_model
 
     path = tmp_path / "moe.gguf"
     write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=21)
-    with open_gguf(path) as m:
-        sz = model_sizes(m, 96)
-    need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
-    budget = int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
+    budget = _third_of_experts_budget(path, 128)
     rng = np.random.default_rng(5)
-    with Engine(path, EngineConfig(n_ctx=96)) as ref, \
-            Engine(path, EngineConfig(n_ctx=96), placement=PlacementOptions(vram_budget=budget)) as eng:
+    with Engine(path, EngineConfig(n_ctx=128)) as ref, \
+            Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=budget), load_mode=load_mode,
+                   policy_config=PolicyConfig(**CHURN)) as eng:
+        cache = eng.caches[0]
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
+        assert cache.direct == (load_mode == "pin")
+        assert (eng.model.decode_graph is not None) == (load_mode == "pin")
         toks = rng.integers(0, 200, 40)
         np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-4)
         for step in range(50):
-            t = [int(rng.integers(0, 200))]
+            t = [int(rng.integers(0, 200))] if step % 7 else list(rng.integers(0, 200, 3))
             a, b = eng.eval(t), ref.eval(t)
             assert np.isfinite(a).all()
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"step {step}")
-        s = eng.caches[0].stats
-        assert s.hits > 0 and s.uploads > eng.placement.cache_slots[0][1]
+        s = cache.stats
+        assert s.hits > 0 and s.misses > 0 and s.uploads > eng.placement.cache_slots[0][1]
+        if load_mode == "pin":
+            assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
+
+
+def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
+    """--routing with graph decode: the process is drawn per replay in the op-by-op order, so graph and
+    op-by-op decoding give the same logits at every step (on the zero-copy path a hit and a miss run
+    the same arithmetic, so copy timings cannot change them)."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe.routing_process import make_routing
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import SynthConfig, write_model
+
+    path = tmp_path / "moe.gguf"
+    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=22)
+    budget = _third_of_experts_budget(path, 64)
+    engines = [Engine(path, EngineConfig(n_ctx=64), placement=PlacementOptions(vram_budget=budget), load_mode="pin",
+                      cuda_graph=g) for g in (False, True)]
+    try:
+        outs = []
+        for eng in engines:
+            c = eng.gguf.config
+            eng.model.routing_override = make_routing("qwen3-moe", c.n_layer, c.n_expert, c.n_expert_used, seed=3)
+            outs.append(np.vstack([eng.eval(list(range(1, 9)))] + [eng.eval([int(t)]) for t in range(20, 45)]))
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(outs[0]).max())
+        assert engines[1].model.decode_graph.replays >= 20 and engines[0].model.decode_graph is None
+    finally:
+        for eng in engines:
+            eng.close()

@@ -23,18 +23,18 @@ MOE_SHORT_CTX = ModelFacts(60 * GiB, 55 * GiB, 8192)
 
 CASES = [
     # (name, model, gpus, flags, expected (ub, ctx, threads, mode, experts_in_ram, prompt_gpu))
-    ("1 gpu 24G, big moe", MOE_BIG, [gpu(0, 24)], UserFlags(), (2048, 32768, 15, "mmap", True, 0)),
-    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], UserFlags(), (1024, 32768, 15, "mmap", True, 0)),
-    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], UserFlags(), (512, 32768, 15, "mmap", True, 0)),
+    ("1 gpu 24G, big moe", MOE_BIG, [gpu(0, 24)], UserFlags(), (2048, 32768, 15, "pin", True, 0)),
+    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], UserFlags(), (1024, 32768, 15, "pin", True, 0)),
+    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], UserFlags(), (512, 32768, 15, "pin", True, 0)),
     ("2 gpus, fastest link second", MOE_BIG, [gpu(0, 24, 25e9), gpu(1, 12, 50e9)], UserFlags(),
-     (2048, 32768, 14, "mmap", True, 1)),
+     (2048, 32768, 14, "pin", True, 1)),
     ("4 gpus mismatched", MOE_BIG, [gpu(0, 8), gpu(1, 8, 12e9), gpu(2, 8), gpu(3, 22, 3e9)], UserFlags(),
-     (2048, 32768, 12, "mmap", True, 0)),
+     (2048, 32768, 12, "pin", True, 0)),
     ("model fits in VRAM: llama.cpp defaults", MOE_SMALL, [gpu(0, 24)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
     ("fits only across 4 GPUs", MOE_BIG, [gpu(i, 20) for i in range(4)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
     ("no GPU", MOE_BIG, [], UserFlags(), (512, 0, 16, "mmap", False, None)),
     ("dense model larger than VRAM", DENSE_BIG, [gpu(0, 24)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
-    ("short trained context caps -c", MOE_SHORT_CTX, [gpu(0, 24)], UserFlags(), (2048, 8192, 15, "mmap", True, 0)),
+    ("short trained context caps -c", MOE_SHORT_CTX, [gpu(0, 24)], UserFlags(), (2048, 8192, 15, "pin", True, 0)),
     ("user flags win", MOE_BIG, [gpu(0, 24)], UserFlags("run", 256, 4096, 3, "pin"), (256, 4096, 3, "pin", True, 0)),
     ("serve pins when it fits RAM", MOE_BIG, [gpu(0, 24)], UserFlags("serve"), (2048, 32768, 15, "pin", True, 0)),
 ]
@@ -47,10 +47,19 @@ def test_resolution_table(name, model, gpus, flags, want):
     assert set(r.reasons) >= {"n_ubatch", "n_ctx", "n_threads", "load_mode"}
 
 
-def test_serve_maps_a_model_that_does_not_fit_ram():
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_a_model_that_does_not_fit_ram_is_mapped(command):
     host = HostInfo("cpu", 16, 32, 64 * GiB, 62 * GiB)
-    r = resolve_defaults(MOE_BIG, Probe(host, (gpu(0, 24),)), UserFlags("serve"))
+    r = resolve_defaults(MOE_BIG, Probe(host, (gpu(0, 24),)), UserFlags(command))
     assert r.load_mode == "mmap" and "does not fit" in r.reasons["load_mode"]
+    assert "computes misses on the CPU" in r.reasons["load_mode"]  # the experts go to host RAM
+
+
+def test_run_pins_when_the_experts_go_to_host_ram():
+    r = resolve_defaults(MOE_BIG, Probe(HOST, (gpu(0, 24),)), UserFlags("run"))
+    assert r.load_mode == "pin" and "zero-copy" in r.reasons["load_mode"]
+    small = resolve_defaults(MOE_SMALL, Probe(HOST, (gpu(0, 24),)), UserFlags("run"))
+    assert small.load_mode == "mmap" and small.reasons["load_mode"] == "run maps the file"
 
 
 def test_bad_load_mode_is_named():

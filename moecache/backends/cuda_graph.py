@@ -10,6 +10,13 @@ attention take positions from device memory), and replays it for every later ste
 made during capture come from a private memory pool that lives as long as the graph, so nothing
 outside it can reuse the graph's buffers.
 
+Routed experts in host RAM fit in the graph when an expert cache reads its misses zero-copy
+(:mod:`moecache.moe.cache`): the model's pass hooks run around each replay (the map upload before
+the launch on the graph's stream, the host's policy work while the graph runs). A routing process
+(``--routing``, benchmarks) is drawn on the host for every MoE layer before each replay, in the
+order op-by-op decoding draws it, and copied into persistent device buffers the captured layers
+read.
+
 A capture that fails (an operation that needs the host mid-step) is said once and the steps run op
 by op from then on.
 """
@@ -33,6 +40,34 @@ class _Captured:
     pos: cp.ndarray
     out: cp.ndarray
     staged: np.ndarray  # (token, position) of the next replay, host side
+    routes: "_Routes | None"  # a routing process's per-replay choices
+
+
+class _Routes:
+    """A routing process's choices for one decode step, in persistent device buffers that the captured
+    graph reads: ids int32 and weights float32, (n_layer, 1, k)."""
+
+    def __init__(self, process: Any, layers: list[int], n_layer: int, k: int):
+        self.process, self.layers = process, layers
+        self.ids = cp.zeros((n_layer, 1, k), cp.int32)
+        self.weights = cp.zeros((n_layer, 1, k), cp.float32)
+        self.host_ids = np.zeros((n_layer, 1, k), np.int32)
+        self.host_w = np.zeros((n_layer, 1, k), np.float32)
+
+    def draw(self, stream: cp.cuda.Stream) -> None:
+        """The next token's choices for every MoE layer, layer order (as op-by-op decoding draws them)."""
+        for il in self.layers:
+            r = self.process.route(il, 1)
+            self.host_ids[il] = r.ids
+            self.host_w[il] = r.weights
+        self.ids.set(self.host_ids, stream=stream)
+        self.weights.set(self.host_w, stream=stream)
+
+    def route(self, il: int, n_tokens: int) -> Any:
+        """What the captured layers see in place of the process (device slices)."""
+        from moecache.moe.routing import Routing
+
+        return Routing(self.ids[il], self.weights[il])
 
 
 class DecodeGraph:
@@ -53,20 +88,29 @@ class DecodeGraph:
     def run(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> np.ndarray | None:
         """Logits float32 (1, n_vocab) of one token at ``pos`` (KV written), or None when the step must
         run op by op (route observers attached, a routing process replacing the router, capture failed)."""
-        if self.failed is not None or model.route_observers or model.routing_override is not None:
+        if self.failed is not None or model.route_observers:
             return None
         cap = self._cap
-        if cap is None or cap.kv is not kv:
+        if cap is None or cap.kv is not kv or (cap.routes is None) != (model.routing_override is None) \
+                or (cap.routes is not None and cap.routes.process is not model.routing_override):
             cap = self._capture(model, tokens, pos, kv)
             if cap is None:
                 return None
         cap.staged[0] = int(tokens[0])
         cap.staged[1] = int(pos[0])
         with cap.stream:
+            for hk in model.pass_hooks:
+                hk.begin_pass(1)
+            if cap.routes is not None:
+                cap.routes.draw(cap.stream)
             cap.tok.set(cap.staged[:1].astype(np.int64), stream=cap.stream)
             cap.pos.set(cap.staged[1:].astype(np.int32), stream=cap.stream)
             cap.graph.launch(cap.stream)
+            for hk in model.pass_hooks:
+                hk.launched()
             out = cap.out.get(stream=cap.stream)
+            for hk in model.pass_hooks:
+                hk.end_pass()
         self.replays += 1
         return out
 
@@ -77,13 +121,21 @@ class DecodeGraph:
         pool = cp.cuda.MemoryPool()
         tok = be.asarray(np.asarray(tokens[:1], np.int64))
         posb = be.positions(pos[:1])
+        process = model.routing_override
+        routes = None
+        if process is not None:
+            c = model.cfg
+            routes = _Routes(process, moe_layers(model), c.n_layer, c.n_expert_used)
 
         def step() -> cp.ndarray:
             x = model.body(tok, pos[:1], kv, {id(be): posb})
             return model.head(x[-1:])
 
+        model.routing_override = routes  # the captured layers read the persistent buffers
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
+                for hk in model.pass_hooks:
+                    hk.begin_pass(1)
                 step()  # warm-up on this stream: loads kernels, fills caches (writes this step's KV)
                 stream.synchronize()
                 stream.begin_capture()
@@ -95,8 +147,16 @@ class DecodeGraph:
             self.failed = f"{type(e).__name__}: {e}"
             self.log(f"note: CUDA graph capture of the decode step failed ({self.failed}); decoding op by op")
             return None
-        self._cap = _Captured(kv, graph, stream, pool, tok, posb, out, np.zeros(2, np.int64))
+        finally:
+            model.routing_override = process
+        self._cap = _Captured(kv, graph, stream, pool, tok, posb, out, np.zeros(2, np.int64), routes)
         return self._cap
+
+
+def moe_layers(model: Any) -> list[int]:
+    """The layers whose routing a routing process draws (those with routed experts), ascending."""
+    ex = getattr(model.experts, "executors", None)
+    return sorted(ex) if ex is not None else list(range(model.cfg.n_layer))
 
 
 def eligible(model: Any) -> str | None:
@@ -108,7 +168,13 @@ def eligible(model: Any) -> str | None:
         return "output not on a GPU"
     if any(b is not be for b in model.layer_be):
         return "layers on more than one device"
+    from moecache.moe.cache import CachedExperts
+
     ex = model.experts
-    if isinstance(ex, ExpertsByLayer) and not all(isinstance(e, DeviceExperts) for e in ex.executors.values()):
-        return "routed experts in host RAM"
+    if isinstance(ex, ExpertsByLayer):
+        for e in ex.executors.values():
+            if isinstance(e, CachedExperts) and not e.direct:
+                return f"the expert cache computes its misses on the CPU ({e.direct_why or 'not a GPU'})"
+            if not isinstance(e, (DeviceExperts, CachedExperts)):
+                return "routed experts in host RAM"
     return None

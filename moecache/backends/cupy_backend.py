@@ -364,12 +364,67 @@ class CupyBackend(ArrayOps):
         self._fn("moe_glu_" + fg)(
             ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
             (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
-             np.int32(act != "silu")))
+             np.int32(act != "silu"), NULL, NULL, NULL))
         y = cp.empty((t, n_embd), cp.float32)
         rbd = down.shape[2]
         self._fn("moe_down_" + fd)(
             ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
-            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff)))
+            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), NULL, NULL))
+        return y
+
+    def set_from_host(self, dst: cp.ndarray, src: np.ndarray) -> None:
+        """Copy host ``src`` into device ``dst`` (same shape and dtype), queued on the current stream;
+        ``src`` may be changed as soon as this returns (a pageable source is staged first)."""
+        with cp.cuda.Device(self.device):
+            dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
+
+    def zero_copy_ok(self, arrays: list[np.ndarray]) -> str | None:
+        """None if the GPU can read every host array in place (page-locked: ``--load-mode pin``),
+        else the reason it cannot."""
+        bad = [a for a in arrays if not _is_pinned(a)]
+        return None if not bad else "host experts are not in page-locked memory (--load-mode pin makes them so)"
+
+    def moe_ffn_cached(self, pool: tuple[cp.ndarray, cp.ndarray, cp.ndarray], types: tuple[int, int, int],
+                       routing: Routing, h: cp.ndarray, act: str, slot_map: cp.ndarray,
+                       host: tuple[np.ndarray, np.ndarray, np.ndarray]) -> cp.ndarray:
+        """Routed experts of a decode ubatch from an expert cache, in two launches and no host sync
+        (so a CUDA graph can capture it): expert e of the layer is read from slot ``slot_map[e]`` of
+        the pool when that is >= 0, else straight from its page-locked host copy over PCIe
+        (zero-copy; ~36 GB/s for Q4_K on the H200 machine's PCIe 5.0 x16, bench/results).
+
+        Args:
+            pool: (gate, up, down) slot arrays, uint8 (n_slots, rows, row_bytes) on this GPU.
+            types: GGML type ids of (gate, up, down); gate and up must match.
+            routing: ids and weights (T, k), T <= 16 (host or device arrays).
+            h: float32 (T, n_embd) on this GPU. act: "silu" or "gelu".
+            slot_map: int32 (n_expert,) on this GPU: the slot of each expert of this layer, or -1.
+            host: the layer's (gate, up, down) stacked experts, uint8 (n_expert, rows, row_bytes),
+                page-locked (see :meth:`zero_copy_ok`).
+
+        Returns:
+            float32 (T, n_embd). Raises ValueError for T > 16 or gate/up of different types.
+        """
+        gate, up, down = pool
+        h = cp.ascontiguousarray(h, dtype=cp.float32)
+        t, n_embd = h.shape
+        if t > GEMV_MAX_TOKENS or types[0] != types[1]:
+            raise ValueError(f"moe_ffn_cached: needs T <= {GEMV_MAX_TOKENS} and one gate/up type, got T={t}, types {types}")
+        ids = cp.ascontiguousarray(cp.asarray(routing.ids), dtype=cp.int32)
+        w = cp.ascontiguousarray(cp.asarray(routing.weights), dtype=cp.float32)
+        k = ids.shape[1]
+        _, ff, rb = gate.shape
+        fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
+        hg, hu, hd = (np.uint64(a.ctypes.data) for a in host)
+        a = cp.empty((t * k, ff), cp.float32)
+        self._fn("moe_glu_" + fg)(
+            ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
+            (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
+             np.int32(act != "silu"), slot_map, hg, hu))
+        y = cp.empty((t, n_embd), cp.float32)
+        rbd = down.shape[2]
+        self._fn("moe_down_" + fd)(
+            ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
+            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), slot_map, hd))
         return y
 
     def _deq_experts(self, w: cp.ndarray, ggml_type: int, eids: cp.ndarray, n_in: int, out: cp.ndarray) -> cp.ndarray:

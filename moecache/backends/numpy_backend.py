@@ -148,6 +148,30 @@ class NumpyBackend(ArrayOps):
         return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
                            act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
 
+    def set_from_host(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """``dst[...] = src`` (the twin of :meth:`CupyBackend.set_from_host`)."""
+        dst[...] = src
+
+    def zero_copy_ok(self, arrays: list[np.ndarray]) -> str | None:
+        """The twin of :meth:`CupyBackend.zero_copy_ok`: host arrays are always readable here."""
+        return None
+
+    def moe_ffn_cached(self, pool: tuple[np.ndarray, np.ndarray, np.ndarray], types: tuple[int, int, int],
+                       routing: Routing, h: np.ndarray, act: str, slot_map: np.ndarray,
+                       host: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+        """The CPU twin of :meth:`CupyBackend.moe_ffn_cached`: pairs whose expert has a slot
+        (``slot_map[e] >= 0``) are computed from ``pool[slot]``, the others from ``host[e]``."""
+        ids = np.asarray(routing.ids)
+        w = np.asarray(routing.weights, np.float32)
+        slots = np.asarray(slot_map)[ids]
+        hit = slots >= 0
+        out = self.moe_ffn(*host, types, Routing(ids, np.where(hit, 0.0, w).astype(np.float32)), h, act)
+        if hit.any():
+            fill = int(slots[hit][0])  # misses ride along on a mapped slot with weight 0
+            local = Routing(np.where(hit, slots, fill).astype(np.int32), np.where(hit, w, 0.0).astype(np.float32))
+            out = out + self.moe_ffn(*pool, types, local, h, act)
+        return out
+
     def embed(self, w: Linear, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of an embedding matrix, dequantized: int (T,) -> float32 (T, n_in)."""
         if w.is_f32:

@@ -148,6 +148,10 @@ class DecoderLM:
         self.decode_graph: Any = None  # set to a moecache.backends.cuda_graph.DecodeGraph to replay decode steps
         self.routing_override: Any = None  # benchmarks: a routing process replacing the router's choice
         self.route_observers: list[RouteObserver] = []
+        # told of every forward pass: begin_pass(n_tokens) before it is queued, launched() once it is
+        # (the device may still be running it), end_pass() after its output reached the host
+        # (the expert caches' zero-copy path, moecache.moe.cache)
+        self.pass_hooks: list[Any] = []
         self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
 
     @staticmethod
@@ -205,24 +209,30 @@ class DecoderLM:
         kv.check_room(tokens.size)
         pos = np.arange(kv.n_past, kv.n_past + tokens.size)
         last_only = (logits == "last") if isinstance(logits, str) else np.array_equal(logits, [tokens.size - 1])
+        if isinstance(logits, str) and logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last', 'all' or an index array, got {logits!r}")
         if self.decode_graph is not None and tokens.size == 1 and last_only:
-            out = self.decode_graph.run(self, tokens, pos, kv)
+            out = self.decode_graph.run(self, tokens, pos, kv)  # calls the pass hooks itself
             if out is not None:
                 kv.advance(1)
                 return out
+        for hk in self.pass_hooks:
+            hk.begin_pass(tokens.size)
         x = self.body(tokens, pos, kv, {})
         kv.advance(tokens.size)
         if isinstance(logits, str):
             if logits == "last":
                 x = x[-1:]
-            elif logits != "all":
-                raise ValueError(f"logits must be 'last', 'all' or an index array, got {logits!r}")
         else:
             idx = np.asarray(logits, dtype=np.int64)
-            if idx.size == 0:
-                return np.empty((0, c.n_vocab), np.float32)
             x = x[idx]
-        return self.be.to_host(self.head(x))
+        y = self.head(x) if x.shape[0] else None
+        for hk in self.pass_hooks:
+            hk.launched()
+        out = self.be.to_host(y) if y is not None else np.empty((0, c.n_vocab), np.float32)
+        for hk in self.pass_hooks:
+            hk.end_pass()
+        return out
 
     def body(self, tokens: Any, pos: np.ndarray, kv: KVCache, pos_inputs: dict[int, Any]) -> Any:
         """Embedding and every block: int (T,) tokens (host, or on layer 0's backend) at host positions

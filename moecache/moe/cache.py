@@ -6,7 +6,20 @@ signature (shapes and types) most layers share; layers of another signature run 
 ``slot_of[layer][expert]`` says which slot holds an expert (-1: none); an expert becomes visible in
 the map only after its upload completed, and leaves it before its slot is overwritten.
 
-Per MoE layer and decode ubatch (:meth:`CachedExperts.__call__`):
+Decode ubatches (up to 16 tokens) take one of two miss paths:
+
+**Zero-copy** (``direct``: the host experts are page-locked, ``--load-mode pin``). The map also lives
+on the device; one ``moe_ffn_cached`` launch pair computes every routed pair, reading a hit from
+its slot in VRAM and a miss straight from host RAM over PCIe. Nothing waits for the host, so a
+decode step stays one CUDA graph (:mod:`moecache.backends.cuda_graph`). The layer's expert ids are
+logged on the device; the pass hooks (:meth:`CachedExperts.begin_pass`, :meth:`launched`,
+:meth:`end_pass`, called by the model around every forward pass) bring them to the host after
+the pass, and while the *next* pass runs on the GPU the host counts hits and misses against the
+map that pass used, feeds the policy and starts the uploads. Map changes reach the device at the
+start of a pass, on the compute stream: a victim leaves the device map before any later pass, and
+its slot's copy waits for the pass that could still read it.
+
+**Hybrid** (pageable host experts, or 17-31 tokens). Per MoE layer:
 
 1. the routing comes to the host (the layer's one sync point) and the routed pairs split into hits
    (expert in a visible slot) and misses;
@@ -23,9 +36,10 @@ resident ones are gathered from their slots on the device, the others copied fro
 offload). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
 to decode's hot set; routing.md).
 
-The backend supplies ``upload``, ``moe_ffn``, ``to_host``/``asarray`` and ``start_slot_copy`` (a
-copy of host bytes into ``pool[slot]`` returning an object with ``done()``); NumpyBackend is the
-CPU twin, where copies complete one poll later so the in-flight rules are exercised in CI.
+The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
+``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
+an object with ``done()``); NumpyBackend is the CPU twin, where copies complete one poll later so
+the in-flight rules are exercised in CI, and where the device map is a separate array.
 """
 
 from __future__ import annotations
@@ -41,6 +55,9 @@ from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.routing import Routing
 from moecache.quants import cpu
+
+
+MAX_DIRECT_TOKENS = 16  # the fused decode kernels' token limit (GEMV_MAX_TOKENS of the CUDA backend)
 
 
 @dataclass
@@ -83,10 +100,13 @@ class CachedExperts:
         n_slots: slots per signature pool (the budget divided by the bytes of one expert).
         policy: decides admissions (its pool size must equal the total slots).
         offload_min_batch: prompt ubatches of this many tokens go the op-offload way.
+        direct: the zero-copy miss path; None: when the backend is a GPU that can read the host
+            experts in place (``zero_copy_ok``). ``direct_why`` says why not, when not.
+        top_k: experts per token (the routing log's width), the model's ``expert_used_count``.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any, n_slots: int, policy: CachePolicy,
-                 offload_min_batch: int | None = 32):
+                 offload_min_batch: int | None = 32, direct: bool | None = None, top_k: int = 8):
         self.layers = layers
         self.be = backend
         self.policy = policy
@@ -118,6 +138,25 @@ class CachedExperts:
         self.wait_s = np.zeros(n_layer)  # per layer: time the caller waited for the CPU part
         self._first = min(self.cached_layers) if self.cached_layers else 0
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecache-miss")
+        # the zero-copy path: device map, routing log, pending routings of finished passes
+        self.direct_why = self._direct_why(backend, main)
+        self.direct = (self.direct_why is None and backend.device is not None) if direct is None \
+            else bool(direct and self.direct_why is None)
+        self._map_dev = backend.asarray(self.slot_of.copy()) if self.direct else None
+        self._map_live = self.slot_of.copy()  # what the device map holds now
+        self._map_dirty = False
+        self._ids_log = backend.asarray(np.zeros((n_layer, MAX_DIRECT_TOKENS, top_k), np.int32)) \
+            if self.direct else None
+        self._expect = 0  # tokens of this pass whose routing the device logs (0: not a zero-copy pass)
+        self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
+
+    def _direct_why(self, backend: Any, main: Any) -> str | None:
+        if main is None:
+            return "no cached layers"
+        if main[3][0] != main[3][1]:
+            return "gate and up experts of different types"
+        arrays = [a for il in self.cached_layers for a in (self.layers[il].gate, self.layers[il].up, self.layers[il].down)]
+        return backend.zero_copy_ok(arrays)
 
     # ---- uploads ---------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -127,6 +166,7 @@ class CachedExperts:
         for copy, layer, e, slot in self._pending:
             if copy.done():
                 self.slot_of[layer, e] = slot
+                self._map_dirty = True
             else:
                 still.append((copy, layer, e, slot))
         self._pending = still
@@ -140,6 +180,7 @@ class CachedExperts:
                 vl, ve = a.victim
                 slot = pool.owner.index((vl, ve))
                 self.slot_of[vl, ve] = -1  # unmapped before its slot is overwritten
+                self._map_dirty = True
                 # a victim whose own copy is still in flight: keep that copy (and its pinned source
                 # buffers) alive until it completes; the new copy is queued after it on the stream
                 self._retired += [p[0] for p in self._pending if (p[1], p[2]) == (vl, ve)]
@@ -152,11 +193,61 @@ class CachedExperts:
             self.stats.uploads += 1
             self.stats.uploaded_bytes += e.gate[a.expert].nbytes + e.up[a.expert].nbytes + e.down[a.expert].nbytes
 
+    # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
+    def begin_pass(self, n_tokens: int) -> None:
+        """Before a forward pass is queued: publish completed uploads and bring the device map up to
+        date (on the current stream, so the pass reads it)."""
+        if not self.direct:
+            return
+        self.poll()
+        if self._map_dirty:
+            self.be.set_from_host(self._map_dev, self.slot_of)
+            self._map_live = self.slot_of.copy()
+            self._map_dirty = False
+        self._expect = n_tokens if self._takes_direct(n_tokens) else 0
+        if self._expect:
+            self._ids_log.fill(-1)  # rows of layers this pass does not route stay -1 (skipped)
+        self._pass_start = time.perf_counter()
+
+    def launched(self) -> None:
+        """While a pass runs on the device: account the routing of finished passes (hits and misses
+        against the map each pass used), feed the policy, start the admitted uploads."""
+        pending, self._pending_routes = self._pending_routes, []
+        for ids, live, t in pending:
+            self.policy.new_tokens(t)
+            self.stats.tokens += t
+            for il in sorted(self.cached_layers):
+                lid = ids[il, :t]
+                if lid.size and lid[0, 0] < 0:
+                    continue  # not routed in that pass
+                hit = live[il][lid] >= 0
+                n_hit = int(hit.sum())
+                self.stats.hits += n_hit
+                self.stats.misses += hit.size - n_hit
+                self.policy.observe(il, lid)
+                self._apply(self.policy.decide(il, lid[~hit]))
+
+    def end_pass(self) -> None:
+        """After a pass's output reached the host: bring its routing log to the host (processed by the
+        next :meth:`launched`) and time the pass for the adaptive upload budget."""
+        t = self._expect
+        if not self.direct or not t:
+            return
+        self._pending_routes.append((np.array(self.be.to_host(self._ids_log[:, :t])), self._map_live, t))
+        self._expect = 0
+        if self._pass_start is not None:
+            per_token = (time.perf_counter() - self._pass_start) / t
+            self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
+            self.policy.set_budget(self._token_s)
+            self._pass_start = None
+
     # ---- execution --------------------------------------------------------------------------------
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
+        t = routing.ids.shape[0]
+        if il in self.cached_layers and self._takes_direct(t):
+            return self._direct(il, e, h, routing, t)
         r = routing.host()
-        t = r.ids.shape[0]
         if il == self._first:
             self._pass_start = time.perf_counter()
             self.policy.new_tokens(t)
@@ -206,8 +297,22 @@ class CachedExperts:
             self._pass_start = None
         return out
 
+    def _direct(self, il: int, e: ExpertWeights, h: Any, routing: Routing, t: int) -> Any:
+        """A decode ubatch on the zero-copy path: no host sync (CUDA-graph capturable)."""
+        pool = self.pool
+        out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, routing, h, e.act,
+                                     self._map_dev[il], (e.gate, e.up, e.down))
+        self._ids_log[il, :t] = self.be.asarray(routing.ids)
+        return out
+
+    def _takes_direct(self, t: int) -> bool:
+        """Whether a ubatch of ``t`` tokens runs on the zero-copy path."""
+        return self.direct and t <= MAX_DIRECT_TOKENS and (self.offload_min_batch is None or t < self.offload_min_batch)
+
     def reset_stats(self) -> None:
-        """Zero the counters and the per-layer CPU / wait times (after a warm-up)."""
+        """Zero the counters and the per-layer CPU / wait times (after a warm-up); routings of
+        finished passes not yet accounted are accounted first (they belong to the warm-up)."""
+        self.launched()
         self.stats.reset()
         self.cpu_s[:] = 0.0
         self.wait_s[:] = 0.0

@@ -65,6 +65,7 @@ class RoutingProcess:
         self.z = self.rng.standard_normal((n_layer, n_expert))
         self.topic = self.rng.standard_normal((n_layer, n_expert))
         self.x = self.rng.standard_normal((n_layer, n_expert))
+        self._batch: dict[int, Routing] = {}  # drawn choices not handed out yet
         self.new_prompt()
 
     def new_prompt(self) -> None:
@@ -75,22 +76,35 @@ class RoutingProcess:
 
     def route(self, layer: int, n_tokens: int) -> Routing:
         """The next ``n_tokens`` tokens' choices at ``layer``: ids int32 (T, k) best first, weights
-        float32 (T, k) (softmax over the chosen logits)."""
+        float32 (T, k) (softmax over the chosen logits).
+
+        The choices of every layer are drawn at once (one vectorized draw per forward pass instead of
+        one per layer: a decode step of a 48-layer model costs ~0.2 ms instead of ~2 ms of Python)
+        and handed out layer by layer; asking for a layer already handed out, or for another token
+        count, draws the next batch."""
+        got = self._batch.pop(layer, None)
+        if got is None or got.ids.shape[0] != n_tokens:
+            self._draw(n_tokens)
+            got = self._batch.pop(layer)
+        return got
+
+    def _draw(self, n_tokens: int) -> None:
         p = self.p
-        base = p.s * self.z[layer] + p.tau * self.w[layer]
+        base = p.s * self.z + p.tau * self.w  # (L, E)
         a, b = p.rho, math.sqrt(max(0.0, 1.0 - p.rho * p.rho))
-        logits = np.empty((n_tokens, self.n_expert))
-        x = self.x[layer]
+        logits = np.empty((self.n_layer, n_tokens, self.n_expert))
+        x = self.x
         for t in range(n_tokens):
-            x = a * x + b * self.rng.standard_normal(self.n_expert)
-            logits[t] = base + p.g * x
-        self.x[layer] = x
+            x = a * x + b * self.rng.standard_normal(x.shape)
+            logits[:, t] = base + p.g * x
+        self.x = x
         logits += self.rng.gumbel(size=logits.shape)
-        ids = np.argsort(-logits, axis=1, kind="stable")[:, :self.k]
-        chosen = np.take_along_axis(logits, ids, axis=1)
-        w = np.exp(chosen - chosen.max(axis=1, keepdims=True))
-        w /= w.sum(axis=1, keepdims=True)
-        return Routing(ids.astype(np.int32), w.astype(np.float32))
+        ids = np.argsort(-logits, axis=2, kind="stable")[:, :, :self.k]
+        chosen = np.take_along_axis(logits, ids, axis=2)
+        w = np.exp(chosen - chosen.max(axis=2, keepdims=True))
+        w /= w.sum(axis=2, keepdims=True)
+        ids, w = ids.astype(np.int32), w.astype(np.float32)
+        self._batch = {il: Routing(ids[il], w[il]) for il in range(self.n_layer)}
 
 
 class TraceRouting:

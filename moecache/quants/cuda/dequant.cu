@@ -285,8 +285,8 @@ __device__ __forceinline__ void store_units(const float *y, float *out, long lon
 }
 
 #define FORMAT(SUFFIX, UNIT, SUBS, TSZ)                                                              \
-/* dequantize: one thread per 32-weight unit; out float32 (n_rows, n_in), rows optionally       */ \
-/* gathered: row i of out is row idx[i] of W when idx is not null                                */ \
+/* dequantize: one thread per 32-weight unit; out float32 (n_rows, n_in), rows optionally          */ \
+/* gathered: row i of out is row idx[i] of W when idx is not null                                  */ \
 extern "C" __global__ void deq_##SUFFIX(const unsigned char *W, const long long *idx, float *out,     \
                                         long long n_rows, long long row_bytes, long long n_in) {      \
     long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                   \
@@ -299,8 +299,8 @@ extern "C" __global__ void deq_##SUFFIX(const unsigned char *W, const long long 
     }                                                                                                 \
     store_units(y, out, n_rows * nu);                                                                 \
 }                                                                                                     \
-/* Y[t, r] = W[r, :] . X[t, :] for t < n_tok <= MAX_TOK: a warp per row, lane l takes units     */ \
-/* l, l + 32, ... of the row                                                                     */ \
+/* Y[t, r] = W[r, :] . X[t, :] for t < n_tok <= MAX_TOK: a warp per row, lane l takes units        */ \
+/* l, l + 32, ... of the row                                                                       */ \
 extern "C" __global__ void gemv_##SUFFIX(const unsigned char *W, const float *X, float *Y,            \
                                          long long n_rows, long long row_bytes, long long n_in,       \
                                          int n_tok) {                                                 \
@@ -324,37 +324,48 @@ extern "C" __global__ void gemv_##SUFFIX(const unsigned char *W, const float *X,
         }                                                                                             \
     }                                                                                                 \
 }                                                                                                     \
-/* MoE gate/up of routed pair p = t * k + s (expert ids[p], token t): A[p, r] =                  */ \
-/* act(Wg[e, r] . X[t]) * (Wu[e, r] . X[t]); grid (rows / warps, T * k)                            */ \
+/* MoE gate/up of routed pair p = t * k + s (expert ids[p], token t): A[p, r] =                    */ \
+/* act(Wg[e, r] . X[t]) * (Wu[e, r] . X[t]); grid (rows / warps, T * k). With a slot map (the      */ \
+/* expert cache) expert e is read from slot slot_map[e] of Wg/Wu when that is >= 0, else from      */ \
+/* Hg/Hu: its copy in page-locked host RAM, read by the GPU over PCIe (zero-copy)                  */ \
 extern "C" __global__ void moe_glu_##SUFFIX(const unsigned char *Wg, const unsigned char *Wu,         \
                                             const int *ids, const float *X, float *A, int k_used,     \
                                             long long n_rows, long long row_bytes,                    \
-                                            long long expert_bytes, long long n_in, int act) {        \
+                                            long long expert_bytes, long long n_in, int act,          \
+                                            const int *slot_map, const unsigned char *Hg,             \
+                                            const unsigned char *Hu) {                                \
     long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
     int lane = threadIdx.x % 32;                                                                      \
     int p = blockIdx.y;                                                                               \
     if (r >= n_rows) return;                                                                          \
-    long long off = (long long)ids[p] * expert_bytes + r * row_bytes;                                 \
+    int e = ids[p];                                                                                   \
+    const unsigned char *G = Wg, *U = Wu;                                                             \
+    if (slot_map != nullptr) {                                                                        \
+        int s = slot_map[e];                                                                          \
+        if (s >= 0) { e = s; } else { G = Hg; U = Hu; }                                               \
+    }                                                                                                 \
+    long long off = (long long)e * expert_bytes + r * row_bytes;                                      \
     const float *x = X + (long long)(p / k_used) * n_in;                                              \
     float g = 0.f, u = 0.f;                                                                           \
     long long nu = n_in / 32;                                                                         \
     for (long long k = lane; k < nu; k += 32) {                                                       \
         float y[32];                                                                                  \
-        UNIT(UNIT_PTR(Wg + off, k, SUBS, TSZ), (int)(k % SUBS), y);                                   \
+        UNIT(UNIT_PTR(G + off, k, SUBS, TSZ), (int)(k % SUBS), y);                                    \
         g += dot32(y, x + k * 32);                                                                    \
-        UNIT(UNIT_PTR(Wu + off, k, SUBS, TSZ), (int)(k % SUBS), y);                                   \
+        UNIT(UNIT_PTR(U + off, k, SUBS, TSZ), (int)(k % SUBS), y);                                    \
         u += dot32(y, x + k * 32);                                                                    \
     }                                                                                                 \
     g = warp_sum(g);                                                                                  \
     u = warp_sum(u);                                                                                  \
     if (lane == 0) A[(long long)p * n_rows + r] = activate(g, act) * u;                               \
 }                                                                                                     \
-/* MoE down and the weighted sum over a token's k experts: Y[t, r] = sum_s w[t, s] *              */ \
-/* (Wd[ids[t, s], r] . A[t * k + s]); grid (rows / warps, T)                                       */ \
-extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int *ids, const float *w,  \
+/* MoE down and the weighted sum over a token's k experts: Y[t, r] = sum_s w[t, s] *               */ \
+/* (Wd[ids[t, s], r] . A[t * k + s]); grid (rows / warps, T); slot_map and Hd as in moe_glu        */ \
+extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int *ids, const float *w, \
                                              const float *A, float *Y, int k_used, long long n_rows,  \
                                              long long row_bytes, long long expert_bytes,             \
-                                             long long n_in) {                                        \
+                                             long long n_in, const int *slot_map,                     \
+                                             const unsigned char *Hd) {                               \
     long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
     int lane = threadIdx.x % 32;                                                                      \
     int t = blockIdx.y;                                                                               \
@@ -363,7 +374,13 @@ extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int 
     float acc = 0.f;                                                                                  \
     for (int s = 0; s < k_used; ++s) {                                                                \
         int p = t * k_used + s;                                                                       \
-        const unsigned char *row = Wd + (long long)ids[p] * expert_bytes + r * row_bytes;             \
+        int e = ids[p];                                                                               \
+        const unsigned char *D = Wd;                                                                  \
+        if (slot_map != nullptr) {                                                                    \
+            int sl = slot_map[e];                                                                     \
+            if (sl >= 0) { e = sl; } else { D = Hd; }                                                 \
+        }                                                                                             \
+        const unsigned char *row = D + (long long)e * expert_bytes + r * row_bytes;                   \
         const float *a = A + (long long)p * n_in;                                                     \
         float part = 0.f;                                                                             \
         for (long long k = lane; k < nu; k += 32) {                                                   \
@@ -376,7 +393,7 @@ extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int 
     acc = warp_sum(acc);                                                                              \
     if (lane == 0) Y[(long long)t * n_rows + r] = acc;                                                \
 }                                                                                                     \
-/* Dequantize the used experts of a stacked tensor: out float32 (n_used, n_rows, n_in) with      */ \
+/* Dequantize the used experts of a stacked tensor: out float32 (n_used, n_rows, n_in) with        */ \
 /* out[i] = W[eids[i]]; one thread per unit                                                        */ \
 extern "C" __global__ void deq_experts_##SUFFIX(const unsigned char *W, const int *eids, float *out,   \
                                                 long long n_used, long long n_rows,                   \
