@@ -229,12 +229,14 @@ def cache_stats_lines(eng) -> list[str]:
     """The expert caches' counters (``--moe-cache-stats``, and at exit)."""
     out = []
     for i, c in enumerate(eng.caches):
+        c.flush()  # the zero-copy path accounts a pass one pass late
         s = c.stats
         per = max(1, s.tokens)
         out.append(f"expert cache {i}: hit rate {100 * s.hit_rate:.1f}% ({s.hits} hits, {s.misses} misses) | "
                    f"{s.uploads / per:.2f} uploads, {s.uploaded_bytes / per / 2**20:.1f} MiB per token over {s.tokens} tokens | "
-                   + ("misses read zero-copy by the GPU " if c.direct else
-                      f"CPU misses {1e3 * c.cpu_s.sum() / per:.2f} ms/token, waited {1e3 * c.wait_s.sum() / per:.2f} ms/token ")
+                   + ("decode misses read zero-copy by the GPU " if c.direct else "")
+                   + (f"CPU misses {1e3 * c.cpu_s.sum() / per:.2f} ms/token, waited {1e3 * c.wait_s.sum() / per:.2f} ms/token "
+                      if not c.direct or c.cpu_s.any() else "")
                    + f"(upload budget {c.policy.uploads_per_token:.1f}/token)")
     return out
 

@@ -160,7 +160,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             eng.eval([int(rng.integers(0, vocab))])
         ns = time.perf_counter_ns() - t0
         for c in caches:
-            c.launched()  # account the last pass's routing (the zero-copy path accounts one pass late)
+            c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
         for k in ("hits", "misses", "uploads"):
             totals[k] += sum(getattr(c.stats, k) for c in caches)
         totals["tokens"] += max((c.stats.tokens for c in caches), default=0)  # every cache counts every token

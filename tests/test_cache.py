@@ -133,18 +133,29 @@ def _direct_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig()):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_zero_copy_path_equals_cpu_for_random_maps_and_routings(model_path, seed):
-    """The zero-copy path (hits from slots, misses from the host arrays, one call) gives the all-CPU
-    output for any device map; the twin's device map is a separate array the hooks keep current."""
+def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, seed):
+    """The zero-copy path (one call: hits from slots, misses from the host arrays). Each mapped slot
+    holds the bytes of the *next* expert of its layer and unmapped slots hold garbage, so the output
+    equals the all-CPU output with every hit's expert id shifted by one only if hits are read from
+    the slot the device map names and misses from host RAM; the twin's device map is a separate
+    array the hooks keep current."""
+    from moecache.moe.routing import Routing
+
     rng = np.random.default_rng(100 + seed)
     with open_gguf(model_path) as m:
         c = m.config
         ew = expert_weights(m, "silu")
-        n_slots = int(rng.integers(1, c.n_layer * c.n_expert))
+        n_slots = int(rng.integers(2, c.n_layer * c.n_expert - 1))
         cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)
         assert cache.direct and cache.direct_why is None
-        _fill(cache, ew, [(int(p) // c.n_expert, int(p) % c.n_expert)
-                          for p in rng.choice(c.n_layer * c.n_expert, n_slots, replace=False)])
+        pairs = [(int(p) // c.n_expert, int(p) % c.n_expert)
+                 for p in rng.choice(c.n_layer * c.n_expert, n_slots - 1, replace=False)]
+        _fill(cache, ew, [(il, (e + 1) % c.n_expert) for il, e in pairs])  # slot s: the next expert's bytes
+        cache.slot_of[:] = -1  # ... mapped as expert e
+        for s, (il, e) in enumerate(pairs):
+            cache.slot_of[il, e] = s
+        for arr in (cache.pool.gate, cache.pool.up, cache.pool.down):
+            arr[n_slots - 1] = 0xFF  # an unmapped slot: NaN scales if anything reads it
         cache._map_dirty = True
         ref_ex = CPUExperts(ew, NumpyBackend())
         t = int(rng.integers(1, 17))
@@ -155,7 +166,9 @@ def test_zero_copy_path_equals_cpu_for_random_maps_and_routings(model_path, seed
             h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
             r = topk_routing(rng.dirichlet(np.ones(c.n_expert), t).astype(np.float32), c.n_expert_used, True)
             routes[il] = r.ids
-            np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+            hit = cache.slot_of[il][r.ids] >= 0
+            shifted = Routing(np.where(hit, (r.ids + 1) % c.n_expert, r.ids).astype(np.int32), r.weights)
+            np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, shifted), rtol=1e-5, atol=1e-6)
         cache.launched()
         cache.end_pass()
         assert cache.stats.tokens == 0  # accounted while the next pass runs
@@ -181,9 +194,12 @@ def test_zero_copy_device_map_never_shows_a_slot_in_flight(model_path):
         def step(ids):
             cache.begin_pass(1)
             dev = cache._map_dev.copy()
-            for p, slot in enumerate(cache.pool.owner):  # every mapped slot holds its expert's bytes
-                if slot is not None and dev[slot[0], slot[1]] == p:
-                    np.testing.assert_array_equal(cache.pool.gate[p], ew[slot[0]].gate[slot[1]])
+            for il, e in zip(*np.nonzero(dev >= 0)):  # every mapped slot is owned by, and holds, its expert
+                s = dev[il, e]
+                assert cache.pool.owner[s] == (il, e)
+                for pool_arr, src in zip((cache.pool.gate, cache.pool.up, cache.pool.down),
+                                         (ew[il].gate, ew[il].up, ew[il].down)):
+                    np.testing.assert_array_equal(pool_arr[s], src[e])
             cache(0, h, Routing(np.array([ids[:k]], np.int32), np.full((1, k), 1.0 / k, np.float32)))
             cache.launched()
             cache.end_pass()
@@ -214,6 +230,19 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache)
         lm.pass_hooks = [cache]
+        # expected hits: each zero-copy pass's routing against the device map at its begin_pass
+        want = {"hits": 0, "map": None}
+        begin, direct = cache.begin_pass, cache._direct
+
+        def spy_begin(n):
+            begin(n)
+            want["map"] = cache._map_dev.copy()
+
+        def spy_direct(il, e, h, r, t):
+            want["hits"] += int((want["map"][il][r.ids] >= 0).sum())
+            return direct(il, e, h, r, t)
+
+        cache.begin_pass, cache._direct = spy_begin, spy_direct
         kv_ref, kv = ref_lm.new_kv_cache(160), lm.new_kv_cache(160)
         prompt = rng.integers(0, c.n_vocab, 40)
         np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
@@ -227,6 +256,9 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
             tok = int(rng.integers(0, c.n_vocab))
         s = cache.stats
         assert s.tokens == 40 + 54 + 6 * 3 - 1  # prompt + decode; the last pass is accounted at the next launch
+        cache.flush()
+        assert s.tokens == 40 + 54 + 6 * 3 and s.hits == want["hits"]
+        assert s.hits + s.misses == (54 + 6 * 3) * c.n_layer * c.n_expert_used
         assert s.hits > 0 and s.misses > 0 and s.uploads > n_slots
         cache.close()
 

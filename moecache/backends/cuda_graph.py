@@ -3,7 +3,8 @@
 A decode step launches a few hundred small kernels; issued one by one from Python each costs ~5 us
 of launch plus the Python around it, far more than the GPU's work (../shared/anchors.md measures
 ~1 us per node in a replayed graph). When the whole model sits on one GPU (dense weights, KV
-cache and every routed expert, so routing never leaves the device), :class:`DecodeGraph` captures
+cache, and routed experts either resident or behind a zero-copy expert cache, so routing never
+leaves the device), :class:`DecodeGraph` captures
 :meth:`DecoderLM.body` + the output head for one token once per KV cache, with the token id and
 the position in persistent device buffers that every kernel reads (RoPE tables, KV write and
 attention take positions from device memory), and replays it for every later step. Allocations
@@ -64,7 +65,7 @@ class _Routes:
         self.weights.set(self.host_w, stream=stream)
 
     def route(self, il: int, n_tokens: int) -> Any:
-        """What the captured layers see in place of the process (device slices)."""
+        """What the captured layers see in place of the process (device slices; ``n_tokens`` is 1)."""
         from moecache.moe.routing import Routing
 
         return Routing(self.ids[il], self.weights[il])
@@ -74,7 +75,8 @@ class DecodeGraph:
     """Replays decode steps of ``model`` (all on one CupyBackend) as a CUDA graph.
 
     Args:
-        model: a DecoderLM whose layers, output and experts are all on ``model.output_be``.
+        model: a DecoderLM whose layers, output and experts (resident, or a zero-copy cache) are all
+            on ``model.output_be``.
         log: where the one-line note of a failed capture goes.
     """
 
@@ -87,7 +89,8 @@ class DecodeGraph:
 
     def run(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> np.ndarray | None:
         """Logits float32 (1, n_vocab) of one token at ``pos`` (KV written), or None when the step must
-        run op by op (route observers attached, a routing process replacing the router, capture failed)."""
+        run op by op (route observers attached, capture failed). The model's pass hooks run around
+        the replay, on the graph's stream."""
         if self.failed is not None or model.route_observers:
             return None
         cap = self._cap
@@ -99,6 +102,8 @@ class DecodeGraph:
         cap.staged[0] = int(tokens[0])
         cap.staged[1] = int(pos[0])
         with cap.stream:
+            # order after everything queued on the default stream (eager passes: KV writes, map uploads)
+            cap.stream.wait_event(cp.cuda.Stream.null.record())
             for hk in model.pass_hooks:
                 hk.begin_pass(1)
             if cap.routes is not None:
@@ -134,6 +139,9 @@ class DecodeGraph:
         model.routing_override = routes  # the captured layers read the persistent buffers
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
+                stream.wait_event(cp.cuda.Stream.null.record())
+                # the map upload before the warm-up step; the step's routing log is not accounted
+                # (no end_pass): the replay that follows logs the same token again
                 for hk in model.pass_hooks:
                     hk.begin_pass(1)
                 step()  # warm-up on this stream: loads kernels, fills caches (writes this step's KV)
@@ -175,6 +183,8 @@ def eligible(model: Any) -> str | None:
         for e in ex.executors.values():
             if isinstance(e, CachedExperts) and not e.direct:
                 return f"the expert cache computes its misses on the CPU ({e.direct_why or 'not a GPU'})"
+            if isinstance(e, CachedExperts) and (e.cached_layers != set(e.layers) or not e.takes_direct(1)):
+                return "the expert cache has layers of another expert signature (computed on the CPU)"
             if not isinstance(e, (DeviceExperts, CachedExperts)):
                 return "routed experts in host RAM"
     return None

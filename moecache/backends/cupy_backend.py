@@ -25,6 +25,7 @@ import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.ops import ArrayOps
+from moecache.moe.cache import MAX_DIRECT_TOKENS
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.formats import FORMATS, format_for
@@ -34,7 +35,7 @@ OPS_SRC = Path(__file__).resolve().parent / "cuda" / "ops.cu"
 # format name -> kernel suffix in dequant.cu (deq_<s>, gemv_<s>, moe_glu_<s>, moe_down_<s>, deq_experts_<s>)
 SUFFIX = {name: name.lower() for name in FORMATS}
 THREADS = 256  # DEQ_THREADS of dequant.cu (the dequantize kernels rely on it)
-GEMV_MAX_TOKENS = 16  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
+GEMV_MAX_TOKENS = MAX_DIRECT_TOKENS  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
 WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
 ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
 ATT_MAX_HEAD_DIM = 256
@@ -371,6 +372,11 @@ class CupyBackend(ArrayOps):
             ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
             (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), NULL, NULL))
         return y
+
+    def fill(self, dst: cp.ndarray, value: int) -> None:
+        """``dst[...] = value`` on this GPU, queued on its current stream."""
+        with cp.cuda.Device(self.device):
+            dst.fill(value)
 
     def set_from_host(self, dst: cp.ndarray, src: np.ndarray) -> None:
         """Copy host ``src`` into device ``dst`` (same shape and dtype), queued on the current stream;

@@ -73,8 +73,11 @@ class NumpyBackend(ArrayOps):
 
     def start_slot_copy(self, dsts: tuple[np.ndarray, ...], slot: int, srcs: tuple[np.ndarray, ...]) -> "TwinCopy":
         """Copy ``srcs[i]`` into ``dsts[i][slot]`` (an expert into a cache slot). The CPU twin of the
-        GPU's asynchronous copy: it lands at the second ``done()`` poll, so callers must honour
-        "in flight" as they must on the GPU."""
+        GPU's asynchronous copy: the slot holds garbage (0xFF bytes: NaN scales) from the start and
+        the expert lands at the second ``done()`` poll, so a caller that reads a slot in flight, or
+        a victim's slot after its eviction, gets NaNs, as it could on the GPU."""
+        for d in dsts:
+            d[slot] = 0xFF
         return TwinCopy(dsts, slot, srcs)
 
     def zeros_u8(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -147,6 +150,10 @@ class NumpyBackend(ArrayOps):
         eids, offs, rows, wts = routing.groups()
         return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
                            act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
+
+    def fill(self, dst: np.ndarray, value: int) -> None:
+        """``dst[...] = value`` (the twin of :meth:`CupyBackend.fill`)."""
+        dst.fill(value)
 
     def set_from_host(self, dst: np.ndarray, src: np.ndarray) -> None:
         """``dst[...] = src`` (the twin of :meth:`CupyBackend.set_from_host`)."""

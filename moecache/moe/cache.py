@@ -6,7 +6,7 @@ signature (shapes and types) most layers share; layers of another signature run 
 ``slot_of[layer][expert]`` says which slot holds an expert (-1: none); an expert becomes visible in
 the map only after its upload completed, and leaves it before its slot is overwritten.
 
-Decode ubatches (up to 16 tokens) take one of two miss paths:
+Decode ubatches take one of two miss paths:
 
 **Zero-copy** (``direct``: the host experts are page-locked, ``--load-mode pin``). The map also lives
 on the device; one ``moe_ffn_cached`` launch pair computes every routed pair, reading a hit from
@@ -19,7 +19,7 @@ map that pass used, feeds the policy and starts the uploads. Map changes reach t
 start of a pass, on the compute stream: a victim leaves the device map before any later pass, and
 its slot's copy waits for the pass that could still read it.
 
-**Hybrid** (pageable host experts, or 17-31 tokens). Per MoE layer:
+**Hybrid** (pageable host experts, or ubatches of 17-31 tokens). Per MoE layer:
 
 1. the routing comes to the host (the layer's one sync point) and the routed pairs split into hits
    (expert in a visible slot) and misses;
@@ -102,17 +102,18 @@ class CachedExperts:
         offload_min_batch: prompt ubatches of this many tokens go the op-offload way.
         direct: the zero-copy miss path; None: when the backend is a GPU that can read the host
             experts in place (``zero_copy_ok``). ``direct_why`` says why not, when not.
-        top_k: experts per token (the routing log's width), the model's ``expert_used_count``.
+        top_k: experts per token (the routing log's width), the model's ``expert_used_count``;
+            required for the zero-copy path (ValueError without it).
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any, n_slots: int, policy: CachePolicy,
-                 offload_min_batch: int | None = 32, direct: bool | None = None, top_k: int = 8):
+                 offload_min_batch: int | None = 32, direct: bool | None = None, top_k: int | None = None):
         self.layers = layers
         self.be = backend
         self.policy = policy
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
-        self.stats = CacheStats()  # decode ubatches
+        self.stats = CacheStats()  # tokens of every pass; hits and misses of decode ubatches
         self.prompt_slot_reads = 0  # experts prompt ubatches read from slots instead of copying
         # one pool, for the expert signature (shapes, types) most layers share; layers with another
         # signature (rare mixed-type models) run uncached
@@ -142,6 +143,8 @@ class CachedExperts:
         self.direct_why = self._direct_why(backend, main)
         self.direct = (self.direct_why is None and backend.device is not None) if direct is None \
             else bool(direct and self.direct_why is None)
+        if self.direct and top_k is None:
+            raise ValueError("CachedExperts: the zero-copy path needs top_k (the model's expert_used_count)")
         self._map_dev = backend.asarray(self.slot_of.copy()) if self.direct else None
         self._map_live = self.slot_of.copy()  # what the device map holds now
         self._map_dirty = False
@@ -196,22 +199,31 @@ class CachedExperts:
     # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
     def begin_pass(self, n_tokens: int) -> None:
         """Before a forward pass is queued: publish completed uploads and bring the device map up to
-        date (on the current stream, so the pass reads it)."""
+        date (on the current stream, so the pass reads it). A pass that will not take the zero-copy
+        path accounts the earlier passes first (it feeds the policy itself, in order)."""
         if not self.direct:
             return
+        self._expect = n_tokens if self.takes_direct(n_tokens) else 0
+        if not self._expect:
+            self.flush()
         self.poll()
         if self._map_dirty:
             self.be.set_from_host(self._map_dev, self.slot_of)
             self._map_live = self.slot_of.copy()
             self._map_dirty = False
-        self._expect = n_tokens if self._takes_direct(n_tokens) else 0
         if self._expect:
-            self._ids_log.fill(-1)  # rows of layers this pass does not route stay -1 (skipped)
-        self._pass_start = time.perf_counter()
+            self.be.fill(self._ids_log, -1)  # rows of layers this pass does not route stay -1 (skipped)
+            self._pass_start = time.perf_counter()
 
     def launched(self) -> None:
-        """While a pass runs on the device: account the routing of finished passes (hits and misses
-        against the map each pass used), feed the policy, start the admitted uploads."""
+        """While a pass runs on the device: account the finished passes (:meth:`flush`), which feeds
+        the policy and starts the admitted uploads while the device is busy."""
+        self.flush()
+
+    def flush(self) -> None:
+        """Account the routing of finished zero-copy passes: hits and misses against the map each pass
+        used, the policy's observe/decide, the admitted uploads. Counters read after a run call this
+        first (the last pass is otherwise accounted at the next launch)."""
         pending, self._pending_routes = self._pending_routes, []
         for ids, live, t in pending:
             self.policy.new_tokens(t)
@@ -229,7 +241,8 @@ class CachedExperts:
 
     def end_pass(self) -> None:
         """After a pass's output reached the host: bring its routing log to the host (processed by the
-        next :meth:`launched`) and time the pass for the adaptive upload budget."""
+        next :meth:`launched`) and time the pass for the adaptive upload budget (the whole pass here;
+        the hybrid path times its MoE stretch, first to last cached layer)."""
         t = self._expect
         if not self.direct or not t:
             return
@@ -245,7 +258,7 @@ class CachedExperts:
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
         t = routing.ids.shape[0]
-        if il in self.cached_layers and self._takes_direct(t):
+        if il in self.cached_layers and self.takes_direct(t):
             return self._direct(il, e, h, routing, t)
         r = routing.host()
         if il == self._first:
@@ -305,14 +318,14 @@ class CachedExperts:
         self._ids_log[il, :t] = self.be.asarray(routing.ids)
         return out
 
-    def _takes_direct(self, t: int) -> bool:
+    def takes_direct(self, t: int) -> bool:
         """Whether a ubatch of ``t`` tokens runs on the zero-copy path."""
         return self.direct and t <= MAX_DIRECT_TOKENS and (self.offload_min_batch is None or t < self.offload_min_batch)
 
     def reset_stats(self) -> None:
         """Zero the counters and the per-layer CPU / wait times (after a warm-up); routings of
         finished passes not yet accounted are accounted first (they belong to the warm-up)."""
-        self.launched()
+        self.flush()
         self.stats.reset()
         self.cpu_s[:] = 0.0
         self.wait_s[:] = 0.0

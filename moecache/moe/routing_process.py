@@ -73,6 +73,7 @@ class RoutingProcess:
         lam = self.p.lam
         v = self.rng.standard_normal((self.n_layer, self.n_expert))
         self.w = math.sqrt(1 - lam) * self.topic + math.sqrt(lam) * v
+        self._batch = {}  # choices drawn with the old hot set are not handed out
 
     def route(self, layer: int, n_tokens: int) -> Routing:
         """The next ``n_tokens`` tokens' choices at ``layer``: ids int32 (T, k) best first, weights
