@@ -228,16 +228,18 @@ class CachedExperts:
         for ids, live, t in pending:
             self.policy.new_tokens(t)
             self.stats.tokens += t
-            for il in sorted(self.cached_layers):
-                lid = ids[il, :t]
-                if lid.size and lid[0, 0] < 0:
-                    continue  # not routed in that pass
-                hit = live[il][lid] >= 0
-                n_hit = int(hit.sum())
-                self.stats.hits += n_hit
-                self.stats.misses += hit.size - n_hit
-                self.policy.observe(il, lid)
-                self._apply(self.policy.decide(il, lid[~hit]))
+            layers = np.array([il for il in sorted(self.cached_layers) if ids[il, 0, 0] >= 0], np.int64)  # routed
+            if not layers.size:
+                continue
+            lids = ids[layers, :t]
+            hit = np.take_along_axis(live[layers], lids.reshape(layers.size, -1), axis=1).reshape(lids.shape) >= 0
+            n_hit = int(hit.sum())
+            self.stats.hits += n_hit
+            self.stats.misses += hit.size - n_hit
+            self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
+            for i, il in enumerate(layers.tolist()):
+                if not hit[i].all():
+                    self._apply(self.policy.decide(il, lids[i][~hit[i]]))
 
     def end_pass(self) -> None:
         """After a pass's output reached the host: bring its routing log to the host (processed by the

@@ -98,6 +98,7 @@ class CachePolicy:
         self.credit = float(config.burst)
         self.uploads = 0
         self.uploads_per_token = config.uploads_per_token
+        self._vc: tuple[int, int] | None | bool = False  # the victim, cached until usage or residency changes
 
     def new_tokens(self, n_tokens: int) -> None:
         """Start a forward pass of ``n_tokens`` tokens: refill the upload credit."""
@@ -119,6 +120,19 @@ class CachePolicy:
         u *= self.beta ** t
         u += (1.0 - self.beta) * np.minimum(used, t)  # a token uses an expert at most once
         self.clock[layer] += t
+        self._vc = False
+
+    def observe_all(self, layers: np.ndarray, ids: np.ndarray) -> None:
+        """:meth:`observe` for several layers at once: ``ids`` int (len(layers), T, k), layer order."""
+        layers = np.asarray(layers, np.int64)
+        n_l, t = ids.shape[0], ids.shape[1]
+        n_e = self.usage.shape[1]
+        used = np.zeros((n_l, n_e))
+        np.add.at(used, (np.repeat(np.arange(n_l), ids[0].size), ids.reshape(-1)), 1.0)
+        u = self.usage[layers] * self.beta ** t + (1.0 - self.beta) * np.minimum(used, t)
+        self.usage[layers] = u
+        self.clock[layers] += t
+        self._vc = False
 
     def decide(self, layer: int, missed: np.ndarray) -> list[Admission]:
         """Admissions for the experts of ``layer`` that missed (after :meth:`observe`), most used
@@ -141,6 +155,8 @@ class CachePolicy:
                     break  # later candidates are used less
                 victim = None
             else:
+                if ue * gain <= cfg.t_upload:
+                    break  # cannot pay back even over an unused victim
                 victim = self._victim()
                 if victim is None:
                     break
@@ -149,6 +165,7 @@ class CachePolicy:
                     break
                 self.resident[victim] = False
                 self.n_resident -= 1
+                self._vc = False
             self.resident[layer, e] = True
             self.admitted_at[layer, e] = self.clock[layer]
             self.n_resident += 1
@@ -158,19 +175,25 @@ class CachePolicy:
         return out
 
     def _victim(self) -> tuple[int, int] | None:
-        """The least-used resident past its minimum residency, as (layer, expert)."""
+        """The least-used resident past its minimum residency, as (layer, expert); cached until the
+        usage or the residents change (an admission into a free slot is too young to be one)."""
+        if self._vc is not False:
+            return self._vc
         age = self.clock[:, None] - self.admitted_at
         ok = self.resident & (age >= self.cfg.min_residency)
         if not ok.any():
+            self._vc = None
             return None
         masked = np.where(ok, self.usage, np.inf)
         flat = int(np.argmin(masked))
-        return divmod(flat, self.usage.shape[1])
+        self._vc = divmod(flat, self.usage.shape[1])
+        return self._vc
 
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
         usage), most used first; the usage becomes the starting statistics."""
         self.usage[...] = usage
+        self._vc = False
         order = np.argsort(-usage, axis=None, kind="stable")
         out = []
         for flat in order:

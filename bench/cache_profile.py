@@ -1,0 +1,145 @@
+"""Where a cache-on decode token's time goes: GPU replay time against the host's share, per token.
+
+Loads the model twice in one process: with the expert cache at ``--vram-budget`` (zero-copy misses,
+CUDA-graph decode) and entirely in VRAM (no budget: the same graph without misses). Both use the
+same routing process. After ``--warmup`` generated tokens, each decodes ``-n`` tokens while this
+script times, per token:
+
+- wall: the whole ``Engine.eval`` of one token;
+- gpu: the graph replay on its stream (CUDA events around the launch);
+- draw: the routing process's draw before the launch (benchmarks only);
+- begin / flush / end: the expert cache's pass hooks (map upload, policy accounting while the graph
+  runs, routing log read-back);
+
+then the cache-on engine decodes ``-n`` more tokens with uploads frozen (no admissions), which
+separates the uploads' share of the link from the misses'. Prints a markdown table.
+
+    python bench/cache_profile.py -m /tmp/q30.gguf --vram-budget 8GiB --routing qwen3-moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+class _TimedGraph:
+    """Stands in for a captured CUDA graph: records events around each launch."""
+
+    def __init__(self, graph: Any, sink: list[float]):
+        self.graph, self.sink, self._ev = graph, sink, None
+
+    def launch(self, stream: Any) -> None:
+        import cupy as cp
+
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        self.graph.launch(stream)
+        b.record(stream)
+        self._ev = (a, b)
+
+    def collect(self) -> None:
+        import cupy as cp
+
+        if self._ev is not None:
+            a, b = self._ev
+            b.synchronize()
+            self.sink.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+            self._ev = None
+
+
+def _timed(obj: Any, name: str, sink: list[float]) -> None:
+    f: Callable = getattr(obj, name)
+
+    def g(*a, **k):
+        t0 = time.perf_counter()
+        r = f(*a, **k)
+        sink.append(time.perf_counter() - t0)
+        return r
+
+    setattr(obj, name, g)
+
+
+def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str, float]:
+    """Median milliseconds per decoded token of each part (see the module docstring)."""
+    vocab = eng.gguf.config.n_vocab
+    eng.reset()
+    eng.eval(rng.integers(0, vocab, 8))
+    for _ in range(max(1, warmup)):  # at least one: the graph is captured at the first decode step
+        eng.eval([int(rng.integers(0, vocab))])
+    g = eng.model.decode_graph
+    if g is None or g._cap is None:
+        raise SystemExit(f"decode does not run as a CUDA graph ({'no graph' if g is None else g.failed})")
+    parts: dict[str, list[float]] = {k: [] for k in ("wall", "gpu", "draw", "begin", "flush", "end")}
+    timed = _TimedGraph(g._cap.graph, parts["gpu"])
+    g._cap.graph = timed
+    if g._cap.routes is not None:
+        _timed(g._cap.routes, "draw", parts["draw"])
+    for c in eng.caches:
+        _timed(c, "begin_pass", parts["begin"])
+        _timed(c, "flush", parts["flush"])
+        _timed(c, "end_pass", parts["end"])
+    for _ in range(n):
+        t0 = time.perf_counter()
+        eng.eval([int(rng.integers(0, vocab))])
+        parts["wall"].append(time.perf_counter() - t0)
+        timed.collect()
+    g._cap.graph = timed.graph
+    return {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in parts.items()}
+
+
+def main() -> None:
+    from cli.main import parse_size
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe.policy import PolicyConfig
+    from moecache.moe.routing_process import make_routing
+    from moecache.placement import PlacementOptions
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("--vram-budget", default="8GiB")
+    ap.add_argument("--routing", default="qwen3-moe")
+    ap.add_argument("-c", type=int, default=4096)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=256)
+    ap.add_argument("-t", type=int, default=15)
+    a = ap.parse_args()
+    budget = parse_size(a.vram_budget, "--vram-budget")
+    rows = []
+    for label, opts, mode in (("cache on, " + a.vram_budget, PlacementOptions(vram_budget=budget), "pin"),
+                              ("all in VRAM", PlacementOptions(), "mmap")):
+        with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t), placement=opts, load_mode=mode,
+                    policy_config=PolicyConfig(adaptive=True)) as eng:
+            c = eng.gguf.config
+            eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
+            rng = np.random.default_rng(0)
+            res = profile(eng, a.n, a.warmup, rng)
+            hits = [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]
+            rows.append((label, res, hits))
+            if eng.caches:  # uploads frozen: the misses' own cost
+                for cc in eng.caches:
+                    cc.flush()
+                    cc.policy.uploads_per_token = 0.0
+                    cc.policy.credit = 0.0
+                    cc.policy.cfg = PolicyConfig(**{**cc.policy.cfg.__dict__, "adaptive": False, "burst": 0.0})
+                    cc.reset_stats()
+                res = profile(eng, a.n, 0, rng)
+                rows.append((label + ", uploads frozen", res,
+                             [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
+    print(f"# Decode time per token: {a.model.name}, --routing {a.routing}, -c {a.c}\n")
+    print("| engine | t/s | wall ms | GPU replay ms | draw ms | begin ms | flush ms | end ms | hit rate | uploads/token |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, r, hits in rows:
+        hr = ", ".join(f"{100 * h:.1f}%" for h, _ in hits) or "-"
+        up = ", ".join(f"{u:.2f}" for _, u in hits) or "-"
+        print(f"| {label} | {1e3 / r['wall']:.1f} | {r['wall']:.2f} | {r['gpu']:.2f} | {r['draw']:.2f} | "
+              f"{r['begin']:.2f} | {r['flush']:.2f} | {r['end']:.2f} | {hr} | {up} |")
+
+
+if __name__ == "__main__":
+    main()
