@@ -125,8 +125,9 @@ def resolve_settings(model: Path, flags, verbose: bool):
 
     with open_gguf(model) as g:
         experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
-        facts = ModelFacts(g.n_bytes, experts, g.config.context_length)
-        expert_each = model_sizes(g, 1).expert_each
+        sizes1 = model_sizes(g, 1)
+        facts = ModelFacts(g.n_bytes, experts, g.config.context_length, sizes1.kv * sizes1.n_layer)
+        expert_each = sizes1.expert_each
     probe = startup_probe(with_gpus=flags.n_gpu_layers != 0)
     res = resolve_defaults(facts, probe, flags)
     rows = [("-ub", str(res.n_ubatch), "n_ubatch"), ("-c", str(res.n_ctx or "trained"), "n_ctx"),

@@ -16,7 +16,9 @@ user did not set, each with its reason. The rules (for MoE models larger than th
 GPUs; everything else keeps llama.cpp's defaults):
 
 - ``-ub`` 2048 / 1024 / 512 when the largest GPU has >= 20 GiB / >= 10 GiB / less free VRAM;
-- ``-c`` 32768 (at most the trained context);
+- ``-c`` 32768 (at most the trained context), halved (not below 4096) while its KV cache would take
+  more than a quarter of the VRAM left after the dense weights and the reserve: the rest is the
+  expert cache's;
 - ``-t`` physical cores minus one per GPU (a core feeds each GPU);
 - routed experts in host RAM, the VRAM left after dense weights and KV cache as the expert budget;
 - prompt processing on the GPU with the fastest measured host link;
@@ -322,6 +324,7 @@ class ModelFacts:
     n_bytes: int
     expert_bytes: int
     context_length: int
+    kv_bytes_per_token: int = 0  # the KV cache of one position, all layers (float32 K and V)
 
     @property
     def is_moe(self) -> bool:
@@ -399,6 +402,16 @@ def resolve_defaults(model: ModelFacts, probe: Probe, flags: UserFlags) -> Resol
         ctx = min(32768, model.context_length) if model.context_length else 32768
         reasons["n_ctx"] = "32768 for MoE models larger than VRAM" + (
             f" (capped at the trained {model.context_length})" if ctx < 32768 else "")
+        from moecache.placement import RESERVE_BYTES
+
+        left = free_total - (model.n_bytes - model.expert_bytes) - RESERVE_BYTES * len(gpus)
+        first = ctx
+        while ctx > 4096 and ctx * model.kv_bytes_per_token > left / 4:
+            ctx //= 2
+        if ctx < first:
+            reasons["n_ctx"] += (f", halved to {ctx}: a KV cache of {first * model.kv_bytes_per_token / GiB:.1f} GiB "
+                                 f"would take more than a quarter of the {max(0, left) / GiB:.1f} GiB of VRAM left "
+                                 f"after the dense weights (the expert cache gets the rest)")
     else:
         ctx, reasons["n_ctx"] = 0, "the model's trained context"
     # -t

@@ -150,3 +150,17 @@ def test_run_prints_the_resolved_settings(tmp_path):
         assert f"resolved: {name}" in r.output
     r = CliRunner().invoke(app, ["run", "-m", str(path), "-p", "hi", "-n", "1", "--load-mode", "fast"])
     assert r.exit_code == 1 and "--load-mode must be mmap, pin or auto" in r.output
+
+
+@pytest.mark.parametrize("model_gib,vram_gib,want", [(16.3, 8, 8192), (16.3, 14, 16384), (60, 48, 32768)])
+def test_default_context_leaves_the_expert_cache_most_of_the_vram(model_gib, vram_gib, want):
+    """Qwen3-30B-A3B-shaped KV (192 KiB of float32 K and V per position), 1 GiB of dense weights: -c
+    32768 would put 6 GiB of KV cache on an 8 GiB card; the default halves it until the KV cache takes
+    at most a quarter of the VRAM left after the dense weights and the 1 GiB reserve."""
+    model = ModelFacts(int(model_gib * GiB), int((model_gib - 1) * GiB), 40960, 48 * 4 * 256 * 4)
+    r = resolve_defaults(model, Probe(HOST, (gpu(0, vram_gib),)), UserFlags())
+    assert r.big_moe and r.n_ctx == want
+    assert ("halved to" in r.reasons["n_ctx"]) == (want < 32768)
+    assert want * model.kv_bytes_per_token <= (vram_gib * GiB - GiB - GiB) / 4
+    given = resolve_defaults(model, Probe(HOST, (gpu(0, 8),)), UserFlags(n_ctx=32768))
+    assert given.n_ctx == 32768 and given.reasons["n_ctx"] == "-c given"
