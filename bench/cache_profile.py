@@ -11,8 +11,10 @@ script times, per token:
 - begin / flush / end: the expert cache's pass hooks (map upload, policy accounting while the graph
   runs, routing log read-back);
 
-then the cache-on engine decodes ``-n`` more tokens with uploads frozen (no admissions), which
-separates the uploads' share of the link from the misses'. Prints a markdown table.
+then each cache-on engine decodes ``-n`` more tokens with uploads frozen (no admissions), which
+separates the uploads' share of the link from the misses'. The cache runs twice: misses read by
+the MoE kernels straight from host RAM, and staged into VRAM by a copy kernel first
+(``stage_misses``). Prints a markdown table.
 
     python bench/cache_profile.py -m /tmp/q30.gguf --vram-budget 8GiB --routing qwen3-moe
 """
@@ -111,10 +113,11 @@ def main() -> None:
     a = ap.parse_args()
     budget = parse_size(a.vram_budget, "--vram-budget")
     rows = []
-    for label, opts, mode in (("cache on, " + a.vram_budget, PlacementOptions(vram_budget=budget), "pin"),
-                              ("all in VRAM", PlacementOptions(), "mmap")):
+    for label, opts, mode, stage in (("cache on, " + a.vram_budget, PlacementOptions(vram_budget=budget), "pin", False),
+                                     ("cache on, staged misses", PlacementOptions(vram_budget=budget), "pin", True),
+                                     ("all in VRAM", PlacementOptions(), "mmap", False)):
         with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t), placement=opts, load_mode=mode,
-                    policy_config=PolicyConfig(adaptive=True)) as eng:
+                    policy_config=PolicyConfig(adaptive=True), stage_misses=stage) as eng:
             c = eng.gguf.config
             eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
             rng = np.random.default_rng(0)

@@ -145,6 +145,8 @@ class Engine:
             at load, :func:`moecache.load_mode.pin_model`; ``pin_progress`` sees the copy).
         policy_config: the expert cache's policy knobs (default :class:`PolicyConfig`; the CLI
             sets the costs from the expert size and the measured link).
+        stage_misses: the expert caches stage decode misses in VRAM with a copy kernel before the
+            MoE kernels read them (``CachedExperts``'s option; off by default, to be measured).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -154,7 +156,7 @@ class Engine:
     def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
-                 policy_config: PolicyConfig | None = None):
+                 policy_config: PolicyConfig | None = None, stage_misses: bool = False):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -169,6 +171,7 @@ class Engine:
         self.pinned = None
         self.caches: list[CachedExperts] = []
         self.policy_config = policy_config or PolicyConfig()
+        self.stage_misses = stage_misses
         try:
             if load_mode not in ("mmap", "pin"):
                 raise ValueError(f"load_mode must be mmap or pin, got {load_mode!r}")
@@ -217,7 +220,7 @@ class Engine:
         for g, slots in pl.cache_slots:
             layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
-                                  pl.offload_min_batch, top_k=c.n_expert_used)
+                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses)
             if cache.direct:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

@@ -127,18 +127,19 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
         cache.close()
 
 
-def _direct_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig()):
+def _direct_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig(), stage=False):
     return CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(n_layer, n_expert, n_slots, cfg), 32,
-                         direct=True, top_k=4)
+                         direct=True, top_k=4, stage_misses=stage)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, seed):
+@pytest.mark.parametrize("seed,stage", [(s, False) for s in range(4)] + [(s, True) for s in range(3)])
+def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, seed, stage):
     """The zero-copy path (one call: hits from slots, misses from the host arrays). Each mapped slot
     holds the bytes of the *next* expert of its layer and unmapped slots hold garbage, so the output
     equals the all-CPU output with every hit's expert id shifted by one only if hits are read from
     the slot the device map names and misses from host RAM; the twin's device map is a separate
-    array the hooks keep current."""
+    array the hooks keep current. ``stage``: misses go through the VRAM scratch (ubatches of 1-2
+    tokens; the scratch starts as garbage, so a pair read from the wrong scratch row shows)."""
     from moecache.moe.routing import Routing
 
     rng = np.random.default_rng(100 + seed)
@@ -146,8 +147,11 @@ def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, s
         c = m.config
         ew = expert_weights(m, "silu")
         n_slots = int(rng.integers(2, c.n_layer * c.n_expert - 1))
-        cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)
-        assert cache.direct and cache.direct_why is None
+        cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER, stage)
+        assert cache.direct and cache.direct_why is None and (cache.scratch is not None) == stage
+        if stage:
+            for arr in cache.scratch:
+                arr[...] = rng.integers(0, 256, arr.shape, dtype=np.uint8)  # garbage, finite or not
         pairs = [(int(p) // c.n_expert, int(p) % c.n_expert)
                  for p in rng.choice(c.n_layer * c.n_expert, n_slots - 1, replace=False)]
         _fill(cache, ew, [(il, (e + 1) % c.n_expert) for il, e in pairs])  # slot s: the next expert's bytes
@@ -158,7 +162,7 @@ def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, s
             arr[n_slots - 1] = 0xFF  # an unmapped slot: NaN scales if anything reads it
         cache._map_dirty = True
         ref_ex = CPUExperts(ew, NumpyBackend())
-        t = int(rng.integers(1, 17))
+        t = int(rng.integers(1, 3 if stage else 17))
         cache.begin_pass(t)
         np.testing.assert_array_equal(cache._map_dev, cache.slot_of)
         routes = {}

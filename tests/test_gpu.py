@@ -311,11 +311,14 @@ def _third_of_experts_budget(path, n_ctx):
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 
-@pytest.mark.parametrize("load_mode", ["mmap", "pin"])
+@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged"])
 def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
-    mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph."""
+    mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
+    pin-staged: misses copied into a VRAM scratch by stage_misses first."""
+    stage = load_mode == "pin-staged"
+    load_mode = load_mode.removesuffix("-staged")
     from moecache.engine import Engine, EngineConfig
     from moecache.moe.policy import PolicyConfig
     from moecache.placement import PlacementOptions
@@ -328,8 +331,9 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     rng = np.random.default_rng(5)
     with Engine(path, EngineConfig(n_ctx=128)) as ref, \
             Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=budget), load_mode=load_mode,
-                   policy_config=PolicyConfig(**CHURN)) as eng:
+                   policy_config=PolicyConfig(**CHURN), stage_misses=stage) as eng:
         cache = eng.caches[0]
+        assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
         assert cache.direct == (load_mode == "pin")
         assert (eng.model.decode_graph is not None) == (load_mode == "pin")
@@ -372,3 +376,45 @@ def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
     finally:
         for eng in engines:
             eng.close()
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_staged_misses_give_the_same_output_as_direct_reads(gpu, t):
+    """moe_ffn_cached with the stage_misses copy kernel against direct zero-copy reads and the CPU:
+    Qwen3-30B-shaped Q4_K experts (2048 x 768) in page-locked memory, a random slot map."""
+    import cupy as cp
+    import cupyx
+
+    from moecache.backends.cupy_backend import CupyBackend
+    from moecache.moe.routing import Routing
+    from moecache.quants import cpu
+    from moecache.quants.formats import FORMATS
+    from moecache.quants.random_blocks import random_rows
+
+    rng = np.random.default_rng(40 + t)
+    fmt, n_exp, ff, d, k = FORMATS["Q4_K"], 12, 768, 2048, 4
+    host = []
+    for rows, n_in in ((ff, d), (ff, d), (d, ff)):
+        w = np.stack([random_rows(fmt, rows, n_in, rng, std=0.05) for _ in range(n_exp)])
+        pinned = cupyx.empty_pinned(w.shape, np.uint8)
+        pinned[...] = w
+        host.append(pinned)
+    be = CupyBackend(0)
+    slot_map = np.full(n_exp, -1, np.int32)
+    resident = rng.choice(n_exp, 5, replace=False)
+    slot_map[resident] = np.arange(5)
+    pool = tuple(cp.asarray(np.concatenate([a[resident], np.full((2, *a.shape[1:]), 0xFF, np.uint8)])) for a in host)
+    scratch = tuple(cp.full((2 * k, *a.shape[1:]), 0xFF, cp.uint8) for a in host)
+    others = np.setdiff1d(np.arange(n_exp), resident)
+    ids = np.stack([rng.permutation(np.concatenate([rng.choice(resident, 2, replace=False),
+                                                    rng.choice(others, 2, replace=False)])) for _ in range(t)]).astype(np.int32)
+    wts = rng.dirichlet(np.ones(k), t).astype(np.float32)
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    r = Routing(cp.asarray(ids), cp.asarray(wts))
+    smap = cp.asarray(slot_map)
+    direct = be.moe_ffn_cached(pool, (fmt.ggml_type,) * 3, r, cp.asarray(h), "silu", smap, tuple(host)).get()
+    staged = be.moe_ffn_cached(pool, (fmt.ggml_type,) * 3, r, cp.asarray(h), "silu", smap, tuple(host), scratch).get()
+    np.testing.assert_array_equal(staged, direct)  # the same bytes through the same arithmetic
+    eids, offs, rows, w = Routing(ids, wts).groups()
+    ref = cpu.moe_ffn(*host, (fmt.ggml_type,) * 3, eids, offs, rows, w, h)
+    np.testing.assert_allclose(staged, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())

@@ -365,12 +365,12 @@ class CupyBackend(ArrayOps):
         self._fn("moe_glu_" + fg)(
             ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
             (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
-             np.int32(act != "silu"), NULL, NULL, NULL))
+             np.int32(act != "silu"), NULL, NULL, NULL, NULL, NULL))
         y = cp.empty((t, n_embd), cp.float32)
         rbd = down.shape[2]
         self._fn("moe_down_" + fd)(
             ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
-            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), NULL, NULL))
+            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), NULL, NULL, NULL))
         return y
 
     def fill(self, dst: cp.ndarray, value: int) -> None:
@@ -392,7 +392,8 @@ class CupyBackend(ArrayOps):
 
     def moe_ffn_cached(self, pool: tuple[cp.ndarray, cp.ndarray, cp.ndarray], types: tuple[int, int, int],
                        routing: Routing, h: cp.ndarray, act: str, slot_map: cp.ndarray,
-                       host: tuple[np.ndarray, np.ndarray, np.ndarray]) -> cp.ndarray:
+                       host: tuple[np.ndarray, np.ndarray, np.ndarray],
+                       scratch: tuple[cp.ndarray, cp.ndarray, cp.ndarray] | None = None) -> cp.ndarray:
         """Routed experts of a decode ubatch from an expert cache, in two launches and no host sync
         (so a CUDA graph can capture it): expert e of the layer is read from slot ``slot_map[e]`` of
         the pool when that is >= 0, else straight from its page-locked host copy over PCIe
@@ -406,9 +407,14 @@ class CupyBackend(ArrayOps):
             slot_map: int32 (n_expert,) on this GPU: the slot of each expert of this layer, or -1.
             host: the layer's (gate, up, down) stacked experts, uint8 (n_expert, rows, row_bytes),
                 page-locked (see :meth:`zero_copy_ok`).
+            scratch: optional (gate, up, down) arrays of at least T * k experts on this GPU: the
+                misses are first copied there by ``stage_misses`` (whole 16-byte words over PCIe,
+                not the kernels' scattered reads), then read from VRAM. Every matrix's bytes must
+                be a multiple of 16.
 
         Returns:
-            float32 (T, n_embd). Raises ValueError for T > 16 or gate/up of different types.
+            float32 (T, n_embd). Raises ValueError for T > 16, gate/up of different types, or a
+            scratch too small.
         """
         gate, up, down = pool
         h = cp.ascontiguousarray(h, dtype=cp.float32)
@@ -421,16 +427,27 @@ class CupyBackend(ArrayOps):
         _, ff, rb = gate.shape
         fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
         hg, hu, hd = (np.uint64(a.ctypes.data) for a in host)
+        rbd = down.shape[2]
+        sg = su = sd = NULL
+        if scratch is not None:
+            sg, su, sd = scratch
+            if sg.shape[0] < t * k or (ff * rb) % 16 or (n_embd * rbd) % 16:
+                raise ValueError(f"moe_ffn_cached: a scratch of {sg.shape[0]} experts cannot stage {t * k} pairs "
+                                 f"of {ff * rb}/{n_embd * rbd}-byte matrices")
+            n_gu, n_d = ff * rb // 16, n_embd * rbd // 16
+            chunk = 4096  # uint4 per block: 64 KiB
+            self._fn("stage_misses")(
+                ((max(n_gu, n_d) + chunk - 1) // chunk, t * k, 3), (256,),
+                (ids, slot_map, hg, hu, hd, sg, su, sd, _i64(n_gu), _i64(n_d), _i64(chunk)))
         a = cp.empty((t * k, ff), cp.float32)
         self._fn("moe_glu_" + fg)(
             ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
             (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
-             np.int32(act != "silu"), slot_map, hg, hu))
+             np.int32(act != "silu"), slot_map, hg, hu, sg, su))
         y = cp.empty((t, n_embd), cp.float32)
-        rbd = down.shape[2]
         self._fn("moe_down_" + fd)(
             ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
-            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), slot_map, hd))
+            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), slot_map, hd, sd))
         return y
 
     def _deq_experts(self, w: cp.ndarray, ggml_type: int, eids: cp.ndarray, n_in: int, out: cp.ndarray) -> cp.ndarray:

@@ -104,10 +104,15 @@ class CachedExperts:
             experts in place (``zero_copy_ok``). ``direct_why`` says why not, when not.
         top_k: experts per token (the routing log's width), the model's ``expert_used_count``;
             required for the zero-copy path (ValueError without it).
+        stage_misses: on the zero-copy path, copy a decode ubatch's missed experts into a VRAM
+            scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
+            the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
+            of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any, n_slots: int, policy: CachePolicy,
-                 offload_min_batch: int | None = 32, direct: bool | None = None, top_k: int | None = None):
+                 offload_min_batch: int | None = 32, direct: bool | None = None, top_k: int | None = None,
+                 stage_misses: bool = False):
         self.layers = layers
         self.be = backend
         self.policy = policy
@@ -152,6 +157,11 @@ class CachedExperts:
             if self.direct else None
         self._expect = 0  # tokens of this pass whose routing the device logs (0: not a zero-copy pass)
         self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
+        self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
+        if stage_misses and self.direct:
+            g, u, d, _ = main
+            if all(int(np.prod(sh)) % 16 == 0 for sh in (g, u, d)):
+                self.scratch = tuple(backend.zeros_u8((2 * top_k, *sh)) for sh in (g, u, d))
 
     def _direct_why(self, backend: Any, main: Any) -> str | None:
         if main is None:
@@ -315,8 +325,9 @@ class CachedExperts:
     def _direct(self, il: int, e: ExpertWeights, h: Any, routing: Routing, t: int) -> Any:
         """A decode ubatch on the zero-copy path: no host sync (CUDA-graph capturable)."""
         pool = self.pool
+        scratch = self.scratch if self.scratch is not None and routing.ids.size <= self.scratch[0].shape[0] else None
         out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, routing, h, e.act,
-                                     self._map_dev[il], (e.gate, e.up, e.down))
+                                     self._map_dev[il], (e.gate, e.up, e.down), scratch)
         self._ids_log[il, :t] = self.be.asarray(routing.ids)
         return out
 

@@ -231,3 +231,37 @@ extern "C" __global__ void kv_store(const float *k, const float *v, float *K, fl
     if (i < row_k) K[(long long)pos[t] * row_k + i] = k[(long long)t * row_k + i];
     if (i < row_v) V[(long long)pos[t] * row_v + i] = v[(long long)t * row_v + i];
 }
+
+// Expert-cache misses of a decode ubatch staged in VRAM before the MoE kernels read them: for routed
+// pair p whose expert e = ids[p] has no slot (slot_map[e] < 0), copy matrix z (0 gate, 1 up, 2 down)
+// of expert e from src_z + e * n_vec_z (page-locked host memory, read over PCIe) to dst_z +
+// p * n_vec_z. 16-byte loads, four in flight per thread, so the GPU asks the link for whole cache
+// lines. Sizes in uint4 units (the caller checks that every matrix is a multiple of 16 bytes).
+// Grid (chunks of chunk_vec, n_pairs, 3).
+extern "C" __global__ void stage_misses(const int *ids, const int *slot_map,
+                                        const uint4 *src_g, const uint4 *src_u, const uint4 *src_d,
+                                        uint4 *dst_g, uint4 *dst_u, uint4 *dst_d,
+                                        long long n_vec_gu, long long n_vec_d, long long chunk_vec) {
+    int p = blockIdx.y;
+    int e = ids[p];
+    if (slot_map[e] >= 0) return;
+    int z = blockIdx.z;
+    long long n_vec = z == 2 ? n_vec_d : n_vec_gu;
+    const uint4 *s = (z == 0 ? src_g : z == 1 ? src_u : src_d) + (long long)e * n_vec;
+    uint4 *d = (z == 0 ? dst_g : z == 1 ? dst_u : dst_d) + (long long)p * n_vec;
+    long long i0 = (long long)blockIdx.x * chunk_vec;
+    long long i1 = i0 + chunk_vec < n_vec ? i0 + chunk_vec : n_vec;
+    for (long long i = i0 + threadIdx.x; i < i1; i += 4 * (long long)blockDim.x) {
+        uint4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            long long k = i + (long long)j * blockDim.x;
+            if (k < i1) v[j] = s[k];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            long long k = i + (long long)j * blockDim.x;
+            if (k < i1) d[k] = v[j];
+        }
+    }
+}

@@ -327,13 +327,15 @@ extern "C" __global__ void gemv_##SUFFIX(const unsigned char *W, const float *X,
 /* MoE gate/up of routed pair p = t * k + s (expert ids[p], token t): A[p, r] =                    */ \
 /* act(Wg[e, r] . X[t]) * (Wu[e, r] . X[t]); grid (rows / warps, T * k). With a slot map (the      */ \
 /* expert cache) expert e is read from slot slot_map[e] of Wg/Wu when that is >= 0, else from      */ \
-/* Hg/Hu: its copy in page-locked host RAM, read by the GPU over PCIe (zero-copy)                  */ \
+/* Hg/Hu: its copy in page-locked host RAM, read by the GPU over PCIe (zero-copy); when Sg         */ \
+/* is not null, from Sg/Su + p * expert_bytes instead, where stage_misses (ops.cu) put it          */ \
 extern "C" __global__ void moe_glu_##SUFFIX(const unsigned char *Wg, const unsigned char *Wu,         \
                                             const int *ids, const float *X, float *A, int k_used,     \
                                             long long n_rows, long long row_bytes,                    \
                                             long long expert_bytes, long long n_in, int act,          \
                                             const int *slot_map, const unsigned char *Hg,             \
-                                            const unsigned char *Hu) {                                \
+                                            const unsigned char *Hu, const unsigned char *Sg,         \
+                                            const unsigned char *Su) {                                \
     long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
     int lane = threadIdx.x % 32;                                                                      \
     int p = blockIdx.y;                                                                               \
@@ -342,7 +344,9 @@ extern "C" __global__ void moe_glu_##SUFFIX(const unsigned char *Wg, const unsig
     const unsigned char *G = Wg, *U = Wu;                                                             \
     if (slot_map != nullptr) {                                                                        \
         int s = slot_map[e];                                                                          \
-        if (s >= 0) { e = s; } else { G = Hg; U = Hu; }                                               \
+        if (s >= 0) { e = s; }                                                                        \
+        else if (Sg != nullptr) { e = p; G = Sg; U = Su; }                                            \
+        else { G = Hg; U = Hu; }                                                                      \
     }                                                                                                 \
     long long off = (long long)e * expert_bytes + r * row_bytes;                                      \
     const float *x = X + (long long)(p / k_used) * n_in;                                              \
@@ -360,12 +364,13 @@ extern "C" __global__ void moe_glu_##SUFFIX(const unsigned char *Wg, const unsig
     if (lane == 0) A[(long long)p * n_rows + r] = activate(g, act) * u;                               \
 }                                                                                                     \
 /* MoE down and the weighted sum over a token's k experts: Y[t, r] = sum_s w[t, s] *               */ \
-/* (Wd[ids[t, s], r] . A[t * k + s]); grid (rows / warps, T); slot_map and Hd as in moe_glu        */ \
+/* (Wd[ids[t, s], r] . A[t * k + s]); grid (rows / warps, T); slot_map, Hd, Sd as in moe_glu       */ \
 extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int *ids, const float *w, \
                                              const float *A, float *Y, int k_used, long long n_rows,  \
                                              long long row_bytes, long long expert_bytes,             \
                                              long long n_in, const int *slot_map,                     \
-                                             const unsigned char *Hd) {                               \
+                                             const unsigned char *Hd,                                 \
+                                             const unsigned char *Sd) {                               \
     long long r = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                       \
     int lane = threadIdx.x % 32;                                                                      \
     int t = blockIdx.y;                                                                               \
@@ -378,7 +383,9 @@ extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int 
         const unsigned char *D = Wd;                                                                  \
         if (slot_map != nullptr) {                                                                    \
             int sl = slot_map[e];                                                                     \
-            if (sl >= 0) { e = sl; } else { D = Hd; }                                                 \
+            if (sl >= 0) { e = sl; }                                                                  \
+            else if (Sd != nullptr) { e = p; D = Sd; }                                                \
+            else { D = Hd; }                                                                          \
         }                                                                                             \
         const unsigned char *row = D + (long long)e * expert_bytes + r * row_bytes;                   \
         const float *a = A + (long long)p * n_in;                                                     \
