@@ -188,6 +188,11 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
     import dataclasses
 
     flags = dataclasses.replace(flags, n_gpu_layers=placement.n_gpu_layers, vram_budget=placement.vram_budget)
+    try:  # the flags the user gave, checked before any setting is printed
+        EngineConfig(flags.n_ctx or 0, n_batch, 1 if flags.n_ubatch is None else flags.n_ubatch,
+                     flags.n_threads or 0).validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
     res, probe, expert_each = resolve_settings(model, flags, verbose)
     if res.prompt_gpu is not None:
         placement = dataclasses.replace(placement, prompt_gpu=res.prompt_gpu)

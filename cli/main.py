@@ -117,7 +117,7 @@ def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, 
     return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu, moe_cache=moe_cache,
                             vram_budget=parse_size(vram_budget, "--vram-budget"))
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
-EscapeOpt = Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, \\xHH, ...) "
+EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Process escapes (\\n, \\t, \\xHH, ...) "
                                          "in the prompt text, as llama.cpp does by default.")]
 
 
@@ -218,7 +218,7 @@ def perplexity(
     moe_cache_stats: MoeStatsOpt = 0,
     deterministic: DeterministicOpt = False,
     flash_attn: FaOpt = None,
-    escape: Annotated[bool, typer.Option("-e/--no-escape", "--escape", help="Process escapes (\\n, \\t, ...) in "
+    escape: Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Process escapes (\\n, \\t, ...) in "
                                          "the text; off by default, as in llama-perplexity.")] = False,
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
@@ -240,7 +240,7 @@ def perplexity(
 
 @app.command(context_settings=_PASSTHROUGH)
 def serve(ctx: typer.Context) -> None:
-    """OpenAI-compatible HTTP server like llama-server. (Not built yet.)"""
+    """(Not built yet.) OpenAI-compatible HTTP server like llama-server."""
     not_built("serve", "the OpenAI-compatible server comes later")
 
 
@@ -296,7 +296,7 @@ def probe_pcie(
 
 @app.command(context_settings=_PASSTHROUGH)
 def profile(ctx: typer.Context) -> None:
-    """Show, save or preload expert-usage profiles. (Not built yet.)"""
+    """(Not built yet.) Show, save or preload expert-usage profiles."""
     not_built("profile", "needs the expert cache")
 
 

@@ -80,7 +80,7 @@ def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
             note(f"sampling: temp {sampling.temp}, top-k {sampling.top_k}, top-p {sampling.top_p}, "
                  f"min-p {sampling.min_p}, repeat-penalty {sampling.repeat_penalty}, seed {sampler.seed}")
         else:
-            note("sampling: greedy (--temp 0)")
+            note(f"sampling: greedy (--temp {sampling.temp:g}: <= 0 is greedy)")
         if chat:
             _chat(eng, sampler, opts, prompt)
         else:

@@ -175,17 +175,34 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     return [once() for _ in range(reps)], totals
 
 
+# general.file_type (llama.cpp's llama_ftype) -> the name llama-bench prints in its model column
+# (llama_model_ftype_name in src/llama-model-loader.cpp)
+FTYPE_NAMES = {
+    0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K - Medium",
+    11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large", 14: "Q4_K - Small", 15: "Q4_K - Medium",
+    16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K", 19: "IQ2_XXS - 2.0625 bpw", 20: "IQ2_XS - 2.3125 bpw",
+    21: "Q2_K - Small", 22: "IQ3_XS - 3.3 bpw", 23: "IQ3_XXS - 3.0625 bpw", 24: "IQ1_S - 1.5625 bpw",
+    25: "IQ4_NL - 4.5 bpw", 26: "IQ3_S - 3.4375 bpw", 27: "IQ3_S mix - 3.66 bpw", 28: "IQ2_S - 2.5 bpw",
+    29: "IQ2_M - 2.7 bpw", 30: "IQ4_XS - 4.25 bpw", 31: "IQ1_M - 1.75 bpw", 32: "BF16", 36: "TQ1_0 - 1.69 bpw ternary",
+    37: "TQ2_0 - 2.06 bpw ternary", 38: "MXFP4 MoE",
+}
+
+
 def model_info(eng: Any) -> dict[str, Any]:
-    """model_type (arch, params, dominant type), model_size (bytes) and model_n_params."""
+    """model_type (arch, parameters, the file type's name as llama-bench prints it, else the type
+    holding the most bytes), model_size (bytes) and model_n_params."""
     from gguf import GGMLQuantizationType
 
     g = eng.gguf
     n_params = sum(int(np.prod(t.shape)) for t in g.tensors.values())
-    by_type: dict[int, int] = {}
-    for t in g.tensors.values():
-        by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
-    main = GGMLQuantizationType(max(by_type, key=by_type.get)).name
-    size = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
+    ftype = g.metadata.get("general.file_type")
+    main = FTYPE_NAMES.get(int(ftype) & ~1024) if isinstance(ftype, int) else None  # 1024: "guessed"
+    if main is None:
+        by_type: dict[int, int] = {}
+        for t in g.tensors.values():
+            by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
+        main = GGMLQuantizationType(max(by_type, key=by_type.get)).name
+    size = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
     return {"model_type": f"{g.config.arch} {size} {main}", "model_size": g.n_bytes, "model_n_params": n_params}
 
 
