@@ -11,7 +11,7 @@ from cli.common import CacheOptions, UserError, load_engine, note
 def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
                   threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
                   vram_budget: str | None, window: str, routing: str | None, n_gen_warmup: int, warmup: bool,
-                  load_mode: str | None, output: str, ctx_size: int | None = None) -> None:
+                  load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f32") -> None:
     from cli.main import parse_size
     from moecache.benchmark import BenchParams, bench, expand, make_tests, parse_list, render
     from moecache.placement import PlacementOptions
@@ -54,7 +54,8 @@ def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None,
 
     def make_engine(p: BenchParams):
         pl = PlacementOptions(p.n_gpu_layers, False, p.n_cpu_moe, moe_cache=p.moe_cache, vram_budget=p.vram_budget)
-        flags = UserFlags("bench", p.n_ubatch, n_ctx, p.n_threads or None, None if p.load_mode == "auto" else p.load_mode)
+        flags = UserFlags("bench", p.n_ubatch, n_ctx, p.n_threads or None, None if p.load_mode == "auto" else p.load_mode,
+                          cache_type=cache_type)
         return load_engine(p.model, flags, p.n_batch, pl, None, False,
                            CacheOptions(p.moe_cache_window, 0, p.routing, False))
 

@@ -125,7 +125,7 @@ def resolve_settings(model: Path, flags, verbose: bool):
 
     with open_gguf(model) as g:
         experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
-        sizes1 = model_sizes(g, 1)
+        sizes1 = model_sizes(g, 1, 2 if flags.cache_type == "f16" else 4)
         facts = ModelFacts(g.n_bytes, experts, g.config.context_length, sizes1.kv * sizes1.n_layer)
         expert_each = sizes1.expert_each
     probe = startup_probe(with_gpus=flags.n_gpu_layers != 0)
@@ -190,14 +190,14 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
     flags = dataclasses.replace(flags, n_gpu_layers=placement.n_gpu_layers, vram_budget=placement.vram_budget)
     try:  # the flags the user gave, checked before any setting is printed
         EngineConfig(flags.n_ctx or 0, n_batch, 1 if flags.n_ubatch is None else flags.n_ubatch,
-                     flags.n_threads or 0).validate()
+                     flags.n_threads or 0, flags.cache_type).validate()
     except ValueError as e:
         raise UserError(str(e)) from None
     res, probe, expert_each = resolve_settings(model, flags, verbose)
     if res.prompt_gpu is not None:
         placement = dataclasses.replace(placement, prompt_gpu=res.prompt_gpu)
     config = EngineConfig(res.n_ctx, max(n_batch, res.n_ubatch) if flags.n_ubatch is None else n_batch,
-                          res.n_ubatch, res.n_threads)
+                          res.n_ubatch, res.n_threads, flags.cache_type)
     override = None
     if cache.routing:  # checked before the (possibly long) load
         from moecache.gguf_file import open_gguf

@@ -59,6 +59,9 @@ LoadModeOpt = Annotated[Optional[str], typer.Option("--load-mode", help="mmap: m
                                                     "into page-locked RAM at load; auto (default): pin when it fits "
                                                     "in RAM and the experts go to host RAM (or for serve), else "
                                                     "map.")]
+CacheTypeKOpt = Annotated[str, typer.Option("-ctk", "--cache-type-k", help="KV cache type for K: f32 or f16 "
+                                             "(half the VRAM; -ctv must match).")]
+CacheTypeVOpt = Annotated[str, typer.Option("-ctv", "--cache-type-v", help="KV cache type for V: f32 or f16.")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Print every resolved setting with its reason.")]
 MoeCacheOpt = Annotated[Optional[int], typer.Option("--moe-cache", help="Expert cache per GPU: -1 = fill free VRAM "
                                                     "(default when the model does not fit), 0 = off, N = at most N MiB.")]
@@ -73,6 +76,21 @@ RoutingOpt = Annotated[Optional[str], typer.Option("--routing", help="Benchmarks
                                                    "recorded trace (.npz); the text becomes meaningless.")]
 DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache decisions from fixed costs, not "
                                                 "measured timings (also MOECACHE_DETERMINISTIC=1).")]
+
+
+def kv_cache_type(ctk: str, ctv: str) -> str:
+    """``-ctk``/``-ctv`` -> the KV cache type (f32, f16); UserError when they differ or are unknown."""
+    from cli.common import UserError
+    from moecache.engine import KV_TYPES
+
+    ctk, ctv = ctk.lower(), ctv.lower()
+    for flag, v in (("-ctk", ctk), ("-ctv", ctv)):
+        if v not in KV_TYPES:
+            raise UserError(f"{flag} {v}: supported KV cache types are {', '.join(KV_TYPES)}")
+    if ctk != ctv:
+        raise UserError(f"-ctk {ctk} -ctv {ctv}: K and V caches of different types are not supported; give both "
+                        f"the same type")
+    return ctk
 
 
 def parse_size(text: str | None, flag: str) -> int:
@@ -145,6 +163,8 @@ def run(
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
+    cache_type_k: CacheTypeKOpt = "f32",
+    cache_type_v: CacheTypeVOpt = "f32",
     verbose: VerboseOpt = False,
     ngl: NglOpt = -1,
     cpu_moe: CpuMoeOpt = False,
@@ -191,7 +211,8 @@ def run(
         cache = CacheOptions(moe_cache_window, moe_cache_stats, routing, deterministic)
         opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, pl, flash_attn,
                           escape, special, verbose, cache)
-        run_command(opts, UserFlags("run", ubatch_size, ctx_size, threads, load_mode), batch_size, sp)
+        run_command(opts, UserFlags("run", ubatch_size, ctx_size, threads, load_mode,
+                                    cache_type=kv_cache_type(cache_type_k, cache_type_v)), batch_size, sp)
     _user_errors(body)
 
 
@@ -204,6 +225,8 @@ def perplexity(
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
+    cache_type_k: CacheTypeKOpt = "f32",
+    cache_type_v: CacheTypeVOpt = "f32",
     verbose: VerboseOpt = False,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ngl: NglOpt = -1,
@@ -232,7 +255,8 @@ def perplexity(
         if ctx_size <= 0:
             raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
         pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
-        perplexity_command(model, file, ctx_size, UserFlags("perplexity", ubatch_size, ctx_size, threads, load_mode),
+        perplexity_command(model, file, ctx_size, UserFlags("perplexity", ubatch_size, ctx_size, threads, load_mode,
+                                                             cache_type=kv_cache_type(cache_type_k, cache_type_v)),
                            batch_size, chunks, pl, flash_attn, escape, verbose,
                            CacheOptions(moe_cache_window, moe_cache_stats, None, deterministic))
     _user_errors(body)
@@ -267,6 +291,8 @@ def bench(
                                                     "default: what the tests need.")] = None,
     no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Skip the untimed warm-up run of each test.")] = False,
     load_mode: LoadModeOpt = None,
+    cache_type_k: CacheTypeKOpt = "f32",
+    cache_type_v: CacheTypeVOpt = "f32",
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
 ) -> None:
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
@@ -276,7 +302,7 @@ def bench(
 
         bench_command(model, n_prompt, n_gen, pg, depth, reps, threads, batch_size, ubatch_size, ngl, n_cpu_moe,
                       moe_cache, vram_budget, moe_cache_window, routing, n_gen_warmup, not no_warmup, load_mode, output,
-                      ctx_size)
+                      ctx_size, kv_cache_type(cache_type_k, cache_type_v))
     _user_errors(body)
 
 

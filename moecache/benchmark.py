@@ -35,8 +35,8 @@ from moecache.probe import cpu_model
 LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
                       "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads",
                       "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "flash_attn", "tensor_split",
-                      "load_mode", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts",
-                      "stddev_ts")
+                      "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
+                      "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "hit_rate",
               "uploads_per_token", "n_gen_warmup", "vram_used_mib")
 
@@ -241,7 +241,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "model_filename": str(p.model), **info, "n_batch": p.n_batch, "n_ubatch": p.n_ubatch,
                     "n_threads": eng.n_threads, "n_gpu_layers": p.n_gpu_layers, "n_cpu_moe": p.n_cpu_moe,
                     "split_mode": "layer", "main_gpu": 0, "flash_attn": "auto", "tensor_split": "0.00",
-                    "load_mode": getattr(eng, "load_mode", p.load_mode), "n_prompt": test.n_prompt, "n_gen": test.n_gen, "n_depth": test.n_depth,
+                    "load_mode": getattr(eng, "load_mode", p.load_mode),
+                    "type_k": getattr(getattr(eng, "config", None), "cache_type", "f32"),
+                    "type_v": getattr(getattr(eng, "config", None), "cache_type", "f32"), "n_prompt": test.n_prompt, "n_gen": test.n_gen, "n_depth": test.n_depth,
                     "test_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "moe_cache": -1 if p.moe_cache is None else p.moe_cache,
                     "moe_cache_mib_granted": round(sum(s for _, s in (pl.cache_slots if pl else ())) * slot_bytes

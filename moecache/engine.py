@@ -35,6 +35,9 @@ from moecache.tokenizer import Tokenizer
 Log = Callable[[str], None]
 
 
+KV_TYPES = {"f32": np.float32, "f16": np.float16}  # -ctk/-ctv values -> KV cache element type
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings (llama.cpp flag names in brackets).
@@ -44,12 +47,15 @@ class EngineConfig:
         n_batch: logical batch [-b]: most tokens handed to one evaluation call.
         n_ubatch: physical batch [-ub]: most tokens in one forward pass.
         n_threads: CPU threads [-t]; 0 = physical cores.
+        cache_type: KV cache element type [-ctk/-ctv]: "f32" or "f16" (half the memory; llama.cpp's
+            default type, its rounding).
     """
 
     n_ctx: int = 0
     n_batch: int = 2048
     n_ubatch: int = 512
     n_threads: int = 0
+    cache_type: str = "f32"
 
     def validate(self) -> None:
         """Raise ValueError naming the flag of any impossible value."""
@@ -62,6 +68,8 @@ class EngineConfig:
             bad.append(f"-ub must be >= 1, got {self.n_ubatch}")
         if self.n_threads < 0:
             bad.append(f"-t must be >= 0 (0 = physical cores), got {self.n_threads}")
+        if self.cache_type not in KV_TYPES:
+            bad.append(f"-ctk/-ctv must be one of {', '.join(KV_TYPES)}, got {self.cache_type!r}")
         if bad:
             raise ValueError("; ".join(bad))
 
@@ -194,7 +202,7 @@ class Engine:
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph)
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
-            self.kv = self.model.new_kv_cache(self.n_ctx)
+            self.kv = self.model.new_kv_cache(self.n_ctx, KV_TYPES[config.cache_type])
             self.warmup()
         except BaseException:
             self.close()
@@ -206,7 +214,7 @@ class Engine:
         free, why = gpu_free_bytes()
         if not free and opts.n_gpu_layers != 0:
             self.log(f"note: no usable GPU: {why}; running on the CPU")
-        pl = plan(opts, model_sizes(self.gguf, self.n_ctx), free)
+        pl = plan(opts, model_sizes(self.gguf, self.n_ctx, np.dtype(KV_TYPES[self.config.cache_type]).itemsize), free)
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl

@@ -165,8 +165,9 @@ class Placement:
         return f"{self.n_gpu_layers}/{n} layers on GPU ({', '.join(parts)}); output on {out}{moe}{cache}"
 
 
-def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
-    """Measure ``model``: weight bytes per layer (1-D tensors as float32) and the float32 KV cache."""
+def model_sizes(model: GGUFModel, n_ctx: int, kv_itemsize: int = 4) -> ModelSizes:
+    """Measure ``model``: weight bytes per layer (1-D tensors as float32) and the KV cache at
+    ``kv_itemsize`` bytes per element (4: float32, 2: float16)."""
     c = model.config
     dense = [0] * c.n_layer
     experts = [0] * c.n_layer
@@ -188,7 +189,7 @@ def model_sizes(model: GGUFModel, n_ctx: int) -> ModelSizes:
             output += nbytes
         if len(t.shape) == 2:
             largest = max(largest, 4 * n_elem)
-    kv = n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
+    kv = n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * kv_itemsize
     each = max(experts) // c.n_expert if c.n_expert else 0
     if "output.weight" not in model.tensors:
         output += embd  # tied: the output device holds its own copy

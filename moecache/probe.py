@@ -324,7 +324,7 @@ class ModelFacts:
     n_bytes: int
     expert_bytes: int
     context_length: int
-    kv_bytes_per_token: int = 0  # the KV cache of one position, all layers (float32 K and V)
+    kv_bytes_per_token: int = 0  # the KV cache of one position, all layers (K and V at -ctk/-ctv)
 
     @property
     def is_moe(self) -> bool:
@@ -342,6 +342,7 @@ class UserFlags:
     load_mode: str | None = None  # None and "auto" both mean: resolve
     n_gpu_layers: int = -1  # -ngl 0: the GPUs are not used (resolved as if there were none)
     vram_budget: int = 0  # --vram-budget: each GPU's free memory counts as at most this
+    cache_type: str = "f32"  # -ctk/-ctv: the KV cache's element type (f32, f16)
 
 
 @dataclass(frozen=True)

@@ -45,3 +45,10 @@ def test_info_on_real_model(code_moe_tiny):
     r = runner.invoke(app, ["info", "-m", str(code_moe_tiny)])
     assert r.exit_code == 0, r.output
     assert "qwen3moe" in r.output and "n_expert" in r.output
+
+
+@pytest.mark.parametrize("flags,msg", [(["-ctk", "f16", "-ctv", "f32"], "different types"),
+                                       (["-ctk", "q8_0", "-ctv", "q8_0"], "supported KV cache types are f32, f16")])
+def test_kv_cache_type_flags_are_checked(tmp_path, flags, msg):
+    r = runner.invoke(app, ["run", "-m", str(tmp_path / "any.gguf"), "-p", "hi", *flags])
+    assert r.exit_code == 1 and msg in r.output

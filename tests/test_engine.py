@@ -89,3 +89,29 @@ def test_bad_engine_config_names_the_flag(code_moe_tiny):
         Engine(code_moe_tiny, EngineConfig(n_ubatch=0))
     with pytest.raises(ValueError, match="-t must be"):
         Engine(code_moe_tiny, EngineConfig(n_threads=-2))
+
+
+def test_f16_kv_cache_halves_its_bytes_and_keeps_the_logits(tmp_path):
+    """-ctk/-ctv f16: the KV cache holds float16 (half the bytes, and the placement plans half), and
+    the logits stay within float16 rounding of the float32 cache's, prompt and decode."""
+    from moecache.gguf_file import open_gguf
+    from moecache.placement import model_sizes
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=31)
+    toks = np.random.default_rng(2).integers(0, 200, 24)
+    out = {}
+    for ct in ("f32", "f16"):
+        with Engine(path, EngineConfig(n_ctx=32, cache_type=ct)) as e:
+            assert e.kv.k[0].dtype == (np.float16 if ct == "f16" else np.float32)
+            out[ct] = np.vstack([e.eval(toks[:20], logits="all")] + [e.eval([int(t)]) for t in toks[20:]])
+            out[ct + "_bytes"] = sum(a.nbytes for a in e.kv.k + e.kv.v)
+    assert out["f16_bytes"] * 2 == out["f32_bytes"]
+    ref = out["f32"]
+    err = np.abs(out["f16"] - ref).max() / np.abs(ref).max()
+    assert 0 < err < 2e-2  # rounded (not identical), but close
+    with open_gguf(path) as m:
+        assert model_sizes(m, 32, 2).kv * 2 == model_sizes(m, 32).kv
+    with pytest.raises(ValueError, match="-ctk/-ctv"):
+        Engine(path, EngineConfig(cache_type="q8_0"))

@@ -418,3 +418,23 @@ def test_staged_misses_give_the_same_output_as_direct_reads(gpu, t):
     eids, offs, rows, w = Routing(ids, wts).groups()
     ref = cpu.moe_ffn(*host, (fmt.ggml_type,) * 3, eids, offs, rows, w, h)
     np.testing.assert_allclose(staged, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+
+
+def test_f16_kv_cache_on_the_gpu_matches_the_cpu_twin(gpu, tmp_path):
+    """-ctk/-ctv f16 on the GPU (kv_store_f16, attn_decode_f16, the graph) against the CPU with the
+    same float16 cache: same rounding of the stored keys and values, so the logits agree tightly."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, P["tiny"], seed=33)
+    toks = np.random.default_rng(4).integers(0, 200, 30)
+    with Engine(path, EngineConfig(n_ctx=48, cache_type="f16")) as c, \
+            Engine(path, EngineConfig(n_ctx=48, cache_type="f16"), placement=PlacementOptions()) as g:
+        assert g.kv.k[0].dtype == np.float16 and g.model.decode_graph is not None
+        ref = np.vstack([c.eval(toks[:12], logits="all")] + [c.eval([int(t)]) for t in toks[12:]])
+        got = np.vstack([g.eval(toks[:12], logits="all")] + [g.eval([int(t)]) for t in toks[12:]])
+        assert g.model.decode_graph.failed is None and g.model.decode_graph.replays >= 17
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

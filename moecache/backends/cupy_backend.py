@@ -83,6 +83,15 @@ def _i64(v: int) -> np.int64:
     return np.int64(v)
 
 
+def _kv_suffix(kv: cp.ndarray) -> str:
+    """The kernel variant of a KV cache buffer's element type: float32 or float16."""
+    if kv.dtype == cp.float32:
+        return ""
+    if kv.dtype == cp.float16:
+        return "_f16"
+    raise ValueError(f"KV cache element type {kv.dtype} is not supported (float32, float16)")
+
+
 class CupyBackend(ArrayOps):
     """Array operations on one GPU.
 
@@ -229,10 +238,10 @@ class CupyBackend(ArrayOps):
         with cp.cuda.Device(self.device):
             return cp.zeros(shape, cp.uint8)
 
-    def zeros(self, shape: tuple[int, ...]) -> cp.ndarray:
-        """float32 zeros on this GPU (the KV cache's buffers)."""
+    def zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> cp.ndarray:
+        """Zeros on this GPU (the KV cache's buffers: float32, or float16 with ``-ctk/-ctv f16``)."""
         with cp.cuda.Device(self.device):
-            return cp.zeros(shape, cp.float32)
+            return cp.zeros(shape, dtype)
 
     # ---- quantized operations ----------------------------------------------------------------------
     def _suffix(self, w: Linear) -> str:
@@ -316,7 +325,7 @@ class CupyBackend(ArrayOps):
     def kv_store(self, k_all: cp.ndarray, v_all: cp.ndarray, pos: cp.ndarray, k: cp.ndarray, v: cp.ndarray) -> None:
         t = k.shape[0]
         rk, rv = k_all.shape[1] * k_all.shape[2], v_all.shape[1] * v_all.shape[2]
-        self._fn("kv_store")(((max(rk, rv) + 127) // 128, t), (128,),
+        self._fn("kv_store" + _kv_suffix(k_all))(((max(rk, rv) + 127) // 128, t), (128,),
                              (cp.ascontiguousarray(k), cp.ascontiguousarray(v), k_all, v_all, pos, np.int32(t),
                               np.int32(rk), np.int32(rv)))
 
@@ -329,7 +338,7 @@ class CupyBackend(ArrayOps):
         pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * dv), cp.float32)
-        self._fn("attn_decode")((n_head, t), (32 * ATT_WARPS,),
+        self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t), (32 * ATT_WARPS,),
                                 (q, k_all, v_all, out, pos, np.int32(n_head), np.int32(k_all.shape[1]),
                                  np.int32(d), np.int32(dv), np.float32(scale), np.int32(window or 0),
                                  np.float32(softcap or 0.0)))

@@ -7,6 +7,7 @@ The GPU backend mirrors these signatures on CuPy arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -63,9 +64,9 @@ class NumpyBackend(ArrayOps):
         """An array of any backend as a numpy array (copied from a GPU if it lives on one)."""
         return a if isinstance(a, np.ndarray) else a.get()
 
-    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        """float32 zeros (the KV cache's buffers)."""
-        return np.zeros(shape, np.float32)
+    def zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """Zeros (the KV cache's buffers: float32, or float16 with ``-ctk/-ctv f16``)."""
+        return np.zeros(shape, dtype)
 
     def upload_experts(self, w: np.ndarray, used: np.ndarray) -> np.ndarray:
         """``w[used]`` of stacked experts as this backend keeps them (a host copy here)."""

@@ -73,7 +73,7 @@ class ArrayOps:
         Args:
             q: float32 (T, n_head, head_dim), positions ``pos0 .. pos0 + T - 1``; ``pos0`` an int or
                 the pass's positions array (its first element is used).
-            k_all, v_all: the layer's cache, (n_ctx, n_head_kv, head_dim[_v]); positions
+            k_all, v_all: the layer's cache, float32 or float16 (n_ctx, n_head_kv, head_dim[_v]); positions
                 ``0 .. pos0 + T - 1`` must be filled. Query head h reads KV head ``h // (n_head / n_head_kv)``.
             scale: multiplies q.k (usually ``1/sqrt(head_dim)``).
             window: sliding window: query at p sees keys at ``p - window < j <= p`` (llama.cpp
@@ -88,8 +88,8 @@ class ArrayOps:
         t, n_head, d = q.shape
         end = pos0 + t
         start = 0 if window is None else max(0, pos0 - window + 1)
-        k = k_all[start:end]
-        v = v_all[start:end]
+        k = k_all[start:end].astype(np.float32, copy=False)  # a float16 cache is read as float32
+        v = v_all[start:end].astype(np.float32, copy=False)
         n, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
         g = n_head // n_kv
         qh = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3).reshape(n_kv, g * t, d)

@@ -179,11 +179,12 @@ class DecoderLM:
         return None
 
     # ---- forward ---------------------------------------------------------------------------------
-    def new_kv_cache(self, n_ctx: int) -> KVCache:
-        """An empty KV cache of ``n_ctx`` positions on the backend."""
+    def new_kv_cache(self, n_ctx: int, dtype: Any = np.float32) -> KVCache:
+        """An empty KV cache of ``n_ctx`` positions on the backends, elements of ``dtype`` (float32, or
+        float16: half the memory, values rounded as llama.cpp's default f16 cache rounds them)."""
         c = self.cfg
-        return KVCache(KVShape(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim_v),
-                       zeros=lambda il, shape: self.layer_be[il].zeros(shape))
+        return KVCache(KVShape(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim_v), dtype=dtype,
+                       zeros=lambda il, shape: self.layer_be[il].zeros(shape, dtype))
 
     def forward(self, tokens: np.ndarray, kv: KVCache, logits: str | np.ndarray = "last") -> np.ndarray:
         """Run T tokens at positions ``kv.n_past ..`` and append them to the cache.

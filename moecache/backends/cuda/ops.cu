@@ -3,7 +3,15 @@
 // Formulas: the numpy twins in moecache/backends/ops.py and moecache/models/base.py (the tests
 // compare against them). Written for moecache.
 
+#include <cuda_fp16.h>
+
 #define NEG_INF (-__int_as_float(0x7f800000))  // nvrtc has no math.h INFINITY
+
+// KV cache elements: float32 (default) or float16 (-ctk/-ctv f16), read and written as float
+__device__ __forceinline__ float kv_load(const float *p) { return *p; }
+__device__ __forceinline__ float kv_load(const __half *p) { return __half2float(*p); }
+__device__ __forceinline__ void kv_put(float *p, float v) { *p = v; }
+__device__ __forceinline__ void kv_put(__half *p, float v) { *p = __float2half(v); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -85,8 +93,9 @@ extern "C" __global__ void glu(const float *g, const float *u, float *out, long 
 // results are merged. Decode attention is latency-bound (a key costs a dependent load and a warp
 // reduction), so many warps per head. D, Dv <= 256.
 #define ATT_WARPS 16
-extern "C" __global__ void attn_decode(const float *q, const float *K, const float *V, float *out, const int *pos,
-                                       int H, int Hkv, int D, int Dv, float scale, int window, float softcap) {
+template <typename KV>
+__device__ void attn_decode_t(const float *q, const KV *K, const KV *V, float *out, const int *pos,
+                              int H, int Hkv, int D, int Dv, float scale, int window, float softcap) {
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][256];
     int h = blockIdx.x, t = blockIdx.y;
     int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -103,23 +112,23 @@ extern "C" __global__ void attn_decode(const float *q, const float *K, const flo
     }
     float m = NEG_INF, l = 0.f;
     for (int j = start + wid; j <= p; j += ATT_WARPS) {
-        const float *kj = K + ((long long)j * Hkv + hk) * D;
+        const KV *kj = K + ((long long)j * Hkv + hk) * D;
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             int d = lane + 32 * i;
-            if (d < D) s += qr[i] * kj[d];
+            if (d < D) s += qr[i] * kv_load(kj + d);
         }
         s = warp_sum(s) * scale;
         if (softcap > 0.f) s = softcap * tanhf(s / softcap);
         float m2 = fmaxf(m, s);
         float a = __expf(m - m2), e = __expf(s - m2);
         l = l * a + e;
-        const float *vj = V + ((long long)j * Hkv + hk) * Dv;
+        const KV *vj = V + ((long long)j * Hkv + hk) * Dv;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             int d = lane + 32 * i;
-            acc[i] = acc[i] * a + (d < Dv ? e * vj[d] : 0.f);
+            acc[i] = acc[i] * a + (d < Dv ? e * kv_load(vj + d) : 0.f);
         }
         m = m2;
     }
@@ -143,6 +152,17 @@ extern "C" __global__ void attn_decode(const float *q, const float *K, const flo
             if (sm[w] != NEG_INF) o += so[w][d] * __expf(sm[w] - M);
         out[((long long)t * H + h) * Dv + d] = o / L;
     }
+}
+
+extern "C" __global__ void attn_decode(const float *q, const float *K, const float *V, float *out, const int *pos,
+                                       int H, int Hkv, int D, int Dv, float scale, int window, float softcap) {
+    attn_decode_t(q, K, V, out, pos, H, Hkv, D, Dv, scale, window, softcap);
+}
+
+extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, const __half *V, float *out,
+                                           const int *pos, int H, int Hkv, int D, int Dv, float scale, int window,
+                                           float softcap) {
+    attn_decode_t(q, K, V, out, pos, H, Hkv, D, Dv, scale, window, softcap);
 }
 
 // Router: softmax over n_expert logits per token, then the k largest (ties: lower id first) with
@@ -222,14 +242,24 @@ extern "C" __global__ void rope_table(const double *inv_freq, const int *pos, fl
     sn[i] = (float)sin(a);
 }
 
-// K[pos[t]] = k[t], V[pos[t]] = v[t]: the KV cache write of T new positions (row_k, row_v floats
-// per position); positions come from device memory.
-extern "C" __global__ void kv_store(const float *k, const float *v, float *K, float *V, const int *pos, int T,
-                                    int row_k, int row_v) {
+// K[pos[t]] = k[t], V[pos[t]] = v[t]: the KV cache write of T new positions (row_k, row_v elements
+// per position, float32 or float16 in the cache); positions come from device memory.
+template <typename KV>
+__device__ void kv_store_t(const float *k, const float *v, KV *K, KV *V, const int *pos, int row_k, int row_v) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int t = blockIdx.y;
-    if (i < row_k) K[(long long)pos[t] * row_k + i] = k[(long long)t * row_k + i];
-    if (i < row_v) V[(long long)pos[t] * row_v + i] = v[(long long)t * row_v + i];
+    if (i < row_k) kv_put(K + (long long)pos[t] * row_k + i, k[(long long)t * row_k + i]);
+    if (i < row_v) kv_put(V + (long long)pos[t] * row_v + i, v[(long long)t * row_v + i]);
+}
+
+extern "C" __global__ void kv_store(const float *k, const float *v, float *K, float *V, const int *pos, int T,
+                                    int row_k, int row_v) {
+    kv_store_t(k, v, K, V, pos, row_k, row_v);
+}
+
+extern "C" __global__ void kv_store_f16(const float *k, const float *v, __half *K, __half *V, const int *pos, int T,
+                                        int row_k, int row_v) {
+    kv_store_t(k, v, K, V, pos, row_k, row_v);
 }
 
 // Expert-cache misses of a decode ubatch staged in VRAM before the MoE kernels read them: for routed
