@@ -121,6 +121,8 @@ def main() -> None:
             c = eng.gguf.config
             eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
             rng = np.random.default_rng(0)
+            if stage and not all(cc.scratch is not None for cc in eng.caches):
+                label += " (staging unavailable: direct reads)"
             res = profile(eng, a.n, a.warmup, rng)
             hits = [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]
             rows.append((label, res, hits))

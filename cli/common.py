@@ -125,7 +125,11 @@ def resolve_settings(model: Path, flags, verbose: bool):
 
     with open_gguf(model) as g:
         experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
-        sizes1 = model_sizes(g, 1, 2 if flags.cache_type == "f16" else 4)
+        import numpy as np
+
+        from moecache.engine import KV_TYPES
+
+        sizes1 = model_sizes(g, 1, np.dtype(KV_TYPES[flags.cache_type]).itemsize)
         facts = ModelFacts(g.n_bytes, experts, g.config.context_length, sizes1.kv * sizes1.n_layer)
         expert_each = sizes1.expert_each
     probe = startup_probe(with_gpus=flags.n_gpu_layers != 0)

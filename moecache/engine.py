@@ -227,6 +227,8 @@ class Engine:
         c = self.gguf.config
         for g, slots in pl.cache_slots:
             layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
+            if self.stage_misses and slots > 4 * c.n_expert_used:
+                slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
                                   pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses)
             if cache.direct:

@@ -346,6 +346,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"step {step}")
         s = cache.stats
         assert s.hits > 0 and s.misses > 0 and s.uploads > eng.placement.cache_slots[0][1]
+        if stage:  # the scratch starts zeroed: staged misses wrote into it
+            assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if load_mode == "pin":
             assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
 
@@ -434,7 +436,8 @@ def test_f16_kv_cache_on_the_gpu_matches_the_cpu_twin(gpu, tmp_path):
     with Engine(path, EngineConfig(n_ctx=48, cache_type="f16")) as c, \
             Engine(path, EngineConfig(n_ctx=48, cache_type="f16"), placement=PlacementOptions()) as g:
         assert g.kv.k[0].dtype == np.float16 and g.model.decode_graph is not None
-        ref = np.vstack([c.eval(toks[:12], logits="all")] + [c.eval([int(t)]) for t in toks[12:]])
-        got = np.vstack([g.eval(toks[:12], logits="all")] + [g.eval([int(t)]) for t in toks[12:]])
-        assert g.model.decode_graph.failed is None and g.model.decode_graph.replays >= 17
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        # a 20-token prompt: attention over the float16 cache through the prompt path (> 16 tokens)
+        ref = np.vstack([c.eval(toks[:20], logits="all")] + [c.eval([int(t)]) for t in toks[20:]])
+        got = np.vstack([g.eval(toks[:20], logits="all")] + [g.eval([int(t)]) for t in toks[20:]])
+        assert g.model.decode_graph.failed is None and g.model.decode_graph.replays >= 9
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())

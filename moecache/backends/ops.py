@@ -88,7 +88,9 @@ class ArrayOps:
         t, n_head, d = q.shape
         end = pos0 + t
         start = 0 if window is None else max(0, pos0 - window + 1)
-        k = k_all[start:end].astype(np.float32, copy=False)  # a float16 cache is read as float32
+        # a float16 cache is read as float32: a converted copy of the span, per call (the decode
+        # kernels of the GPU backend read float16 directly)
+        k = k_all[start:end].astype(np.float32, copy=False)
         v = v_all[start:end].astype(np.float32, copy=False)
         n, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
         g = n_head // n_kv

@@ -160,7 +160,10 @@ class CachedExperts:
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
         if stage_misses and self.direct:
             g, u, d, _ = main
-            if all(int(np.prod(sh)) % 16 == 0 for sh in (g, u, d)):
+            host = [a for il in self.cached_layers for a in (layers[il].gate, layers[il].up, layers[il].down)]
+            # the copy kernel moves 16-byte words: every matrix a multiple of 16 bytes, every host
+            # expert 16-byte aligned (pin_model aligns tensors to 64)
+            if all(int(np.prod(sh)) % 16 == 0 for sh in (g, u, d)) and all(a.ctypes.data % 16 == 0 for a in host):
                 self.scratch = tuple(backend.zeros_u8((2 * top_k, *sh)) for sh in (g, u, d))
 
     def _direct_why(self, backend: Any, main: Any) -> str | None:
