@@ -196,6 +196,8 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")] = False,
     escape: EscapeOpt = True,
     special: Annotated[bool, typer.Option("-sp", "--special", help="Print special (control) tokens.")] = False,
+    no_display_prompt: Annotated[bool, typer.Option("--no-display-prompt", help="Print only the generated text, "
+                                                    "not the prompt before it (-p/-f).")] = False,
 ) -> None:
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
@@ -210,7 +212,7 @@ def run(
         pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
         cache = CacheOptions(moe_cache_window, moe_cache_stats, routing, deterministic)
         opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, pl, flash_attn,
-                          escape, special, verbose, cache)
+                          escape, special, verbose, cache, not no_display_prompt)
         run_command(opts, UserFlags("run", ubatch_size, ctx_size, threads, load_mode,
                                     cache_type=kv_cache_type(cache_type_k, cache_type_v)), batch_size, sp)
     _user_errors(body)

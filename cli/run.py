@@ -32,6 +32,7 @@ class RunOptions:
     special: bool = False
     verbose: bool = False
     cache: Any = None  # cli.common.CacheOptions
+    display_prompt: bool = True  # -p/-f: echo the prompt before the generated text, as llama-cli does
 
 
 def read_prompt(opts: RunOptions) -> str | None:
@@ -101,6 +102,9 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
                         f"nothing left to generate into")
     stream = eng.tokenizer.streamer(skip_special=not opts.special)
     out = sys.stdout
+    if opts.display_prompt and not opts.as_json:
+        out.write(prompt)
+        out.flush()
 
     every = opts.cache.stats_every if opts.cache is not None else 0
     n_done = [0]
