@@ -124,13 +124,16 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
     text = eng.tokenizer.decode(res.tokens, skip_special=not opts.special)
     if opts.as_json:
         t = res.timings
+        for c in eng.caches:
+            c.flush()  # the zero-copy path accounts a pass one pass late
         json.dump({"model": str(eng.gguf.path), "prompt": prompt, "prompt_tokens": len(ids), "text": text,
                    "tokens": res.tokens, "stop": res.stop,
                    "timings": {"prompt_n": t.n_prompt, "prompt_ms": t.t_prompt * 1e3, "prompt_per_second": t.pp_tps,
                                "predicted_n": t.n_gen, "eval_runs": t.n_eval, "predicted_ms": t.t_eval * 1e3,
                                "predicted_per_second": t.tg_tps},
                    **({"moe_cache": [{"hit_rate": c.stats.hit_rate, "uploads": c.stats.uploads,
-                                      "uploaded_bytes": c.stats.uploaded_bytes} for c in eng.caches]}
+                                      "uploaded_bytes": c.stats.uploaded_bytes,
+                                      "misses": "zero-copy" if c.direct else "cpu"} for c in eng.caches]}
                       if eng.caches else {})}, out, ensure_ascii=False)
         out.write("\n")
     else:
