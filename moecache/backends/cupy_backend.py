@@ -365,21 +365,30 @@ class CupyBackend(ArrayOps):
             return self._moe_prompt(gate, up, down, types, routing, h, act)
         ids = cp.ascontiguousarray(cp.asarray(routing.ids), dtype=cp.int32)
         w = cp.ascontiguousarray(cp.asarray(routing.weights), dtype=cp.float32)
-        k = ids.shape[1]
-        n_exp, ff, rb = gate.shape
-        fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
         if types[0] != types[1]:
             return self._moe_prompt(gate, up, down, types, routing, h, act)
+        return self._moe_decode(gate, up, down, types, ids, w, h, act)
+
+    def _moe_decode(self, gate, up, down, types, ids, w, h, act, slot_map=NULL, host=(NULL, NULL, NULL),
+                    scratch=(NULL, NULL, NULL)) -> cp.ndarray:
+        """The two fused decode launches (moe_glu, then moe_down with the weighted sum): ids int32 and
+        w float32 (T, k), h float32 (T, n_embd) on this GPU; with a slot map, misses are read from
+        ``host`` (pointers) or the staged ``scratch``."""
+        t, n_embd = h.shape
+        k = ids.shape[1]
+        _, ff, rb = gate.shape
+        rbd = down.shape[2]
+        fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
         a = cp.empty((t * k, ff), cp.float32)
         self._fn("moe_glu_" + fg)(
             ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
             (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
-             np.int32(act != "silu"), NULL, NULL, NULL, NULL, NULL))
+             np.int32(act != "silu"), slot_map, host[0], host[1], scratch[0], scratch[1]))
         y = cp.empty((t, n_embd), cp.float32)
-        rbd = down.shape[2]
         self._fn("moe_down_" + fd)(
             ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
-            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), NULL, NULL, NULL))
+            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff),
+             slot_map, host[2], scratch[2]))
         return y
 
     def fill(self, dst: cp.ndarray, value: int) -> None:
@@ -434,30 +443,20 @@ class CupyBackend(ArrayOps):
         w = cp.ascontiguousarray(cp.asarray(routing.weights), dtype=cp.float32)
         k = ids.shape[1]
         _, ff, rb = gate.shape
-        fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
-        hg, hu, hd = (np.uint64(a.ctypes.data) for a in host)
         rbd = down.shape[2]
-        sg = su = sd = NULL
+        ptrs = tuple(np.uint64(a.ctypes.data) for a in host)
+        staged = (NULL, NULL, NULL)
         if scratch is not None:
-            sg, su, sd = scratch
-            if sg.shape[0] < t * k or (ff * rb) % 16 or (n_embd * rbd) % 16:
-                raise ValueError(f"moe_ffn_cached: a scratch of {sg.shape[0]} experts cannot stage {t * k} pairs "
-                                 f"of {ff * rb}/{n_embd * rbd}-byte matrices")
+            if scratch[0].shape[0] < t * k or (ff * rb) % 16 or (n_embd * rbd) % 16:
+                raise ValueError(f"moe_ffn_cached: a scratch of {scratch[0].shape[0]} experts cannot stage {t * k} "
+                                 f"pairs of {ff * rb}/{n_embd * rbd}-byte matrices")
             n_gu, n_d = ff * rb // 16, n_embd * rbd // 16
             chunk = 4096  # uint4 per block: 64 KiB
             self._fn("stage_misses")(
                 ((max(n_gu, n_d) + chunk - 1) // chunk, t * k, 3), (256,),
-                (ids, slot_map, hg, hu, hd, sg, su, sd, _i64(n_gu), _i64(n_d), _i64(chunk)))
-        a = cp.empty((t * k, ff), cp.float32)
-        self._fn("moe_glu_" + fg)(
-            ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
-            (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
-             np.int32(act != "silu"), slot_map, hg, hu, sg, su))
-        y = cp.empty((t, n_embd), cp.float32)
-        self._fn("moe_down_" + fd)(
-            ((n_embd + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t), (32 * WARPS_PER_BLOCK,),
-            (down, ids, w, a, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), slot_map, hd, sd))
-        return y
+                (ids, slot_map, *ptrs, *scratch, _i64(n_gu), _i64(n_d), _i64(chunk)))
+            staged = scratch
+        return self._moe_decode(gate, up, down, types, ids, w, h, act, slot_map, ptrs, staged)
 
     def _deq_experts(self, w: cp.ndarray, ggml_type: int, eids: cp.ndarray, n_in: int, out: cp.ndarray) -> cp.ndarray:
         n_used = eids.shape[0]

@@ -143,6 +143,7 @@ class CachedExperts:
         self.cpu_s = np.zeros(n_layer)  # per layer: CPU time of the misses (worker thread)
         self.wait_s = np.zeros(n_layer)  # per layer: time the caller waited for the CPU part
         self._first = min(self.cached_layers) if self.cached_layers else 0
+        self._cached_order = np.array(sorted(self.cached_layers), np.int64)
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecache-miss")
         # the zero-copy path: device map, routing log, pending routings of finished passes
         self.direct_why = self._direct_why(backend, main)
@@ -241,7 +242,7 @@ class CachedExperts:
         for ids, live, t in pending:
             self.policy.new_tokens(t)
             self.stats.tokens += t
-            layers = np.array([il for il in sorted(self.cached_layers) if ids[il, 0, 0] >= 0], np.int64)  # routed
+            layers = self._cached_order[ids[self._cached_order, 0, 0] >= 0]  # the layers that pass routed
             if not layers.size:
                 continue
             lids = ids[layers, :t]

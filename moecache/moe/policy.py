@@ -114,13 +114,15 @@ class CachePolicy:
     def observe(self, layer: int, ids: np.ndarray) -> None:
         """Record a layer's routing of T tokens (int (T, k) expert ids): decay, then count the uses."""
         t = ids.shape[0]
-        u = self.usage[layer]
-        used = np.zeros(u.shape[0])
+        used = np.zeros(self.usage.shape[1])
         np.add.at(used, ids.reshape(-1), 1.0)
-        u *= self.beta ** t
-        u += (1.0 - self.beta) * np.minimum(used, t)  # a token uses an expert at most once
+        self.usage[layer] = self._decayed(self.usage[layer], used, t)
         self.clock[layer] += t
         self._vc = False
+
+    def _decayed(self, u: np.ndarray, used: np.ndarray, t: int) -> np.ndarray:
+        """Usage after ``t`` tokens that used each expert ``used`` times (a token at most once)."""
+        return u * self.beta ** t + (1.0 - self.beta) * np.minimum(used, t)
 
     def observe_all(self, layers: np.ndarray, ids: np.ndarray) -> None:
         """:meth:`observe` for several layers at once: ``ids`` int (len(layers), T, k), layer order."""
@@ -129,8 +131,7 @@ class CachePolicy:
         n_e = self.usage.shape[1]
         used = np.zeros((n_l, n_e))
         np.add.at(used, (np.repeat(np.arange(n_l), ids[0].size), ids.reshape(-1)), 1.0)
-        u = self.usage[layers] * self.beta ** t + (1.0 - self.beta) * np.minimum(used, t)
-        self.usage[layers] = u
+        self.usage[layers] = self._decayed(self.usage[layers], used, t)
         self.clock[layers] += t
         self._vc = False
 
