@@ -44,14 +44,14 @@ def prompt_tokens(model: Path, name: str) -> int:
         return len(Tokenizer.from_gguf(m).encode((ROOT / "prompts" / name).read_text()))
 
 
-def best_static(model: Path, n_ctx: int, budget: int, free: int) -> int:
+def best_static(model: Path, n_ctx: int, budget: int, free: int, kv_itemsize: int = 2) -> int:
     """The smallest --n-cpu-moe whose placement fits ``budget`` with the cache off (the most expert
     layers on the GPU): the planner's own choice for --moe-cache 0, as an explicit N."""
     from moecache.gguf_file import open_gguf
     from moecache.placement import PlacementError, PlacementOptions, model_sizes, plan
 
     with open_gguf(model) as m:
-        sizes = model_sizes(m, n_ctx)
+        sizes = model_sizes(m, n_ctx, kv_itemsize)
     try:
         pl = plan(PlacementOptions(n_gpu_layers=99, moe_cache=0, vram_budget=budget), sizes, [free])
     except PlacementError as e:
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=256, help="generated tokens before timing")
     ap.add_argument("-r", type=int, default=1)
     ap.add_argument("--load-mode", default="pin")
+    ap.add_argument("-ctk", "--cache-type", default="f16", help="KV cache type of every arm (f16, f32)")
     ap.add_argument("--llama-bench", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--resume", action="store_true", help="keep the arms already in OUT.jsonl and run the rest "
@@ -139,11 +140,11 @@ def main() -> None:
             raise SystemExit(f"{prompt_file}: {n_prompt} tokens + {a.n} + warm-up {a.warmup} do not fit -c {n_ctx}")
         for budget_text in a.vram_budget.split(","):
             budget = parse_size(budget_text, "--vram-budget")
-            static_n = best_static(a.model, n_ctx, budget, free[0])
+            static_n = best_static(a.model, n_ctx, budget, free[0], 2 if a.cache_type == "f16" else 4)
             for routing in a.routing.split(","):
                 common = ["-p", str(n_prompt), "-n", str(a.n), "-r", str(a.r), "-c", str(n_ctx),
                           "--vram-budget", budget_text, "--routing", routing, "--load-mode", a.load_mode,
-                          "-ngl", "99"]
+                          "-ngl", "99", "-ctk", a.cache_type, "-ctv", a.cache_type]
                 # the generated warm-up fills the cache; with --cold-static the static arms (nothing to
                 # warm: their speed does not depend on the tokens before) skip it to save device time
                 cold = ["--n-gen-warmup", "0" if a.cold_static else str(a.warmup)]
@@ -169,7 +170,8 @@ def main() -> None:
         env = dict(os.environ, LD_LIBRARY_PATH=str(a.llama_bench.parent))
         n_prompt = prompt_tokens(a.model, tests["short"][0])
         n_ctx = tests["short"][1]
-        ncmoe = best_static(a.model, n_ctx, parse_size(a.vram_budget.split(",")[0], "--vram-budget"), free[0])
+        ncmoe = best_static(a.model, n_ctx, parse_size(a.vram_budget.split(",")[0], "--vram-budget"), free[0],
+                            2 if a.cache_type == "f16" else 4)
         out = subprocess.run([str(a.llama_bench), "-m", str(a.model), "-p", str(n_prompt), "-n", str(a.n), "-ngl",
                               "99", "-ncmoe", str(ncmoe), "-o", "md"], capture_output=True, text=True, env=env)
         a.out.with_suffix(".llama-bench.md").write_text(out.stdout + out.stderr[-2000:])

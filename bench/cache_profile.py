@@ -98,6 +98,7 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
 def main() -> None:
     from cli.main import parse_size
     from moecache.engine import Engine, EngineConfig
+    from moecache.load_mode import release_pinned
     from moecache.moe.policy import PolicyConfig
     from moecache.moe.routing_process import make_routing
     from moecache.placement import PlacementOptions
@@ -110,13 +111,20 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=256)
     ap.add_argument("-t", type=int, default=15)
+    ap.add_argument("-ctk", "--cache-type", default="f32",
+                    help="KV cache types to compare, comma list (f32,f16): one pair of cache-on rows each")
+    ap.add_argument("--no-staged", action="store_true", help="skip the staged-misses rows")
     a = ap.parse_args()
     budget = parse_size(a.vram_budget, "--vram-budget")
     rows = []
-    for label, opts, mode, stage in (("cache on, " + a.vram_budget, PlacementOptions(vram_budget=budget), "pin", False),
-                                     ("cache on, staged misses", PlacementOptions(vram_budget=budget), "pin", True),
-                                     ("all in VRAM", PlacementOptions(), "mmap", False)):
-        with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t), placement=opts, load_mode=mode,
+    arms = []
+    for kv in a.cache_type.split(","):
+        arms.append((f"cache on, {a.vram_budget}, KV {kv}", PlacementOptions(vram_budget=budget), "pin", False, kv))
+        if not a.no_staged:
+            arms.append((f"cache on, staged misses, KV {kv}", PlacementOptions(vram_budget=budget), "pin", True, kv))
+    arms.append(("all in VRAM", PlacementOptions(), "mmap", False, "f32"))
+    for label, opts, mode, stage, kv in arms:
+        with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t, cache_type=kv), placement=opts, load_mode=mode,
                     policy_config=PolicyConfig(adaptive=True), stage_misses=stage) as eng:
             c = eng.gguf.config
             eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
@@ -124,6 +132,7 @@ def main() -> None:
             if stage and not all(cc.scratch is not None for cc in eng.caches):
                 label += " (staging unavailable: direct reads)"
             res = profile(eng, a.n, a.warmup, rng)
+            label += f" ({sum(cc.policy.n_slots for cc in eng.caches)} slots)" if eng.caches else ""
             hits = [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]
             rows.append((label, res, hits))
             if eng.caches:  # uploads frozen: the misses' own cost
@@ -136,6 +145,8 @@ def main() -> None:
                 res = profile(eng, a.n, 0, rng)
                 rows.append((label + ", uploads frozen", res,
                              [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
+        del eng  # the next arm pins the model again: give this one's pinned RAM back first
+        release_pinned()
     print(f"# Decode time per token: {a.model.name}, --routing {a.routing}, -c {a.c}\n")
     print("| engine | t/s | wall ms | GPU replay ms | draw ms | begin ms | flush ms | end ms | hit rate | uploads/token |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

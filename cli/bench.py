@@ -11,7 +11,7 @@ from cli.common import CacheOptions, UserError, load_engine, note
 def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
                   threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
                   vram_budget: str | None, window: str, routing: str | None, n_gen_warmup: int, warmup: bool,
-                  load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f32") -> None:
+                  load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f16") -> None:
     from cli.main import parse_size
     from moecache.benchmark import BenchParams, bench, expand, make_tests, parse_list, render
     from moecache.placement import PlacementOptions

@@ -59,9 +59,9 @@ LoadModeOpt = Annotated[Optional[str], typer.Option("--load-mode", help="mmap: m
                                                     "into page-locked RAM at load; auto (default): pin when it fits "
                                                     "in RAM and the experts go to host RAM (or for serve), else "
                                                     "map.")]
-CacheTypeKOpt = Annotated[str, typer.Option("-ctk", "--cache-type-k", help="KV cache type for K: f32 or f16 "
-                                             "(half the VRAM; -ctv must match).")]
-CacheTypeVOpt = Annotated[str, typer.Option("-ctv", "--cache-type-v", help="KV cache type for V: f32 or f16.")]
+CacheTypeKOpt = Annotated[str, typer.Option("-ctk", "--cache-type-k", help="KV cache type for K: f16 (default, "
+                                             "as llama.cpp) or f32 (twice the VRAM; -ctv must match).")]
+CacheTypeVOpt = Annotated[str, typer.Option("-ctv", "--cache-type-v", help="KV cache type for V: f16 (default) or f32.")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Print every resolved setting with its reason.")]
 MoeCacheOpt = Annotated[Optional[int], typer.Option("--moe-cache", help="Expert cache per GPU: -1 = fill free VRAM "
                                                     "(default when the model does not fit), 0 = off, N = at most N MiB.")]
@@ -163,8 +163,8 @@ def run(
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
-    cache_type_k: CacheTypeKOpt = "f32",
-    cache_type_v: CacheTypeVOpt = "f32",
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
     verbose: VerboseOpt = False,
     ngl: NglOpt = -1,
     cpu_moe: CpuMoeOpt = False,
@@ -227,8 +227,8 @@ def perplexity(
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
-    cache_type_k: CacheTypeKOpt = "f32",
-    cache_type_v: CacheTypeVOpt = "f32",
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
     verbose: VerboseOpt = False,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ngl: NglOpt = -1,
@@ -293,8 +293,8 @@ def bench(
                                                     "default: what the tests need.")] = None,
     no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Skip the untimed warm-up run of each test.")] = False,
     load_mode: LoadModeOpt = None,
-    cache_type_k: CacheTypeKOpt = "f32",
-    cache_type_v: CacheTypeVOpt = "f32",
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
 ) -> None:
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),

@@ -48,7 +48,8 @@ class EngineConfig:
         n_ubatch: physical batch [-ub]: most tokens in one forward pass.
         n_threads: CPU threads [-t]; 0 = physical cores.
         cache_type: KV cache element type [-ctk/-ctv]: "f32" or "f16" (half the memory; llama.cpp's
-            default type, its rounding).
+            default type, its rounding). The CLI defaults to f16 as llama.cpp does; the library keeps
+            f32 so that comparisons with reference implementations see no KV rounding.
     """
 
     n_ctx: int = 0

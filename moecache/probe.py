@@ -342,7 +342,7 @@ class UserFlags:
     load_mode: str | None = None  # None and "auto" both mean: resolve
     n_gpu_layers: int = -1  # -ngl 0: the GPUs are not used (resolved as if there were none)
     vram_budget: int = 0  # --vram-budget: each GPU's free memory counts as at most this
-    cache_type: str = "f32"  # -ctk/-ctv: the KV cache's element type (f32, f16)
+    cache_type: str = "f16"  # -ctk/-ctv: the KV cache's element type (f16 as llama.cpp, or f32)
 
 
 @dataclass(frozen=True)

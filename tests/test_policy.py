@@ -204,3 +204,23 @@ def test_cached_victim_gives_the_same_decisions_as_a_fresh_search():
             db = b.decide(il, ids[il][~b.resident[il][ids[il]]])
             assert da == db
     assert a.uploads == b.uploads > 20
+
+
+def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
+    """A CUDA-graph decode takes whole passes (next_token) and draws the next one early
+    (draw_ahead); the choices must be those a layer-by-layer decode gets from the same seed."""
+    a = RoutingProcess(PRESETS["qwen3-moe"], 6, 32, 4, seed=3)
+    b = RoutingProcess(PRESETS["qwen3-moe"], 6, 32, 4, seed=3)
+    for step in range(20):
+        rs = [a.route(il, 1) for il in range(6)]
+        ids_b, w_b = b.next_token()
+        assert np.array_equal(np.stack([r.ids for r in rs]), ids_b), step
+        assert np.array_equal(np.stack([r.weights for r in rs]), w_b), step
+        assert w_b.shape == (6, 1, 4) and np.allclose(w_b.sum(axis=2), 1.0)
+        b.draw_ahead()
+        b.draw_ahead()  # idempotent: one pass ahead at most
+    # a multi-token pass drops the pass drawn ahead; both go on deterministically, with fresh choices
+    r = b.route(0, 5)
+    assert r.ids.shape == (5, 4) and not np.array_equal(r.ids[:1], ids_b[0])
+    b.new_prompt()
+    assert b._ahead is None

@@ -57,12 +57,22 @@ class _Routes:
 
     def draw(self, stream: cp.cuda.Stream) -> None:
         """The next token's choices for every MoE layer, layer order (as op-by-op decoding draws them)."""
-        for il in self.layers:
-            r = self.process.route(il, 1)
-            self.host_ids[il] = r.ids
-            self.host_w[il] = r.weights
+        nxt = getattr(self.process, "next_token", None)
+        if nxt is not None and len(self.layers) == self.host_ids.shape[0]:  # every layer at once
+            self.host_ids[:], self.host_w[:] = nxt()
+        else:
+            for il in self.layers:
+                r = self.process.route(il, 1)
+                self.host_ids[il] = r.ids
+                self.host_w[il] = r.weights
         self.ids.set(self.host_ids, stream=stream)
         self.weights.set(self.host_w, stream=stream)
+
+    def draw_ahead(self) -> None:
+        """Let the process draw the next step's choices while the device runs this one."""
+        ahead = getattr(self.process, "draw_ahead", None)
+        if ahead is not None:
+            ahead()
 
     def route(self, il: int, n_tokens: int) -> Any:
         """What the captured layers see in place of the process (device slices; ``n_tokens`` is 1)."""
@@ -113,6 +123,8 @@ class DecodeGraph:
             cap.graph.launch(cap.stream)
             for hk in model.pass_hooks:
                 hk.launched()
+            if cap.routes is not None:
+                cap.routes.draw_ahead()
             out = cap.out.get(stream=cap.stream)
             for hk in model.pass_hooks:
                 hk.end_pass()
