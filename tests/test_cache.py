@@ -336,3 +336,30 @@ def test_cli_cache_flags(model_path):
                       (["--moe-cache", "-5"], "--moe-cache must be")):
         r = CliRunner().invoke(app, run + args)
         assert r.exit_code == 1 and msg in r.output, r.output
+
+
+def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch):
+    """A prompt ubatch whose used experts exceed PROMPT_GROUP_BYTES computes them group by group (each
+    group's pairs scatter-added); the output is the all-CPU output, and no group brings more than the
+    cap's worth of experts to the backend."""
+    import moecache.moe.cache as cache_mod
+
+    rng = np.random.default_rng(5)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        per = CachedExperts._expert_bytes(ew[0])
+        monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
+        cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        _fill(cache, ew, [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8])
+        biggest = []
+        real = cache._prompt_group
+        monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (biggest.append(used.size), real(il, e, h, r, used))[1])
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache)
+        prompt = rng.integers(0, c.n_vocab, 40)
+        np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
+                                   ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+        assert max(biggest) == 3 and len(biggest) >= c.n_layer * 2  # every layer split, none over the cap
+        assert cache.prompt_slot_reads > 0  # resident experts still read from their slots
+        cache.close()

@@ -312,11 +312,13 @@ CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit 
 
 
 @pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged"])
-def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
+def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode, monkeypatch):
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
-    pin-staged: misses copied into a VRAM scratch by stage_misses first."""
+    pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
+    experts one at a time (PROMPT_GROUP_BYTES = 1: the grouped path, scatter-adds on the GPU)."""
+    monkeypatch.setattr("moecache.moe.cache.PROMPT_GROUP_BYTES", 1)
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
     from moecache.engine import Engine, EngineConfig
