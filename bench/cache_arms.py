@@ -99,7 +99,10 @@ def render(rows: list[dict], model_name: str, argv: str) -> str:
 
 def main() -> None:
     from cli.main import parse_size
+    import numpy as np
+
     from moecache.devices import gpu_free_bytes
+    from moecache.engine import KV_TYPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", type=Path, required=True)
@@ -120,6 +123,9 @@ def main() -> None:
     ap.add_argument("--cold-static", action="store_true", help="no generated warm-up for the cache-off and static "
                     "arms (they have no cache to warm; saves device time)")
     a = ap.parse_args()
+    if a.cache_type not in KV_TYPES:
+        raise SystemExit(f"-ctk must be one of {', '.join(KV_TYPES)}, got {a.cache_type!r}")
+    kv_itemsize = np.dtype(KV_TYPES[a.cache_type]).itemsize
     free, why = gpu_free_bytes()
     if not free:
         raise SystemExit(f"no GPU: {why}")
@@ -130,7 +136,8 @@ def main() -> None:
         if a.resume and jsonl.exists() else []
     if not a.resume:
         jsonl.write_text("")
-    done = {(r["prompt"], r["budget"], r["routing"], r["arm"]) for r in rows}
+    done = {(r["prompt"], r["budget"], r["routing"], r["arm"]) for r in rows
+            if r.get("type_k", "f32") == a.cache_type}  # --resume with another -ctk reruns the arms
     ran = 0
     tests = {"short": ("tetris-chat.txt", 4096), "long": ("long-configparser.py.txt", 16384)}
     for test in a.tests.split(","):
@@ -140,7 +147,7 @@ def main() -> None:
             raise SystemExit(f"{prompt_file}: {n_prompt} tokens + {a.n} + warm-up {a.warmup} do not fit -c {n_ctx}")
         for budget_text in a.vram_budget.split(","):
             budget = parse_size(budget_text, "--vram-budget")
-            static_n = best_static(a.model, n_ctx, budget, free[0], 2 if a.cache_type == "f16" else 4)
+            static_n = best_static(a.model, n_ctx, budget, free[0], kv_itemsize)
             for routing in a.routing.split(","):
                 common = ["-p", str(n_prompt), "-n", str(a.n), "-r", str(a.r), "-c", str(n_ctx),
                           "--vram-budget", budget_text, "--routing", routing, "--load-mode", a.load_mode,
@@ -171,9 +178,10 @@ def main() -> None:
         n_prompt = prompt_tokens(a.model, tests["short"][0])
         n_ctx = tests["short"][1]
         ncmoe = best_static(a.model, n_ctx, parse_size(a.vram_budget.split(",")[0], "--vram-budget"), free[0],
-                            2 if a.cache_type == "f16" else 4)
+                            kv_itemsize)
         out = subprocess.run([str(a.llama_bench), "-m", str(a.model), "-p", str(n_prompt), "-n", str(a.n), "-ngl",
-                              "99", "-ncmoe", str(ncmoe), "-o", "md"], capture_output=True, text=True, env=env)
+                              "99", "-ncmoe", str(ncmoe), "-ctk", a.cache_type, "-ctv", a.cache_type, "-o", "md"],
+                             capture_output=True, text=True, env=env)
         a.out.with_suffix(".llama-bench.md").write_text(out.stdout + out.stderr[-2000:])
 
 

@@ -1,20 +1,24 @@
 """Where a cache-on decode token's time goes: GPU replay time against the host's share, per token.
 
-Loads the model twice in one process: with the expert cache at ``--vram-budget`` (zero-copy misses,
-CUDA-graph decode) and entirely in VRAM (no budget: the same graph without misses). Both use the
-same routing process. After ``--warmup`` generated tokens, each decodes ``-n`` tokens while this
+Loads the model several times in one process: with the expert cache at ``--vram-budget``
+(zero-copy misses, CUDA-graph decode), for each KV cache type of ``-ctk``, with misses read in place
+and staged (``--no-staged``: in place only); then entirely in VRAM (no budget: the same graph
+without misses, at the first ``-ctk`` type). All use the same routing process. After ``--warmup`` generated tokens, each decodes ``-n`` tokens while this
 script times, per token:
 
 - wall: the whole ``Engine.eval`` of one token;
 - gpu: the graph replay on its stream (CUDA events around the launch);
-- draw: the routing process's draw before the launch (benchmarks only);
+- feed: copying the routing process's pass (drawn during the previous replay) to the device
+  before the launch (benchmarks only);
+- ahead: drawing the next pass while the graph runs (``draw_ahead``; off the critical path while
+  it is shorter than the replay);
 - begin / flush / end: the expert cache's pass hooks (map upload, policy accounting while the graph
   runs, routing log read-back);
 
 then each cache-on engine decodes ``-n`` more tokens with uploads frozen (no admissions), which
-separates the uploads' share of the link from the misses'. The cache runs twice: misses read by
-the MoE kernels straight from host RAM, and staged into VRAM by a copy kernel first
-(``stage_misses``). Prints a markdown table.
+separates the uploads' share of the link from the misses'. Misses are read by the MoE kernels
+straight from host RAM, or staged into VRAM by a copy kernel first (``stage_misses``). Prints a
+markdown table.
 
     python bench/cache_profile.py -m /tmp/q30.gguf --vram-budget 8GiB --routing qwen3-moe
 """
@@ -77,11 +81,12 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
     g = eng.model.decode_graph
     if g is None or g._cap is None:
         raise SystemExit(f"decode does not run as a CUDA graph ({'no graph' if g is None else g.failed})")
-    parts: dict[str, list[float]] = {k: [] for k in ("wall", "gpu", "draw", "begin", "flush", "end")}
+    parts: dict[str, list[float]] = {k: [] for k in ("wall", "gpu", "draw", "ahead", "begin", "flush", "end")}
     timed = _TimedGraph(g._cap.graph, parts["gpu"])
     g._cap.graph = timed
     if g._cap.routes is not None:
         _timed(g._cap.routes, "draw", parts["draw"])
+        _timed(g._cap.routes, "draw_ahead", parts["ahead"])
     for c in eng.caches:
         _timed(c, "begin_pass", parts["begin"])
         _timed(c, "flush", parts["flush"])
@@ -98,7 +103,7 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
 def main() -> None:
     from cli.main import parse_size
     from moecache.engine import Engine, EngineConfig
-    from moecache.load_mode import release_pinned
+    from moecache.benchmark import release_gpu_memory
     from moecache.moe.policy import PolicyConfig
     from moecache.moe.routing_process import make_routing
     from moecache.placement import PlacementOptions
@@ -111,7 +116,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=256)
     ap.add_argument("-t", type=int, default=15)
-    ap.add_argument("-ctk", "--cache-type", default="f32",
+    ap.add_argument("-ctk", "--cache-type", default="f16",
                     help="KV cache types to compare, comma list (f32,f16): one pair of cache-on rows each")
     ap.add_argument("--no-staged", action="store_true", help="skip the staged-misses rows")
     a = ap.parse_args()
@@ -122,7 +127,8 @@ def main() -> None:
         arms.append((f"cache on, {a.vram_budget}, KV {kv}", PlacementOptions(vram_budget=budget), "pin", False, kv))
         if not a.no_staged:
             arms.append((f"cache on, staged misses, KV {kv}", PlacementOptions(vram_budget=budget), "pin", True, kv))
-    arms.append(("all in VRAM", PlacementOptions(), "mmap", False, "f32"))
+    first_kv = a.cache_type.split(",")[0]
+    arms.append((f"all in VRAM, KV {first_kv}", PlacementOptions(), "mmap", False, first_kv))
     for label, opts, mode, stage, kv in arms:
         with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t, cache_type=kv), placement=opts, load_mode=mode,
                     policy_config=PolicyConfig(adaptive=True), stage_misses=stage) as eng:
@@ -146,14 +152,15 @@ def main() -> None:
                 rows.append((label + ", uploads frozen", res,
                              [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
         del eng  # the next arm pins the model again: give this one's pinned RAM back first
-        release_pinned()
+        release_gpu_memory()
     print(f"# Decode time per token: {a.model.name}, --routing {a.routing}, -c {a.c}\n")
-    print("| engine | t/s | wall ms | GPU replay ms | draw ms | begin ms | flush ms | end ms | hit rate | uploads/token |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| engine | t/s | wall ms | GPU replay ms | feed ms | ahead ms | begin ms | flush ms | end ms | hit rate | "
+          "uploads/token |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label, r, hits in rows:
         hr = ", ".join(f"{100 * h:.1f}%" for h, _ in hits) or "-"
         up = ", ".join(f"{u:.2f}" for _, u in hits) or "-"
-        print(f"| {label} | {1e3 / r['wall']:.1f} | {r['wall']:.2f} | {r['gpu']:.2f} | {r['draw']:.2f} | "
+        print(f"| {label} | {1e3 / r['wall']:.1f} | {r['wall']:.2f} | {r['gpu']:.2f} | {r['draw']:.2f} | {r['ahead']:.2f} | "
               f"{r['begin']:.2f} | {r['flush']:.2f} | {r['end']:.2f} | {hr} | {up} |")
 
 

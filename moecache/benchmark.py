@@ -264,7 +264,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
         finally:
             eng.close()
             del eng
-            _release_gpu_memory()  # the next combination is planned on the GPUs' free memory
+            release_gpu_memory()  # the next combination is planned on the GPUs' free memory
     return results
 
 
@@ -285,7 +285,7 @@ def _gpu_used_bytes() -> int | None:
         return None
 
 
-def _release_gpu_memory() -> None:
+def release_gpu_memory() -> None:
     """Return CuPy's cached blocks to the driver (no-op without CuPy loaded)."""
     import gc
     import sys

@@ -80,19 +80,3 @@ def pin_model(model: GGUFModel, progress: Callable[[int, int, float], None] | No
             progress(off, total, time.perf_counter() - t0)
     return buf
 
-
-def release_pinned() -> None:
-    """Return CuPy's cached page-locked blocks to the OS.
-
-    A pinned model buffer freed by Python goes back to CuPy's pinned-memory pool, not to the OS, so
-    a second :func:`pin_model` in the same process would find that RAM still taken. Call this after
-    the last reference to an engine's buffer is gone (``del engine``); a no-op without CuPy.
-    """
-    import gc
-
-    gc.collect()
-    try:
-        import cupy
-    except ImportError:
-        return
-    cupy.get_default_pinned_memory_pool().free_all_blocks()

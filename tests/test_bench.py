@@ -79,3 +79,46 @@ def test_bench_on_a_tiny_model_in_every_format(tiny):
 def test_bad_bench_flags(tiny, args, msg):
     r = CliRunner().invoke(app, ["bench", "-m", str(tiny), *args])
     assert r.exit_code == 1 and msg in r.output
+
+
+def _cache_arms():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cache_arms", Path(__file__).parents[1] / "bench" / "cache_arms.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
+    """bench/cache_arms.py: the static arm is the smallest --n-cpu-moe whose placement fits the
+    budget (one layer fewer on the CPU would not fit), at the arms' KV type; the table gives the
+    cache-on ratios of the same run."""
+    from moecache.gguf_file import open_gguf
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementError, PlacementOptions, model_sizes, plan
+
+    arms = _cache_arms()
+    with open_gguf(tiny) as m:
+        sizes = model_sizes(m, 256, 2)
+    n = sizes.n_layer
+    # a budget that holds the dense part and about half the experts
+
+    need = sum(sizes.dense) + n * sizes.kv + sizes.output + sizes.token_embd
+    budget = int((RESERVE_BYTES + sizes.largest_matrix_f32 + need + sum(sizes.experts) // 2) / USABLE_FRACTION)
+    k = arms.best_static(tiny, 256, budget, 1 << 41, 2)
+    assert 0 < k < n
+
+    def fits(n_cpu):
+        try:
+            plan(PlacementOptions(n_gpu_layers=99, n_cpu_moe=n_cpu, vram_budget=budget), sizes, [1 << 41])
+            return True
+        except PlacementError:
+            return False
+
+    assert fits(k) and not fits(k - 1)
+    rows = [{"prompt": "p.txt", "budget": "8GiB", "routing": "uniform", "arm": arm, "n_prompt": 0, "n_gen": 64,
+             "avg_ts": ts, "hit_rate": hr, "uploads_per_token": None, "vram_used_mib": 100}
+            for arm, ts, hr in (("cache off (--cpu-moe)", 5.0, None), (f"best static (--n-cpu-moe {k})", 10.0, None),
+                                ("cache on", 25.0, 0.5))]
+    md = arms.render(rows, "tiny.gguf", "-m tiny.gguf")
+    assert "| p.txt | 8GiB | uniform | tg64 | 2.50x | 5.00x |" in md

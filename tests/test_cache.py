@@ -363,3 +363,16 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         assert max(biggest) == 3 and len(biggest) >= c.n_layer * 2  # every layer split, none over the cap
         assert cache.prompt_slot_reads > 0  # resident experts still read from their slots
         cache.close()
+
+
+def test_add_rows_sums_repeated_rows_in_order():
+    from moecache.moe.cache import _add_rows
+
+    rng = np.random.default_rng(8)
+    rows = np.sort(rng.integers(0, 7, 30))  # non-decreasing, with repeats (a token's pairs in one group)
+    y = rng.standard_normal((30, 5)).astype(np.float32)
+    out = rng.standard_normal((9, 5)).astype(np.float32)
+    want = out.astype(np.float64)
+    np.add.at(want, rows, y.astype(np.float64))
+    _add_rows(NumpyBackend(), out, rows, y)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

@@ -317,8 +317,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
-    experts one at a time (PROMPT_GROUP_BYTES = 1: the grouped path, scatter-adds on the GPU)."""
-    monkeypatch.setattr("moecache.moe.cache.PROMPT_GROUP_BYTES", 1)
+    experts three at a time (the grouped path: a token's pairs in one group summed on the GPU)."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
     from moecache.engine import Engine, EngineConfig
@@ -335,6 +334,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=budget), load_mode=load_mode,
                    policy_config=PolicyConfig(**CHURN), stage_misses=stage) as eng:
         cache = eng.caches[0]
+        monkeypatch.setattr("moecache.moe.cache.PROMPT_GROUP_BYTES",
+                            3 * cache._expert_bytes(next(iter(cache.layers.values()))))
         assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
         assert cache.direct == (load_mode == "pin")

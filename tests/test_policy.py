@@ -208,19 +208,25 @@ def test_cached_victim_gives_the_same_decisions_as_a_fresh_search():
 
 def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
     """A CUDA-graph decode takes whole passes (next_token) and draws the next one early
-    (draw_ahead); the choices must be those a layer-by-layer decode gets from the same seed."""
-    a = RoutingProcess(PRESETS["qwen3-moe"], 6, 32, 4, seed=3)
-    b = RoutingProcess(PRESETS["qwen3-moe"], 6, 32, 4, seed=3)
-    for step in range(20):
-        rs = [a.route(il, 1) for il in range(6)]
-        ids_b, w_b = b.next_token()
+    (draw_ahead); every pass, including prompts and new prompts after graph-decoded tokens, must get
+    the choices a layer-by-layer decode gets from the same seed."""
+    n_layer, k = 6, 4
+    a = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 32, k, seed=3)  # op by op
+    b = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 32, k, seed=3)  # graph: whole passes, drawn ahead
+    plan = [8, 1, 1, 1, 5, 1, 1, "new", 7, 1, 1, "new", 1, 1]
+    for step, n in enumerate(plan):
+        if n == "new":
+            a.new_prompt()
+            b.new_prompt()
+            continue
+        rs = [a.route(il, n) for il in range(n_layer)]
+        if n == 1:
+            ids_b, w_b = b.next_token()
+            assert w_b.shape == (n_layer, 1, k) and np.allclose(w_b.sum(axis=2), 1.0)
+            b.draw_ahead()
+            b.draw_ahead()  # idempotent: one pass ahead at most
+        else:
+            got = [b.route(il, n) for il in range(n_layer)]
+            ids_b, w_b = np.stack([r.ids for r in got]), np.stack([r.weights for r in got])
         assert np.array_equal(np.stack([r.ids for r in rs]), ids_b), step
         assert np.array_equal(np.stack([r.weights for r in rs]), w_b), step
-        assert w_b.shape == (6, 1, 4) and np.allclose(w_b.sum(axis=2), 1.0)
-        b.draw_ahead()
-        b.draw_ahead()  # idempotent: one pass ahead at most
-    # a multi-token pass drops the pass drawn ahead; both go on deterministically, with fresh choices
-    r = b.route(0, 5)
-    assert r.ids.shape == (5, 4) and not np.array_equal(r.ids[:1], ids_b[0])
-    b.new_prompt()
-    assert b._ahead is None

@@ -14,9 +14,9 @@ outside it can reuse the graph's buffers.
 Routed experts in host RAM fit in the graph when an expert cache reads its misses zero-copy
 (:mod:`moecache.moe.cache`): the model's pass hooks run around each replay (the map upload before
 the launch on the graph's stream, the host's policy work while the graph runs). A routing process
-(``--routing``, benchmarks) is drawn on the host for every MoE layer before each replay, in the
-order op-by-op decoding draws it, and copied into persistent device buffers the captured layers
-read.
+(``--routing``, benchmarks) gives each replay a whole pass (every MoE layer's choices, the ones
+op-by-op decoding would get), copied into persistent device buffers the captured layers read; the
+next pass is drawn on the host while the current replay runs (``draw_ahead``).
 
 A capture that fails (an operation that needs the host mid-step) is said once and the steps run op
 by op from then on.
@@ -58,7 +58,7 @@ class _Routes:
     def draw(self, stream: cp.cuda.Stream) -> None:
         """The next token's choices for every MoE layer, layer order (as op-by-op decoding draws them)."""
         nxt = getattr(self.process, "next_token", None)
-        if nxt is not None and len(self.layers) == self.host_ids.shape[0]:  # every layer at once
+        if nxt is not None and len(self.layers) == self.host_ids.shape[0] == getattr(self.process, "n_layer", -1):
             self.host_ids[:], self.host_w[:] = nxt()
         else:
             for il in self.layers:

@@ -243,14 +243,6 @@ class CupyBackend(ArrayOps):
         with cp.cuda.Device(self.device):
             return cp.zeros(shape, dtype)
 
-    def scatter_add(self, out: cp.ndarray, rows: np.ndarray, src: cp.ndarray) -> None:
-        """``out[rows[i]] += src[i]`` for every i, repeated rows summed (atomic adds on this GPU):
-        out float32 (T, n), rows int (P,) host, src float32 (P, n)."""
-        import cupyx
-
-        with cp.cuda.Device(self.device):
-            cupyx.scatter_add(out, self._put(np.asarray(rows, np.int64)), src)
-
     # ---- quantized operations ----------------------------------------------------------------------
     def _suffix(self, w: Linear) -> str:
         return SUFFIX[format_for(w.ggml_type, w.name).name]

@@ -85,10 +85,6 @@ class NumpyBackend(ArrayOps):
         """uint8 zeros (expert-cache slots)."""
         return np.zeros(shape, np.uint8)
 
-    def scatter_add(self, out: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
-        """``out[rows[i]] += src[i]``, repeated rows summed (the twin of :meth:`CupyBackend.scatter_add`)."""
-        np.add.at(out, np.asarray(rows, np.int64), src)
-
     def upload(self, a: np.ndarray) -> np.ndarray:
         """Raw weight bytes as this backend keeps them: host arrays stay where they are (no copy)."""
         return a

@@ -91,6 +91,19 @@ class _Pool:
     owner: list = field(default_factory=list)  # slot -> (layer, expert) or None
 
 
+def _add_rows(be: Any, out: Any, rows: np.ndarray, y: Any) -> None:
+    """``out[rows[i]] += y[i]`` for every i, with ``rows`` non-decreasing (a row repeats for each of
+    its pairs): the repeats are summed in pair order (a padded gather and a reduction, no atomics),
+    so the result is the same on every run. out float32 (T, n), y float32 (P, n), rows int (P,)."""
+    uniq, start, counts = np.unique(rows, return_index=True, return_counts=True)
+    idx = np.full((uniq.size, int(counts.max())), rows.size, np.int64)  # padding: a zero row
+    for j in range(idx.shape[1]):
+        has = counts > j
+        idx[has, j] = start[has] + j
+    padded = be.xp.concatenate([y, be.xp.zeros((1, y.shape[1]), y.dtype)])
+    out[be.asarray(uniq.astype(np.int64))] += padded[be.asarray(idx)].sum(axis=1)
+
+
 class CachedExperts:
     """Routed experts in host RAM with a cache of hot ones in slots on ``backend``.
 
@@ -362,7 +375,8 @@ class CachedExperts:
         The used experts' weights are brought to the device :data:`PROMPT_GROUP_BYTES` at a time, so
         a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
         prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise). Each group computes
-        its own (token, expert) pairs, weighted, and scatter-adds them into the output."""
+        its own (token, expert) pairs, weighted, and adds them into the output (in a fixed order: the
+        same sums on every run, as the ungrouped path)."""
         used = np.unique(r.ids)
         per = self._expert_bytes(e)
         group = max(1, PROMPT_GROUP_BYTES // per)
@@ -378,7 +392,7 @@ class CachedExperts:
             sub = Routing(flat[sel].reshape(-1, 1).astype(np.int32),
                           r.weights.reshape(-1)[sel].reshape(-1, 1).astype(np.float32))
             y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group])
-            be.scatter_add(out, rows, y)
+            _add_rows(be, out, rows, y)
         return out
 
     @staticmethod

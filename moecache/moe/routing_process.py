@@ -68,15 +68,16 @@ class RoutingProcess:
         self._cur_ids = self._cur_w = np.zeros((n_layer, 0, k))  # the current pass's choices (L, T, k)
         self._left: set[int] = set()  # layers of the current pass not handed out yet
         self._ahead: tuple[np.ndarray, np.ndarray] | None = None  # the next decode pass, drawn early
+        self._before_ahead: tuple[dict, np.ndarray] | None = None  # (rng state, x) before that draw
         self.new_prompt()
 
     def new_prompt(self) -> None:
         """Draw a new prompt's hot set (``v_prompt``); the topic and popularity stay."""
+        self._drop_ahead()  # choices drawn with the old hot set are not handed out
+        self._left = set()
         lam = self.p.lam
         v = self.rng.standard_normal((self.n_layer, self.n_expert))
         self.w = math.sqrt(1 - lam) * self.topic + math.sqrt(lam) * v
-        self._left = set()  # choices drawn with the old hot set are not handed out
-        self._ahead = None
 
     def route(self, layer: int, n_tokens: int) -> Routing:
         """The next ``n_tokens`` tokens' choices at ``layer``: ids int32 (T, k) best first, weights
@@ -100,15 +101,23 @@ class RoutingProcess:
     def draw_ahead(self) -> None:
         """Draw the next decode pass now (a CUDA-graph decode calls this while the device runs the
         current one, so the draw leaves the critical path). The next single-token pass takes it;
-        a multi-token pass or :meth:`new_prompt` drops it (the process goes on after it)."""
+        a multi-token pass or :meth:`new_prompt` drops it and rewinds the process to before it, so
+        every pass gets the choices it would get without drawing ahead."""
         if self._ahead is None:
+            self._before_ahead = (self.rng.bit_generator.state, self.x)
             self._ahead = self._draw(1)
 
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self.rng.bit_generator.state, self.x = self._before_ahead
+        self._ahead = self._before_ahead = None
+
     def _start_pass(self, n_tokens: int) -> None:
-        ahead, self._ahead = self._ahead, None
-        if n_tokens == 1 and ahead is not None:
-            self._cur_ids, self._cur_w = ahead
+        if n_tokens == 1 and self._ahead is not None:
+            self._cur_ids, self._cur_w = self._ahead
+            self._ahead = self._before_ahead = None
         else:
+            self._drop_ahead()
             self._cur_ids, self._cur_w = self._draw(n_tokens)
         self._left = set(range(self.n_layer))
 
