@@ -100,7 +100,7 @@ def _add_rows(be: Any, out: Any, rows: np.ndarray, y: Any) -> None:
     for j in range(idx.shape[1]):
         has = counts > j
         idx[has, j] = start[has] + j
-    padded = be.xp.concatenate([y, be.xp.zeros((1, y.shape[1]), y.dtype)])
+    padded = be.xp.concatenate([y, be.zeros((1, y.shape[1]), y.dtype)])
     out[be.asarray(uniq.astype(np.int64))] += padded[be.asarray(idx)].sum(axis=1)
 
 
