@@ -15,8 +15,9 @@ script times, per token:
 - begin / flush / end: the expert cache's pass hooks (map upload, policy accounting while the graph
   runs, routing log read-back);
 
-then each cache-on engine decodes ``-n`` more tokens with uploads frozen (no admissions), which
-separates the uploads' share of the link from the misses'. Misses are read by the MoE kernels
+then each cache-on engine decodes ``-n`` more tokens at each fixed upload budget of
+``--upload-caps`` (default 0: uploads frozen, no admissions), which separates the uploads' share of
+the link from the misses'. Hit rates and uploads per token are those of the timed tokens. Misses are read by the MoE kernels
 straight from host RAM, or staged into VRAM by a copy kernel first (``stage_misses``). Prints a
 markdown table.
 
@@ -78,6 +79,8 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
     eng.eval(rng.integers(0, vocab, 8))
     for _ in range(max(1, warmup)):  # at least one: the graph is captured at the first decode step
         eng.eval([int(rng.integers(0, vocab))])
+    for c in eng.caches:  # hit rate and uploads of the timed tokens only
+        c.reset_stats()
     g = eng.model.decode_graph
     if g is None or g._cap is None:
         raise SystemExit(f"decode does not run as a CUDA graph ({'no graph' if g is None else g.failed})")
@@ -119,6 +122,8 @@ def main() -> None:
     ap.add_argument("-ctk", "--cache-type", default="f16",
                     help="KV cache types to compare, comma list (f32,f16): one pair of cache-on rows each")
     ap.add_argument("--no-staged", action="store_true", help="skip the staged-misses rows")
+    ap.add_argument("--upload-caps", default="0", help="after the adaptive run, -n more tokens at each of these "
+                    "fixed upload budgets per token, comma list (0 = uploads frozen; empty: none)")
     a = ap.parse_args()
     budget = parse_size(a.vram_budget, "--vram-budget")
     rows = []
@@ -141,15 +146,16 @@ def main() -> None:
             label += f" ({sum(cc.policy.n_slots for cc in eng.caches)} slots)" if eng.caches else ""
             hits = [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]
             rows.append((label, res, hits))
-            if eng.caches:  # uploads frozen: the misses' own cost
+            for cap in (float(x) for x in a.upload_caps.split(",") if x) if eng.caches else ():
+                # a fixed upload budget (0: uploads frozen, the misses' own cost)
                 for cc in eng.caches:
-                    cc.flush()
-                    cc.policy.uploads_per_token = 0.0
+                    cc.flush()  # the adaptive run's last pass is accounted under its own budget
+                    cc.policy.uploads_per_token = cap
                     cc.policy.credit = 0.0
-                    cc.policy.cfg = PolicyConfig(**{**cc.policy.cfg.__dict__, "adaptive": False, "burst": 0.0})
-                    cc.reset_stats()
+                    cc.policy.cfg = PolicyConfig(**{**cc.policy.cfg.__dict__, "adaptive": False, "burst": cap,
+                                                    "uploads_per_token": cap})
                 res = profile(eng, a.n, 0, rng)
-                rows.append((label + ", uploads frozen", res,
+                rows.append((label + (", uploads frozen" if cap == 0 else f", <= {cap:g} uploads/token"), res,
                              [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
         del eng  # the next arm pins the model again: give this one's pinned RAM back first
         release_gpu_memory()
