@@ -9,7 +9,8 @@ same tests, seed, ``-c`` and load mode, after the same warm-up of generated toke
 - ``cache on``: every expert in host RAM, the budget's free VRAM as the expert cache.
 
 The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens, at ``-c 4096``;
-the long test is ``long-configparser.py.txt``'s (~12k tokens) at ``-c 16384``; prefill and decode
+the long test is ``long-configparser.py.txt``'s (~12k tokens) at ``-c 16384``: its prefill (pp), and
+decode after it (``tg256 @ d<prompt>``, llama-bench's depth: the prompt is evaluated untimed first),
 reported separately. The best static arm is planned with that same context, so every arm's KV cache
 is the same size. Writes a markdown table
 and jsonl under ``--out``. ``--llama-bench PATH`` adds stock
@@ -80,6 +81,7 @@ def render(rows: list[dict], model_name: str, argv: str) -> str:
     speed: dict[tuple, dict[str, float]] = {}
     for r in rows:
         test = f"pp{r['n_prompt']}" if r["n_prompt"] and not r["n_gen"] else f"tg{r['n_gen']}"
+        test += f" @ d{r['n_depth']}" if r.get("n_depth") else ""
         hr = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
         up = "-" if r.get("uploads_per_token") is None else f"{r['uploads_per_token']:.2f}"
         vram = "-" if r.get("vram_used_mib") is None else str(r["vram_used_mib"])
@@ -143,14 +145,15 @@ def main() -> None:
     for test in a.tests.split(","):
         prompt_file, n_ctx = tests[test]  # -c of every arm (its KV cache counts against the budget)
         n_prompt = prompt_tokens(a.model, prompt_file)
-        if n_ctx < max(n_prompt, a.n) + max(1, a.warmup) + 8:
-            raise SystemExit(f"{prompt_file}: {n_prompt} tokens + {a.n} + warm-up {a.warmup} do not fit -c {n_ctx}")
+        need = (max(n_prompt, a.n) + max(1, a.warmup) if test == "short" else max(n_prompt + a.n, a.warmup + 1)) + 8
+        if n_ctx < need:
+            raise SystemExit(f"{prompt_file}: {n_prompt} tokens, -n {a.n} and warm-up {a.warmup} need -c {need}, "
+                             f"the {test} test runs at {n_ctx}")
         for budget_text in a.vram_budget.split(","):
             budget = parse_size(budget_text, "--vram-budget")
             static_n = best_static(a.model, n_ctx, budget, free[0], kv_itemsize)
             for routing in a.routing.split(","):
-                common = ["-p", str(n_prompt), "-n", str(a.n), "-r", str(a.r), "-c", str(n_ctx),
-                          "--vram-budget", budget_text, "--routing", routing, "--load-mode", a.load_mode,
+                common = ["-r", str(a.r), "-c", str(n_ctx), "--vram-budget", budget_text, "--routing", routing, "--load-mode", a.load_mode,
                           "-ngl", "99", "-ctk", a.cache_type, "-ctv", a.cache_type]
                 # the generated warm-up fills the cache; with --cold-static the static arms (nothing to
                 # warm: their speed does not depend on the tokens before) skip it to save device time
@@ -165,7 +168,12 @@ def main() -> None:
                     if a.max_arms and ran >= a.max_arms:
                         break
                     ran += 1
-                    for rec in run_arm(a.model, common + extra, log):
+                    # short: pp and tg from an empty context (llama-bench's pp/tg); long: the prefill,
+                    # then (a second bench run, the same engine settings) decode after that prompt
+                    shapes = [["-p", str(n_prompt), "-n", str(a.n)]] if test == "short" else \
+                        [["-p", str(n_prompt), "-n", "0"], ["-p", "0", "-n", str(a.n), "-d", str(n_prompt)]]
+                    recs = [rec for shape in shapes for rec in run_arm(a.model, shape + common + extra, log)]
+                    for rec in recs:
                         rec.update({"arm": arm, "prompt": prompt_file, "budget": budget_text})
                         rows.append(rec)
                         with jsonl.open("a") as f:  # written as each arm ends: a part can stop anywhere

@@ -120,5 +120,7 @@ def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
              "avg_ts": ts, "hit_rate": hr, "uploads_per_token": None, "vram_used_mib": 100}
             for arm, ts, hr in (("cache off (--cpu-moe)", 5.0, None), (f"best static (--n-cpu-moe {k})", 10.0, None),
                                 ("cache on", 25.0, 0.5))]
+    rows += [{**rows[1], "n_depth": 300, "avg_ts": 8.0}, {**rows[2], "n_depth": 300, "avg_ts": 20.0}]
     md = arms.render(rows, "tiny.gguf", "-m tiny.gguf")
     assert "| p.txt | 8GiB | uniform | tg64 | 2.50x | 5.00x |" in md
+    assert "| p.txt | 8GiB | uniform | tg64 @ d300 | 2.50x | - |" in md  # decode after the long prompt
