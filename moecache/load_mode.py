@@ -79,4 +79,3 @@ def pin_model(model: GGUFModel, progress: Callable[[int, int, float], None] | No
         if progress is not None:
             progress(off, total, time.perf_counter() - t0)
     return buf
-

@@ -222,7 +222,7 @@ class CachedExperts:
                                            (e.gate[a.expert], e.up[a.expert], e.down[a.expert]))
             self._pending.append((copy, a.layer, a.expert, slot))
             self.stats.uploads += 1
-            self.stats.uploaded_bytes += e.gate[a.expert].nbytes + e.up[a.expert].nbytes + e.down[a.expert].nbytes
+            self.stats.uploaded_bytes += self._expert_bytes(e)
 
     # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
     def begin_pass(self, n_tokens: int) -> None:
