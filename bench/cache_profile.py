@@ -3,8 +3,9 @@
 Loads the model several times in one process: with the expert cache at ``--vram-budget``
 (zero-copy misses, CUDA-graph decode), for each KV cache type of ``-ctk``, with misses read in place
 and staged (``--no-staged``: in place only); then entirely in VRAM (no budget: the same graph
-without misses, at the first ``-ctk`` type). All use the same routing process. After ``--warmup`` generated tokens, each decodes ``-n`` tokens while this
-script times, per token:
+without misses, at the first ``-ctk`` type). All use the same routing process. After ``--warmup`` generated tokens, each
+starts a fresh 8-token context (the expert cache stays warm; every timed run starts at the same
+position) and decodes ``-n`` tokens while this script times, per token:
 
 - wall: the whole ``Engine.eval`` of one token;
 - gpu: the graph replay on its stream (CUDA events around the launch);
@@ -79,6 +80,10 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
     eng.eval(rng.integers(0, vocab, 8))
     for _ in range(max(1, warmup)):  # at least one: the graph is captured at the first decode step
         eng.eval([int(rng.integers(0, vocab))])
+    # the timed tokens start at the same position after any warm-up (attention grows with it), as
+    # llama-bench's tg tests do: a fresh context, the expert cache as the warm-up left it
+    eng.reset()
+    eng.eval(rng.integers(0, vocab, 8))
     for c in eng.caches:  # hit rate and uploads of the timed tokens only
         c.reset_stats()
     g = eng.model.decode_graph

@@ -170,6 +170,32 @@ def test_softmax_topk_kernel_matches_numpy(gpu):
         np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_ctx", [300, 5000, 16384])
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_decode_attention_key_runs(gpu, n_ctx, kv):
+    """attn_decode splits a query's keys into runs (several per head once the cache holds more than
+    256 positions) and merges them: against the numpy twin at the first, a middle and the last
+    position, with and without a window, for several decode batch sizes."""
+    from moecache.backends import NumpyBackend
+    from moecache.backends.cupy_backend import att_splits
+
+    assert att_splits(n_ctx) > 1
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    n_head, n_kv, d = 8, 2, 128
+    k = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float32)
+    dt = np.float16 if kv == "f16" else np.float32
+    k, v = k.astype(dt), v.astype(dt)
+    for n_tok, pos0, window in [(1, 0, None), (1, n_ctx // 2 + 3, None), (1, n_ctx - 1, None), (3, n_ctx - 3, 100),
+                                (16, n_ctx // 3, None), (2, 700 % n_ctx, 9)]:
+        q = rng.standard_normal((n_tok, n_head, d)).astype(np.float32)
+        ref = NumpyBackend().attention(q, k.astype(np.float32), v.astype(np.float32), pos0, 0.09, window, None)
+        got = cp.asnumpy(gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos0, 0.09, window, None))
+        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"seed {seed}, n_ctx {n_ctx}, {kv}, pos0 {pos0}, window {window}")
+
+
 @pytest.mark.parametrize("n_tok", [1, 4, 16, 40])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])
 def test_layer_ops_match_numpy_twin(gpu, n_tok, window, softcap):

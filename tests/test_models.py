@@ -167,3 +167,30 @@ def test_sliding_window_masks_old_positions():
             a /= a.sum()
             ref = sum(a_i * v[j, 0] for a_i, j in zip(a, js))
             np.testing.assert_allclose(out[p, h * 8:(h + 1) * 8], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0)])
+def test_prompt_attention_in_query_chunks(monkeypatch, window, softcap):
+    """Prompt attention splits its queries so the float32 scores stay under ATTENTION_SCORE_BYTES:
+    with a budget of a few queries per chunk, every query still matches a float64 brute force
+    (grouped-query heads, a float16 cache, queries after earlier positions)."""
+    from moecache.backends import ops
+
+    rng = np.random.default_rng(11)
+    n_ctx, pos0, t, n_head, n_kv, d = 40, 9, 23, 4, 2, 16
+    k = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float16)
+    v = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float16)
+    q = rng.standard_normal((t, n_head, d)).astype(np.float32)
+    monkeypatch.setattr(ops, "ATTENTION_SCORE_BYTES", 4 * n_head * (pos0 + t) * 3)  # 3 queries per chunk
+    out = NumpyBackend().attention(q, k, v, pos0, 0.3, window, softcap)
+    kd, vd = k.astype(np.float64), v.astype(np.float64)
+    for i in range(t):
+        p = pos0 + i
+        js = np.array([j for j in range(p + 1) if window is None or p - window < j])
+        for h in range(n_head):
+            s = kd[js, h // 2] @ q[i, h].astype(np.float64) * 0.3
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            a = np.exp(s - s.max())
+            ref = (a / a.sum()) @ vd[js, h // 2]
+            np.testing.assert_allclose(out[i, h * d:(h + 1) * d], ref, rtol=1e-4, atol=1e-5)

@@ -39,7 +39,9 @@ GEMV_MAX_TOKENS = MAX_DIRECT_TOKENS  # MAX_TOK of dequant.cu: up to this many to
 WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
 ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
 ATT_MAX_HEAD_DIM = 256
-ATT_WARPS = 16  # ATT_WARPS of ops.cu: warps per (head, query) block of attn_decode
+ATT_WARPS = 4  # ATT_WARPS of ops.cu: warps per (head, query, key run) block of attn_decode
+ATT_KEYS_PER_SPLIT = 256  # attn_decode: one key run per this many positions of the KV cache ...
+ATT_MAX_SPLITS = 64  # ... at most this many runs (a 16k context: 64 runs of <= 256 keys)
 MOE_SCRATCH_BYTES = 256 << 20  # dequantized expert weights of one prompt-MoE chunk
 
 
@@ -53,6 +55,12 @@ def _gather_rows(src, idx, dst):  # dst[i] = src[idx[i]], rows split over the CP
         c0 = (j % n_chunks) * chunk
         c1 = min(per, c0 + chunk)
         dst[i, c0:c1] = src[idx[i], c0:c1]
+
+
+def att_splits(n_ctx: int) -> int:
+    """Key runs per (head, query) of decode attention for a KV cache of ``n_ctx`` positions: one per
+    :data:`ATT_KEYS_PER_SPLIT` positions, 1 .. :data:`ATT_MAX_SPLITS`."""
+    return max(1, min(ATT_MAX_SPLITS, -(-n_ctx // ATT_KEYS_PER_SPLIT)))
 
 
 class _SlotCopy:
@@ -338,10 +346,15 @@ class CupyBackend(ArrayOps):
         pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * dv), cp.float32)
-        self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t), (32 * ATT_WARPS,),
-                                (q, k_all, v_all, out, pos, np.int32(n_head), np.int32(k_all.shape[1]),
+        # the key runs per query follow the cache's capacity, not the position: a captured graph
+        # replays at every position with the same grid
+        splits = att_splits(k_all.shape[0])
+        part = cp.empty((t, n_head, splits, dv + 2), cp.float32)
+        self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t, splits), (32 * ATT_WARPS,),
+                                (q, k_all, v_all, part, pos, np.int32(n_head), np.int32(k_all.shape[1]),
                                  np.int32(d), np.int32(dv), np.float32(scale), np.int32(window or 0),
                                  np.float32(softcap or 0.0)))
+        self._fn("attn_combine")((n_head, t), (128,), (part, out, np.int32(n_head), np.int32(splits), np.int32(dv)))
         return out
 
     def topk_routing(self, logits: cp.ndarray, k: int, renorm: bool) -> Routing:

@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+# prompt attention computes its float32 scores (n_head x queries x keys) for at most this many bytes
+# of them at a time: the queries go in chunks, so the transient stays bounded at any context length
+ATTENTION_SCORE_BYTES = 256 << 20
+
 
 class ArrayOps:
     """RMSNorm, RoPE, attention and gated activations on ``self.xp`` arrays."""
@@ -82,9 +86,22 @@ class ArrayOps:
 
         Returns:
             float32 (T, n_head * head_dim_v).
+
+        The queries go in chunks whose float32 scores fit :data:`ATTENTION_SCORE_BYTES` (a 512-token
+        ubatch at position 12k would otherwise hold ~0.8 GB of them per copy).
         """
-        xp = self.xp
         pos0 = int(pos0) if np.ndim(pos0) == 0 else int(pos0[0])
+        t, n_head = q.shape[0], q.shape[1]
+        chunk = max(1, ATTENTION_SCORE_BYTES // (4 * n_head * (pos0 + t)))
+        if t <= chunk:
+            return self._attention(q, k_all, v_all, pos0, scale, window, softcap)
+        return self.xp.concatenate([self._attention(q[i:i + chunk], k_all, v_all, pos0 + i, scale, window, softcap)
+                                    for i in range(0, t, chunk)])
+
+    def _attention(self, q: Any, k_all: Any, v_all: Any, pos0: int, scale: float, window: int | None,
+                   softcap: float | None) -> Any:
+        """:meth:`attention` of one chunk of queries; the scores are updated in place."""
+        xp = self.xp
         t, n_head, d = q.shape
         end = pos0 + t
         start = 0 if window is None else max(0, pos0 - window + 1)
@@ -98,18 +115,20 @@ class ArrayOps:
         s = xp.matmul(qh, k.transpose(1, 2, 0))  # (n_kv, g*t, n)
         s *= np.float32(scale)
         if softcap:
-            s = np.float32(softcap) * xp.tanh(s / np.float32(softcap))
+            s /= np.float32(softcap)
+            xp.tanh(s, out=s)
+            s *= np.float32(softcap)
         qpos = xp.arange(pos0, end)[:, None]
         kpos = xp.arange(start, end)[None, :]
         allowed = kpos <= qpos
         if window is not None:
             allowed &= qpos - kpos < window
         s = s.reshape(n_kv, g, t, n)
-        s = xp.where(allowed, s, np.float32(-np.inf))
+        s += xp.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)  # (t, n) mask, broadcast
         s -= s.max(axis=-1, keepdims=True)
-        p = xp.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        o = xp.matmul(p.reshape(n_kv, g * t, n), v.transpose(1, 0, 2))  # (n_kv, g*t, dv)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        o = xp.matmul(s.reshape(n_kv, g * t, n), v.transpose(1, 0, 2))  # (n_kv, g*t, dv)
         return xp.ascontiguousarray(o.reshape(n_kv, g, t, dv).transpose(2, 0, 1, 3)).reshape(t, n_head * dv)
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:

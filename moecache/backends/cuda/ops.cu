@@ -87,21 +87,26 @@ extern "C" __global__ void glu(const float *g, const float *u, float *out, long 
 
 // Attention of T few queries over the cache (the decode shape). q (T, H, D); K (n_ctx, Hkv, D),
 // V (n_ctx, Hkv, Dv); out (T, H * Dv). Query t is at position pos[t] (device memory: a captured
-// CUDA graph replays at any position) and sees keys
-// max(0, p - window + 1) .. p (window 0: all). Grid (H, T), ATT_WARPS warps per block: warp w takes
-// keys w, w + ATT_WARPS, ... with an online softmax (Milakov & Gimelshein 2018), then the partial
-// results are merged. Decode attention is latency-bound (a key costs a dependent load and a warp
-// reduction), so many warps per head. D, Dv <= 256.
-#define ATT_WARPS 16
+// CUDA graph replays at any position) and sees keys max(0, p - window + 1) .. p (window 0: all).
+// Split over the keys ("flash-decoding", Dao et al. 2023): grid (H, T, S); block s of (h, t) takes
+// the s-th of S equal runs of the query's keys, its ATT_WARPS warps take every ATT_WARPS-th key of
+// the run with an online softmax (Milakov & Gimelshein 2018) and merge; the block writes its
+// unnormalised partial (max logit M, sum L, o[Dv]) to part (T, H, S, Dv + 2) and attn_combine
+// merges the S partials. S is fixed when a graph is captured, the runs follow the position, so
+// every position keeps all blocks busy. Decode attention is latency-bound (a key costs a load and
+// a warp reduction): a key's K and V rows are loaded together. D, Dv <= 256.
+#define ATT_WARPS 4
 template <typename KV>
-__device__ void attn_decode_t(const float *q, const KV *K, const KV *V, float *out, const int *pos,
-                              int H, int Hkv, int D, int Dv, float scale, int window, float softcap) {
+__device__ void attn_split_t(const float *q, const KV *K, const KV *V, float *part, const int *pos, int H, int Hkv,
+                             int D, int Dv, float scale, int window, float softcap) {
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][256];
-    int h = blockIdx.x, t = blockIdx.y;
+    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
     int hk = h / (H / Hkv);
     int p = pos[t];
     int start = window > 0 ? max(0, p - window + 1) : 0;
+    int chunk = (p - start + S) / S;  // ceil(n_keys / S)
+    int j0 = start + s * chunk, j1 = min(p + 1, j0 + chunk);
     const float *qh = q + ((long long)t * H + h) * D;
     float qr[8], acc[8];
 #pragma unroll
@@ -111,25 +116,26 @@ __device__ void attn_decode_t(const float *q, const KV *K, const KV *V, float *o
         acc[i] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
-    for (int j = start + wid; j <= p; j += ATT_WARPS) {
+    for (int j = j0 + wid; j < j1; j += ATT_WARPS) {
         const KV *kj = K + ((long long)j * Hkv + hk) * D;
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            int d = lane + 32 * i;
-            if (d < D) s += qr[i] * kv_load(kj + d);
-        }
-        s = warp_sum(s) * scale;
-        if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-        float m2 = fmaxf(m, s);
-        float a = __expf(m - m2), e = __expf(s - m2);
-        l = l * a + e;
         const KV *vj = V + ((long long)j * Hkv + hk) * Dv;
+        float kr[8], vr[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             int d = lane + 32 * i;
-            acc[i] = acc[i] * a + (d < Dv ? e * kv_load(vj + d) : 0.f);
+            kr[i] = d < D ? kv_load(kj + d) : 0.f;
+            vr[i] = d < Dv ? kv_load(vj + d) : 0.f;
         }
+        float x = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x += qr[i] * kr[i];
+        x = warp_sum(x) * scale;
+        if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+        float m2 = fmaxf(m, x);
+        float a = __expf(m - m2), e = __expf(x - m2);
+        l = l * a + e;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + e * vr[i];
         m = m2;
     }
     if (lane == 0) {
@@ -146,23 +152,50 @@ __device__ void attn_decode_t(const float *q, const KV *K, const KV *V, float *o
     for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, sm[w]);
     float L = 0.f;
     for (int w = 0; w < ATT_WARPS; ++w) L += sm[w] == NEG_INF ? 0.f : sl[w] * __expf(sm[w] - M);
+    float *ps = part + (((long long)t * H + h) * S + s) * (Dv + 2);
+    if (threadIdx.x == 0) {
+        ps[0] = M;
+        ps[1] = L;
+    }
     for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
         float o = 0.f;
         for (int w = 0; w < ATT_WARPS; ++w)
             if (sm[w] != NEG_INF) o += so[w][d] * __expf(sm[w] - M);
-        out[((long long)t * H + h) * Dv + d] = o / L;
+        ps[2 + d] = o;
     }
 }
 
-extern "C" __global__ void attn_decode(const float *q, const float *K, const float *V, float *out, const int *pos,
+extern "C" __global__ void attn_decode(const float *q, const float *K, const float *V, float *part, const int *pos,
                                        int H, int Hkv, int D, int Dv, float scale, int window, float softcap) {
-    attn_decode_t(q, K, V, out, pos, H, Hkv, D, Dv, scale, window, softcap);
+    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap);
 }
 
-extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, const __half *V, float *out,
+extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, const __half *V, float *part,
                                            const int *pos, int H, int Hkv, int D, int Dv, float scale, int window,
                                            float softcap) {
-    attn_decode_t(q, K, V, out, pos, H, Hkv, D, Dv, scale, window, softcap);
+    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap);
+}
+
+// Merges the S partials of attn_decode: out[t, h*Dv + d] = sum_s o_s[d] e^(M_s - M) / sum_s L_s e^(M_s - M)
+// with M the largest M_s (runs without keys have M_s = -inf and are skipped). Grid (H, T).
+extern "C" __global__ void attn_combine(const float *part, float *out, int H, int S, int Dv) {
+    int h = blockIdx.x, t = blockIdx.y;
+    const float *pt = part + ((long long)t * H + h) * S * (Dv + 2);
+    float M = NEG_INF;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, pt[s * (Dv + 2)]);
+    float L = 0.f;
+    for (int s = 0; s < S; ++s) {
+        float ms = pt[s * (Dv + 2)];
+        if (ms != NEG_INF) L += pt[s * (Dv + 2) + 1] * __expf(ms - M);
+    }
+    for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+        float o = 0.f;
+        for (int s = 0; s < S; ++s) {
+            float ms = pt[s * (Dv + 2)];
+            if (ms != NEG_INF) o += pt[s * (Dv + 2) + 2 + d] * __expf(ms - M);
+        }
+        out[((long long)t * H + h) * Dv + d] = o / L;
+    }
 }
 
 // Router: softmax over n_expert logits per token, then the k largest (ties: lower id first) with
