@@ -167,7 +167,7 @@ def main() -> None:
                 # the generated warm-up fills the cache; with --cold-static the static arms (nothing to
                 # warm: their speed does not depend on the tokens before) skip it to save device time
                 long = test == "long"
-                cold = ["--n-gen-warmup", str(int(long)) if a.cold_static else str(a.warmup)]
+                cold = ["--n-gen-warmup", str(int(long)) if a.cold_static else str(max(int(long), a.warmup))]
                 arms = {"cache off (--cpu-moe)": ["--n-cpu-moe", "999", "--moe-cache", "0", *cold],
                         f"best static (--n-cpu-moe {static_n})": ["--n-cpu-moe", str(static_n), "--moe-cache", "0", *cold],
                         "cache on": ["--moe-cache", "-1", "--n-gen-warmup", str(max(int(long), a.warmup))]}

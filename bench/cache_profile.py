@@ -62,6 +62,8 @@ class _TimedGraph:
 
 
 def _timed(obj: Any, name: str, sink: list[float]) -> None:
+    """Time every call of ``obj.name`` into ``sink`` (an instance attribute that shadows the method:
+    ``delattr(obj, name)`` restores it)."""
     f: Callable = getattr(obj, name)
 
     def g(*a, **k):
@@ -105,6 +107,11 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
         parts["wall"].append(time.perf_counter() - t0)
         timed.collect()
     g._cap.graph = timed.graph
+    wrapped = [(c, n) for c in eng.caches for n in ("begin_pass", "flush", "end_pass")]
+    if g._cap.routes is not None:
+        wrapped += [(g._cap.routes, "draw"), (g._cap.routes, "draw_ahead")]
+    for obj, name in wrapped:
+        delattr(obj, name)
     return {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in parts.items()}
 
 

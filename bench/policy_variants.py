@@ -6,12 +6,15 @@ routing of ``--routing``, decodes ``-n`` tokens under each variant in turn (the 
 token; every timed run starts a fresh 8-token context, so attention costs the same). The variants
 change the policy's settings in place, so each starts from the cache the previous one left:
 
-- ``adaptive``: the CLI's policy (adaptive upload budget, <= 16 per token, burst 128);
+- ``adaptive``: the policy as the CLI runs it (adaptive upload budget, <= 16 per token, burst 128),
+  priced with the zero-copy path's costs (a miss 102 us: 2.65 MB at ~26 GB/s; an upload 50 us at
+  ~53 GB/s; the CLI derives its prices from the probe instead);
 - ``frozen``: no uploads (what the misses alone cost);
 - ``burst2`` / ``burst4``: at most 2 / 4 uploads in one token;
 - ``debias``: a candidate's own triggering use does not count toward its payback (its usage less
-  ``1 / window``): the selection bias of admitting right after a use;
-- ``hyst1``: hysteresis 1.0 (a challenger needs 2x its victim's usage, 1.5x by default);
+  ``1 / window``): the selection bias of admitting right after a use; ``debias burst4`` with at
+  most 4 uploads in one token, ``debias hyst1`` with hysteresis 1.0 (a challenger needs 2x its
+  victim's usage, 1.5x by default);
 - ``tup4``: an upload priced at 4x its link time;
 - ``cap1``: a fixed budget of one upload per token;
 - ``adaptive again``: the first variant repeated (drift over the run).

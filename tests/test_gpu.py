@@ -187,13 +187,20 @@ def test_decode_attention_key_runs(gpu, n_ctx, kv):
     v = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float32)
     dt = np.float16 if kv == "f16" else np.float32
     k, v = k.astype(dt), v.astype(dt)
-    for n_tok, pos0, window in [(1, 0, None), (1, n_ctx // 2 + 3, None), (1, n_ctx - 1, None), (3, n_ctx - 3, 100),
-                                (16, n_ctx // 3, None), (2, 700 % n_ctx, 9)]:
+    for n_tok, pos0, window, softcap in [(1, 0, None, None), (1, n_ctx // 2 + 3, None, None), (1, n_ctx - 1, None, 30.0),
+                                         (3, n_ctx - 3, 100, None), (16, n_ctx // 3, None, None), (2, 700 % n_ctx, 9, None)]:
         q = rng.standard_normal((n_tok, n_head, d)).astype(np.float32)
-        ref = NumpyBackend().attention(q, k.astype(np.float32), v.astype(np.float32), pos0, 0.09, window, None)
-        got = cp.asnumpy(gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos0, 0.09, window, None))
+        ref = NumpyBackend().attention(q, k.astype(np.float32), v.astype(np.float32), pos0, 0.09, window, softcap)
+        got = cp.asnumpy(gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos0, 0.09, window, softcap))
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5,
                                    err_msg=f"seed {seed}, n_ctx {n_ctx}, {kv}, pos0 {pos0}, window {window}")
+    # head sizes that are not multiples of 32, K and V of different widths (d 80, dv 48)
+    k2 = rng.standard_normal((n_ctx, n_kv, 80)).astype(dt)
+    v2 = rng.standard_normal((n_ctx, n_kv, 48)).astype(dt)
+    q2 = rng.standard_normal((2, n_head, 80)).astype(np.float32)
+    ref = NumpyBackend().attention(q2, k2.astype(np.float32), v2.astype(np.float32), n_ctx - 2, 0.1, None, None)
+    got = cp.asnumpy(gpu.attention(cp.asarray(q2), cp.asarray(k2), cp.asarray(v2), n_ctx - 2, 0.1, None, None))
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}, n_ctx {n_ctx}, {kv}, d 80 dv 48")
 
 
 @pytest.mark.parametrize("n_tok", [1, 4, 16, 40])
@@ -302,6 +309,28 @@ def test_cuda_graph_decode_equals_op_by_op(gpu, tmp_path):
                 got = np.vstack([b.eval(tokens[:5])] + [b.eval(tokens[i:i + 1]) for i in range(5, 30)])
                 np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=preset)
             assert b.model.decode_graph.failed is None and b.model.decode_graph.replays >= 50
+
+
+def test_cuda_graph_decode_across_key_runs(gpu, tmp_path):
+    """At -c 600 decode attention splits the keys into runs (att_splits > 1): a 280-token prompt,
+    then decode steps replayed from one captured graph as the positions cross run boundaries, give
+    the op-by-op logits."""
+    from moecache.backends.cupy_backend import att_splits
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    assert att_splits(600) > 1
+    path = tmp_path / "tiny.gguf"
+    write_model(path, P["tiny"], seed=5)
+    tokens = np.random.default_rng(4).integers(0, 200, 320)
+    with Engine(path, EngineConfig(n_ctx=600), placement=PlacementOptions(), cuda_graph=False) as a, \
+            Engine(path, EngineConfig(n_ctx=600), placement=PlacementOptions()) as b:
+        ref = np.vstack([a.eval(tokens[:280])] + [a.eval(tokens[i:i + 1]) for i in range(280, 320)])
+        got = np.vstack([b.eval(tokens[:280])] + [b.eval(tokens[i:i + 1]) for i in range(280, 320)])
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert b.model.decode_graph.failed is None and b.model.decode_graph.replays >= 39
 
 
 def test_pinned_weights_give_the_same_logits(gpu, tmp_path):

@@ -182,7 +182,12 @@ def test_prompt_attention_in_query_chunks(monkeypatch, window, softcap):
     v = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float16)
     q = rng.standard_normal((t, n_head, d)).astype(np.float32)
     monkeypatch.setattr(ops, "ATTENTION_SCORE_BYTES", 4 * n_head * (pos0 + t) * 3)  # 3 queries per chunk
-    out = NumpyBackend().attention(q, k, v, pos0, 0.3, window, softcap)
+    be = NumpyBackend()
+    chunks = []
+    inner = be._attention
+    monkeypatch.setattr(be, "_attention", lambda q_, *a: chunks.append(q_.shape[0]) or inner(q_, *a))
+    out = be.attention(q, k, v, pos0, 0.3, window, softcap)
+    assert chunks == [3] * 7 + [2]
     kd, vd = k.astype(np.float64), v.astype(np.float64)
     for i in range(t):
         p = pos0 + i
