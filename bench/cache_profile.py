@@ -115,6 +115,17 @@ def profile(eng: Any, n: int, warmup: int, rng: np.random.Generator) -> dict[str
     return {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in parts.items()}
 
 
+def decode_args(ap: argparse.ArgumentParser, routing: str, n: int) -> None:
+    """The model and decode options this script and ``policy_variants.py`` share."""
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("--vram-budget", default="8GiB")
+    ap.add_argument("--routing", default=routing)
+    ap.add_argument("-c", type=int, default=4096)
+    ap.add_argument("-n", type=int, default=n)
+    ap.add_argument("--warmup", type=int, default=256)
+    ap.add_argument("-t", type=int, default=15)
+
+
 def main() -> None:
     from cli.main import parse_size
     from moecache.engine import Engine, EngineConfig
@@ -124,13 +135,7 @@ def main() -> None:
     from moecache.placement import PlacementOptions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", type=Path, required=True)
-    ap.add_argument("--vram-budget", default="8GiB")
-    ap.add_argument("--routing", default="qwen3-moe")
-    ap.add_argument("-c", type=int, default=4096)
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=256)
-    ap.add_argument("-t", type=int, default=15)
+    decode_args(ap, "qwen3-moe", 128)
     ap.add_argument("-ctk", "--cache-type", default="f16",
                     help="KV cache types to compare, comma list (f32,f16): one pair of cache-on rows each")
     ap.add_argument("--no-staged", action="store_true", help="skip the staged-misses rows")

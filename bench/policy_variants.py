@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cache_profile import profile  # noqa: E402
+from cache_profile import decode_args, profile  # noqa: E402
 
 from moecache.moe.policy import CachePolicy  # noqa: E402
 
@@ -60,13 +60,7 @@ def main() -> None:
     from moecache.placement import PlacementOptions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", type=Path, required=True)
-    ap.add_argument("--vram-budget", default="8GiB")
-    ap.add_argument("--routing", default="qwen3-moe,low-locality")
-    ap.add_argument("-c", type=int, default=4096)
-    ap.add_argument("-n", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=256)
-    ap.add_argument("-t", type=int, default=15)
+    decode_args(ap, "qwen3-moe,low-locality", 256)
     a = ap.parse_args()
     r = dataclasses.replace
     # the zero-copy path's costs: a miss read over the link (~26 GB/s), an upload at ~53 GB/s

@@ -124,7 +124,7 @@ class ArrayOps:
         if window is not None:
             allowed &= qpos - kpos < window
         s = s.reshape(n_kv, g, t, n)
-        s += xp.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)  # (t, n) mask, broadcast
+        s += xp.where(allowed, np.float32(0), np.float32(-np.inf))  # (t, n) float32 mask, broadcast
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
