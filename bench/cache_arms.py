@@ -10,8 +10,9 @@ same tests, seed, ``-c`` and load mode, after the same warm-up of generated toke
 
 The short test is ``tetris-chat.txt``'s token count as pp, then 256 decoded tokens, at ``-c 4096``;
 the long test is ``long-configparser.py.txt``'s (at most :data:`LONG_PROMPT_TOKENS`, ~12k) at ``-c 16384``: its prefill (pp), and
-decode after it (``tg256 @ d<prompt>``, llama-bench's depth: the prompt is evaluated untimed first),
-reported separately. The long test skips llama-bench's warm-up pass (it would repeat the 12k-token
+decode after it (``tg256 @ d<prompt>``, llama-bench's depth: the prompt is evaluated first, outside
+the decode's timing), reported separately from one run: the pp row is that depth prefill's own
+timing (``depth_ts``). The long test skips llama-bench's warm-up pass (it would repeat the 12k-token
 prefill); every arm generates at least one token first instead, so the kernels are compiled before
 timing. The best static arm is planned with that same context, so every arm's KV cache
 is the same size. Writes a markdown table
@@ -76,6 +77,14 @@ def run_arm(model: Path, args: list[str], log: Path) -> list[dict]:
         f.write("$ " + " ".join(cmd) + "\n")
         out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True, check=True).stdout
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+
+
+def prefill_row(rec: dict) -> dict:
+    """The pp row of a long test from its ``tg @ d<prompt>`` row: the depth prefill's speed
+    (``depth_ts``), the same engine and prompt length as a separate ``pp<prompt>`` run, without a
+    second model load and prefill. The prompt path does not count hits, so hit rate is left out."""
+    return {**rec, "n_prompt": rec["n_depth"], "n_gen": 0, "n_depth": 0, "avg_ts": rec["depth_ts"],
+            "stddev_ts": 0.0, "hit_rate": None, "uploads_per_token": None}
 
 
 def render(rows: list[dict], model_name: str, argv: str) -> str:
@@ -180,11 +189,13 @@ def main() -> None:
                     if a.max_arms and ran >= a.max_arms:
                         break
                     ran += 1
-                    # short: pp and tg from an empty context (llama-bench's pp/tg); long: the prefill,
-                    # then (a second bench run, the same engine settings) decode after that prompt
-                    shapes = [["-p", str(n_prompt), "-n", str(a.n)]] if test == "short" else \
-                        [["-p", str(n_prompt), "-n", "0"], ["-p", "0", "-n", str(a.n), "-d", str(n_prompt)]]
-                    recs = [rec for shape in shapes for rec in run_arm(a.model, shape + common + extra, log)]
+                    # short: pp and tg from an empty context (llama-bench's pp/tg); long: one
+                    # tg @ d<prompt> run whose depth prefill (timed apart: depth_ts) is the pp row
+                    shape = ["-p", str(n_prompt), "-n", str(a.n)] if test == "short" else \
+                        ["-p", "0", "-n", str(a.n), "-d", str(n_prompt)]
+                    recs = run_arm(a.model, shape + common + extra, log)
+                    if long:
+                        recs = [prefill_row(recs[0])] + recs
                     for rec in recs:
                         rec.update({"arm": arm, "prompt": prompt_file, "budget": budget_text})
                         rows.append(rec)

@@ -38,7 +38,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
                       "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "hit_rate",
-              "uploads_per_token", "n_gen_warmup", "vram_used_mib")
+              "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts")
 
 
 def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
@@ -142,15 +142,18 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     """Time ``test`` ``reps`` times on ``eng``. The warm-up (unless ``warmup`` is False) is
     llama-bench's: one ``n_prompt`` prompt and/or one generated token, no depth. Returns the samples
     in ns and the expert caches' counters over the timed parts only (depth prefills and warm-up
-    excluded)."""
+    excluded); ``totals["depth_ns"]`` sums the depth prefills' times (ns), which are outside the
+    samples, as in llama-bench."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
-    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0}
+    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0, "depth_ns": 0}
 
     def once() -> int:
         eng.reset()
         if test.n_depth:
+            t_depth = time.perf_counter_ns()
             eng.eval(rng.integers(0, vocab, test.n_depth))
+            totals["depth_ns"] += time.perf_counter_ns() - t_depth
         for c in caches:
             c.reset_stats()
         t0 = time.perf_counter_ns()
@@ -251,6 +254,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "vram_budget": p.vram_budget, "moe_cache_window": p.moe_cache_window, "routing": p.routing or "",
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
+                    # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
+                    # and the decode after it from one prefill
+                    "depth_ts": test.n_depth * reps * 1e9 / tot["depth_ns"] if tot["depth_ns"] else None,
                 }
                 used = _gpu_used_bytes()
                 r.fields["vram_used_mib"] = round((used - base_vram) / 2**20) if used is not None and base_vram is not None \

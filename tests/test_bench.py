@@ -60,6 +60,8 @@ def test_bench_on_a_tiny_model_in_every_format(tiny):
         assert rec["avg_ts"] > 0 and len(rec["samples_ts"]) == 2 and len(rec["samples_ns"]) == 2
         assert rec["n_prompt"] + rec["n_gen"] > 0 and rec["model_n_params"] > 0 and rec["model_size"] > 0
     assert {rec["n_threads"] for rec in recs} == {1, 2} and {rec["n_depth"] for rec in recs} == {0, 8}
+    for rec in recs:  # the untimed depth prefill has its own speed; no depth, none
+        assert (rec["depth_ts"] > 0) if rec["n_depth"] else rec["depth_ts"] is None
     md = CliRunner().invoke(app, ["bench", "-m", str(tiny), "-p", "16", "-n", "4", "-r", "2", "-t", "1,2"])
     assert md.exit_code == 0, md.output
     assert "| test | t/s |" in md.stdout and "| pp16 |" in md.stdout and "| tg4 |" in md.stdout and " ± " in md.stdout
@@ -121,6 +123,9 @@ def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
             for arm, ts, hr in (("cache off (--cpu-moe)", 5.0, None), (f"best static (--n-cpu-moe {k})", 10.0, None),
                                 ("cache on", 25.0, 0.5))]
     rows += [{**rows[1], "n_depth": 300, "avg_ts": 8.0}, {**rows[2], "n_depth": 300, "avg_ts": 20.0}]
-    md = arms.render(rows, "tiny.gguf", "-m tiny.gguf")
+    pp = arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": 123.0, "hit_rate": 0.5})
+    assert (pp["n_prompt"], pp["n_gen"], pp["n_depth"], pp["avg_ts"], pp["hit_rate"]) == (300, 0, 0, 123.0, None)
+    md = arms.render(rows + [pp], "tiny.gguf", "-m tiny.gguf")
+    assert "| p.txt | 8GiB | uniform | cache on | pp300 | 123.00 | - | - | 100 |" in md
     assert "| p.txt | 8GiB | uniform | tg64 | 2.50x | 5.00x |" in md
     assert "| p.txt | 8GiB | uniform | tg64 @ d300 | 2.50x | - |" in md  # decode after the long prompt
