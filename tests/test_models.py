@@ -199,3 +199,37 @@ def test_prompt_attention_in_query_chunks(monkeypatch, window, softcap):
             a = np.exp(s - s.max())
             ref = (a / a.sum()) @ vd[js, h // 2]
             np.testing.assert_allclose(out[i, h * d:(h + 1) * d], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_attention_asks_for_few_block_sizes():
+    """A prompt's attention spans grow with every ubatch; its transient arrays come in power-of-two
+    blocks, so a memory pool (CuPy's keeps freed blocks) sees the same few sizes again instead of a
+    new, larger one per ubatch. Recorded on numpy: every block size a power of two, few distinct
+    sizes over 24 ubatches, and the results equal to a float64 brute force at the last ubatch."""
+    sizes = []
+
+    class Recording:  # numpy, with every xp.empty recorded
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def empty(self, shape, dtype=float):
+            sizes.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+            return np.empty(shape, dtype)
+
+    be = NumpyBackend()
+    be.xp = Recording()
+    rng = np.random.default_rng(5)
+    n_head, n_kv, d, ub, n_ub = 4, 2, 16, 32, 24
+    k = rng.standard_normal((ub * n_ub, n_kv, d)).astype(np.float16)
+    v = rng.standard_normal((ub * n_ub, n_kv, d)).astype(np.float16)
+    for i in range(n_ub):
+        q = rng.standard_normal((ub, n_head, d)).astype(np.float32)
+        out = be.attention(q, k, v, i * ub, 0.25)
+    assert all(s & (s - 1) == 0 for s in sizes), sorted(set(sizes))
+    assert len(set(sizes)) <= 12 < 3 * n_ub, sorted(set(sizes))
+    p = (n_ub - 1) * ub + ub - 1  # the last query
+    for h in range(n_head):
+        sc = k[:p + 1, h // 2].astype(np.float64) @ q[-1, h].astype(np.float64) * 0.25
+        a = np.exp(sc - sc.max())
+        np.testing.assert_allclose(out[-1, h * d:(h + 1) * d], (a / a.sum()) @ v[:p + 1, h // 2].astype(np.float64),
+                                   rtol=1e-4, atol=1e-5)

@@ -16,6 +16,17 @@ import numpy as np
 ATTENTION_SCORE_BYTES = 256 << 20
 
 
+def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialised ``shape`` array at the start of a block of a power-of-two element count.
+
+    A prompt's spans grow with every ubatch; CuPy's memory pool keeps each freed block for reuse,
+    but a request larger than every free block gets a new one, so exact sizes that grow by a few
+    MiB per ubatch would leave a trail of blocks (a 12k-token prompt at -c 16384: ~1.5 GiB beyond
+    the planned VRAM, bench/results/cache-arms-h200.md). Rounded sizes repeat, and are reused."""
+    n = int(np.prod(shape))
+    return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
+
+
 class ArrayOps:
     """RMSNorm, RoPE, attention and gated activations on ``self.xp`` arrays."""
 
@@ -100,19 +111,24 @@ class ArrayOps:
 
     def _attention(self, q: Any, k_all: Any, v_all: Any, pos0: int, scale: float, window: int | None,
                    softcap: float | None) -> Any:
-        """:meth:`attention` of one chunk of queries; the scores are updated in place."""
+        """:meth:`attention` of one chunk of queries. Its transient arrays (the float32 copy of the
+        key span per KV head, the scores, the mask) live in blocks of power-of-two sizes
+        (:func:`_scratch`) and the scores are updated in place."""
         xp = self.xp
         t, n_head, d = q.shape
         end = pos0 + t
         start = 0 if window is None else max(0, pos0 - window + 1)
-        # a float16 cache is read as float32: a converted copy of the span, per call (the decode
-        # kernels of the GPU backend read float16 directly)
-        k = k_all[start:end].astype(np.float32, copy=False)
-        v = v_all[start:end].astype(np.float32, copy=False)
-        n, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
+        n, n_kv, dv = end - start, k_all.shape[1], v_all.shape[2]
         g = n_head // n_kv
+        # the span per KV head as float32 (a float16 cache is converted here; the decode kernels of
+        # the GPU backend read float16 directly)
+        k = _scratch(xp, (n_kv, n, d), np.float32)
+        k[...] = k_all[start:end].transpose(1, 0, 2)
+        v = _scratch(xp, (n_kv, n, dv), np.float32)
+        v[...] = v_all[start:end].transpose(1, 0, 2)
         qh = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3).reshape(n_kv, g * t, d)
-        s = xp.matmul(qh, k.transpose(1, 2, 0))  # (n_kv, g*t, n)
+        s = _scratch(xp, (n_kv, g * t, n), np.float32)
+        xp.matmul(qh, k.transpose(0, 2, 1), out=s)
         s *= np.float32(scale)
         if softcap:
             s /= np.float32(softcap)
@@ -120,15 +136,21 @@ class ArrayOps:
             s *= np.float32(softcap)
         qpos = xp.arange(pos0, end)[:, None]
         kpos = xp.arange(start, end)[None, :]
-        allowed = kpos <= qpos
+        allowed = _scratch(xp, (t, n), np.bool_)
+        xp.less_equal(kpos, qpos, out=allowed)
         if window is not None:
-            allowed &= qpos - kpos < window
-        s = s.reshape(n_kv, g, t, n)
-        s += xp.where(allowed, np.float32(0), np.float32(-np.inf))  # (t, n) float32 mask, broadcast
-        s -= s.max(axis=-1, keepdims=True)
+            near = _scratch(xp, (t, n), np.bool_)
+            xp.greater(kpos, qpos - window, out=near)
+            allowed &= near
+        mask = _scratch(xp, (t, n), np.float32)
+        mask.fill(np.float32(-np.inf))
+        xp.copyto(mask, np.float32(0), where=allowed)
+        s4 = s.reshape(n_kv, g, t, n)
+        s4 += mask
+        s4 -= s4.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        o = xp.matmul(s.reshape(n_kv, g * t, n), v.transpose(1, 0, 2))  # (n_kv, g*t, dv)
+        s4 /= s4.sum(axis=-1, keepdims=True)
+        o = xp.matmul(s, v)  # (n_kv, g*t, dv)
         return xp.ascontiguousarray(o.reshape(n_kv, g, t, dv).transpose(2, 0, 1, 3)).reshape(t, n_head * dv)
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
