@@ -94,3 +94,21 @@ def test_moe_ffn_empty_and_bad_csr():
     with pytest.raises(ValueError, match="expert id"):
         cpu.moe_ffn(Wg, Wg, Wd, (tg, tg, td), np.array([7], np.int32), np.array([0, 1], np.int32),
                     np.array([0], np.int32), np.array([1.0], np.float32), h)
+
+
+def test_expert_runs_cover_the_used_experts():
+    """upload_experts copies pinned experts one DMA per run of consecutive ids: for random used sets
+    the runs, copied in order, rebuild ``w[used]`` exactly (and a full set is one run)."""
+    from moecache.backends.ops import expert_runs
+
+    rng = np.random.default_rng(8)
+    w = rng.integers(0, 255, (128, 3, 5), dtype=np.uint8)
+    for _ in range(50):
+        used = np.flatnonzero(rng.random(128) < rng.random())
+        runs = expert_runs(used)
+        out = np.zeros((used.size, 3, 5), np.uint8)
+        for at, first, length in runs:
+            out[at:at + length] = w[first:first + length]
+        np.testing.assert_array_equal(out, w[used])
+        assert all(b[1] > a[1] + a[2] for a, b in zip(runs, runs[1:]))  # runs are maximal
+    assert expert_runs(np.arange(128)) == [(0, 0, 128)] and expert_runs(np.array([], np.int64)) == []

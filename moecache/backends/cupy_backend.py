@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
-from moecache.backends.ops import ArrayOps
+from moecache.backends.ops import ArrayOps, expert_runs
 from moecache.moe.cache import MAX_DIRECT_TOKENS
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
@@ -178,16 +178,19 @@ class CupyBackend(ArrayOps):
 
     def upload_experts(self, w: np.ndarray, used: np.ndarray) -> cp.ndarray:
         """``w[used]`` (stacked experts, uint8 (n_expert, rows, row_bytes); ``used`` ascending) copied to
-        this GPU: from pinned weights a run of consecutive experts is one DMA copy; otherwise CPU
-        threads gather the experts into a page-locked staging buffer, then one copy at pinned speed
-        (pageable copies run ~8x slower, ../shared/anchors.md)."""
+        this GPU: from pinned weights one DMA copy per run of consecutive experts (``expert_runs``;
+        a long prompt uses them all: one run); otherwise CPU threads gather the experts into a
+        page-locked staging buffer, then one copy at pinned speed (pageable copies run ~8x slower,
+        ../shared/anchors.md)."""
         n = int(used.size)
         per = int(np.prod(w.shape[1:]))
-        if n and int(used[-1]) - int(used[0]) == n - 1 and _is_pinned(w):
-            # --load-mode pin and one run of experts (a long prompt uses them all): one DMA copy
+        if n and _is_pinned(w):
+            # --load-mode pin: the experts are DMA-able where they are (a CPU gather of a layer's
+            # ~90 missing experts would copy ~240 MB through the CPU first)
             with cp.cuda.Device(self.device):
                 out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
-                out.set(w[int(used[0]):int(used[0]) + n])
+                for at, first, length in expert_runs(used):
+                    out[at:at + length].set(w[first:first + length])
             return out
         need = n * per
         if self._staging is None or self._staging.size < need:

@@ -27,6 +27,18 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
 
 
+def expert_runs(used: np.ndarray) -> list[tuple[int, int, int]]:
+    """The runs of consecutive ids in ``used`` (int, ascending, unique) as (position in ``used``,
+    first id, length): copying ``w[id:id + length]`` to ``out[position:position + length]`` for
+    each run gives ``out == w[used]`` with one copy per run (a DMA from page-locked weights)."""
+    used = np.asarray(used, np.int64)
+    if used.size == 0:
+        return []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(used) != 1) + 1])
+    ends = np.concatenate([starts[1:], [used.size]])
+    return [(int(a), int(used[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
 class ArrayOps:
     """RMSNorm, RoPE, attention and gated activations on ``self.xp`` arrays."""
 
