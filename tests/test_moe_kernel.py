@@ -112,3 +112,34 @@ def test_expert_runs_cover_the_used_experts():
         np.testing.assert_array_equal(out, w[used])
         assert all(b[1] > a[1] + a[2] for a, b in zip(runs, runs[1:]))  # runs are maximal
     assert expert_runs(np.arange(128)) == [(0, 0, 128)] and expert_runs(np.array([], np.int64)) == []
+
+
+def test_moe_prompt_chunks_bound_padding_and_cover_every_expert():
+    """The prompt MoE's chunks (CuPy batched GEMMs padded to a chunk's largest group): every used
+    expert exactly once, hottest first, at most max_experts per chunk and act_bytes of padded rows
+    (unless one expert alone is larger); under a skewed router the padded rows stay near the real
+    ones, where chunks in id order padded every expert to the hottest one's count."""
+    from moecache.backends.ops import moe_prompt_chunks
+
+    rng = np.random.default_rng(11)
+    row = 8192
+    for trial in range(30):
+        n_used = int(rng.integers(1, 129))
+        counts = np.maximum(1, (rng.pareto(1.0 + trial % 3, n_used) * 20).astype(np.int64))
+        act = int(rng.integers(1, 64)) << 20
+        max_experts = int(rng.integers(1, 41))
+        chunks = moe_prompt_chunks(counts, max_experts, row, act)
+        flat = np.concatenate(chunks)
+        assert sorted(flat.tolist()) == list(range(n_used))
+        assert (np.diff(counts[flat]) <= 0).all()
+        for ch in chunks:
+            padded = len(ch) * counts[ch].max() * row
+            assert len(ch) <= max_experts and (padded <= act or len(ch) == 1)
+            assert len(ch) * counts[ch].max() <= 2 * counts[ch].sum()  # padding < the real rows
+        for ch, nxt in zip(chunks, chunks[1:]):  # a chunk stops only at a bound
+            assert len(ch) == max_experts or 2 * counts[nxt[0]] < counts[ch[0]] or \
+                (len(ch) + 1) * counts[ch].max() * row > act
+    counts = np.array([3] * 60 + [500] + [3] * 67)  # one hot expert: in id order, 40 experts padded to 500 rows
+    chunks = moe_prompt_chunks(counts, 40, row, 64 << 20)
+    assert [len(ch) for ch in chunks] == [1, 40, 40, 40, 7] and chunks[0].tolist() == [60]
+    assert sum(len(ch) * int(counts[ch].max()) for ch in chunks) == counts.sum()  # no padding at all

@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
-from moecache.backends.ops import ArrayOps, expert_runs
+from moecache.backends.ops import ArrayOps, expert_runs, moe_prompt_chunks
 from moecache.moe.cache import MAX_DIRECT_TOKENS
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
@@ -43,6 +43,7 @@ ATT_WARPS = 4  # ATT_WARPS of ops.cu: warps per (head, query, key run) block of 
 ATT_KEYS_PER_SPLIT = 256  # attn_decode: one key run per this many positions of the KV cache ...
 ATT_MAX_SPLITS = 64  # ... at most this many runs (a 16k context: 64 runs of <= 256 keys)
 MOE_SCRATCH_BYTES = 256 << 20  # dequantized expert weights of one prompt-MoE chunk
+MOE_ACT_BYTES = 64 << 20  # padded float32 activations (tokens x max(n_embd, n_ff)) of one prompt-MoE chunk
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -484,26 +485,27 @@ class CupyBackend(ArrayOps):
         return out[:n_used * n_rows * n_in].reshape(n_used, n_rows, n_in)
 
     def _moe_prompt(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray:
-        """Prompt-sized ubatches: per chunk of used experts, dequantize their weights and run batched
-        cuBLAS GEMMs over their tokens (padded to the chunk's largest group), then sum each token's
-        k outputs with its weights in one pass."""
+        """Prompt-sized ubatches: per chunk of used experts (:func:`moe_prompt_chunks`: hottest first,
+        bounded weights and padded activations), dequantize their weights and run batched cuBLAS
+        GEMMs over their tokens (padded to the chunk's largest group), then sum each token's k
+        outputs with its weights in one pass."""
         eids, offs, rows, wts = routing.groups()
         t, n_embd = h.shape
         k = routing.ids.shape[1]
         _, ff, _ = gate.shape
         counts = np.diff(offs)
         per_expert = 4 * ff * n_embd
-        chunk = max(1, MOE_SCRATCH_BYTES // per_expert)
-        scratch = cp.empty(min(chunk, len(eids)) * per_expert // 4, cp.float32)
+        max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
+        scratch = cp.empty(min(max_experts, len(eids)) * per_expert // 4, cp.float32)
         y_pairs = cp.empty((t * k, n_embd), cp.float32)  # row i: the pair at CSR position i
-        for g0 in range(0, len(eids), chunk):
-            g1 = min(len(eids), g0 + chunk)
-            m = int(counts[g0:g1].max())
+        for sel in moe_prompt_chunks(counts, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES):
+            c = counts[sel]
+            m = int(c.max())
             slot = np.arange(m)[None, :]
-            valid = slot < counts[g0:g1, None]
-            pos = np.where(valid, offs[g0:g1, None] + slot, offs[g0:g1, None])  # padding repeats a real pair
+            valid = slot < c[:, None]
+            pos = np.where(valid, offs[sel, None] + slot, offs[sel, None])  # padding repeats a real pair
             xp_ = h[cp.asarray(rows[pos])]  # (C, m, n_embd)
-            e_dev = cp.asarray(eids[g0:g1])
+            e_dev = cp.asarray(eids[sel])
             wg = self._deq_experts(gate, types[0], e_dev, n_embd, scratch)
             gg = cp.matmul(xp_, wg.transpose(0, 2, 1))
             wu = self._deq_experts(up, types[1], e_dev, n_embd, scratch)

@@ -27,6 +27,35 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
 
 
+def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int) -> list[np.ndarray]:
+    """Chunks of a prompt ubatch's used experts for batched GEMMs padded to a chunk's largest group.
+
+    Args:
+        counts: (n_used,) int, tokens routed to each used expert.
+        max_experts: at most this many experts per chunk (their dequantized weights share a scratch).
+        row_bytes: bytes of one padded token row of the widest activation (4 * max(n_embd, n_ff)).
+        act_bytes: at most this many bytes of padded rows (``len(chunk) * max count * row_bytes``)
+            per chunk, unless one expert alone is larger.
+
+    Returns:
+        Index arrays into ``counts``, every used expert once. Experts go in descending count and a
+        chunk holds only counts of at least half its largest, so its padded rows are fewer than
+        twice its real ones: with a skewed router
+        (a few experts taking most of a 512-token ubatch) chunks in id order padded every expert to
+        the hottest one's count, a transient of ~0.7 GiB (bench/results/cache-arms-h200.md, long test).
+    """
+    counts = np.asarray(counts, np.int64)
+    order = np.argsort(-counts, kind="stable")
+    out, i = [], 0
+    while i < order.size:
+        largest = max(1, int(counts[order[i]]))
+        n = max(1, min(max_experts, act_bytes // (largest * row_bytes), order.size - i))
+        n = max(1, int(np.sum(2 * counts[order[i:i + n]] >= largest)))  # sorted: a prefix
+        out.append(order[i:i + n])
+        i += n
+    return out
+
+
 def expert_runs(used: np.ndarray) -> list[tuple[int, int, int]]:
     """The runs of consecutive ids in ``used`` (int, ascending, unique) as (position in ``used``,
     first id, length): copying ``w[id:id + length]`` to ``out[position:position + length]`` for
