@@ -81,10 +81,19 @@ def run_arm(model: Path, args: list[str], log: Path) -> list[dict]:
 
 def prefill_row(rec: dict) -> dict:
     """The pp row of a long test from its ``tg @ d<prompt>`` row: the depth prefill's speed
-    (``depth_ts``), the same engine and prompt length as a separate ``pp<prompt>`` run, without a
-    second model load and prefill. The prompt path does not count hits, so hit rate is left out."""
+    (``depth_ts``, the mean over the reps), the same engine and prompt length as a separate
+    ``pp<prompt>`` run, without a second model load and prefill. The decode's samples and spread
+    are not the prefill's, so they are left out (None), as are hit rate and uploads (the prompt
+    path does not count them).
+
+    Raises:
+        SystemExit: the row has no depth prefill timing.
+    """
+    if not rec.get("n_depth") or not rec.get("depth_ts"):
+        raise SystemExit(f"{rec.get('arm', 'an arm')}: no depth prefill timing (depth_ts) in its tg @ d row")
     return {**rec, "n_prompt": rec["n_depth"], "n_gen": 0, "n_depth": 0, "avg_ts": rec["depth_ts"],
-            "stddev_ts": 0.0, "hit_rate": None, "uploads_per_token": None}
+            "avg_ns": round(rec["n_depth"] * 1e9 / rec["depth_ts"]), "stddev_ns": None, "stddev_ts": None,
+            "samples_ns": None, "samples_ts": None, "hit_rate": None, "uploads_per_token": None}
 
 
 def render(rows: list[dict], model_name: str, argv: str) -> str:

@@ -276,7 +276,8 @@ def bench(
     n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt lengths (pp tests).")] = "512",
     n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generated tokens (tg tests).")] = "128",
     pg: Annotated[Optional[str], typer.Option("-pg", help="pp,tg pairs timed together, e.g. 512,128.")] = None,
-    depth: Annotated[str, typer.Option("-d", "--n-depth", help="Tokens already in the context.")] = "0",
+    depth: Annotated[str, typer.Option("-d", "--n-depth", help="Tokens already in the context, evaluated untimed "
+                                       "before each timed run (their own t/s: the depth_ts field).")] = "0",
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="Timed runs per test.")] = 5,
     threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="CPU threads.")] = None,
     batch_size: Annotated[str, typer.Option("-b", "--batch-size")] = "2048",

@@ -178,6 +178,12 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     return [once() for _ in range(reps)], totals
 
 
+def depth_ts(test: BenchTest, reps: int, depth_ns: int) -> float | None:
+    """The depth prefills' speed in t/s: ``reps`` prefills of ``test.n_depth`` tokens in ``depth_ns``
+    ns together (run_test's ``totals["depth_ns"]``); None for a test without depth."""
+    return test.n_depth * reps * 1e9 / depth_ns if test.n_depth and depth_ns else None
+
+
 # general.file_type (llama.cpp's llama_ftype) -> the name llama-bench prints in its model column
 # (llama_model_ftype_name in src/llama-model-loader.cpp)
 FTYPE_NAMES = {
@@ -256,7 +262,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
                     # and the decode after it from one prefill
-                    "depth_ts": test.n_depth * reps * 1e9 / tot["depth_ns"] if tot["depth_ns"] else None,
+                    "depth_ts": depth_ts(test, reps, tot["depth_ns"]),
                 }
                 used = _gpu_used_bytes()
                 r.fields["vram_used_mib"] = round((used - base_vram) / 2**20) if used is not None and base_vram is not None \
@@ -319,11 +325,12 @@ def _gpu_info(pl: Any) -> str:
 
 
 def _commit() -> str:
+    """The checkout's short commit, ``-dirty`` appended when tracked files differ from it."""
     try:
         import subprocess
 
         root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+        return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"], capture_output=True,
                               text=True, timeout=5).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001
         return "unknown"

@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -123,9 +124,40 @@ def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
             for arm, ts, hr in (("cache off (--cpu-moe)", 5.0, None), (f"best static (--n-cpu-moe {k})", 10.0, None),
                                 ("cache on", 25.0, 0.5))]
     rows += [{**rows[1], "n_depth": 300, "avg_ts": 8.0}, {**rows[2], "n_depth": 300, "avg_ts": 20.0}]
-    pp = arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": 123.0, "hit_rate": 0.5})
+    pp = arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": 123.0, "hit_rate": 0.5, "samples_ts": [25.0]})
     assert (pp["n_prompt"], pp["n_gen"], pp["n_depth"], pp["avg_ts"], pp["hit_rate"]) == (300, 0, 0, 123.0, None)
+    assert pp["avg_ns"] == round(300e9 / 123.0) and pp["samples_ts"] is None  # not the decode's samples
+    with pytest.raises(SystemExit, match="depth_ts"):
+        arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": None})
     md = arms.render(rows + [pp], "tiny.gguf", "-m tiny.gguf")
     assert "| p.txt | 8GiB | uniform | cache on | pp300 | 123.00 | - | - | 100 |" in md
     assert "| p.txt | 8GiB | uniform | tg64 | 2.50x | 5.00x |" in md
     assert "| p.txt | 8GiB | uniform | tg64 @ d300 | 2.50x | - |" in md  # decode after the long prompt
+
+
+def test_depth_ts_is_the_depth_prefills_own_speed(monkeypatch):
+    """run_test times a @ d test's depth prefill apart from the samples: with a clock that advances
+    1 us per evaluated token, depth_ts is 1e6 t/s whatever the reps, and the samples hold only the
+    timed tokens."""
+    from types import SimpleNamespace
+
+    from moecache import benchmark
+
+    clock = [0]
+    monkeypatch.setattr(benchmark.time, "perf_counter_ns", lambda: clock[0])
+
+    class Eng:
+        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=50))
+        caches: list = []
+
+        def reset(self):
+            pass
+
+        def eval(self, toks):
+            clock[0] += 1000 * len(toks)
+
+    for reps in (1, 3):
+        samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(0, 4, 300), reps, True, np.random.default_rng(0))
+        assert samples == [4000] * reps and tot["depth_ns"] == 300_000 * reps
+        assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 300), reps, tot["depth_ns"]) == 1e6
+    assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 0), 3, 0) is None

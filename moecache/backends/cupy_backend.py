@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
-from moecache.backends.ops import ArrayOps, expert_runs, moe_prompt_chunks
+from moecache.backends.ops import MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs, moe_prompt_chunks
 from moecache.moe.cache import MAX_DIRECT_TOKENS
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
@@ -42,8 +42,6 @@ ATT_MAX_HEAD_DIM = 256
 ATT_WARPS = 4  # ATT_WARPS of ops.cu: warps per (head, query, key run) block of attn_decode
 ATT_KEYS_PER_SPLIT = 256  # attn_decode: one key run per this many positions of the KV cache ...
 ATT_MAX_SPLITS = 64  # ... at most this many runs (a 16k context: 64 runs of <= 256 keys)
-MOE_SCRATCH_BYTES = 256 << 20  # dequantized expert weights of one prompt-MoE chunk
-MOE_ACT_BYTES = 64 << 20  # padded float32 activations (tokens x max(n_embd, n_ff)) of one prompt-MoE chunk
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)

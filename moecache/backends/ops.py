@@ -14,6 +14,11 @@ import numpy as np
 # prompt attention computes its float32 scores (n_head x queries x keys) for at most this many bytes
 # of them at a time: the queries go in chunks, so the transient stays bounded at any context length
 ATTENTION_SCORE_BYTES = 256 << 20
+# the GPU's prompt MoE (CupyBackend._moe_prompt) takes its used experts in chunks of at most
+# MOE_SCRATCH_BYTES of dequantized float32 weights and MOE_ACT_BYTES of padded float32 rows of its
+# widest activation (moe_prompt_chunks); a chunk holds six such arrays at once
+MOE_SCRATCH_BYTES = 256 << 20
+MOE_ACT_BYTES = 64 << 20
 
 
 def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
