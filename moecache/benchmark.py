@@ -330,8 +330,8 @@ def _commit() -> str:
         import subprocess
 
         root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or "unknown"
+        cmd = ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001
         return "unknown"
 

@@ -45,17 +45,17 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
     Returns:
         Index arrays into ``counts``, every used expert once. Experts go in descending count and a
         chunk holds only counts of at least half its largest, so its padded rows are fewer than
-        twice its real ones: with a skewed router
-        (a few experts taking most of a 512-token ubatch) chunks in id order padded every expert to
-        the hottest one's count, a transient of ~0.7 GiB (bench/results/cache-arms-h200.md, long test).
+        twice its real ones. Chunks in id order padded every expert to the hottest one's count: under
+        a skewed router (one expert taking up to 506 of a 512-token ubatch's pairs) 685 MiB of
+        activations at once (bench/results/moe-prompt-padding.md).
     """
     counts = np.asarray(counts, np.int64)
     order = np.argsort(-counts, kind="stable")
     out, i = [], 0
     while i < order.size:
         largest = max(1, int(counts[order[i]]))
-        n = max(1, min(max_experts, act_bytes // (largest * row_bytes), order.size - i))
-        n = max(1, int(np.sum(2 * counts[order[i:i + n]] >= largest)))  # sorted: a prefix
+        n = max(1, min(max_experts, act_bytes // (largest * row_bytes)))
+        n = int(np.sum(2 * counts[order[i:i + n]] >= largest))  # >= 1 (the largest itself); sorted: a prefix
         out.append(order[i:i + n])
         i += n
     return out
