@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
+from moecache.backends.staging import StagingRing, staged_gather_upload
 from moecache.backends.ops import MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs, moe_prompt_chunks
 from moecache.moe.cache import MAX_DIRECT_TOKENS
 from moecache.gguf_file import TensorView
@@ -75,6 +76,13 @@ class _SlotCopy:
         return False
 
 
+def _pinned_bytes(nbytes: int) -> np.ndarray:
+    """A uint8 (nbytes,) host array in page-locked memory (CuPy's pinned pool)."""
+    import cupyx
+
+    return cupyx.empty_pinned((nbytes,), np.uint8)
+
+
 def _is_pinned(a: np.ndarray) -> bool:
     """Whether a host array lives in page-locked memory (``--load-mode pin``)."""
     try:
@@ -117,7 +125,7 @@ class CupyBackend(ArrayOps):
         self._cpu = NumpyBackend()
         self._fns: dict[str, Any] = {}
         self._inv_freq: dict[bytes, cp.ndarray] = {}
-        self._staging: np.ndarray | None = None  # page-locked buffer of upload_experts
+        self._staging = StagingRing(_pinned_bytes)  # page-locked buffers of upload_experts (a mapped file)
         self._copy_stream: cp.cuda.Stream | None = None  # expert-cache uploads
 
     def activate(self) -> None:
@@ -179,10 +187,9 @@ class CupyBackend(ArrayOps):
         """``w[used]`` (stacked experts, uint8 (n_expert, rows, row_bytes); ``used`` ascending) copied to
         this GPU: from pinned weights one DMA copy per run of consecutive experts (``expert_runs``;
         a long prompt uses them all: one run); otherwise CPU threads gather the experts into a
-        page-locked staging buffer, then one copy at pinned speed (pageable copies run ~8x slower,
-        ../shared/anchors.md)."""
+        page-locked buffer of a :class:`StagingRing`, then one asynchronous copy
+        (:func:`staged_gather_upload`)."""
         n = int(used.size)
-        per = int(np.prod(w.shape[1:]))
         if n and _is_pinned(w):
             # --load-mode pin: the experts are DMA-able where they are (a CPU gather of a layer's
             # ~90 missing experts would copy ~240 MB through the CPU first)
@@ -191,17 +198,18 @@ class CupyBackend(ArrayOps):
                 for at, first, length in expert_runs(used):
                     out[at:at + length].set(w[first:first + length])
             return out
-        need = n * per
-        if self._staging is None or self._staging.size < need:
-            import cupyx
-
-            self._staging = cupyx.empty_pinned((max(need, 1),), np.uint8)
-        host = self._staging[:need].reshape(n, per)
-        _gather_rows(w.reshape(w.shape[0], per), np.ascontiguousarray(used, np.int64), host)
+        # a mapped file: CPU threads gather the experts into a page-locked staging buffer, then one copy
+        # at pinned speed (pageable copies run ~8x slower, ../shared/anchors.md). The copy is
+        # asynchronous: the ring refills a buffer only after the copy that read it completed.
         with cp.cuda.Device(self.device):
-            out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
-            out.reshape(n, per).set(host)
-        return out
+            stream = cp.cuda.get_current_stream()
+
+            def copy_async(host: np.ndarray) -> tuple[cp.ndarray, cp.cuda.Event]:
+                out = cp.empty(host.shape, cp.uint8)
+                out.set(host, stream=stream)
+                return out, stream.record()
+
+            return staged_gather_upload(self._staging, w, used, _gather_rows, copy_async)
 
     def start_slot_copy(self, dsts: tuple[cp.ndarray, ...], slot: int, srcs: tuple[np.ndarray, ...]) -> "_SlotCopy":
         """Copy host ``srcs[i]`` into ``dsts[i][slot]`` on this GPU's copy stream, asynchronously; the
@@ -413,9 +421,14 @@ class CupyBackend(ArrayOps):
 
     def set_from_host(self, dst: cp.ndarray, src: np.ndarray) -> None:
         """Copy host ``src`` into device ``dst`` (same shape and dtype), queued on the current stream;
-        ``src`` may be changed as soon as this returns (a pageable source is staged first)."""
+        ``src`` may be changed as soon as this returns: the driver stages a pageable source before
+        returning; a page-locked one is read by the queued copy itself, so that copy is waited for."""
         with cp.cuda.Device(self.device):
-            dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
+            src = np.ascontiguousarray(src, dtype=dst.dtype)
+            stream = cp.cuda.get_current_stream()
+            dst.set(src, stream=stream)
+            if _is_pinned(src):
+                stream.synchronize()
 
     def zero_copy_ok(self, arrays: list[np.ndarray]) -> str | None:
         """None if the GPU can read every host array in place (page-locked: ``--load-mode pin``),

@@ -1,0 +1,108 @@
+"""Placement fidelity: the same model's perplexity and greedy tokens under each placement, load mode
+and ``-ub``, next to the CPU's (issue 24). Shared by ``tests/test_gpu_fidelity.py`` and
+``bench/placement_fidelity.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moecache.engine import Engine, EngineConfig
+from moecache.placement import PlacementOptions
+
+PLACEMENTS: dict[str, dict[str, Any]] = {  # name -> PlacementOptions fields ("budget": an expert cache)
+    "-ngl 99": dict(n_gpu_layers=99),
+    "--cpu-moe": dict(cpu_moe=True),
+    "--n-cpu-moe 4": dict(n_cpu_moe=4),
+    "cache": dict(),
+}
+LOAD_MODES = ("mmap", "pin")
+UBATCHES = (16, 32, 64, 256)
+
+
+def third_of_experts_budget(path: str | Path, n_ctx: int) -> int:
+    """A ``--vram-budget`` (bytes) that leaves the expert cache room for about a third of the experts."""
+    from moecache.gguf_file import open_gguf
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, model_sizes
+
+    with open_gguf(path) as m:
+        sz = model_sizes(m, n_ctx)
+    need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    return int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
+
+
+def greedy(eng: Engine, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after ``prompt`` (fresh sequence) and, per token, the gap in logits between
+    the chosen token and the runner-up (a near-tie may flip under float rounding)."""
+    eng.reset()
+    logits = eng.eval(prompt)[-1]
+    toks, gaps = [], []
+    for _ in range(n):
+        top2 = np.argpartition(-logits, 1)[:2]
+        t = int(top2[0] if logits[top2[0]] >= logits[top2[1]] else top2[1])
+        gaps.append(float(abs(logits[top2[0]] - logits[top2[1]])))
+        toks.append(t)
+        logits = eng.eval([t])[-1]
+    eng.reset()
+    return toks, gaps
+
+
+@dataclass
+class Cell:
+    """One configuration's results."""
+
+    placement: str
+    load_mode: str
+    n_ubatch: int
+    ppl: float
+    tokens: list[int]
+    offloaded_bytes: int  # host expert bytes copied to the GPU for prompt ubatches
+    summary: str
+
+
+def offloaded_bytes(eng: Engine) -> int:
+    """Host expert bytes copied to the GPU so far by op offload and the caches' prompt path."""
+    execs = getattr(eng.model.experts, "executors", {})
+    seen, total = set(), 0
+    for e in execs.values():
+        src = getattr(e, "offload", e)
+        if id(src) not in seen:
+            seen.add(id(src))
+            total += int(getattr(src, "offloaded_bytes", 0))
+    return total
+
+
+def run_cell(path: str | Path, placement: str, load_mode: str, n_ubatch: int, tokens: list[int], n_ctx: int,
+             max_chunks: int, prompt: list[int], n_greedy: int) -> Cell:
+    """Perplexity (``n_ctx`` chunks, at most ``max_chunks``) and greedy tokens in one configuration."""
+    opts = dict(PLACEMENTS[placement])
+    if placement == "cache":
+        opts["vram_budget"] = third_of_experts_budget(path, n_ctx)
+    cfg = EngineConfig(n_ctx=n_ctx, n_batch=max(n_ctx, n_ubatch), n_ubatch=n_ubatch)
+    with Engine(path, cfg, placement=PlacementOptions(**opts), load_mode=load_mode) as eng:
+        if placement == "cache":
+            assert eng.caches and eng.placement.cache_slots[0][1] > 0, "the budget gave no expert cache"
+        ppl = eng.perplexity(tokens, n_ctx, max_chunks=max_chunks).ppl
+        toks, _ = greedy(eng, prompt, n_greedy)
+        return Cell(placement, load_mode, n_ubatch, ppl, toks, offloaded_bytes(eng), eng.placement.summary())
+
+
+def cpu_reference(path: str | Path, tokens: list[int], n_ctx: int, max_chunks: int, prompt: list[int],
+                  n_greedy: int) -> tuple[float, list[int], list[float]]:
+    """The CPU's perplexity, greedy tokens and their top-2 gaps."""
+    with Engine(path, EngineConfig(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx)) as eng:
+        ppl = eng.perplexity(tokens, n_ctx, max_chunks=max_chunks).ppl
+        toks, gaps = greedy(eng, prompt, n_greedy)
+    return ppl, toks, gaps
+
+
+def first_real_divergence(ref: list[int], got: list[int], gaps: list[float], tie: float = 0.05) -> int | None:
+    """Index of the first token where ``got`` leaves ``ref`` although the CPU's top two were more
+    than ``tie`` logits apart (after a near-tie, the texts may legitimately part); None if none."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return None if gaps[i] <= tie else i
+    return None

@@ -1,0 +1,88 @@
+"""Issue 24: every placement x load mode x -ub gives the CPU's perplexity and greedy tokens on the
+real trained MoE (code-moe-tiny), and on a synthetic MoE whose prompt experts span several upload
+groups. GPU machine: pytest -m gpu."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moecache.testing import fidelity as F
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+N_CTX, CHUNKS, N_GREEDY = 256, 6, 24
+
+
+@pytest.fixture(scope="module")
+def gpu_ok():
+    from moecache.backends.cupy_backend import available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def real(code_moe_tiny):
+    from conftest import shared_model
+    from moecache.engine import Engine, EngineConfig
+
+    text = shared_model("heldout-b.py.txt").read_text()
+    with Engine(code_moe_tiny, EngineConfig(n_ctx=N_CTX)) as e:
+        tokens = e.tokenizer.encode(text, parse_special=False)
+    prompt = tokens[100:170]  # 70 tokens: ubatches of 32+ run the host experts on the GPU
+    ref = F.cpu_reference(code_moe_tiny, tokens, N_CTX, CHUNKS, prompt, N_GREEDY)
+    print(f"CPU: ppl {ref[0]:.4f}, greedy {ref[1]}")
+    return tokens, prompt, ref
+
+
+@pytest.mark.parametrize("ub", F.UBATCHES)
+@pytest.mark.parametrize("load_mode", F.LOAD_MODES)
+@pytest.mark.parametrize("placement", list(F.PLACEMENTS))
+def test_code_moe_tiny_placements_equal_cpu(gpu_ok, code_moe_tiny, real, placement, load_mode, ub):
+    tokens, prompt, (ppl, ref_toks, gaps) = real
+    c = F.run_cell(code_moe_tiny, placement, load_mode, ub, tokens, N_CTX, CHUNKS, prompt, N_GREEDY)
+    rel = abs(c.ppl - ppl) / ppl
+    print(f"{placement} {load_mode} -ub {ub}: ppl {c.ppl:.4f} (CPU {ppl:.4f}, {rel:.2e}); "
+          f"offloaded {c.offloaded_bytes} B; {c.summary}")
+    assert rel < 1e-3
+    bad = F.first_real_divergence(ref_toks, c.tokens, gaps)
+    assert bad is None, f"greedy token {bad}: {c.tokens[bad]} vs CPU {ref_toks[bad]} (gap {gaps[bad]:.3f})"
+    if placement != "-ngl 99":  # host experts: ubatches of 32+ copy them to the GPU, smaller ones do not
+        assert (c.offloaded_bytes > 0) == (ub >= 32)
+
+
+@pytest.mark.parametrize("ub", F.UBATCHES)
+@pytest.mark.parametrize("load_mode", F.LOAD_MODES)
+@pytest.mark.parametrize("placement", ["--cpu-moe", "--n-cpu-moe 4", "cache"])
+def test_synthetic_moe_prompt_experts_in_several_groups(gpu_ok, tmp_path_factory, monkeypatch, placement,
+                                                        load_mode, ub):
+    """64 experts of a few hundred KiB each (Q4_K/Q6_K); the cache's prompt path moves them 5 at a
+    time (PROMPT_GROUP_BYTES lowered), so one ubatch's used experts span many upload groups."""
+    from moecache.gguf_file import open_gguf
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import SynthConfig, write_model
+
+    path = tmp_path_factory.getbasetemp() / "moe64.gguf"
+    if not path.exists():
+        write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 64, "n_expert_used": 8, "n_embd": 256,
+                                         "head_dim": 64, "expert_ff": 512, "expert_type": "Q4_K"}), seed=31)
+    with open_gguf(path) as m:
+        n_vocab = m.config.n_vocab
+        per = sum(m.tensors[f"blk.0.ffn_{p}_exps.weight"].data[0].nbytes for p in ("gate", "up", "down"))
+    monkeypatch.setattr("moecache.moe.cache.PROMPT_GROUP_BYTES", 5 * per)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(0, n_vocab, 4 * 128)]
+    prompt = tokens[:90]
+    ppl, ref_toks, gaps = F.cpu_reference(path, tokens, 128, 4, prompt, 8)
+    c = F.run_cell(path, placement, load_mode, ub, tokens, 128, 4, prompt, 8)
+    rel = abs(c.ppl - ppl) / ppl
+    print(f"{placement} {load_mode} -ub {ub}: ppl {c.ppl:.4f} (CPU {ppl:.4f}, {rel:.2e}); {c.summary}")
+    assert rel < 1e-3
+    assert F.first_real_divergence(ref_toks, c.tokens, gaps) is None
+    assert (c.offloaded_bytes > 0) == (ub >= 32)
