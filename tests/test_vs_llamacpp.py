@@ -1,0 +1,133 @@
+"""bench/vs_llamacpp.py's logic on the CPU: case command lines, the -ncmoe search against measured
+peaks, VRAM sampling, resumable rows. Stock llama.cpp and nvidia-smi are stand-ins here: a fake
+llama-bench sets a "used memory" that a fake nvidia-smi reports, so the sampler and the search run
+for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import vs_llamacpp as V  # noqa: E402
+
+FAKE_SMI = """#!{py}
+import sys, time, os
+mem = os.environ["FAKE_MEM"]
+def used():
+    try:
+        return int(open(mem).read() or 0)
+    except (OSError, ValueError):
+        return 0
+if "-lms" in sys.argv:
+    while True:
+        print(1000 + used(), flush=True)
+        time.sleep(0.05)
+print(1000)
+"""
+
+FAKE_BENCH = """#!{py}
+import json, os, sys, time
+a = sys.argv
+k = int(a[a.index("-ncmoe") + 1]) if "-ncmoe" in a else 0
+open(os.environ["FAKE_MEM"], "w").write(str(9000 - 100 * k))  # fewer expert layers on the GPU: less VRAM
+time.sleep(0.4)
+open(os.environ["FAKE_MEM"], "w").write("0")
+p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+print(json.dumps(dict(avg_ts=50.0 + k, stddev_ts=0.5, samples_ts=[50.0 + k], n_cpu_moe=k, n_ubatch=512,
+                      n_prompt=p, n_gen=n, build_commit="fake", gpu_info="none")))
+"""
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text(text.replace("{py}", sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.fixture()
+def fakes(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _script(bindir / "nvidia-smi", FAKE_SMI)
+    bench = _script(bindir / "llama-bench", FAKE_BENCH)
+    monkeypatch.setenv("FAKE_MEM", str(tmp_path / "mem"))
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return bench
+
+
+def test_case_names_are_the_specs():
+    spec = (ROOT.parent / "shared" / "vs-llamacpp.md")
+    names = {"gpu-pp512", "gpu-tg128", "gpu-tg128-d16384", "8g-tg128-qwen3-moe", "8g-tg128-low-locality",
+             "8g-tg128-uniform", "8g-tg64-d12620-qwen3-moe", "8g-pp512", "8g-pp12620", "cpu-moe-tg64",
+             "pinned-pp512", "pinned-pp2048-ub2048", "x2-gpu-tg128", "x2-8g-tg128-qwen3-moe", "x2-8g-tg128-uniform"}
+    assert set(V.CASES) == names
+    if spec.exists():  # the spec's table names each case
+        text = spec.read_text()
+        assert all(n.split("-")[0] in text for n in names)
+
+
+def test_command_lines_follow_the_fairness_rules():
+    c = V.CASES["8g-tg64-d12620-qwen3-moe"]
+    ll = V.llama_cmd("lb", "m.gguf", c, 29, 3, 15)
+    assert ll[ll.index("-fa") + 1] == "1" and ll[ll.index("-t") + 1] == "15" and ll[ll.index("-lm") + 1] == "none"
+    assert ll[ll.index("-ncmoe") + 1] == "29" and ll[ll.index("-d") + 1] == "12620" and ll[ll.index("-n") + 1] == "64"
+    us = V.ours_cmd("m.gguf", c, 3, 15, 256)
+    assert us[us.index("--vram-budget") + 1] == "8192MiB" and us[us.index("--routing") + 1] == "qwen3-moe"
+    assert us[us.index("--load-mode") + 1] == "pin" and V.warmup_of(us) == 256 and us[us.index("-d") + 1] == "12620"
+    g = V.CASES["gpu-tg128"]
+    assert "-lm" not in V.llama_cmd("lb", "m", g, None, 3, 15) and "-ncmoe" not in V.llama_cmd("lb", "m", g, None, 3, 15)
+    assert V.warmup_of(V.ours_cmd("m", g, 3, 15, 256)) == 0  # no cache: nothing to warm
+    ub = V.llama_cmd("lb", "m", V.CASES["pinned-pp2048-ub2048"], 48, 3, 15)
+    assert ub[ub.index("-ub") + 1] == "2048" and ub[ub.index("-b") + 1] == "2048"
+    assert V.CASES["8g-tg64-d12620-qwen3-moe"].test == "tg64 @ d12620" and V.CASES["gpu-pp512"].test == "pp512"
+
+
+@pytest.mark.parametrize("hint", [0, 10, 29, 48])
+def test_smallest_fitting_ncmoe(hint):
+    peak = {k: 9000 - 100 * k for k in range(49)}  # fits 8192 MiB from k = 9
+    best, tried = V.smallest_fitting(lambda k: peak[k], 8192, 0, 48, hint)
+    assert best == 9 and all(peak[k] == v for k, v in tried.items())
+    assert 8 in tried or hint < 9  # the one below the answer was shown to be over
+    with pytest.raises(RuntimeError, match="over the 100 MiB budget"):
+        V.smallest_fitting(lambda k: peak[k], 100, 0, 48, hint)
+
+
+def test_sampler_sees_a_process_peak(fakes, tmp_path):
+    with V.VramSampler() as s:
+        V.run_jsonl([str(fakes), "-p", "0", "-n", "1", "-ncmoe", "5"], tmp_path / "log")
+    assert s.base == [1000] and s.peak_mib == 9000 - 500
+
+
+def test_a_run_with_fake_llama_bench_and_the_real_moecache_bench(fakes, tmp_path, capsys):
+    from moecache.testing.synth import PRESETS, write_model
+
+    model = tmp_path / "tiny.gguf"
+    write_model(model, PRESETS["tiny"], seed=1)
+    out = tmp_path / "vs"
+    args = ["-m", str(model), "--llama-bench", str(fakes), "--cases", "gpu-tg128,8g-tg128-uniform", "-r", "1",
+            "-t", "2", "--n-gen-warmup", "2", "--run", "t1", "--ncmoe-hint", "5", "--our-load-mode", "mmap", "--out", str(out)]
+    assert V.main(args) == 0
+    rows = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert [(r["case"], r["engine"]) for r in rows] == [("gpu-tg128", "llama.cpp"), ("gpu-tg128", "moecache"),
+                                                         ("8g-tg128-uniform", "llama.cpp"), ("8g-tg128-uniform", "moecache")]
+    spec_fields = {"run", "case", "engine", "test", "avg_ts", "stddev_ts", "samples_ts", "n_cpu_moe", "vram_budget_mib",
+                   "vram_peak_mib", "routing", "hit_rate", "n_ubatch", "build_commit", "date", "gpu_info"}
+    assert all(spec_fields <= set(r) for r in rows)
+    ll = rows[2]
+    assert ll["n_cpu_moe"] == 9 and ll["vram_peak_mib"] == 8100 and ll["avg_ts"] == 59.0
+    assert rows[3]["test"] == "tg128" and rows[3]["avg_ts"] > 0 and rows[3]["routing"] == "uniform"
+    assert rows[3]["n_gen_warmup"] == 2
+    md = out.with_suffix(".md").read_text()
+    assert "| 8g-tg128-uniform | tg128 | 59.00" in md and "8100 (9)" in md
+    # the same run again: nothing reruns
+    assert V.main(args) == 0
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 4
+    assert json.loads(out.with_suffix(".ncmoe.json").read_text())["8192:0+128@0:512:1"]["best"] == 9
