@@ -335,28 +335,37 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 return 0
             ncmoe = case.ncmoe if isinstance(case.ncmoe, int) else None
-            if engine == "llama.cpp" and case.ncmoe == "best":
-                key = f"{case.budget_mib}:{case.p}+{case.n}@{case.d}:{case.ub or 512}:{case.gpus}"
-                if key not in st.ncmoe:
-                    def peak_at(k: int) -> int:
-                        probe = Case(case.name, case.p, min(case.n, 16) if case.n else 0, case.d, case.budget_mib,
-                                     host_experts=True, ub=case.ub, gpus=case.gpus)
-                        with VramSampler() as s:
-                            run_jsonl(llama_cmd(a.llama_bench, a.model, probe, k, 1, a.threads), log, env)
-                        print(f"  {name}: -ncmoe {k} peaks at {s.peak_mib} MiB", flush=True)
-                        return s.peak_mib
-                    best, tried = smallest_fitting(peak_at, case.budget_mib, 0, n_layer, a.ncmoe_hint)
-                    st.ncmoe[key] = dict(best=best, tried=tried)
+            key = f"{case.budget_mib}:{case.p}+{case.n}@{case.d}:{case.ub or 512}:{case.gpus}"
+            if engine == "llama.cpp" and case.ncmoe == "best" and key not in st.ncmoe:
+                def peak_at(k: int) -> int:  # the case's own test, once: the peak of the timed run's shape
+                    with VramSampler() as s:
+                        run_jsonl(llama_cmd(a.llama_bench, a.model, case, k, 1, a.threads), log, env)
+                    print(f"  {name}: -ncmoe {k} peaks at {s.peak_mib} MiB", flush=True)
+                    return s.peak_mib
+                best, tried = smallest_fitting(peak_at, case.budget_mib, 0, n_layer, a.ncmoe_hint)
+                st.ncmoe[key] = dict(best=best, tried=tried)
+                save()
+            while True:
+                if engine == "llama.cpp" and case.ncmoe == "best":
+                    ncmoe = st.ncmoe[key]["best"]
+                cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
+                       else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode))
+                try:
+                    with VramSampler() as s:
+                        recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)
+                except subprocess.SubprocessError as e:
+                    print(f"{name} ({engine}) failed: {e}", flush=True)
+                    recs = []
+                # the timed run must stay within the budget too: over it, one more layer's experts to the CPU
+                if (engine == "llama.cpp" and case.ncmoe == "best" and recs and s.peak_mib > case.budget_mib
+                        and ncmoe < n_layer):
+                    print(f"  {name}: the timed run at -ncmoe {ncmoe} peaked at {s.peak_mib} MiB; -ncmoe {ncmoe + 1}",
+                          flush=True)
+                    st.ncmoe[key]["tried"][str(ncmoe)] = s.peak_mib
+                    st.ncmoe[key]["best"] = ncmoe + 1
                     save()
-                ncmoe = st.ncmoe[key]["best"]
-            cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
-                   else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode))
-            try:
-                with VramSampler() as s:
-                    recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)
-            except subprocess.SubprocessError as e:
-                print(f"{name} ({engine}) failed: {e}", flush=True)
-                continue
+                    continue
+                break
             if not recs:
                 print(f"{name} ({engine}): no result (see {log})", flush=True)
                 continue

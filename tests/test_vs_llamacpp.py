@@ -37,7 +37,9 @@ FAKE_BENCH = """#!{py}
 import json, os, sys, time
 a = sys.argv
 k = int(a[a.index("-ncmoe") + 1]) if "-ncmoe" in a else 0
-open(os.environ["FAKE_MEM"], "w").write(str(9000 - 100 * k))  # fewer expert layers on the GPU: less VRAM
+r = int(a[a.index("-r") + 1])
+# fewer expert layers on the GPU: less VRAM; a timed run (-r 3) peaks 200 MiB above the probe (-r 1)
+open(os.environ["FAKE_MEM"], "w").write(str(9000 - 100 * k + (200 if r > 1 else 0)))
 time.sleep(0.4)
 open(os.environ["FAKE_MEM"], "w").write("0")
 p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
@@ -102,7 +104,7 @@ def test_smallest_fitting_ncmoe(hint):
 
 def test_sampler_sees_a_process_peak(fakes, tmp_path):
     with V.VramSampler() as s:
-        V.run_jsonl([str(fakes), "-p", "0", "-n", "1", "-ncmoe", "5"], tmp_path / "log")
+        V.run_jsonl([str(fakes), "-p", "0", "-n", "1", "-r", "1", "-ncmoe", "5"], tmp_path / "log")
     assert s.base == [1000] and s.peak_mib == 9000 - 500
 
 
@@ -112,8 +114,8 @@ def test_a_run_with_fake_llama_bench_and_the_real_moecache_bench(fakes, tmp_path
     model = tmp_path / "tiny.gguf"
     write_model(model, PRESETS["tiny"], seed=1)
     out = tmp_path / "vs"
-    args = ["-m", str(model), "--llama-bench", str(fakes), "--cases", "gpu-tg128,8g-tg128-uniform", "-r", "1",
-            "-t", "2", "--n-gen-warmup", "2", "--run", "t1", "--ncmoe-hint", "5", "--our-load-mode", "mmap", "--out", str(out)]
+    args = ["-m", str(model), "--llama-bench", str(fakes), "--cases", "gpu-tg128,8g-tg128-uniform",
+            "-r", "2", "-t", "2", "--n-gen-warmup", "2", "--run", "t1", "--ncmoe-hint", "5", "--our-load-mode", "mmap", "--out", str(out)]
     assert V.main(args) == 0
     rows = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
     assert [(r["case"], r["engine"]) for r in rows] == [("gpu-tg128", "llama.cpp"), ("gpu-tg128", "moecache"),
@@ -122,12 +124,13 @@ def test_a_run_with_fake_llama_bench_and_the_real_moecache_bench(fakes, tmp_path
                    "vram_peak_mib", "routing", "hit_rate", "n_ubatch", "build_commit", "date", "gpu_info"}
     assert all(spec_fields <= set(r) for r in rows)
     ll = rows[2]
-    assert ll["n_cpu_moe"] == 9 and ll["vram_peak_mib"] == 8100 and ll["avg_ts"] == 59.0
+    # the probe's -ncmoe 9 fits (8100 MiB) but its timed run peaks at 8300: 10 (8200) is over too, 11 fits
+    assert ll["n_cpu_moe"] == 11 and ll["vram_peak_mib"] == 8100 and ll["avg_ts"] == 61.0
     assert rows[3]["test"] == "tg128" and rows[3]["avg_ts"] > 0 and rows[3]["routing"] == "uniform"
     assert rows[3]["n_gen_warmup"] == 2
     md = out.with_suffix(".md").read_text()
-    assert "| 8g-tg128-uniform | tg128 | 59.00" in md and "8100 (9)" in md
+    assert "| 8g-tg128-uniform | tg128 | 61.00" in md and "8100 (11)" in md
     # the same run again: nothing reruns
     assert V.main(args) == 0
     assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 4
-    assert json.loads(out.with_suffix(".ncmoe.json").read_text())["8192:0+128@0:512:1"]["best"] == 9
+    assert json.loads(out.with_suffix(".ncmoe.json").read_text())["8192:0+128@0:512:1"]["best"] == 11
