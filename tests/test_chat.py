@@ -1,18 +1,24 @@
 """moecache.chat: which template is chosen, and the exact text each one renders.
 
-The expected strings of the built-in formats are llama.cpp b11434's ``llama_chat_apply_template``
-output for the same messages (libllama called through ctypes), written out here.
+The expected texts of the built-in formats and of the name detection are llama.cpp b11434's own
+output (``src/llama-chat.cpp`` compiled and run: tests/data/llamacpp/chat_templates.json, see the
+README there).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import gguf
 import pytest
 
-from moecache.chat import BUILTIN_TEMPLATES, ChatTemplate, jinja_renderer, resolve_chat_template
+from moecache.chat import (BUILTIN_TEMPLATES, ChatTemplate, builtin_renderer, fold_system, jinja_renderer,
+                           resolve_chat_template)
+from moecache.chat_builtin import detect_template, render_builtin
+from moecache.errors import ChatTemplateError
 from moecache.gguf_file import open_gguf
 from moecache.testing.synth import SynthConfig, write_model
 from moecache.tokenizer import Tokenizer
@@ -104,42 +110,81 @@ def test_gemma3_uses_gemma_format(gemma3_270m: Path) -> None:
 
 
 def test_gemma_system_only_before_a_user_turn() -> None:
-    render = BUILTIN_TEMPLATES["gemma"][0]
+    render = builtin_renderer("gemma")
     msgs = [{"role": "system", "content": "s1"}, {"role": "system", "content": " s2"},
             {"role": "user", "content": [{"type": "text", "text": "u"}, {"type": "image"},
                                          {"type": "text", "text": "v"}]}]
     assert render(msgs, True) == "<start_of_turn>user\ns1s2\n\nuv<end_of_turn>\n<start_of_turn>model\n"
 
 
-# ---- the other built-in formats ---------------------------------------------------------------
+# ---- every built-in format and the name detection, against llama.cpp's recorded output ---------
 
-BUILTIN_EXPECTED = {
-    "chatml": ("<|im_start|>system\nYou are helpful. <|im_end|>\n<|im_start|>user\n Hi\n<|im_end|>\n"
-               "<|im_start|>assistant\nHello! <|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n"
-               "<|im_start|>assistant\n"),
-    "llama3": ("<|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|>"
-               "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-               "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
-               "<|start_header_id|>user<|end_header_id|>\n\nHow are you?<|eot_id|>"
-               "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-    "llama2": "[INST] You are helpful. \n Hi\n [/INST]Hello! </s>[INST] How are you? [/INST]",
-    "llama2-sys": "[INST] <<SYS>>\nYou are helpful. \n<</SYS>>\n\n Hi\n [/INST]Hello! </s>[INST] How are you? [/INST]",
-    "mistral-v7": ("[SYSTEM_PROMPT] You are helpful. [/SYSTEM_PROMPT][INST]  Hi\n[/INST] Hello! </s>"
-                   "[INST] How are you?[/INST]"),
-    "gemma": GEMMA_EXPECTED,
-}
+LLAMACPP = json.loads((Path(__file__).parent / "data" / "llamacpp" / "chat_templates.json").read_text())
+RENDERINGS = LLAMACPP["renderings"]
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_EXPECTED))
-def test_builtin_formats_match_llamacpp(synth_path: Path, name: str) -> None:
+def test_recorded_conversation_is_this_one() -> None:
+    assert LLAMACPP["conversations"][0] == CONVERSATION
+
+
+def test_every_llamacpp_name_is_built_in() -> None:
+    names = {r["name"] for r in RENDERINGS} - {"dots1"}
+    assert len(names) == 54 and set(BUILTIN_TEMPLATES) == names
+
+
+@pytest.mark.parametrize("case", [r for r in RENDERINGS if r["conversation"] == 0 and r["name"] != "dots1"],
+                         ids=lambda r: f"{r['name']}-{'gen' if r['add_generation_prompt'] else 'nogen'}")
+def test_builtin_format_renders_as_llamacpp(synth_path: Path, case: dict) -> None:
+    """The fixed conversation (system, user, assistant, user) through --chat-template NAME."""
     model, tok = _load(synth_path)
-    t = resolve_chat_template(model, tok, override=name)
-    assert (t.name, t.source) == (name, f"--chat-template {name}")
-    assert t.render(CONVERSATION) == BUILTIN_EXPECTED[name]
+    t = resolve_chat_template(model, tok, override=case["name"])
+    assert (t.name, t.source, t.folds_system) == (case["name"], f"--chat-template {case['name']}", False)
+    assert t.render(CONVERSATION, add_generation_prompt=case["add_generation_prompt"]) == case["text"]
 
 
-def test_every_builtin_is_tested() -> None:
-    assert set(BUILTIN_TEMPLATES) == set(BUILTIN_EXPECTED)
+def test_builtin_formats_other_conversations() -> None:
+    """No system message; a tool message; and the detect-only dots1 format."""
+    done = 0
+    for case in RENDERINGS:
+        turns = [(m["role"], m["content"]) for m in LLAMACPP["conversations"][case["conversation"]]]
+        assert render_builtin(case["name"], turns, case["add_generation_prompt"]) == case["text"], case
+        done += 1
+    assert done == 55 * 3 * 2
+
+
+def test_detection_as_llamacpp() -> None:
+    cases = LLAMACPP["detections"]
+    assert len(cases) == 120
+    for case in cases:
+        assert (detect_template(case["template"]) or "unknown") == case["detected"], case["template"]
+
+
+# a GGUF template that jinja2 cannot parse (a llama.cpp-only construct), with Phi-3's markers
+BROKEN_PHI3 = ("{% for message in messages %}{{'<|' + message['role'] + '|>' + '\\n' + message['content'] + "
+               "'<|end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+               "{% generation_unknown %}")
+
+
+def test_unusable_gguf_template_falls_back_to_llamacpp_detection(synth_path: Path, tmp_path: Path) -> None:
+    src = _with_keys(synth_path, tmp_path / "broken.gguf",
+                     {"tokenizer.chat_template": (BROKEN_PHI3, gguf.GGUFValueType.STRING)})
+    model, tok = _load(src)
+    t = resolve_chat_template(model, tok)
+    assert t.name == "phi3"
+    assert t.source.startswith("tokenizer.chat_template from the GGUF is unusable in Jinja (chat template (gguf) "
+                               "does not compile: line 1: ")
+    assert t.source.endswith("llama.cpp detects the built-in format 'phi3' in it")
+    expected = next(r["text"] for r in RENDERINGS if r["name"] == "phi3" and r["conversation"] == 0
+                    and r["add_generation_prompt"])
+    assert t.render(CONVERSATION) == expected
+    # unknown to the detection too: one error naming both failures
+    src = _with_keys(synth_path, tmp_path / "unknown.gguf",
+                     {"tokenizer.chat_template": ("{% if %}", gguf.GGUFValueType.STRING)})
+    model, tok = _load(src)
+    with pytest.raises(ValueError, match=r"^chat template \(gguf\) does not compile: line 1: .*; llama.cpp's "
+                                         r"template detection does not recognize it either: choose a format with "
+                                         r"--chat-template NAME$"):
+        resolve_chat_template(model, tok)
 
 
 def test_chatml_is_the_qwen_default(code_moe_tiny: Path) -> None:
@@ -209,13 +254,12 @@ def test_jinja_environment() -> None:
 
 def test_errors(synth_path: Path) -> None:
     model, tok = _load(synth_path)
-    with pytest.raises(ValueError, match=r"unknown chat template 'vicuna': use one of chatml, gemma, llama3"):
-        resolve_chat_template(model, tok, override="vicuna")
+    with pytest.raises(ValueError, match=r"unknown chat template 'vicuna2': use one of chatml, llama2, llama2-sys, "):
+        resolve_chat_template(model, tok, override="vicuna2")
     with pytest.raises(ValueError, match=r"chat template \(jinja\) does not compile: line 1"):
         resolve_chat_template(model, tok, override="{% for m in messages %}")
-    t = resolve_chat_template(model, tok, override="{{ messages[0].content + 1 }}")
-    with pytest.raises(ValueError, match=r"chat template \(jinja\) failed: TypeError"):
-        t.render([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match=r"chat template \(jinja\) failed: TypeError"):  # probed with a user message
+        resolve_chat_template(model, tok, override="{{ messages[0].content + 1 }}")
     chatml = resolve_chat_template(model, tok, override="chatml")
     for bad in ("hello", [{"content": "no role"}], [{"role": "user"}], [("user", "x")]):
         with pytest.raises(ValueError, match="message"):
