@@ -135,29 +135,45 @@ def fold_system(messages: Messages) -> list[dict[str, Any]]:
     return msgs
 
 
-def reads_system(compiled: CompiledTemplate, **variables: Any) -> bool:
-    """Whether the template uses a system message: llama.cpp's probe (b11434
-    ``common/jinja/caps.cpp``) renders ``[system, user]`` and checks that the system message's
-    content was read; here, read or found in the output. False when the template raises on it.
-    Raises ChatTemplateError when the probe breaks a limit."""
-    class Probe(dict):
-        content_read = False
+class _Probe(dict):
+    """A message that records whether a template read its ``content``."""
 
-        def __getitem__(self, key: Any) -> Any:
-            Probe.content_read |= key == "content"
-            return super().__getitem__(key)
+    def __init__(self, role: str, content: str):
+        super().__init__(role=role, content=content)
+        self.content_read = False
 
-        def get(self, key: Any, default: Any = None) -> Any:
-            Probe.content_read |= key == "content"
-            return super().get(key, default)
-    msgs = [Probe(role="system", content=_PROBE_SYSTEM), Probe(role="user", content=_PROBE_USER)]
-    try:
-        out = compiled.render(messages=msgs, add_generation_prompt=True, **variables)
-    except ChatTemplateError:
-        raise
-    except ValueError:
+    def __getitem__(self, key: Any) -> Any:
+        self.content_read |= key == "content"
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.content_read |= key == "content"
+        return super().get(key, default)
+
+
+def has_system_role(compiled: CompiledTemplate, **variables: Any) -> bool:
+    """Whether the template takes a system message as such; when not, :func:`fold_system` applies.
+
+    As llama.cpp b11434 (``common/jinja/caps.cpp``: ``supports_system_role``), ``[system, user]``
+    is rendered: no system role when that raises, or when the system message's content is neither
+    read nor found in the output. Beyond llama.cpp, also none when the output is the same with the
+    system message given the role ``assistant`` or ``user`` (a template that knows only user and
+    assistant turns and renders a system message as one of them). Raises ChatTemplateError when the
+    probe breaks a limit of the sandbox.
+    """
+    def render(role: str) -> tuple[str | None, bool]:
+        msgs = [_Probe(role, _PROBE_SYSTEM), _Probe("user", _PROBE_USER)]
+        try:
+            return compiled.render(messages=msgs, add_generation_prompt=True, **variables), msgs[0].content_read
+        except ChatTemplateError:
+            raise
+        except ValueError:
+            return None, False
+
+    out, read = render("system")
+    if out is None or not (read or _PROBE_SYSTEM in out):
         return False
-    return Probe.content_read or _PROBE_SYSTEM in out
+    return all(render(other)[0] != out for other in ("assistant", "user"))
 
 
 def jinja_renderer(source: str, name: str, bos_token: str = "", eos_token: str = "", strip_bos: bool = False,
@@ -196,7 +212,7 @@ def _jinja(tok: Tokenizer, source: str, name: str, why: str) -> ChatTemplate:
     """A Jinja template, folding the system message when the template does not read it."""
     bos, eos = _token_text(tok, tok.bos_id), _token_text(tok, tok.eos_id)
     compiled = CompiledTemplate(source, name)
-    fold = not reads_system(compiled, bos_token=bos, eos_token=eos)
+    fold = not has_system_role(compiled, bos_token=bos, eos_token=eos)
     render = _renderer(compiled, bos, eos, tok.add_bos, tok.add_eos, fold)
     render([{"role": "user", "content": _PROBE_USER}], True)  # ValueError when unusable
     return ChatTemplate(name, why, render, folds_system=fold)

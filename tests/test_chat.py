@@ -294,3 +294,94 @@ def test_chat_session_cache_holds_exactly_the_rendered_conversation(code_moe_tin
         assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user", "assistant"]
         # the second turn's prompt starts with the first reply's unevaluated third token
         assert s.rendered.count("<|im_start|>user") == 2
+
+
+# ---- templates without a system role: the system message is folded into the first user message --
+
+NO_SYSTEM_ROLE = ("{% for m in messages %}{% if m['role'] == 'user' %}<u>{{ m['content'] }}</u>"
+                  "{% else %}<a>{{ m['content'] }}</a>{% endif %}{% endfor %}")
+REFUSES_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                  "supported') }}{% endif %}<u>{{ m['content'] }}</u>{% endfor %}")
+# Phi-3-mini's kind: never reads a system message
+IGNORES_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>\n{{ m['content'] }}<|end|>\n"
+                  "{% elif m['role'] == 'assistant' %}<|assistant|>\n{{ m['content'] }}<|end|>\n{% endif %}"
+                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Mistral-7B-Instruct v0.2's kind: roles must alternate from a user message
+ALTERNATES = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+              "{% endif %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %}"
+              "{{ m['content'] }}</s>{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("src", [NO_SYSTEM_ROLE, REFUSES_SYSTEM], ids=["never-reads-system", "raises-on-system"])
+def test_system_folded_into_first_user_message(synth_path: Path, src: str) -> None:
+    model, tok = _load(synth_path)
+    t = resolve_chat_template(model, tok, override=src)
+    assert t.folds_system
+    assert t.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == "<u>S\nU</u>"
+
+
+def test_fold_on_real_template_kinds(synth_path: Path) -> None:
+    model, tok = _load(synth_path)
+    phi3 = resolve_chat_template(model, tok, override=IGNORES_SYSTEM)
+    assert phi3.folds_system
+    assert phi3.render(CONVERSATION) == ("<|user|>\nYou are helpful. \n Hi\n<|end|>\n<|assistant|>\nHello! <|end|>\n"
+                                         "<|user|>\nHow are you?<|end|>\n<|assistant|>\n")
+    mistral = resolve_chat_template(model, tok, override=ALTERNATES)
+    assert mistral.folds_system
+    assert mistral.render(CONVERSATION) == "[INST] You are helpful. \n Hi\n [/INST]Hello! </s>[INST] How are you? [/INST]"
+    # a template with a system role is left alone
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    t = resolve_chat_template(model, tok, override=chatml)
+    assert not t.folds_system
+    assert t.render(CONVERSATION[:2]) == "<|im_start|>system\nYou are helpful. <|im_end|>\n<|im_start|>user\n Hi\n<|im_end|>\n"
+
+
+def test_fold_system_rules() -> None:
+    """llama.cpp's rule: only a first system message, joined to the next by a newline; alone: dropped."""
+    sys_, user = {"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]}
+    assert fold_system([sys_, user]) == [{"role": "user", "content": "S\nU"}]
+    assert fold_system([sys_]) == []
+    assert fold_system([user, sys_]) == [user, sys_]
+    msgs = [sys_, user]
+    fold_system(msgs)
+    assert msgs == [sys_, user]  # the caller's messages are not changed
+
+
+def test_fold_keeps_the_cache_in_step_across_turns(code_moe_tiny: Path) -> None:
+    from moecache.chat import ChatSession
+    from moecache.engine import Engine, EngineConfig
+    from moecache.sampling import Sampler, SamplingParams
+
+    chatml_no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with Engine(code_moe_tiny, EngineConfig(n_ctx=256)) as eng:
+        t = resolve_chat_template(eng.gguf, eng.tokenizer, chatml_no_system)
+        assert t.folds_system
+        s = ChatSession(eng, t, system="Write Python.")
+        resets = []
+        real_reset = eng.reset
+        eng.reset = lambda: (resets.append(1), real_reset())[1]
+        prompt_tokens = []
+        for msg in ("def add(a, b):", "and subtract?"):
+            res = s.turn(msg, Sampler(SamplingParams(temp=0.0)), n_predict=3)
+            prompt_tokens.append(res.timings.n_prompt)
+            assert eng.n_past == len(s.cached_ids)
+            assert eng.tokenizer.decode(s.cached_ids[1:]) == s.rendered
+        assert resets == []  # the second turn continued the first: the fold gives a stable prefix
+        assert s.rendered.startswith("<|im_start|>user\nWrite Python.\ndef add(a, b):<|im_end|>\n")
+        assert s.rendered.count("<|im_start|>user") == 2 and "system" not in s.rendered
+        assert prompt_tokens[1] < len(s.cached_ids) - prompt_tokens[0]  # only the new text was evaluated
+
+
+# ---- the Jinja environment: llama.cpp's globals, {% generation %} ------------------------------
+
+def test_llamacpp_globals_and_generation_tag() -> None:
+    src = ("{{ tools is none }}|{{ enable_thinking }}|{{ strftime_now('%Y') }}|{% for m in messages %}"
+           "{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+           "{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}")
+    out = jinja_renderer(src, "t")([{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}], True)
+    assert out == f"True|True|{time.strftime('%Y')}|<u>q</u><a>r</a>"
+    with pytest.raises(ValueError, match=r"^chat template \(t\) refused the messages: no$"):
+        jinja_renderer("{{ raise_exception('no') }}", "t")([], True)
