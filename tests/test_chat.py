@@ -385,3 +385,140 @@ def test_llamacpp_globals_and_generation_tag() -> None:
     assert out == f"True|True|{time.strftime('%Y')}|<u>q</u><a>r</a>"
     with pytest.raises(ValueError, match=r"^chat template \(t\) refused the messages: no$"):
         jinja_renderer("{{ raise_exception('no') }}", "t")([], True)
+
+
+# ---- templates are untrusted code: bounded time, output, arithmetic and memory -------------------
+
+BREACH = r"^chat template \(t\) stopped: .+; it may be hostile or broken: use another one, e.g. --chat-template chatml$"
+HOSTILE = {
+    # the issue's two inputs
+    "nested-loops-output": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "power-of-a-power": "{{ 10**(10**8) }}",
+    # the same kinds, other ways
+    "nested-loops-silent": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested-loops-over-a-string": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    "captured-block": ("{% set s %}{% for i in range(100000) %}{% for j in range(100000) %}xy{% endfor %}"
+                       "{% endfor %}{% endset %}{{ s|length }}"),
+    "power-of-variables": "{% set a = 10 %}{% set b = 100000000 %}{{ a ** b }}",
+    "big-products": "{% set a = 7 ** 400 %}{{ a * a * a * a * a * a * a * a * a * a * a * a }}",
+    "repeat-a-string": "{{ 'x' * 1000000000 }}",
+    "repeat-a-list": "{{ (messages * 1000000000)|length }}",
+    "center-filter": "{{ 'x'|center(1000000000) }}",
+    "center-method": "{{ 'x'.center(1000000000) }}",
+    "percent-format": "{{ '%0999999999d' % 1 }}",
+    "format-method": "{{ '{:>999999999}'.format(1) }}",
+    "format-filter": "{{ '%0999999999d'|format(1) }}",
+    "replace-empty": "{{ ('x' * 1000000)|replace('', 'yyyyyyyyyy') }}",
+    "join": "{{ (['x' * 1000000] * 1000000)|join(',') }}",
+    "doubling-tilde": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "doubling-plus": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "macro-fan-out": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "macro-recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_template_stops_with_one_line(name: str) -> None:
+    t0 = time.monotonic()
+    render = jinja_renderer(HOSTILE[name], "t")  # compiling folds no constants: returns at once
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(ChatTemplateError, match=BREACH) as e:
+        render([{"role": "user", "content": "hi"}], True)
+    assert "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 10  # the time limit is 5 s; the step and size limits end most far sooner
+
+
+@pytest.mark.timeout(60)
+def test_time_limit() -> None:
+    from moecache.chat_jinja import CompiledTemplate
+
+    slow = "{% for i in range(300) %}{% for j in range(300) %}{{ (i * j) ** 50 }}{% endfor %}{% endfor %}"
+    t = CompiledTemplate(slow, "t", time_limit=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=r"still running after 0.05 s"):
+        t.render()
+    assert time.monotonic() - t0 < 2
+
+
+def test_output_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moecache.chat_jinja as cj
+
+    monkeypatch.setattr(cj, "MAX_OUTPUT", 1000)
+    with pytest.raises(ChatTemplateError, match=r"more than 1000 characters of output"):
+        jinja_renderer("{% for i in range(30) %}{{ 'x' * 50 }}{% endfor %}", "t")([], True)
+    assert len(jinja_renderer("{% for i in range(20) %}{{ 'x' * 50 }}{% endfor %}", "t")([], True)) == 1000
+
+
+def test_memory_limit_is_set_while_rendering_and_restored() -> None:
+    resource = pytest.importorskip("resource")
+    from moecache.chat_jinja import MEMORY_HEADROOM, _memory_limit
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    with _memory_limit(MEMORY_HEADROOM):
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        assert soft != resource.RLIM_INFINITY
+        with pytest.raises(MemoryError):
+            bytearray(2 * MEMORY_HEADROOM)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    assert len(bytearray(2 * MEMORY_HEADROOM)) == 2 * MEMORY_HEADROOM  # allowed again
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from Linux's /proc")
+def test_issue_inputs_bounded_in_a_fresh_process() -> None:
+    """Time and peak memory of a fresh interpreter rendering the issue's two inputs."""
+    import subprocess
+    import sys
+
+    code = ("import json, time\nfrom moecache.chat import jinja_renderer\nout = []\n"
+            f"for src in {[HOSTILE['nested-loops-output'], HOSTILE['power-of-a-power']]!r}:\n"
+            "    t = time.monotonic()\n    try:\n        jinja_renderer(src, 'gguf')([], True)\n"
+            "    except ValueError as e:\n        out.append([str(e), time.monotonic() - t])\n"
+            "hwm = [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM:')][0]\n"
+            "print(json.dumps([out, hwm]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stderr
+    results, peak_kib = json.loads(r.stdout)  # VmHWM: peak resident memory of this process image
+    assert len(results) == 2
+    for msg, seconds in results:
+        assert msg.startswith("chat template (gguf) stopped: ") and msg.endswith("--chat-template chatml")
+        assert seconds < 10
+    assert peak_kib < 200 * 1024  # the whole interpreter and jinja2 included (measured ~30 MiB)
+
+
+@pytest.mark.timeout(120)
+def test_cli_hostile_gguf_template_is_one_error_line(synth_path: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    for src in (HOSTILE["nested-loops-output"], HOSTILE["power-of-a-power"]):
+        path = _with_keys(synth_path, tmp_path / "hostile.gguf", {"tokenizer.chat_template": (src, gguf.GGUFValueType.STRING)})
+        r = CliRunner().invoke(app, ["run", "-m", str(path), "-n", "2"], input="hi\n/exit\n")
+        assert r.exit_code == 1, r.output
+        errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "chat template (gguf) stopped" in errors[0], r.output
+        assert errors[0].endswith("--chat-template chatml") and "Traceback" not in r.output
+
+
+def test_cli_says_only_true_things_about_the_models_template(templated_path: Path, synth_path: Path,
+                                                            tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["run", "-m", str(templated_path), "-n", "2", "-sys", "be brief"], input="hi\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "chat template: gguf" in r.output and "no chat template of its own" not in r.output
+    assert "no system role" not in r.output  # this template reads system messages
+    folding = _with_keys(synth_path, tmp_path / "fold.gguf",
+                         {"tokenizer.chat_template": (IGNORES_SYSTEM, gguf.GGUFValueType.STRING)})
+    r = CliRunner().invoke(app, ["run", "-m", str(folding), "-n", "2", "-sys", "be brief"], input="hi\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("the chat template has no system role: the system prompt is put before the first "
+                          "user message") == 1
+    r = CliRunner().invoke(app, ["run", "-m", str(synth_path), "-n", "2"], input="hi\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "this model has no chat template of its own" in r.output  # true here
