@@ -17,7 +17,8 @@ so that a hostile template ends with :class:`moecache.errors.ChatTemplateError` 
 - **bounded output**: the template is rendered as a stream, cut at :data:`MAX_OUTPUT` characters;
 - **bounded memory** (Linux): while compiling or rendering, the address-space limit
   (``RLIMIT_AS``) is lowered to the current size plus :data:`MEMORY_HEADROOM`, so any other
-  runaway allocation fails as ``MemoryError`` instead of growing until the OOM killer.
+  runaway allocation fails as ``MemoryError`` instead of growing until the OOM killer (the limit
+  is process-wide: chat renders between generations, while no other thread allocates).
 
 The environment is that of transformers' ``apply_chat_template`` (``trim_blocks``,
 ``lstrip_blocks``, ``loopcontrols``, a ``tojson`` filter keeping non-ASCII text, a
@@ -49,7 +50,7 @@ MAX_SIZE = 4 << 20          # characters of a string / items of a sequence made 
 MAX_INT_ARG = 100_000       # magnitude of an integer argument to a call or filter
 MAX_STEPS = 1_000_000       # loop iterations plus calls, per render
 MAX_OUTPUT = 32 << 20       # characters of rendered text
-MEMORY_HEADROOM = 1 << 30   # bytes of address space a render may add
+MEMORY_HEADROOM = 512 << 20  # bytes of address space a compile or render may add
 TIME_LIMIT = 5.0            # seconds per compile or render
 
 _BIG_FORMAT_NUMBER = re.compile(r"\d{6,}")
@@ -209,6 +210,7 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
                 raise LimitExceeded(f"+ made {_size(left) + _size(right)} items (limit {MAX_SIZE})")
         elif operator == "%" and isinstance(left, str):
             _check_format(left, "%")
+            _check_int_args(right if isinstance(right, tuple) else [right], "%")
         return _check_size(super().call_binop(context, operator, left, right), operator)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805

@@ -406,6 +406,7 @@ HOSTILE = {
     "center-filter": "{{ 'x'|center(1000000000) }}",
     "center-method": "{{ 'x'.center(1000000000) }}",
     "percent-format": "{{ '%0999999999d' % 1 }}",
+    "percent-star-width": "{{ '%*d' % (10 ** 9, 1) }}",
     "format-method": "{{ '{:>999999999}'.format(1) }}",
     "format-filter": "{{ '%0999999999d'|format(1) }}",
     "replace-empty": "{{ ('x' * 1000000)|replace('', 'yyyyyyyyyy') }}",
@@ -522,3 +523,44 @@ def test_cli_says_only_true_things_about_the_models_template(templated_path: Pat
     r = CliRunner().invoke(app, ["run", "-m", str(synth_path), "-n", "2"], input="hi\n/exit\n")
     assert r.exit_code == 0, r.output
     assert "this model has no chat template of its own" in r.output  # true here
+
+
+# the templates of the issue's models (as shipped in their tokenizer_config.json), with -sys
+REAL_NO_SYSTEM = {
+    "gemma-1": ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != "
+                "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/"
+                "user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+                "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+                "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{'<start_of_turn>model\\n'}}{% endif %}",
+                "<start_of_turn>user\nYou are helpful. \n Hi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+                "<start_of_turn>user\nHow are you?<end_of_turn>\n<start_of_turn>model\n"),
+    "mistral-7b-instruct-v0.2": (
+        "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] "
+        "== 'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant "
+        "roles are supported!') }}{% endif %}{% endfor %}",
+        "[INST] You are helpful. \n Hi\n [/INST]Hello! </s>[INST] How are you? [/INST]"),
+    "phi-3-mini": ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}{{'<|user|>' + "
+                   "'\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}{% elif "
+                   "(message['role'] == 'assistant') %}{{message['content'] + '<|end|>' + '\\n'}}{% endif %}"
+                   "{% endfor %}",
+                   "<|user|>\nYou are helpful. \n Hi\n<|end|>\n<|assistant|>\nHello! <|end|>\n<|user|>\nHow are you?"
+                   "<|end|>\n<|assistant|>\n"),
+    "orion": ("{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{% if message['role'] == "
+              "'user' %}{{ 'Human: ' + message['content'] + '\\n\\nAssistant: ' + eos_token }}{% elif "
+              "message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}",
+              "Human: You are helpful. \n Hi\n\n\nAssistant: </s>Hello! </s>Human: How are you?\n\nAssistant: </s>"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_NO_SYSTEM))
+def test_real_templates_without_a_system_role(synth_path: Path, name: str) -> None:
+    model, tok = _load(synth_path)
+    src, expected = REAL_NO_SYSTEM[name]
+    t = resolve_chat_template(model, tok, override=src)
+    assert t.folds_system
+    text = t.render(CONVERSATION)
+    assert text == expected.removesuffix("</s>" if tok.add_eos else "")  # cut when the tokenizer adds EOS
