@@ -57,7 +57,7 @@ _BIG_FORMAT_NUMBER = re.compile(r"\d{6,}")
 
 
 class LimitExceeded(Exception):
-    """A limit of :class:`LimitExceeded`'s environment was reached (turned into ChatTemplateError)."""
+    """A limit of :class:`LimitedEnvironment` was reached (reported as ChatTemplateError)."""
 
 
 class TemplateRaised(Exception):

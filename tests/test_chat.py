@@ -564,3 +564,14 @@ def test_real_templates_without_a_system_role(synth_path: Path, name: str) -> No
     assert t.folds_system
     text = t.render(CONVERSATION)
     assert text == expected.removesuffix("</s>" if tok.add_eos else "")  # cut when the tokenizer adds EOS
+
+
+def test_cli_accepts_every_llamacpp_name() -> None:
+    from cli.common import UserError
+    from cli.run import check_chat_template_name
+
+    for name in BUILTIN_TEMPLATES:
+        check_chat_template_name(name)
+    with pytest.raises(UserError, match=r"unknown chat template 'dots1': use one of chatml, llama2, .*, solar-open, "
+                                        r"or a Jinja template"):
+        check_chat_template_name("dots1")  # llama.cpp detects it but offers no such name
