@@ -47,7 +47,7 @@ def read_prompt(opts: RunOptions) -> str | None:
 
 def check_chat_template_name(name: str | None) -> None:
     """Fail before loading the model when ``--chat-template`` names no built-in template."""
-    from moecache.chat import BUILTIN_TEMPLATES
+    from moecache.chat_builtin import BUILTIN_TEMPLATES
 
     if name is not None and "{%" not in name and "{{" not in name and name not in BUILTIN_TEMPLATES:
         raise UserError(f"unknown chat template {name!r}: use one of {', '.join(BUILTIN_TEMPLATES)}, "
@@ -160,7 +160,13 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
     except ValueError as e:
         raise UserError(str(e)) from None
     note(f"chat template: {tmpl.name} ({tmpl.source})")
-    _warn_plain_text_markers(eng, tmpl)
+    if opts.system and tmpl.folds_system:
+        note("note: the chat template has no system role: the system prompt is put before the first user "
+             "message (as llama.cpp does)")
+    try:
+        _warn_plain_text_markers(eng, tmpl)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     note("interactive chat: type a message and press Enter; /exit or Ctrl-D quits; Ctrl-C stops a reply")
     session = ChatSession(eng, tmpl, opts.system)
     total = Timings()
@@ -186,17 +192,25 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
 
 
 def _warn_plain_text_markers(eng, tmpl) -> None:
-    """Say so when the template's turn markers are no special tokens of this vocabulary: the
-    model then sees them as plain text, typically a base (not instruction-tuned) model."""
+    """Say so when the model has no chat template of its own (typically a base model, not an
+    instruction-tuned one), or when the turn markers of the template in use are no special tokens
+    of this vocabulary (the model then sees them as plain text). Nothing when the GGUF's own
+    template is in use: its markers are what the model was trained on."""
     from moecache.tokenizer import CONTROL, USER_DEFINED
 
-    ids = eng.tokenizer.encode(tmpl.render([{"role": "user", "content": "hi"}], add_generation_prompt=True))
-    special = [i for i in ids if i != eng.tokenizer.bos_id and eng.tokenizer.token_type[i] in (CONTROL, USER_DEFINED)
-               and eng.tokenizer.decode([i]).strip()]
-    if not special or not eng.gguf.tokenizer.chat_template:
+    if tmpl.name == "gguf":
+        return
+    tok = eng.tokenizer
+    ids = tok.encode(tmpl.render([{"role": "user", "content": "hi"}], add_generation_prompt=True))
+    special = [i for i in ids if i != tok.bos_id and tok.token_type[i] in (CONTROL, USER_DEFINED)
+               and tok.decode([i]).strip()]
+    if not eng.gguf.tokenizer.chat_template:
         note("note: this model has no chat template of its own" + ("" if special else
              " and the turn markers are plain text to it") + ": it may be a base model, not an "
              "instruction-tuned one; replies may not answer or end (-n limits them)")
+    elif not special:
+        note(f"note: the turn markers of chat template {tmpl.name} are plain text to this model (no special "
+             f"tokens); its own template (tokenizer.chat_template) may suit it better")
 
 
 def _chat_turn(eng, session, sampler, opts: RunOptions, user: str, total) -> bool:

@@ -4,7 +4,9 @@
 
 1. ``override`` (``--chat-template``): a built-in name (:data:`BUILTIN_TEMPLATES`) or a Jinja
    template (any text containing ``{%`` or ``{{``);
-2. the GGUF's ``tokenizer.chat_template`` (Jinja);
+2. the GGUF's ``tokenizer.chat_template`` (Jinja); when it does not compile or fails on a user
+   message, the built-in format llama.cpp's name detection finds in its text
+   (:func:`moecache.chat_builtin.detect_template`);
 3. a built-in format known for the architecture (gemma3 GGUFs often carry no template: gemma's
    ``<start_of_turn>`` format; Qwen architectures: ChatML), or for the vocabulary (a
    ``<start_of_turn>``, ``<|start_header_id|>`` or ``<|im_start|>`` token);
@@ -19,21 +21,27 @@ tokenizer adds BOS itself, so a prompt starts with exactly one BOS:
   write them; as llama.cpp's ``common_chat_templates_apply`` does, a leading BOS text is cut off
   when the tokenizer adds BOS (``add_bos``) and a trailing EOS text when it adds EOS.
 
-Jinja templates run in ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
-``lstrip_blocks`` and the ``loopcontrols`` extension (the settings of transformers'
-``apply_chat_template``), with ``raise_exception(msg)``, ``strftime_now(fmt)`` and a ``tojson``
-filter that keeps non-ASCII text. Built-in formats give llama.cpp's ``llm_chat_apply_template``
-output (``src/llama-chat.cpp``, b11434) byte for byte, under the same names (checked against
-libllama's ``llama_chat_apply_template``; tests/test_chat.py holds the strings).
+Jinja templates are untrusted code: they run in :class:`moecache.chat_jinja.LimitedEnvironment`
+(jinja2's sandbox with limits on time, size and memory; transformers' settings and llama.cpp's
+globals). As llama.cpp does, a template is first probed with a system and a user message; when it
+does not read the system message (or refuses it), a first system message is folded into the next
+message (:func:`fold_system`; :attr:`ChatTemplate.folds_system` says so). The fold depends only
+on the messages, so each turn's rendering still starts with the previous one.
+
+Built-in formats (:mod:`moecache.chat_builtin`) give llama.cpp b11434's ``llm_chat_apply_template``
+output (``src/llama-chat.cpp``) byte for byte, under the same 54 names (checked against recorded
+output of that code: tests/data/llamacpp/chat_templates.json).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from moecache.chat_builtin import BUILTIN_TEMPLATES, detect_template, render_builtin
+from moecache.chat_jinja import CompiledTemplate
+from moecache.errors import ChatTemplateError
 
 if TYPE_CHECKING:
     from moecache.gguf_file import GGUFModel
@@ -51,11 +59,14 @@ class ChatTemplate:
             an override) or a key of :data:`BUILTIN_TEMPLATES` (``"gemma"``, ``"chatml"``, ...).
         source: one line saying why this template was chosen.
         renderer: ``(messages, add_generation_prompt) -> str``; call :meth:`render` instead.
+        folds_system: the template does not read a system message (or refuses one), so a first
+            system message is put before the next message's text (:func:`fold_system`).
     """
 
     name: str
     source: str
     renderer: Callable[[Messages, bool], str] = field(repr=False, compare=False)
+    folds_system: bool = False
 
     def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
         """Prompt text for ``messages``.
@@ -76,7 +87,7 @@ class ChatTemplate:
         return self.renderer(messages, add_generation_prompt)
 
 
-# ---- built-in formats (llama.cpp src/llama-chat.cpp llm_chat_apply_template) -------------------
+# ---- built-in formats (moecache/chat_builtin.py) ---------------------------------------------
 
 def _text(content: Any) -> str:
     """A message's content as text: a str, or the ``text`` of each text part, joined."""
@@ -89,95 +100,13 @@ def _text(content: Any) -> str:
     raise ValueError(f"message content must be a str or a list of text parts, not {type(content).__name__}")
 
 
-def _trim(s: str) -> str:
-    """llama.cpp's trim(): strip ASCII whitespace (C ``isspace``) at both ends."""
-    return s.strip(" \t\n\v\f\r")
+def builtin_renderer(name: str) -> Callable[[Messages, bool], str]:
+    """``(messages, add_generation_prompt) -> str`` for a built-in (or detect-only) format of
+    :mod:`moecache.chat_builtin` (llama.cpp b11434 ``src/llama-chat.cpp``)."""
+    def render(messages: Messages, add_generation_prompt: bool) -> str:
+        return render_builtin(name, [(m["role"], _text(m["content"])) for m in messages], add_generation_prompt)
+    return render
 
-
-def _chatml(messages: Messages, add_gen: bool) -> str:
-    out = [f"<|im_start|>{m['role']}\n{_text(m['content'])}<|im_end|>\n" for m in messages]
-    if add_gen:
-        out.append("<|im_start|>assistant\n")
-    return "".join(out)
-
-
-def _gemma(messages: Messages, add_gen: bool) -> str:
-    """Gemma has no system role: system text (trimmed) opens the next user turn, then a blank line."""
-    out, system = [], ""
-    for m in messages:
-        role = m["role"]
-        if role == "system":
-            system += _trim(_text(m["content"]))
-            continue
-        role = "model" if role == "assistant" else role
-        out.append(f"<start_of_turn>{role}\n")
-        if system and role != "model":
-            out.append(system + "\n\n")
-            system = ""
-        out.append(_trim(_text(m["content"])) + "<end_of_turn>\n")
-    if add_gen:
-        out.append("<start_of_turn>model\n")
-    return "".join(out)
-
-
-def _llama3(messages: Messages, add_gen: bool) -> str:
-    out = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{_trim(_text(m['content']))}<|eot_id|>"
-           for m in messages]
-    if add_gen:
-        out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(out)
-
-
-def _llama2_format(messages: Messages, sys_tags: bool) -> str:
-    out, inside = ["[INST] "], True
-    for m in messages:
-        role, content = m["role"], _text(m["content"])
-        if not inside:
-            out.append("[INST] ")
-            inside = True
-        if role == "system":
-            out.append(f"<<SYS>>\n{content}\n<</SYS>>\n\n" if sys_tags else content + "\n")
-        elif role == "user":
-            out.append(content + " [/INST]")
-        else:
-            out.append(content + "</s>")
-            inside = False
-    return "".join(out)
-
-
-def _llama2(messages: Messages, add_gen: bool) -> str:
-    """Llama 2 chat, system text put as is before the first user text; ``add_gen`` is implicit."""
-    return _llama2_format(messages, False)
-
-
-def _llama2_sys(messages: Messages, add_gen: bool) -> str:
-    """Llama 2 chat with the system text in ``<<SYS>>`` tags (Meta's format)."""
-    return _llama2_format(messages, True)
-
-
-def _mistral_v7(messages: Messages, add_gen: bool) -> str:
-    """Mistral's v7 format (``[SYSTEM_PROMPT]``, ``[INST]``); ``add_gen`` is implicit."""
-    out = []
-    for m in messages:
-        role, content = m["role"], _text(m["content"])
-        if role == "system":
-            out.append(f"[SYSTEM_PROMPT] {content}[/SYSTEM_PROMPT]")
-        elif role == "user":
-            out.append(f"[INST] {content}[/INST]")
-        else:
-            out.append(f" {content}</s>")
-    return "".join(out)
-
-
-# name -> (renderer, one-line description); the names are llama.cpp's --chat-template names
-BUILTIN_TEMPLATES: dict[str, tuple[Callable[[Messages, bool], str], str]] = {
-    "chatml": (_chatml, "ChatML: <|im_start|>role\\n...<|im_end|> (Qwen, many others)"),
-    "gemma": (_gemma, "Gemma: <start_of_turn>user\\n...<end_of_turn>, assistant is 'model', no system role"),
-    "llama3": (_llama3, "Llama 3: <|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>"),
-    "llama2": (_llama2, "Llama 2 chat: [INST] system\\n... [/INST] ...</s>"),
-    "llama2-sys": (_llama2_sys, "Llama 2 chat: [INST] <<SYS>>\\n...\\n<</SYS>>\\n\\n... [/INST] ...</s>"),
-    "mistral-v7": (_mistral_v7, "Mistral v7: [SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST] ...[/INST]"),
-}
 
 # architecture (general.architecture) -> built-in format, for GGUFs without a template
 ARCH_TEMPLATES: dict[str, tuple[str, str]] = {
@@ -189,59 +118,89 @@ ARCH_TEMPLATES: dict[str, tuple[str, str]] = {
 _VOCAB_MARKERS = (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"))
 
 
-# ---- Jinja templates ---------------------------------------------------------------------------
+# ---- Jinja templates (sandboxed with limits: moecache/chat_jinja.py) -----------------------------
 
-class _TemplateRaised(Exception):
-    """raise_exception() called by a template."""
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
+_PROBE_SYSTEM, _PROBE_USER = "System message", "User message"
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def fold_system(messages: Messages) -> list[dict[str, Any]]:
+    """llama.cpp's fold for templates without a system role (b11434 ``common/chat.cpp``,
+    ``system_message_not_supported``): a first system message goes before the next message's text,
+    joined by a newline; a system message alone is dropped. Other messages are unchanged."""
+    msgs = [dict(m) for m in messages]
+    if msgs and msgs[0].get("role") == "system":
+        first = msgs.pop(0)
+        if msgs:
+            msgs[0]["content"] = _text(first["content"]) + "\n" + _text(msgs[0]["content"])
+    return msgs
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+class _Probe(dict):
+    """A message that records whether a template read its ``content``."""
+
+    def __init__(self, role: str, content: str):
+        super().__init__(role=role, content=content)
+        self.content_read = False
+
+    def __getitem__(self, key: Any) -> Any:
+        self.content_read |= key == "content"
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.content_read |= key == "content"
+        return super().get(key, default)
+
+
+def has_system_role(compiled: CompiledTemplate, **variables: Any) -> bool:
+    """Whether the template takes a system message as such; when not, :func:`fold_system` applies.
+
+    As llama.cpp b11434 (``common/jinja/caps.cpp``: ``supports_system_role``), ``[system, user]``
+    is rendered: no system role when that raises, or when the system message's content is neither
+    read nor found in the output. Beyond llama.cpp, also none when the output is the same with the
+    system message given the role ``assistant`` or ``user`` (a template that knows only user and
+    assistant turns and renders a system message as one of them). Raises ChatTemplateError when the
+    probe breaks a limit of the sandbox.
+    """
+    def render(role: str) -> tuple[str | None, bool]:
+        msgs = [_Probe(role, _PROBE_SYSTEM), _Probe("user", _PROBE_USER)]
+        try:
+            return compiled.render(messages=msgs, add_generation_prompt=True, **variables), msgs[0].content_read
+        except ChatTemplateError:
+            raise
+        except ValueError:
+            return None, False
+
+    out, read = render("system")
+    if out is None or not (read or _PROBE_SYSTEM in out):
+        return False
+    return all(render(other)[0] != out for other in ("assistant", "user"))
 
 
 def jinja_renderer(source: str, name: str, bos_token: str = "", eos_token: str = "", strip_bos: bool = False,
-                   strip_eos: bool = False) -> Callable[[Messages, bool], str]:
+                   strip_eos: bool = False, fold: bool = False) -> Callable[[Messages, bool], str]:
     """Compile a Jinja chat template; returns ``(messages, add_generation_prompt) -> str``.
 
     ``bos_token``/``eos_token`` are passed to the template; ``strip_bos``/``strip_eos`` cut one
-    leading BOS / trailing EOS text off the result (for a tokenizer that adds them itself).
-    Raises ValueError when the template does not compile; the renderer raises ValueError when
-    it fails (``raise_exception`` included).
+    leading BOS / trailing EOS text off the result (for a tokenizer that adds them itself);
+    ``fold``: apply :func:`fold_system` to the messages first. The template runs in
+    :class:`moecache.chat_jinja.LimitedEnvironment`. Raises ValueError when the template does not
+    compile; the renderer raises ValueError when it fails (``raise_exception`` included) and
+    :class:`moecache.errors.ChatTemplateError` (a ValueError) when it breaks a limit.
     """
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    return _renderer(CompiledTemplate(source, name), bos_token, eos_token, strip_bos, strip_eos, fold)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        tmpl = env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat template ({name}) does not compile: line {e.lineno}: {e.message}") from None
 
+def _renderer(compiled: CompiledTemplate, bos_token: str, eos_token: str, strip_bos: bool, strip_eos: bool,
+              fold: bool) -> Callable[[Messages, bool], str]:
     def render(messages: Messages, add_generation_prompt: bool) -> str:
-        try:
-            text = tmpl.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+        msgs = fold_system(messages) if fold else list(messages)
+        text = compiled.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                bos_token=bos_token, eos_token=eos_token)
-        except _TemplateRaised as e:
-            raise ValueError(f"chat template ({name}) refused the messages: {e}") from None
-        except Exception as e:  # jinja2 errors, and TypeError etc. from inside the template
-            raise ValueError(f"chat template ({name}) failed: {type(e).__name__}: {e}") from None
         if strip_bos and bos_token and text.startswith(bos_token):
             text = text[len(bos_token):]
         if strip_eos and eos_token and text.endswith(eos_token):
             text = text[:-len(eos_token)]
         return text
-
     return render
 
 
@@ -250,13 +209,32 @@ def _token_text(tok: Tokenizer, id: int | None) -> str:
 
 
 def _jinja(tok: Tokenizer, source: str, name: str, why: str) -> ChatTemplate:
-    fn = jinja_renderer(source, name, _token_text(tok, tok.bos_id), _token_text(tok, tok.eos_id),
-                        strip_bos=tok.add_bos, strip_eos=tok.add_eos)
-    return ChatTemplate(name, why, fn)
+    """A Jinja template, folding the system message when the template does not read it."""
+    bos, eos = _token_text(tok, tok.bos_id), _token_text(tok, tok.eos_id)
+    compiled = CompiledTemplate(source, name)
+    fold = not has_system_role(compiled, bos_token=bos, eos_token=eos)
+    render = _renderer(compiled, bos, eos, tok.add_bos, tok.add_eos, fold)
+    render([{"role": "user", "content": _PROBE_USER}], True)  # ValueError when unusable
+    return ChatTemplate(name, why, render, folds_system=fold)
 
 
 def _builtin(name: str, why: str) -> ChatTemplate:
-    return ChatTemplate(name, why, BUILTIN_TEMPLATES[name][0])
+    return ChatTemplate(name, why, builtin_renderer(name))
+
+
+def _gguf_template(tok: Tokenizer, source: str) -> ChatTemplate:
+    """The GGUF's template; when Jinja cannot use it, the built-in format llama.cpp detects in it."""
+    try:
+        return _jinja(tok, source, "gguf", "tokenizer.chat_template from the GGUF")
+    except ChatTemplateError:
+        raise
+    except ValueError as e:
+        name = detect_template(source)
+        if name is None:
+            raise ValueError(f"{e}; llama.cpp's template detection does not recognize it either: "
+                             f"choose a format with --chat-template NAME") from None
+        return _builtin(name, f"tokenizer.chat_template from the GGUF is unusable in Jinja ({e}); llama.cpp "
+                              f"detects the built-in format {name!r} in it")
 
 
 def resolve_chat_template(model: GGUFModel, tok: Tokenizer, override: str | None = None) -> ChatTemplate:
@@ -267,8 +245,10 @@ def resolve_chat_template(model: GGUFModel, tok: Tokenizer, override: str | None
         tok: its tokenizer (BOS/EOS texts, whether it adds BOS/EOS, its vocabulary).
         override: ``--chat-template``: a name of :data:`BUILTIN_TEMPLATES` or a Jinja template.
 
-    Raises ValueError for an unknown override name (listing the valid ones) and for a template
-    (given or from the GGUF) that does not compile.
+    Raises ValueError for an unknown override name (listing the valid ones), for a given template
+    that does not compile or fails on a user message, and for a GGUF template that does so and is
+    not recognized by llama.cpp's name detection; ChatTemplateError (a ValueError) when a template
+    breaks a limit of the sandbox while being compiled or probed.
     """
     if override is not None:
         if "{%" in override or "{{" in override:
@@ -279,7 +259,7 @@ def resolve_chat_template(model: GGUFModel, tok: Tokenizer, override: str | None
         return _builtin(override, f"--chat-template {override}")
     source = model.tokenizer.chat_template
     if source:
-        return _jinja(tok, source, "gguf", "tokenizer.chat_template from the GGUF")
+        return _gguf_template(tok, source)
     arch = model.arch
     if arch in ARCH_TEMPLATES:
         name, what = ARCH_TEMPLATES[arch]

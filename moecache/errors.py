@@ -15,3 +15,8 @@ class UnsupportedArchError(GGUFError):
 
 class UnsupportedQuantError(MoecacheError):
     """A tensor uses a GGML type that has no kernel here."""
+
+
+class ChatTemplateError(MoecacheError, ValueError):
+    """A chat template (code from the GGUF, or given) broke a limit of its sandbox: too slow, too
+    much output, memory or arithmetic (see :mod:`moecache.chat_jinja`)."""
