@@ -26,14 +26,6 @@ TOKENS = [1, 5, 9, 200, 17, 33, 250, 4, 77, 100, 3, 8, 9, 10, 11, 12, 13, 14, 15
 
 
 @pytest.fixture(scope="module")
-def hf():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from moecache.testing import hf_reference
-    return hf_reference
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Every tiny preset, written once (the writer is deterministic)."""
     d = tmp_path_factory.mktemp("hf")

@@ -32,14 +32,10 @@ def synth_model(request, tmp_path_factory):
     m.close()
 
 
-def test_logits_match_transformers(synth_model):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from moecache.testing.hf_reference import hf_logits
-
+def test_logits_match_transformers(synth_model, hf):
     name, path, lm, tokens = synth_model
     ours = lm.forward(tokens, lm.new_kv_cache(64), logits="all")
-    ref = hf_logits(path, tokens.tolist())
+    ref = hf.hf_logits(path, tokens.tolist())
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
     print(f"{name} ({lm.cfg.arch}): max relative logit error vs transformers {rel:.2e}")
     assert ours.shape == ref.shape
