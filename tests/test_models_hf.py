@@ -2,7 +2,8 @@
 
 Tiny synthetic GGUFs of each architecture (``moecache.testing.synth`` presets, mixed quant types)
 are run by moecache and by transformers (:mod:`moecache.testing.hf_reference`: the HF model class
-built from the GGUF's config, weights dequantized by gguf-py, float32 on CPU torch). Also checks
+configured from the GGUF's raw keys as gguf-py reads them, not through moecache's parser, so a
+parsing bug cannot be shared by both sides; weights dequantized by gguf-py, float32 on CPU torch). Also checks
 that decoding token by token through the KV cache gives the one-pass logits (gemma3's preset
 slides an 8-token window over 24 tokens).
 """
