@@ -365,10 +365,9 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         cache.close()
 
 
-def test_add_rows_sums_repeated_rows_in_order():
+def test_add_rows_sums_repeated_rows_in_order(rng):
     from moecache.moe.cache import _add_rows
 
-    rng = np.random.default_rng(8)
     rows = np.sort(rng.integers(0, 7, 30))  # non-decreasing, with repeats (a token's pairs in one group)
     y = rng.standard_normal((30, 5)).astype(np.float32)
     out = rng.standard_normal((9, 5)).astype(np.float32)

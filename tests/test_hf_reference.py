@@ -1,6 +1,10 @@
 """The transformers reference (moecache.testing.hf_reference) and the synthetic models of every
 architecture it runs.
 
+The reference's hyperparameters come from gguf-py's reader, not moecache's parser: checked against
+the synthetic writer's own parameters for every architecture, and against llama.cpp's defaults for
+keys a file leaves out.
+
 qwen3moe is checked against the float64 numpy reference (moecache.testing.reference), on a
 synthetic model and on the real code-moe-tiny: max |hf - numpy| / max |numpy| < 1e-4 (measured
 6.3e-7 and 7.2e-7). The other architectures have no numpy reference; they were checked once
@@ -23,14 +27,6 @@ from moecache.testing.synth import PRESETS, write_model
 TINY_ARCHS = {name: c for name, c in PRESETS.items() if name.startswith("tiny")}
 # 24 tokens: longer than tiny-gemma3's sliding window (8), so its window is exercised
 TOKENS = [1, 5, 9, 200, 17, 33, 250, 4, 77, 100, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16, 120, 130, 140, 150]
-
-
-@pytest.fixture(scope="module")
-def hf():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from moecache.testing import hf_reference
-    return hf_reference
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +80,92 @@ def test_every_arch_builds_and_gives_sane_logits(hf, models, name):
     np.testing.assert_allclose(prefix, logits[:10], rtol=0, atol=1e-4 * np.abs(logits).max())
 
 
-def test_hf_config_facts(hf, models):
-    """What each architecture's transformers config must say (see the module docstring)."""
+@pytest.mark.parametrize("name", list(TINY_ARCHS))
+def test_reference_hparams_are_the_writers_parameters(hf, models, name):
+    """The reference reads its hyperparameters with gguf-py, not with moecache's parser: they must
+    be the synthetic writer's own parameters (SynthConfig), and the transformers config must carry
+    them. moecache's parser (ModelConfig) must agree with both."""
     from gguf import GGUFReader
 
     from moecache.gguf_file import open_gguf
 
+    c = TINY_ARCHS[name]
+    hp = hf.read_hparams(GGUFReader(models[name]))
+    moe = c.n_expert > 0
+    want = dict(arch=c.arch, n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head, n_head_kv=c.n_head_kv,
+                head_dim=c.head_dim, head_dim_v=c.head_dim, rope_dim=c.head_dim, n_expert=c.n_expert,
+                n_expert_used=c.n_expert_used, n_vocab=c.n_vocab, context_length=c.context_length,
+                rope_freq_base=c.rope_freq_base, sliding_window=c.sliding_window,
+                shared_expert_ff=c.shared_expert_ff, rope_type="norm" if c.arch == "llama" else "neox",
+                leading_dense_block_count=0, rope_scaling_type=None, final_logit_softcapping=None)
+    if moe:
+        want["expert_ff"] = c.expert_ff
+    got = {k: getattr(hp, k) for k in want}
+    assert got == want
+    assert hp.norm_eps == pytest.approx(c.norm_eps, rel=1e-7)  # stored as float32
+
+    hc = hf.hf_config(hp)
+    assert (hc.num_hidden_layers, hc.hidden_size, hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim,
+            hc.vocab_size) == (c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_vocab)
+    assert hc.rms_norm_eps == hp.norm_eps
+    theta = hc.rope_parameters.get("full_attention", hc.rope_parameters)["rope_theta"]
+    assert theta == c.rope_freq_base
+    if moe:
+        experts = getattr(hc, "num_experts", None) or hc.num_local_experts
+        width = hc.intermediate_size if type(hc).__name__ in ("MixtralConfig", "OlmoeConfig") \
+            else hc.moe_intermediate_size
+        assert (experts, hc.num_experts_per_tok, width) == (c.n_expert, c.n_expert_used, c.expert_ff)
+    else:
+        assert hc.intermediate_size == c.n_ff
+
+    with open_gguf(models[name]) as m:  # moecache's own parser, on the same file
+        ours = {k: getattr(m.config, k) for k in want}
+    assert ours == got | {"sliding_window": c.sliding_window or None}  # None there: no window
+
+
+def test_reference_hparams_follow_llamacpp_defaults(hf, tmp_path):
+    """Keys a file may leave out get llama.cpp's defaults (llama_model::load_hparams): head_count_kv
+    = head_count, key_length = value_length = n_embd / n_head, rope.dimension_count = key_length,
+    freq_base 10000; qwen3moe's expert width n_ff / n_expert_used; qwen2moe's shared one n_ff."""
+    from gguf import GGUFReader, GGUFWriter
+
+    def file(arch, **keys):
+        path = tmp_path / f"{arch}.gguf"
+        w = GGUFWriter(path, arch)
+        for k, v in {"block_count": 2, "context_length": 64, "embedding_length": 96,
+                     "attention.head_count": 4, "attention.layer_norm_rms_epsilon": 1e-5, **keys}.items():
+            if v is None:
+                continue
+            (w.add_float32 if isinstance(v, float) else w.add_uint32)(f"{arch}.{k}", v)
+        w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        return hf.read_hparams(GGUFReader(path))
+
+    q = file("qwen3moe", feed_forward_length=512, expert_count=8, expert_used_count=4)
+    assert (q.n_head_kv, q.head_dim, q.head_dim_v, q.rope_dim) == (4, 24, 24, 24)
+    assert (q.expert_ff, q.shared_expert_ff, q.rope_freq_base, q.n_vocab) == (128, 0, 10000.0, 3)
+    q = file("qwen3moe", **{"attention.key_length": 32, "expert_feed_forward_length": 48,
+                            "vocab_size": 7, "expert_count": 8, "expert_used_count": 4})
+    assert (q.head_dim, q.head_dim_v, q.rope_dim, q.expert_ff, q.n_vocab) == (32, 24, 32, 48, 7)
+    q2 = file("qwen2moe", feed_forward_length=256, expert_count=4, expert_used_count=2)
+    assert (q2.expert_ff, q2.shared_expert_ff) == (128, 256)
+    mx = file("llama", feed_forward_length=256, expert_count=8, expert_used_count=2)
+    assert (mx.expert_ff, mx.rope_type) == (256, "norm")
+    g = file("gemma3", feed_forward_length=256)
+    assert (g.sliding_window_pattern, g.rope_freq_base_swa, g.sliding_window, g.is_moe) == (6, 10000.0, 0, False)
+    with pytest.raises(KeyError, match="olmoe.block_count"):
+        file("olmoe", block_count=None)
+
+
+def test_hf_config_facts(hf, models):
+    """What each architecture's transformers config must say (see the module docstring)."""
+    from gguf import GGUFReader
+
     def config(name):
-        with open_gguf(models[name]) as m:
-            return hf.hf_config(m.config, GGUFReader(models[name]))
+        return hf.hf_config(hf.read_hparams(GGUFReader(models[name])))
 
     assert config("tiny").norm_topk_prob is True
     q2 = config("tiny-qwen2moe")

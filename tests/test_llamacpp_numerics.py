@@ -9,8 +9,7 @@ from gguf.quants import dequantize, quantize
 from moecache.testing.llamacpp_numerics import gelu_f16_table, round_q8_0, round_q8_K
 
 
-def test_round_q8_0_equals_a_q8_0_round_trip_except_ties():
-    rng = np.random.default_rng(0)
+def test_round_q8_0_equals_a_q8_0_round_trip_except_ties(rng):
     x = (rng.standard_normal((4, 256)) * rng.uniform(0.01, 50, (4, 1))).astype(np.float32)
     ref = dequantize(quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0).astype(np.float32)
     # gguf-py rounds half away from zero, ggml's AVX path half to even: random data has no ties
@@ -21,8 +20,7 @@ def test_round_q8_0_equals_a_q8_0_round_trip_except_ties():
     assert round_q8_0(t)[0, 1] == 24.0
 
 
-def test_round_q8_K_error_is_at_most_half_a_step():
-    rng = np.random.default_rng(1)
+def test_round_q8_K_error_is_at_most_half_a_step(rng):
     x = (rng.standard_normal((3, 512)) * 7).astype(np.float32)
     y = round_q8_K(x)
     blocks = x.reshape(3, 2, 256)

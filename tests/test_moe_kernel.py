@@ -1,6 +1,8 @@
 """The grouped MoE kernel (the expert cache's CPU miss path) against a float64 reference built
 from gguf-py's dequantization. Same tolerance reasoning as test_quants.py; the chain
 gate/up -> activation -> down in float32 gives ~1e-6 relative error, so 1e-5 catches any real bug.
+Every random input is fresh each run (conftest's ``rng``: the seed is printed, MOECACHE_TEST_SEED
+replays it).
 """
 
 from __future__ import annotations
@@ -57,8 +59,7 @@ def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act):
     (("Q4_K", "Q4_K", "Q4_K"), 12, cpu.ACT_GELU),
     (("MXFP4", "MXFP4", "BF16"), 3, cpu.ACT_SILU),
 ])
-def test_moe_ffn_matches_reference(types, n_tok, act):
-    rng = np.random.default_rng()
+def test_moe_ffn_matches_reference(types, n_tok, act, rng):
     n_expert, n_embd, n_ff, top_k = 8, 256, 256 if types[2] in ("Q4_K", "Q6_K") else 96, 3
     Wg, tg, Rg = _experts(types[0], n_expert, n_ff, n_embd, rng)
     Wu, tu, Ru = _experts(types[1], n_expert, n_ff, n_embd, rng)
@@ -74,8 +75,7 @@ def test_moe_ffn_matches_reference(types, n_tok, act):
     assert np.all(np.isfinite(out)) and err < 1e-5
 
 
-def test_moe_ffn_empty_and_bad_csr():
-    rng = np.random.default_rng()
+def test_moe_ffn_empty_and_bad_csr(rng):
     Wg, tg, _ = _experts("Q8_0", 4, 32, 64, rng)
     Wd, td, _ = _experts("Q8_0", 4, 64, 32, rng)
     h = rng.standard_normal((2, 64)).astype(np.float32)
@@ -96,12 +96,11 @@ def test_moe_ffn_empty_and_bad_csr():
                     np.array([0], np.int32), np.array([1.0], np.float32), h)
 
 
-def test_expert_runs_cover_the_used_experts():
+def test_expert_runs_cover_the_used_experts(rng):
     """upload_experts copies pinned experts one DMA per run of consecutive ids: for random used sets
     the runs, copied in order, rebuild ``w[used]`` exactly (and a full set is one run)."""
     from moecache.backends.ops import expert_runs
 
-    rng = np.random.default_rng(8)
     w = rng.integers(0, 255, (128, 3, 5), dtype=np.uint8)
     for _ in range(50):
         used = np.flatnonzero(rng.random(128) < rng.random())
@@ -114,14 +113,13 @@ def test_expert_runs_cover_the_used_experts():
     assert expert_runs(np.arange(128)) == [(0, 0, 128)] and expert_runs(np.array([], np.int64)) == []
 
 
-def test_moe_prompt_chunks_bound_padding_and_cover_every_expert():
+def test_moe_prompt_chunks_bound_padding_and_cover_every_expert(rng):
     """The prompt MoE's chunks (CuPy batched GEMMs padded to a chunk's largest group): every used
     expert exactly once, hottest first, at most max_experts per chunk and act_bytes of padded rows
     (unless one expert alone is larger); under a skewed router the padded rows stay near the real
     ones, where chunks in id order padded every expert to the hottest one's count."""
     from moecache.backends.ops import moe_prompt_chunks
 
-    rng = np.random.default_rng(11)
     row = 8192
     for trial in range(30):
         n_used = int(rng.integers(1, 129))

@@ -3,16 +3,14 @@ routing.md's reference numbers, and the policy beats plain LRU in modelled time 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from conftest import require_shared
 from moecache.moe.policy import CachePolicy, PolicyConfig
 from moecache.moe.replay import replay_lru, replay_policy
 from moecache.moe.routing_process import PRESETS, RoutingProcess, TraceRouting, make_routing
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "models" / "code-moe-tiny.routes.npz"
 L = 8  # layers replayed (statistics are per layer; 8 keep the tests fast)
 
 
@@ -64,13 +62,13 @@ def test_policy_beats_lru_in_modelled_time(preset, n_expert, slots):
     assert ours.uploads_per_token <= cfg.uploads_per_token
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not found (../shared/models beside the checkout)")
 @pytest.mark.parametrize("slots", [4, 8, 12])
 def test_policy_beats_lru_on_the_real_trace(slots):
-    tr = TraceRouting(TRACE)
+    trace = require_shared("code-moe-tiny.routes.npz")
+    tr = TraceRouting(trace)
     assert (tr.n_layer, tr.n_expert, tr.k) == (8, 16, 4)
-    lru = replay_lru(TraceRouting(TRACE), 8, 4096, slots * 8)
-    ours = replay_policy(TraceRouting(TRACE), 8, 16, 4096, slots * 8)
+    lru = replay_lru(TraceRouting(trace), 8, 4096, slots * 8)
+    ours = replay_policy(TraceRouting(trace), 8, 16, 4096, slots * 8)
     # routing README: per-layer LRU 0.273 / 0.610 / 0.849 at 4 / 8 / 12 slots (65k tokens)
     assert abs(lru.hit_rate - {4: 0.273, 8: 0.610, 12: 0.849}[slots]) < 0.04
     assert ours.us_per_token < 0.8 * lru.us_per_token and ours.hit_rate >= lru.hit_rate

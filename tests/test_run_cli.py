@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from conftest import shared_model
+from conftest import require_shared
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -35,9 +35,7 @@ def _final_ppl(output: str) -> tuple[float, float]:
 
 
 def test_perplexity_code_moe_tiny_within_1pct_of_llamacpp(code_moe_tiny):
-    text = shared_model("heldout-b.py.txt")
-    if text is None:
-        pytest.skip("heldout-b.py.txt not found under ../shared/models")
+    text = require_shared("heldout-b.py.txt")
     r = runner.invoke(app, ["perplexity", "-m", str(code_moe_tiny), "-f", str(text), "-c", "256", "-b", "256"])
     assert r.exit_code == 0, r.output
     ppl, err = _final_ppl(r.output)
@@ -183,9 +181,7 @@ def test_prompt_text_is_read_as_llamacpp_reads_it(tmp_path):
 
 
 def test_perplexity_chunks_limit_and_special_text_not_parsed(code_moe_tiny, tmp_path):
-    text = shared_model("heldout-b.py.txt")
-    if text is None:
-        pytest.skip("heldout-b.py.txt not found under ../shared/models")
+    text = require_shared("heldout-b.py.txt")
     r = runner.invoke(app, ["perplexity", "-m", str(code_moe_tiny), "-f", str(text), "-c", "256", "--chunks", "2"])
     assert r.exit_code == 0, r.output
     assert "[2]" in r.output and "[3]" not in r.output

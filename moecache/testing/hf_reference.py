@@ -8,11 +8,16 @@ How the model is built: not with ``from_pretrained(dir, gguf_file=...)``, whose 
 covers only some of the architectures here (no olmoe; a Mixtral GGUF loads as dense llama) and
 whose key map ignores ``expert_feed_forward_length``. Instead, uniformly for every architecture:
 
-1. the hyperparameters come from :func:`moecache.gguf_file.open_gguf` (``ModelConfig``, read
-   with llama.cpp's defaults) and fill the transformers config class by hand;
-2. every tensor is read with gguf-py's own ``GGUFReader`` and dequantized to float32 with
+1. the hyperparameters are read from the raw GGUF keys by gguf-py's own ``GGUFReader``
+   (:func:`read_hparams`, llama.cpp's defaults written out here), NOT by moecache's parser, so a
+   parsing bug in moecache is not shared by its reference; they fill the transformers config
+   class by hand;
+2. every tensor is read with gguf-py's ``GGUFReader`` too and dequantized to float32 with
    ``gguf.quants.dequantize`` (not moecache's kernels), renamed to the transformers parameter
-   and loaded with ``load_state_dict(strict=True)``: a parameter left out is an error.
+   and loaded with ``load_state_dict(strict=True)``: a parameter left out, or one whose shape
+   disagrees with the hyperparameters, is an error.
+
+Nothing here imports moecache's GGUF reader or its kernels.
 
 What the GGUF converter (llama.cpp ``conversion/*.py``) changed is undone here:
 
@@ -51,15 +56,13 @@ Needs ``torch`` and ``transformers>=5`` (the ``test`` extra). Building a tiny mo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-
-from moecache.arch import ModelConfig
-from moecache.gguf_file import open_gguf
 
 ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "qwen3", "gemma3")
 
@@ -80,7 +83,95 @@ def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def _unsupported(cfg: ModelConfig, reader: GGUFReader, path: Path) -> None:
+@dataclass(frozen=True)
+class Hparams:
+    """A GGUF's hyperparameters as llama.cpp reads them (``llama_model::load_hparams`` and
+    ``src/models/<arch>.cpp``), from the raw keys. Each field names its key (``{arch}.`` left out)
+    and llama.cpp's default where the key is optional."""
+
+    arch: str                     # general.architecture
+    n_layer: int                  # block_count
+    n_embd: int                   # embedding_length
+    n_head: int                   # attention.head_count
+    n_head_kv: int                # attention.head_count_kv (n_head)
+    head_dim: int                 # attention.key_length (n_embd / n_head)
+    head_dim_v: int               # attention.value_length (n_embd / n_head)
+    rope_dim: int                 # rope.dimension_count (head_dim)
+    n_ff: int                     # feed_forward_length (0)
+    n_expert: int                 # expert_count (0)
+    n_expert_used: int            # expert_used_count (0)
+    expert_ff: int                # expert_feed_forward_length; absent: n_ff / n_expert_used
+                                  # (qwen2moe, qwen3moe), n_ff (olmoe, Mixtral: no such key)
+    shared_expert_ff: int         # expert_shared_feed_forward_length; absent: n_ff (qwen2moe), 0
+    n_vocab: int                  # vocab_size, else len(tokenizer.ggml.tokens)
+    context_length: int           # context_length
+    norm_eps: float               # attention.layer_norm_rms_epsilon
+    rope_freq_base: float         # rope.freq_base (10000)
+    rope_type: str                # "norm" (llama) or "neox" (the others): llama_model_rope_type
+    rope_scaling_type: str | None         # rope.scaling.type
+    rope_scaling_factor: float | None     # rope.scaling.factor
+    sliding_window: int                   # attention.sliding_window (0)
+    sliding_window_pattern: Any           # attention.sliding_window_pattern (gemma3: 6)
+    rope_freq_base_swa: float             # rope.freq_base_swa (10000)
+    leading_dense_block_count: int        # leading_dense_block_count (0)
+    expert_weights_scale: float | None    # expert_weights_scale
+    expert_gating_func: int | None        # expert_gating_func
+    attn_logit_softcapping: float | None  # attn_logit_softcapping
+    final_logit_softcapping: float | None  # final_logit_softcapping
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    def layer_is_moe(self, il: int) -> bool:
+        return self.n_expert > 0 and il >= self.leading_dense_block_count
+
+
+def read_hparams(reader: GGUFReader) -> Hparams:
+    """The :class:`Hparams` of a GGUF opened with gguf-py's ``GGUFReader``. Raises KeyError
+    naming a required key that is missing."""
+    a = _metadata(reader, "general.architecture")
+    if a is None:
+        raise KeyError("general.architecture")
+
+    def key(name: str, default: Any = KeyError) -> Any:
+        v = _metadata(reader, f"{a}.{name}", default)
+        if v is KeyError:
+            raise KeyError(f"{a}.{name}")
+        return v
+
+    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", n_embd // n_head))
+    n_ff = int(key("feed_forward_length", 0))
+    n_expert, n_used = int(key("expert_count", 0)), int(key("expert_used_count", 0))
+    ff_exp_default = n_ff // n_used if a in ("qwen2moe", "qwen3moe") and n_used else n_ff
+    vocab = _metadata(reader, f"{a}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return Hparams(
+        arch=a, n_layer=int(key("block_count")), n_embd=n_embd, n_head=n_head,
+        n_head_kv=int(key("attention.head_count_kv", n_head)), head_dim=head_dim,
+        head_dim_v=int(key("attention.value_length", n_embd // n_head)),
+        rope_dim=int(key("rope.dimension_count", head_dim)), n_ff=n_ff, n_expert=n_expert,
+        n_expert_used=n_used, expert_ff=int(key("expert_feed_forward_length", ff_exp_default)),
+        shared_expert_ff=int(key("expert_shared_feed_forward_length", n_ff if a == "qwen2moe" else 0)),
+        n_vocab=int(vocab), context_length=int(key("context_length")),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_freq_base=float(key("rope.freq_base", 10000.0)),
+        rope_type="norm" if a == "llama" else "neox",
+        rope_scaling_type=key("rope.scaling.type", None), rope_scaling_factor=key("rope.scaling.factor", None),
+        sliding_window=int(key("attention.sliding_window", 0)),
+        sliding_window_pattern=key("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN),
+        rope_freq_base_swa=float(key("rope.freq_base_swa", GEMMA3_ROPE_BASE_SWA)),
+        leading_dense_block_count=int(key("leading_dense_block_count", 0)),
+        expert_weights_scale=key("expert_weights_scale", None),
+        expert_gating_func=key("expert_gating_func", None),
+        attn_logit_softcapping=key("attn_logit_softcapping", None),
+        final_logit_softcapping=key("final_logit_softcapping", None),
+    )
+
+
+def _unsupported(cfg: Hparams, reader: GGUFReader, path: Path) -> None:
     names = {t.name for t in reader.tensors}
     a = cfg.arch
     bad = []
@@ -104,20 +195,20 @@ def _unsupported(cfg: ModelConfig, reader: GGUFReader, path: Path) -> None:
         bad.append(f"partial RoPE or head_dim_v != head_dim ({cfg.rope_dim}, {cfg.head_dim_v}, {cfg.head_dim})")
     if cfg.arch == "olmoe" and cfg.n_head * cfg.head_dim != cfg.n_embd:
         bad.append("olmoe with n_head * head_dim != n_embd")
-    if isinstance(_metadata(reader, f"{a}.attention.sliding_window_pattern"), list):
+    if isinstance(cfg.sliding_window_pattern, list):
         bad.append("per-layer sliding_window_pattern array")
     if bad:
         raise NotImplementedError(f"hf_reference: {path.name}: not supported: "
                                   + "; ".join(bad))
 
 
-def _rope(cfg: ModelConfig, theta: float) -> dict[str, Any]:
+def _rope(cfg: Hparams, theta: float) -> dict[str, Any]:
     if cfg.rope_scaling_type == "linear" and cfg.rope_scaling_factor not in (None, 1.0):
         return {"rope_type": "linear", "rope_theta": theta, "factor": float(cfg.rope_scaling_factor)}
     return {"rope_type": "default", "rope_theta": theta}
 
 
-def hf_config(cfg: ModelConfig, reader: GGUFReader):
+def hf_config(cfg: Hparams):
     """The transformers config of ``cfg`` (a ``PreTrainedConfig``), with eager attention."""
     import transformers as tf
 
@@ -159,11 +250,11 @@ def hf_config(cfg: ModelConfig, reader: GGUFReader):
                            attention_bias=False, use_sliding_window=False,
                            layer_types=["full_attention"] * cfg.n_layer, hidden_act="silu")
     elif a == "gemma3":
-        pattern = _metadata(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+        pattern = cfg.sliding_window_pattern
         swa = bool(cfg.sliding_window)
         layer_types = ["sliding_attention" if swa and (pattern == 0 or il % pattern < pattern - 1)
                        else "full_attention" for il in range(cfg.n_layer)]
-        base_swa = _metadata(reader, "gemma3.rope.freq_base_swa", GEMMA3_ROPE_BASE_SWA)
+        base_swa = cfg.rope_freq_base_swa
         c = tf.Gemma3TextConfig(
             **common, intermediate_size=cfg.n_ff, hidden_activation="gelu_pytorch_tanh",
             query_pre_attn_scalar=cfg.n_embd // cfg.n_head if cfg.n_layer == 62 else cfg.head_dim,
@@ -179,7 +270,7 @@ def hf_config(cfg: ModelConfig, reader: GGUFReader):
     return c
 
 
-def hf_state_dict(cfg: ModelConfig, reader: GGUFReader) -> dict[str, np.ndarray]:
+def hf_state_dict(cfg: Hparams, reader: GGUFReader) -> dict[str, np.ndarray]:
     """Every tensor of the GGUF as float32, under its transformers parameter name."""
 
     def w(name: str) -> np.ndarray:
@@ -243,14 +334,10 @@ def hf_model(path: str | Path):
     import transformers as tf
 
     path = Path(path)
-    m = open_gguf(path)
-    try:
-        cfg = m.config
-    finally:
-        m.close()
     reader = GGUFReader(path)
+    cfg = read_hparams(reader)
     _unsupported(cfg, reader, path)
-    config = hf_config(cfg, reader)
+    config = hf_config(cfg)
     sd = hf_state_dict(cfg, reader)
     with torch.device("cpu"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
