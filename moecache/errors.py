@@ -15,3 +15,12 @@ class UnsupportedArchError(GGUFError):
 
 class UnsupportedQuantError(MoecacheError):
     """A tensor uses a GGML type that has no kernel here."""
+
+
+class InsufficientMemoryError(MoecacheError):
+    """An allocation the settings ask for (the KV cache of ``-c`` tokens, ...) does not fit in the
+    memory available; the message says which flag to change."""
+
+
+class NonFiniteError(MoecacheError):
+    """The model's weights or outputs hold NaN or infinity (a corrupt file, or an overflow)."""
