@@ -360,7 +360,7 @@ def _check(c: ModelConfig, spec: ArchSpec) -> None:
     if c.head_dim <= 0:
         bad.append(f"head size is {c.head_dim}: set {a}.attention.key_length")
     if c.n_vocab <= 0:
-        bad.append(f"vocabulary size unknown: no tokenizer.ggml.tokens and no {a}.vocab_size")
+        bad.append(f"vocabulary size unknown ({c.n_vocab}): no tokenizer.ggml.tokens and no {a}.vocab_size > 0")
     if spec.moe_required and (c.n_expert <= 0 or c.n_expert_used <= 0):
         bad.append(f"{a} needs {a}.expert_count and {a}.expert_used_count > 0 "
                    f"(got {c.n_expert}, {c.n_expert_used})")
@@ -374,8 +374,8 @@ def _check(c: ModelConfig, spec: ArchSpec) -> None:
         bad.append(f"{a}.context_length is {c.context_length}")
     if c.head_dim_v <= 0:
         bad.append(f"{a}.attention.value_length is {c.head_dim_v}")
-    if c.head_dim > 0 and not (0 < c.rope_dim <= c.head_dim and c.rope_dim % 2 == 0):
-        bad.append(f"{a}.rope.dimension_count ({c.rope_dim}) must be even and in 2..head size ({c.head_dim})")
+    if c.head_dim > 0 and not 0 < c.rope_dim <= c.head_dim:
+        bad.append(f"{a}.rope.dimension_count ({c.rope_dim}) must be in 1..head size ({c.head_dim})")
     if not 0 <= c.leading_dense_block_count <= max(c.n_layer, 0):
         bad.append(f"{a}.leading_dense_block_count ({c.leading_dense_block_count}) must be in 0..block_count "
                    f"({c.n_layer})")

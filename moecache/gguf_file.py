@@ -118,11 +118,6 @@ GGML_MAX_NAME = 64
 # Arrays of arrays may nest this deep (llama.cpp refuses nested arrays altogether; gguf-py reads any
 # depth, recursively, and a 5000-deep key overflows Python's stack).
 MAX_ARRAY_DEPTH = 16
-# The fewest bytes one metadata entry (u64 key length, a 1-byte key, u32 type, a 1-byte value) and one
-# tensor info (u64 name length, 1-byte name, u32 n_dims, one u64 dim, u32 type, u64 offset) take:
-# the header's counts are checked against the file with them before anything is parsed.
-MIN_KV_BYTES = 8 + 1 + 4 + 1
-MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8
 # The fewest bytes an array item of each type takes: a string is at least its u64 length, an array
 # at least its u32 item type and u64 count.
 _MIN_ITEM_BYTES: dict[GGUFValueType, int] = {
@@ -137,7 +132,8 @@ def _short(text: str, limit: int = 60) -> str:
 
 @dataclass(frozen=True)
 class _ArraySpan:
-    """Where an array value's elements lie in the file (parsed lazily)."""
+    """Where an array value's elements lie in the file (parsed lazily; ``item_type`` ARRAY for
+    arrays of arrays, whose items are each a u32 type, a u64 count and the items)."""
 
     offset: int  # first element
     count: int
@@ -146,18 +142,24 @@ class _ArraySpan:
 
 
 class _Reader(gguf.GGUFReader):
-    """gguf-py's reader with four hooks.
+    """gguf-py's reader with four hooks; the work of each is bounded by the file's size.
 
     ``_get``: a read past the end of the file raises a GGUFError saying what was being read
     (gguf-py slices the mapping unchecked, and a short read surfaces later as an unrelated
-    IndexError or "When changing to a larger dtype..." ValueError). ``_build_fields``: array
+    IndexError or "When changing to a larger dtype..." ValueError); so a key/value or tensor count
+    larger than the file holds stops at the first entry past its end. ``_build_fields``: array
     values are not split into one numpy view per element (gguf-py spends ~100 us per element,
     about 30 s for a 150k-token vocabulary with its merges); their location is recorded in
-    :attr:`arrays` and :class:`Metadata` decodes them on demand. ``_build_tensor_info``: keeps
-    track of which tensor info is being read. ``_build_tensors``: tensor infos are checked (type,
-    row length, alignment, bounds) before gguf-py builds views, which otherwise fails with
-    "cannot reshape array" on a truncated file and "is not a valid GGMLQuantizationType" on an
-    unknown type, naming no tensor.
+    :attr:`arrays` and :class:`Metadata` decodes them on demand. An array's element count is
+    checked against the bytes left before any element is read (each takes at least
+    :data:`_MIN_ITEM_BYTES`), and arrays of arrays nest at most :data:`MAX_ARRAY_DEPTH` deep
+    (gguf-py recurses without a bound: RecursionError at ~1000 levels, and 2^40 inner arrays took
+    minutes and gigabytes before failing). ``_build_tensor_info``: keeps track of which tensor info
+    is being read, and bounds the name length and the dimension count before gguf-py slices them.
+    ``_build_tensors``: tensor infos are checked (dimensions, type, row length, alignment, data
+    offsets back to back as llama.cpp requires, bounds) before gguf-py builds views, which
+    otherwise fails with "cannot reshape array" on a truncated file and "is not a valid
+    GGMLQuantizationType" on an unknown type, naming no tensor, and accepts overlapping tensors.
     """
 
     def __init__(self, path: Path):
@@ -177,7 +179,6 @@ class _Reader(gguf.GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
     def _build_fields(self, offs: int, count: int) -> int:
-        self._check_counts(offs, int(count))
         for i in range(int(count)):
             orig = offs
             self._where = f"metadata entry {i} of {count}"
@@ -208,17 +209,6 @@ class _Reader(gguf.GGUFReader):
             offs += fsize
         return offs
 
-    def _check_counts(self, offs: int, n_kv: int) -> None:
-        """The header's key/value and tensor counts against the bytes that follow them: each entry
-        takes at least MIN_KV_BYTES / MIN_TENSOR_INFO_BYTES, so a count the file cannot hold is
-        refused before anything is parsed."""
-        n_tensors = int(self.fields["GGUF.tensor_count"].parts[0][0])
-        left = len(self.data) - offs
-        need = n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES
-        if need > left:
-            raise GGUFError(f"{self.path}: corrupt header: it claims {n_kv} metadata entries and {n_tensors} tensors, "
-                            f"which need at least {need} bytes, but only {left} bytes follow the counts")
-
     def _skip_items(self, o: int, itype: GGUFValueType, n: int, key: str, depth: int) -> int:
         """Offset past ``n`` array items of type ``itype`` starting at ``o``, without building them.
 
@@ -245,6 +235,9 @@ class _Reader(gguf.GGUFReader):
         unpack = struct.unpack_from  # arrays of arrays: each item is (u32 type, u64 count, items)
         with memoryview(self.data) as mv:
             for _ in range(n):
+                if o + 12 > size:
+                    raise GGUFError(f"{self.path}: header is truncated: the {n}-element array '{key}' "
+                                    f"runs past the end of the file ({size} bytes)")
                 raw, m = unpack("<IQ", mv, o)
                 o = self._skip_items(o + 12, self._value_type(raw, key), m, key, depth + 1)
         return o
@@ -300,6 +293,7 @@ class _Reader(gguf.GGUFReader):
         size = len(self.data)
         past_end = []
         expected = 0  # llama.cpp: ti.offset must equal the sum of the padded sizes before it
+        align = int(self.alignment)  # a numpy uint32 from gguf-py
         for f in fields:
             _, name_data, n_dims, dims, raw_type, rel = f.parts
             name = str(bytes(name_data), "utf-8", "replace")
@@ -324,7 +318,7 @@ class _Reader(gguf.GGUFReader):
                 raise GGUFError(f"{self.path}: tensor '{name}' has data offset {off}, expected {expected}: its data "
                                 f"{how} (tensor data must follow the tensor infos' order back to back, each padded "
                                 f"to general.alignment = {self.alignment}, as llama.cpp requires)")
-            expected += -(-n_bytes // self.alignment) * self.alignment
+            expected += -(-n_bytes // align) * align
             begin = start_offs + off
             if begin + n_bytes > size:
                 past_end.append((name, begin, n_bytes))
@@ -377,7 +371,8 @@ class Metadata(Mapping[str, Any]):
 
     Values: ``int``/``float``/``bool``/``str`` for scalars; for arrays, ``list[str]`` (string
     arrays; invalid UTF-8 kept with ``surrogateescape``) or a 1-D ``np.ndarray`` of the element type
-    (numeric and bool arrays, e.g. ``tokenizer.ggml.token_type`` int32, ``scores`` float32).
+    (numeric and bool arrays, e.g. ``tokenizer.ggml.token_type`` int32, ``scores`` float32); arrays
+    of arrays (which llama.cpp refuses) as nested lists.
     gguf-py's pseudo-keys (``GGUF.version``, ...) are not included.
     """
 

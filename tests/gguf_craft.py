@@ -162,8 +162,11 @@ class Crafted:
         return self
 
     # ---- writing -----------------------------------------------------------------------------------
-    def header(self) -> bytes:
-        out = bytearray(b"GGUF" + struct.pack("<IQQ", self.version, len(self.tensors), len(self.kvs)))
+    def header(self, n_tensors: int | None = None, n_kv: int | None = None) -> bytes:
+        """The header bytes; ``n_tensors``/``n_kv`` replace the true counts in the fixed part."""
+        n_tensors = len(self.tensors) if n_tensors is None else n_tensors
+        n_kv = len(self.kvs) if n_kv is None else n_kv
+        out = bytearray(b"GGUF" + struct.pack("<IQQ", self.version, n_tensors, n_kv))
         for k, t, raw in self.kvs:
             out += gguf_str(k) + struct.pack("<I", t) + raw
         for t in self.tensors:
@@ -171,9 +174,9 @@ class Crafted:
             out += struct.pack(f"<{len(t['dims'])}Q", *t["dims"]) + struct.pack("<IQ", t["type"], t["offset"])
         return bytes(out)
 
-    def write(self, path: str | Path) -> Path:
-        """Write the file; returns ``path``."""
-        head = self.header()
+    def write(self, path: str | Path, n_tensors: int | None = None, n_kv: int | None = None) -> Path:
+        """Write the file (with the counts :meth:`header` takes); returns ``path``."""
+        head = self.header(n_tensors, n_kv)
         path = Path(path)
         with open(path, "wb") as f:
             f.write(head)
