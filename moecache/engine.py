@@ -235,13 +235,14 @@ class Engine:
             f"the KV cache of {self.n_ctx} tokens ({src}) needs {need / 2**30:.1f} GiB of RAM "
             f"({self.config.cache_type}, {host_layers} layers), {avail / 2**30:.1f} GiB is available: {hint}")
 
-    def _check_logits(self, lg: np.ndarray, pos: int) -> None:
+    def _check_logits(self, lg: np.ndarray, pos: int, warmup: bool = False) -> None:
         """Raise NonFiniteError when the last row of a forward pass's logits holds NaN or inf (a
         corrupt weight or an overflow: sampling would pick garbage or fail). One row per pass is
         cheap, and a NaN spreads to every later position through the KV cache."""
         if lg.shape[0] and not np.isfinite(lg[-1]).all():
             raise NonFiniteError(
-                f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) at position {pos}: "
+                f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) at position {pos}"
+                f"{' (the warm-up token, at load)' if warmup else ''}: "
                 f"its weights hold NaN/inf values or overflow float32 (a corrupt or badly converted file)")
 
     def _place(self, opts: PlacementOptions) -> Any:
@@ -294,7 +295,7 @@ class Engine:
         """One token through the model and back out of the cache: loads the compiled kernels so the
         first prompt's timing is the model's, not the loader's (llama.cpp warms up the same way)."""
         tok = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
-        self._check_logits(self.model.forward(np.array([tok]), self.kv), 0)
+        self._check_logits(self.model.forward(np.array([tok]), self.kv), 0, warmup=True)
         self.kv.clear()
         for c in self.caches:
             c.reset_stats()  # the warm-up token is not the user's
