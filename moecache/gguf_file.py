@@ -173,10 +173,19 @@ class _Reader(gguf.GGUFReader):
                          f"the file has {len(self.data)}")
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        dt = np.dtype(dtype)
+        offset, count = int(offset), int(count)
+        end = offset + dt.itemsize * count
         if end > len(self.data):
             raise self._truncated(self._where, end)
-        return super()._get(offset, dtype, count, override_order)
+        if override_order is not None or self.byte_order != "I":
+            return super()._get(offset, dt, count, override_order)
+        # a plain ndarray view of the mapping: numpy.memmap views (gguf-py's) cost ~10x the time and
+        # memory each, and a header of many small entries makes several per entry
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            flat = self._flat = self.data.view(np.ndarray)
+        return flat[offset:end].view(dt)
 
     def _build_fields(self, offs: int, count: int) -> int:
         for i in range(int(count)):

@@ -174,6 +174,22 @@ def test_header_counts_bounded_by_the_file(tiny, tmp_path, n_tensors, n_kv, need
     open_error(bad, needle)
 
 
+@pytest.mark.timeout(300)
+def test_many_small_entries_bounded(tiny, tmp_path):
+    """A header packed with the smallest entries the format allows (150k one-byte key/values, 50k
+    one-element tensors: a 4 MB file) is valid, and `info` reads it in seconds and a few hundred MB
+    (gguf-py's numpy.memmap views cost ~7 s and ~600 MB for the key/values alone)."""
+    c = Crafted.load(tiny)
+    c.kvs += [[f"k{i}", UINT8, b"\0"] for i in range(150_000)]
+    end = len(c.data)
+    c.tensors += [{"name": f"x{i}", "dims": [1], "type": 0, "offset": end + 32 * i} for i in range(50_000)]
+    c.data += bytes(32 * 50_000)
+    rc, out, err, wall, rss = run_cli(["info", "-m", str(c.write(tmp_path / "many.gguf"))])
+    print(f"info: {wall:.1f} s, peak RSS {rss / 2**20:.0f} MiB")
+    assert rc == 0 and "qwen3moe" in out, err
+    assert wall < 30 and rss < RSS_LIMIT
+
+
 def test_tensor_info_dims_and_name_bounded(tiny, tmp_path):
     c = Crafted.load(tiny)
     c.tensor("blk.0.attn_k.weight")["dims"] = [64] * 5000  # n_dims read before 5000 dims are sliced
