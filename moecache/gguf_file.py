@@ -663,7 +663,7 @@ def _check_block_count(path: Path, cfg: ModelConfig, tensors: Mapping[str, Tenso
                         f"{len(blocks)} blocks ({held})")
 
 
-# Largest 1-D float tensor scanned at open (norm weights, biases, rope factors: n_embd-sized).
+# Largest 1-D float tensor scanned at open, in elements (norm weights, biases, rope factors: n_embd-sized).
 MAX_SCANNED_VECTOR = 1 << 20
 
 

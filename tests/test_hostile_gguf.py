@@ -1,7 +1,7 @@
 """Crafted GGUF headers (issue 16): every kind ends fast, in bounded memory, with one ``error:`` line.
 
 Each hostile file is the synthetic tiny qwen3moe with raw header bytes rewritten by
-tests/gguf_craft.py. The CLI runs in a child process (``python -m cli.main``) under a 2 GiB
+tests/gguf_craft.py. The CLI runs in a child process (``python -m cli.main``) under a 4 GiB
 address-space limit (a safety net: a regression fails instead of swapping the CI machine), and the
 test asserts a non-zero exit, exactly one line starting ``error:`` that names the culprit, no
 traceback, the wall time, and the child's peak RSS. The message check matters: an allocation that
@@ -30,7 +30,7 @@ from moecache.errors import GGUFError, MoecacheError, NonFiniteError
 from moecache.gguf_file import MAX_ARRAY_DEPTH, open_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
-AS_LIMIT = 2 << 30  # address space of the child CLI (it needs ~1.2 GiB of mappings to run the tiny model)
+AS_LIMIT = 4 << 30  # address space of the child CLI (it needs ~1.2 GiB of mappings to run the tiny model)
 RSS_LIMIT = 600 << 20  # its peak resident memory; a normal run of the tiny model takes ~180 MiB
 # Runs the CLI as its own child under the limit, then reports that child's peak RSS on stderr.
 _WRAPPER = """
@@ -73,7 +73,10 @@ def _cli_args(command: str, model: Path, text: Path | None = None, *extra: str) 
 
 def run_cli(args: list[str], timeout: float = 120) -> tuple[int, str, str, float, int]:
     """(exit code, stdout, stderr without the RSS line, wall seconds, peak RSS bytes) of the CLI."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # CUDA reserves more address space than the limit
+    # CUDA reserves more address space than the limit; so would a thread pool (and its malloc arenas)
+    # per core on a many-core machine
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NUMBA_NUM_THREADS="2", OMP_NUM_THREADS="2",
+               MALLOC_ARENA_MAX="2")
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", _WRAPPER.format(lim=AS_LIMIT), *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
