@@ -150,6 +150,14 @@ def _user_errors(fn, *args) -> None:
         fail(str(e))
     except ValueError as e:
         fail(str(e))
+    except MemoryError as e:
+        fail(out_of_memory(e))
+
+
+def out_of_memory(e: MemoryError) -> str:
+    """The ``error:`` line of an allocation that failed (numpy's or CuPy's MemoryError)."""
+    return (f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'} "
+            f"(a smaller -c, -ub or -b needs less)")
 
 
 @app.command()
@@ -343,6 +351,8 @@ def info(
         show_info(model, tensors)
     except MoecacheError as e:
         fail(str(e))
+    except MemoryError as e:
+        fail(out_of_memory(e))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,6 +14,7 @@ has tensors no other architecture has).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -270,7 +271,11 @@ def config_from_metadata(md: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     Raises:
         UnsupportedArchError: the architecture is not in :data:`ARCHS`.
         GGUFError: required keys are missing (all named at once), a key has the wrong type, or
-            the values are inconsistent (e.g. expert_used_count > expert_count).
+            the values are inconsistent (e.g. expert_used_count > expert_count) or impossible (a
+            count or size <= 0, rope.dimension_count past the head size, a non-finite or
+            non-positive epsilon or RoPE base, a non-finite scale: :func:`_float_problems`).
+            Counts are checked against the tensors the file holds by
+            :func:`moecache.gguf_file.open_gguf`, not here.
     """
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
@@ -328,6 +333,23 @@ def config_from_metadata(md: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     return cfg
 
 
+def _float_problems(c: ModelConfig) -> list[str]:
+    """Float hyperparameters no model can have: the RMSNorm epsilon and RoPE bases must be finite and
+    > 0 (an epsilon of 0 divides a zero row by 0; a base <= 0 gives NaN angles); scales and soft-caps
+    finite and >= 0 (0 = unset, as llama.cpp reads them)."""
+    a, bad = c.arch, []
+    for key, v in (("attention.layer_norm_rms_epsilon", c.norm_eps), ("rope.freq_base", c.rope_freq_base),
+                   ("rope.freq_base_swa", c.rope_freq_base_swa)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            bad.append(f"{a}.{key} is {v} (must be finite and > 0)")
+    for key, v in (("rope.scaling.factor", c.rope_scaling_factor), ("expert_weights_scale", c.expert_weights_scale),
+                   ("attn_logit_softcapping", c.attn_logit_softcapping),
+                   ("final_logit_softcapping", c.final_logit_softcapping)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            bad.append(f"{a}.{key} is {v} (must be finite and >= 0; 0 = unset)")
+    return bad
+
+
 def _check(c: ModelConfig, spec: ArchSpec) -> None:
     a = c.arch
     bad = []
@@ -338,7 +360,7 @@ def _check(c: ModelConfig, spec: ArchSpec) -> None:
     if c.head_dim <= 0:
         bad.append(f"head size is {c.head_dim}: set {a}.attention.key_length")
     if c.n_vocab <= 0:
-        bad.append(f"vocabulary size unknown: no tokenizer.ggml.tokens and no {a}.vocab_size")
+        bad.append(f"vocabulary size unknown ({c.n_vocab}): no tokenizer.ggml.tokens and no {a}.vocab_size > 0")
     if spec.moe_required and (c.n_expert <= 0 or c.n_expert_used <= 0):
         bad.append(f"{a} needs {a}.expert_count and {a}.expert_used_count > 0 "
                    f"(got {c.n_expert}, {c.n_expert_used})")
@@ -348,5 +370,21 @@ def _check(c: ModelConfig, spec: ArchSpec) -> None:
         bad.append(f"expert width unknown: set {a}.expert_feed_forward_length")
     if not c.n_expert and c.n_ff <= 0 and spec.dense_block:
         bad.append(f"{a}.feed_forward_length is {c.n_ff}")
+    if c.context_length <= 0:
+        bad.append(f"{a}.context_length is {c.context_length}")
+    if c.head_dim_v <= 0:
+        bad.append(f"{a}.attention.value_length is {c.head_dim_v}")
+    if c.head_dim > 0 and not 0 < c.rope_dim <= c.head_dim:
+        bad.append(f"{a}.rope.dimension_count ({c.rope_dim}) must be in 1..head size ({c.head_dim})")
+    if not 0 <= c.leading_dense_block_count <= max(c.n_layer, 0):
+        bad.append(f"{a}.leading_dense_block_count ({c.leading_dense_block_count}) must be in 0..block_count "
+                   f"({c.n_layer})")
+    for key, v in (("attention.sliding_window", c.sliding_window),
+                   ("attention.sliding_window_pattern", c.sliding_window_pattern),
+                   ("rope.scaling.original_context_length", c.rope_scaling_orig_ctx),
+                   ("expert_shared_count", c.n_expert_shared)):
+        if v is not None and v < 0:
+            bad.append(f"{a}.{key} is {v}")
+    bad += _float_problems(c)
     if bad:
         raise GGUFError("inconsistent hyperparameters: " + "; ".join(bad))

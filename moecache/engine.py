@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 
 from moecache.backends import NumpyBackend
+from moecache.errors import InsufficientMemoryError, NonFiniteError
 from moecache.gguf_file import GGUFModel, open_gguf
 from moecache.kv_cache import ContextFullError
 from moecache.devices import gpu_free_bytes, make_backends
@@ -36,6 +37,7 @@ Log = Callable[[str], None]
 
 
 KV_TYPES = {"f32": np.float32, "f16": np.float16}  # -ctk/-ctv values -> KV cache element type
+KV_RAM_FRACTION = 0.9  # the KV cache's host part may take at most this share of the available RAM
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class Engine:
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
             UnsupportedQuantError: it is valid but cannot be run.
+        InsufficientMemoryError: the KV cache of ``n_ctx`` tokens does not fit in the available RAM.
+        NonFiniteError: NaN/inf in a norm weight, or in the warm-up token's logits.
     """
 
     def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
@@ -203,12 +207,43 @@ class Engine:
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph)
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
+            self._check_kv_memory()
             self.kv = self.model.new_kv_cache(self.n_ctx, KV_TYPES[config.cache_type])
             self.warmup()
         except BaseException:
             self.close()
             raise
         self.load_seconds = time.perf_counter() - t0
+
+    def _check_kv_memory(self) -> None:
+        """The KV cache's host part (layers on a CPU backend) against the available RAM, before it
+        is allocated: a file's trained context (``{arch}.context_length``, the default ``-c``) or a
+        large ``-c`` can ask for terabytes. Raises InsufficientMemoryError saying which ``-c``
+        fits (at most ``KV_RAM_FRACTION`` of the available RAM, ``psutil``)."""
+        c = self.gguf.config
+        itemsize = np.dtype(KV_TYPES[self.config.cache_type]).itemsize
+        host_layers = sum(1 for be in self.model.layer_be if getattr(be, "xp", np) is np)
+        per_token = host_layers * c.n_head_kv * (c.head_dim + c.head_dim_v) * itemsize
+        need, avail = per_token * self.n_ctx, psutil.virtual_memory().available
+        if need <= KV_RAM_FRACTION * avail:
+            return
+        fit = int(KV_RAM_FRACTION * avail // max(1, per_token))
+        fit = 1 << (fit.bit_length() - 1) if fit >= 1 else 0  # a round number: the largest power of two
+        src = f"-c {self.config.n_ctx}" if self.config.n_ctx else f"the model's trained context, {c.arch}.context_length"
+        hint = f"pass -c {fit} or less" if fit >= 1 else "even one token does not fit"
+        raise InsufficientMemoryError(
+            f"the KV cache of {self.n_ctx} tokens ({src}) needs {need / 2**30:.1f} GiB of RAM "
+            f"({self.config.cache_type}, {host_layers} layers), {avail / 2**30:.1f} GiB is available: {hint}")
+
+    def _check_logits(self, lg: np.ndarray, pos: int, warmup: bool = False) -> None:
+        """Raise NonFiniteError when the last row of a forward pass's logits holds NaN or inf (a
+        corrupt weight or an overflow: sampling would pick garbage or fail). One row per pass is
+        cheap, and a NaN spreads to every later position through the KV cache."""
+        if lg.shape[0] and not np.isfinite(lg[-1]).all():
+            raise NonFiniteError(
+                f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) at position {pos}"
+                f"{' (the warm-up token, at load)' if warmup else ''}: "
+                f"its weights hold NaN/inf values or overflow float32 (a corrupt or badly converted file)")
 
     def _place(self, opts: PlacementOptions) -> Any:
         """Plan the placement on the free GPU memory, build the backends and the model on them."""
@@ -260,7 +295,7 @@ class Engine:
         """One token through the model and back out of the cache: loads the compiled kernels so the
         first prompt's timing is the model's, not the loader's (llama.cpp warms up the same way)."""
         tok = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
-        self.model.forward(np.array([tok]), self.kv)
+        self._check_logits(self.model.forward(np.array([tok]), self.kv), 0, warmup=True)
         self.kv.clear()
         for c in self.caches:
             c.reset_stats()  # the warm-up token is not the user's
@@ -298,6 +333,7 @@ class Engine:
         Raises:
             ContextFullError: they do not fit (nothing is evaluated then).
             ValueError: empty input or an id outside the vocabulary.
+            NonFiniteError: a forward pass's last logits row holds NaN or inf.
         """
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if toks.size == 0:
@@ -312,6 +348,7 @@ class Engine:
             part = toks[i:i + self.n_ubatch]
             want = rows[(rows >= i) & (rows < i + part.size)] - i
             lg = self.model.forward(part, self.kv, logits=want)
+            self._check_logits(lg, self.kv.n_past - part.size + (int(want[-1]) if want.size else 0))
             if want.size:
                 out.append(lg)
         if not out:

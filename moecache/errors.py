@@ -20,3 +20,12 @@ class UnsupportedQuantError(MoecacheError):
 class ChatTemplateError(MoecacheError, ValueError):
     """A chat template (code from the GGUF, or given) broke a limit of its sandbox: too slow, too
     much output, memory or arithmetic (see :mod:`moecache.chat_jinja`)."""
+
+
+class InsufficientMemoryError(MoecacheError):
+    """An allocation the settings ask for (the KV cache of ``-c`` tokens, ...) does not fit in the
+    memory available; the message says which flag to change."""
+
+
+class NonFiniteError(MoecacheError):
+    """The model's weights or outputs hold NaN or infinity (a corrupt file, or an overflow)."""

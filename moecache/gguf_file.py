@@ -38,7 +38,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from moecache.arch import ModelConfig, config_from_metadata, expected_tensors
-from moecache.errors import GGUFError, MoecacheError, UnsupportedQuantError
+from moecache.errors import GGUFError, MoecacheError, NonFiniteError, UnsupportedQuantError
 from moecache.quants.formats import BlockFormat, format_for
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,15 @@ class TensorView:
 # Keys are short dotted ASCII names (ggml docs/gguf.md); a longer or unprintable one means a
 # corrupt header, and echoing it would flood the one-line error.
 MAX_KEY_BYTES = 256
+# llama.cpp ggml.h GGML_MAX_NAME: a tensor name has fewer bytes than this (gguf.cpp refuses longer ones).
+GGML_MAX_NAME = 64
+# Arrays of arrays may nest this deep (llama.cpp refuses nested arrays altogether; gguf-py reads any
+# depth, recursively, and a 5000-deep key overflows Python's stack).
+MAX_ARRAY_DEPTH = 16
+# The fewest bytes an array item of each type takes: a string is at least its u64 length, an array
+# at least its u32 item type and u64 count.
+_MIN_ITEM_BYTES: dict[GGUFValueType, int] = {
+    **{t: d.itemsize for t, d in _NP_DTYPE.items()}, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -123,7 +132,8 @@ def _short(text: str, limit: int = 60) -> str:
 
 @dataclass(frozen=True)
 class _ArraySpan:
-    """Where an array value's elements lie in the file (parsed lazily)."""
+    """Where an array value's elements lie in the file (parsed lazily; ``item_type`` ARRAY for
+    arrays of arrays, whose items are each a u32 type, a u64 count and the items)."""
 
     offset: int  # first element
     count: int
@@ -132,18 +142,24 @@ class _ArraySpan:
 
 
 class _Reader(gguf.GGUFReader):
-    """gguf-py's reader with four hooks.
+    """gguf-py's reader with four hooks; the work of each is bounded by the file's size.
 
     ``_get``: a read past the end of the file raises a GGUFError saying what was being read
     (gguf-py slices the mapping unchecked, and a short read surfaces later as an unrelated
-    IndexError or "When changing to a larger dtype..." ValueError). ``_build_fields``: array
+    IndexError or "When changing to a larger dtype..." ValueError); so a key/value or tensor count
+    larger than the file holds stops at the first entry past its end. ``_build_fields``: array
     values are not split into one numpy view per element (gguf-py spends ~100 us per element,
     about 30 s for a 150k-token vocabulary with its merges); their location is recorded in
-    :attr:`arrays` and :class:`Metadata` decodes them on demand. ``_build_tensor_info``: keeps
-    track of which tensor info is being read. ``_build_tensors``: tensor infos are checked (type,
-    row length, alignment, bounds) before gguf-py builds views, which otherwise fails with
-    "cannot reshape array" on a truncated file and "is not a valid GGMLQuantizationType" on an
-    unknown type, naming no tensor.
+    :attr:`arrays` and :class:`Metadata` decodes them on demand. An array's element count is
+    checked against the bytes left before any element is read (each takes at least
+    :data:`_MIN_ITEM_BYTES`), and arrays of arrays nest at most :data:`MAX_ARRAY_DEPTH` deep
+    (gguf-py recurses without a bound: RecursionError at ~1000 levels, and 2^40 inner arrays took
+    minutes and gigabytes before failing). ``_build_tensor_info``: keeps track of which tensor info
+    is being read, and bounds the name length and the dimension count before gguf-py slices them.
+    ``_build_tensors``: tensor infos are checked (dimensions, type, row length, alignment, data
+    offsets back to back as llama.cpp requires, bounds) before gguf-py builds views, which
+    otherwise fails with "cannot reshape array" on a truncated file and "is not a valid
+    GGMLQuantizationType" on an unknown type, naming no tensor, and accepts overlapping tensors.
     """
 
     def __init__(self, path: Path):
@@ -157,10 +173,19 @@ class _Reader(gguf.GGUFReader):
                          f"the file has {len(self.data)}")
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        dt = np.dtype(dtype)
+        offset, count = int(offset), int(count)
+        end = offset + dt.itemsize * count
         if end > len(self.data):
             raise self._truncated(self._where, end)
-        return super()._get(offset, dtype, count, override_order)
+        if override_order is not None or self.byte_order != "I":
+            return super()._get(offset, dt, count, override_order)
+        # a plain ndarray view of the mapping: numpy.memmap views (gguf-py's) cost ~10x the time and
+        # memory each, and a header of many small entries makes several per entry
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            flat = self._flat = self.data.view(np.ndarray)
+        return flat[offset:end].view(dt)
 
     def _build_fields(self, offs: int, count: int) -> int:
         for i in range(int(count)):
@@ -177,26 +202,54 @@ class _Reader(gguf.GGUFReader):
             offs += 4
             vtype = self._value_type(int(raw_type[0]), key)
             head = [klen, kdata, raw_type]
-            if vtype == GGUFValueType.ARRAY:
+            if vtype == GGUFValueType.ARRAY:  # record the span, parse nothing (Metadata decodes on demand)
                 itype_a, alen_a = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
                 itype, n = self._value_type(int(itype_a[0]), key), int(alen_a[0])
-                if itype != GGUFValueType.ARRAY:  # flat array: record its span, parse nothing
-                    start = offs + 12
-                    end = self._skip_strings(start, n) if itype == GGUFValueType.STRING \
-                        else start + n * _NP_DTYPE[itype].itemsize
-                    if end is None or end > len(self.data):
-                        raise GGUFError(f"{self.path}: header is truncated: the {n}-element array '{key}' "
-                                        f"runs past the end of the file ({len(self.data)} bytes)")
-                    self.arrays[key] = _ArraySpan(start, n, itype, end)
-                    self._push_field(gguf.ReaderField(orig, key, head + [itype_a, alen_a], [], [vtype, itype]),
-                                     skip_sum=True)
-                    offs = end
-                    continue
+                start = offs + 12
+                end = self._skip_items(start, itype, n, key, 1)
+                self.arrays[key] = _ArraySpan(start, n, itype, end)
+                self._push_field(gguf.ReaderField(orig, key, head + [itype_a, alen_a], [], [vtype, itype]),
+                                 skip_sum=True)
+                offs = end
+                continue
             fsize, parts, idxs, types = self._get_field_parts(offs, vtype)
             self._push_field(gguf.ReaderField(orig, key, head + parts, [j + len(head) for j in idxs], types),
                              skip_sum=True)
             offs += fsize
         return offs
+
+    def _skip_items(self, o: int, itype: GGUFValueType, n: int, key: str, depth: int) -> int:
+        """Offset past ``n`` array items of type ``itype`` starting at ``o``, without building them.
+
+        The work is bounded by the file: ``n`` items need at least ``n`` times the item's smallest
+        encoding (:data:`_MIN_ITEM_BYTES`) before the end of the file, checked before any item is
+        read, and arrays nest at most :data:`MAX_ARRAY_DEPTH` deep. Raises GGUFError otherwise.
+        """
+        size = len(self.data)
+        if depth > MAX_ARRAY_DEPTH:
+            raise GGUFError(f"{self.path}: corrupt header: metadata key '{key}' nests arrays more than "
+                            f"{MAX_ARRAY_DEPTH} deep")
+        least = n * _MIN_ITEM_BYTES[itype]
+        if least > size - o:
+            raise GGUFError(f"{self.path}: header is truncated: the {n}-element array '{key}' needs at least "
+                            f"{least} bytes at offset {o}, the file has {max(0, size - o)} left")
+        if itype in _NP_DTYPE:
+            return o + n * _NP_DTYPE[itype].itemsize
+        if itype == GGUFValueType.STRING:
+            end = self._skip_strings(o, n)
+            if end is None or end > size:
+                raise GGUFError(f"{self.path}: header is truncated: the {n}-element array '{key}' "
+                                f"runs past the end of the file ({size} bytes)")
+            return end
+        unpack = struct.unpack_from  # arrays of arrays: each item is (u32 type, u64 count, items)
+        with memoryview(self.data) as mv:
+            for _ in range(n):
+                if o + 12 > size:
+                    raise GGUFError(f"{self.path}: header is truncated: the {n}-element array '{key}' "
+                                    f"runs past the end of the file ({size} bytes)")
+                raw, m = unpack("<IQ", mv, o)
+                o = self._skip_items(o + 12, self._value_type(raw, key), m, key, depth + 1)
+        return o
 
     def _value_type(self, raw: int, key: str) -> GGUFValueType:
         try:
@@ -207,9 +260,20 @@ class _Reader(gguf.GGUFReader):
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:
         fields: list = []
+        unpack = struct.unpack_from
         for i in range(int(count)):
             after = f" (after '{fields[-1].name}')" if fields else ""
             self._where = f"tensor info {i} of {count}{after}"
+            # name length and dimension count first: both bound what gguf-py would slice (llama.cpp
+            # gguf.cpp refuses names of GGML_MAX_NAME bytes or more and more than GGML_MAX_DIMS dims)
+            (n_name,) = unpack("<Q", self._get(offs, np.uint8, 8))
+            if not 0 < n_name < GGML_MAX_NAME:
+                raise GGUFError(f"{self.path}: corrupt header: tensor info {i} of {count}{after} has a name of "
+                                f"{n_name} bytes (GGUF allows 1..{GGML_MAX_NAME - 1})")
+            (nd,) = unpack("<I", self._get(offs + 8 + n_name, np.uint8, 4))
+            if not 1 <= nd <= GGML_MAX_DIMS:
+                name = str(bytes(self._get(offs + 8, np.uint8, n_name)), "utf-8", "replace")
+                raise GGUFError(f"{self.path}: tensor '{name}' has {nd} dimensions (GGUF allows 1..{GGML_MAX_DIMS})")
             f = self._get_tensor_info_field(offs)
             offs += sum(int(p.nbytes) for p in f.parts)
             fields.append(f)
@@ -227,16 +291,29 @@ class _Reader(gguf.GGUFReader):
         return o
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
+        """Check every tensor info, then let gguf-py build the views.
+
+        Rules (llama.cpp ``gguf.cpp``, ``gguf_init_from_file_impl``): 1..4 dimensions, each < 2^63
+        and their product too; a known type whose block size divides the row length; data offsets
+        (relative to the aligned data start) laid out back to back in tensor-info order, each equal to
+        the running total of the tensors before it padded to ``general.alignment``, so no two
+        tensors' bytes overlap; and every tensor inside the file. Raises GGUFError naming the tensor.
+        """
         size = len(self.data)
         past_end = []
+        expected = 0  # llama.cpp: ti.offset must equal the sum of the padded sizes before it
+        align = int(self.alignment)  # a numpy uint32 from gguf-py
         for f in fields:
             _, name_data, n_dims, dims, raw_type, rel = f.parts
             name = str(bytes(name_data), "utf-8", "replace")
             nd = int(n_dims[0])
             if not 1 <= nd <= GGML_MAX_DIMS:
                 raise GGUFError(f"{self.path}: tensor '{name}' has {nd} dimensions (GGUF allows 1..{GGML_MAX_DIMS})")
-            fmt = format_for(int(raw_type[0]), name)
             ne = [int(d) for d in dims]
+            if any(d >= 2**63 for d in ne) or math.prod(ne) >= 2**63:
+                raise GGUFError(f"{self.path}: tensor '{name}' has impossible dimensions {ne} (element count "
+                                f"must be < 2^63)")
+            fmt = format_for(int(raw_type[0]), name)
             if ne[0] % fmt.block_size:
                 raise GGUFError(f"{self.path}: tensor '{name}': row length {ne[0]} is not a multiple of the "
                                 f"{fmt.name} block size {fmt.block_size}")
@@ -245,6 +322,12 @@ class _Reader(gguf.GGUFReader):
                 raise GGUFError(f"{self.path}: tensor '{name}' is misaligned: data offset {off} is not a "
                                 f"multiple of general.alignment = {self.alignment}")
             n_bytes = math.prod(ne) // fmt.block_size * fmt.type_size
+            if off != expected:
+                how = "overlaps the tensor before it" if off < expected else "leaves a gap after the tensor before it"
+                raise GGUFError(f"{self.path}: tensor '{name}' has data offset {off}, expected {expected}: its data "
+                                f"{how} (tensor data must follow the tensor infos' order back to back, each padded "
+                                f"to general.alignment = {self.alignment}, as llama.cpp requires)")
+            expected += -(-n_bytes // align) * align
             begin = start_offs + off
             if begin + n_bytes > size:
                 past_end.append((name, begin, n_bytes))
@@ -297,7 +380,8 @@ class Metadata(Mapping[str, Any]):
 
     Values: ``int``/``float``/``bool``/``str`` for scalars; for arrays, ``list[str]`` (string
     arrays; invalid UTF-8 kept with ``surrogateescape``) or a 1-D ``np.ndarray`` of the element type
-    (numeric and bool arrays, e.g. ``tokenizer.ggml.token_type`` int32, ``scores`` float32).
+    (numeric and bool arrays, e.g. ``tokenizer.ggml.token_type`` int32, ``scores`` float32); arrays
+    of arrays (which llama.cpp refuses) as nested lists.
     gguf-py's pseudo-keys (``GGUF.version``, ...) are not included.
     """
 
@@ -315,8 +399,6 @@ class Metadata(Mapping[str, Any]):
         span = self._r.arrays.get(key)
         if span is not None:
             v = self._decode_array(span)
-        elif f.types[0] == GGUFValueType.ARRAY:  # nested arrays: gguf-py's generic decoding
-            v = f.contents()
         elif f.types[0] == GGUFValueType.STRING:
             v = str(bytes(f.parts[-1]), "utf-8", "surrogateescape")
         else:
@@ -345,8 +427,7 @@ class Metadata(Mapping[str, Any]):
         span = self._r.arrays.get(key)
         if span is not None:
             return span.count
-        f = self._r.fields.get(key)
-        return len(f.data) if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY else None
+        return None
 
     def value_type(self, key: str) -> tuple[GGUFValueType, ...]:
         """GGUF value type of ``key``: ``(type,)``, or ``(ARRAY, element type)`` for arrays."""
@@ -356,6 +437,8 @@ class Metadata(Mapping[str, Any]):
         return tuple(f.types)
 
     def _decode_array(self, s: _ArraySpan) -> Any:
+        if s.item_type == GGUFValueType.ARRAY:  # arrays of arrays: nested lists (depth checked at open)
+            return self._decode_nested(s.offset, s.count)[0]
         if s.item_type == GGUFValueType.STRING:
             raw = self._r.data[s.offset:s.end].tobytes()
             out, o, unpack = [], 0, struct.unpack_from
@@ -365,6 +448,22 @@ class Metadata(Mapping[str, Any]):
                 o += 8 + n
             return out
         return np.frombuffer(self._r.data, dtype=_NP_DTYPE[s.item_type], count=s.count, offset=s.offset).copy()
+
+    def _decode_nested(self, o: int, n: int) -> tuple[list, int]:
+        """``n`` array items starting at ``o`` (each: u32 type, u64 count, items) -> (lists, end offset)."""
+        out = []
+        for _ in range(n):
+            raw, m = struct.unpack_from("<IQ", self._r.data, o)
+            itype = GGUFValueType(raw)
+            if itype == GGUFValueType.ARRAY:
+                v, o = self._decode_nested(o + 12, m)
+            else:
+                end = self._r._skip_items(o + 12, itype, m, "", 2)
+                v = self._decode_array(_ArraySpan(o + 12, m, itype, end))
+                v = v.tolist() if isinstance(v, np.ndarray) else v
+                o = end
+            out.append(v)
+        return out, o
 
 
 class TokenizerInfo:
@@ -550,13 +649,59 @@ def _names(names: list[str], limit: int = 12) -> str:
     return s + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
+_BLOCK_RE = re.compile(r"^blk\.(\d{1,9})\.")
+
+
+def _check_block_count(path: Path, cfg: ModelConfig, tensors: Mapping[str, TensorView]) -> None:
+    """``{arch}.block_count`` against the blocks the file holds (``blk.N.*`` tensors), before the
+    expected tensor names are built for every claimed block (work proportional to the count). Every
+    other size the config holds is checked through the expected tensor shapes. Raises GGUFError."""
+    blocks = {int(m[1]) for n in tensors if (m := _BLOCK_RE.match(n))}  # distinct: blk.999999999 counts once
+    if cfg.n_layer > len(blocks):
+        held = f"blk.{min(blocks)} .. blk.{max(blocks)}" if blocks else "no blk.N tensors"
+        raise GGUFError(f"{path}: {cfg.arch}.block_count is {cfg.n_layer} but the file holds tensors of "
+                        f"{len(blocks)} blocks ({held})")
+
+
+# Largest 1-D float tensor scanned at open, in elements (norm weights, biases, rope factors: n_embd-sized).
+MAX_SCANNED_VECTOR = 1 << 20
+
+
+def _check_finite_vectors(path: Path, tensors: Mapping[str, TensorView]) -> None:
+    """Every 1-D F32/F16/BF16 tensor (norm weights, biases, RoPE factors) holds finite values: a NaN
+    there reaches every logit. They are small (kilobytes per block), so this costs nothing at open;
+    NaNs inside matrices surface as non-finite logits after a forward pass
+    (:class:`moecache.errors.NonFiniteError` from the engine). Raises NonFiniteError naming the
+    tensor and the first bad element."""
+    for name, t in tensors.items():
+        if len(t.shape) != 1 or t.shape[0] > MAX_SCANNED_VECTOR:
+            continue
+        fe = t.format.float_elems
+        if fe is None:
+            continue
+        raw = t.data.reshape(-1)
+        if fe == "bf16":  # exponent bits all ones: inf or NaN
+            bad = (raw.view("<u2") & 0x7F80) == 0x7F80
+        else:
+            bad = ~np.isfinite(raw.view("<f4" if fe == "f32" else "<f2"))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise NonFiniteError(f"{path}: tensor '{name}' holds {int(bad.sum())} non-finite values (NaN or inf; "
+                                 f"the first at element {i}): the file is corrupt")
+
+
 def open_gguf(path: str | Path) -> GGUFModel:
     """Open and validate a GGUF model (any shard's path opens a whole split model).
 
     Raises:
         GGUFError: no such file / not a file; wrong magic; unsupported version; corrupt or truncated
             header; tensor data past the end of the file; misaligned tensor offset; missing shard;
-            missing required keys or tensors; tensor shapes that disagree with the hyperparameters.
+            missing required keys or tensors; tensor shapes that disagree with the hyperparameters;
+            a count the file cannot hold (key/value and tensor counts, array lengths, block_count:
+            checked before any work proportional to them); arrays nested more than
+            MAX_ARRAY_DEPTH deep; tensor data that overlap or are out of order (llama.cpp gguf.cpp:
+            each offset must equal the padded sizes before it).
+        NonFiniteError: a norm weight, bias or RoPE factor holds NaN or infinity.
         UnsupportedArchError: ``general.architecture`` is not in :data:`moecache.arch.ARCHS`.
         UnsupportedQuantError: a tensor's GGML type has no kernel here.
     """
@@ -600,6 +745,7 @@ def open_gguf(path: str | Path) -> GGUFModel:
     except MoecacheError as e:
         raise type(e)(f"{path}: {e}") from None
 
+    _check_block_count(path, cfg, tensors)
     expected = expected_tensors(cfg)
     missing_t = [n for n, (_, optional) in expected.items() if not optional and n not in tensors]
     if missing_t:
@@ -612,6 +758,7 @@ def open_gguf(path: str | Path) -> GGUFModel:
              if n in tensors and tensors[n].shape != shape]
     if wrong:
         raise GGUFError(f"{path}: tensor shapes do not match the hyperparameters: {_names(wrong, 6)}")
+    _check_finite_vectors(path, tensors)
     unexpected = tuple(n for n in tensors if n not in expected)
     if unexpected:
         log.info("%s: %d tensors not used by %s: %s", path.name, len(unexpected), cfg.arch, _names(list(unexpected), 5))
