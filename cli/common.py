@@ -87,7 +87,7 @@ def resolve_model(model: Path | None) -> Path:
 class CacheOptions:
     """The expert-cache flags other than sizing (which is placement)."""
 
-    window: int = 64
+    window: int | None = None  # None: not given (64)
     stats_every: int = 0
     routing: str | None = None
     deterministic: bool = False
@@ -97,6 +97,7 @@ class CacheOptions:
 # on 16 cores): the policy's estimate of a miss's CPU time
 CPU_EXPERT_BYTES_PER_CORE_S = 1.3e9
 DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
+DEFAULT_WINDOW = 64  # --moe-cache-window when not given
 
 
 def policy_config(expert_bytes: int, probe, cache: CacheOptions, res):
@@ -111,7 +112,7 @@ def policy_config(expert_bytes: int, probe, cache: CacheOptions, res):
         link = gi.h2d_pinned
     link = link or DETERMINISTIC_LINK_BYTES_S
     cores = res.n_threads if det else max(1, res.n_threads)
-    return PolicyConfig(window=cache.window, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
+    return PolicyConfig(window=cache.window or DEFAULT_WINDOW, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
                         t_gpu=expert_bytes / 1e12, t_upload=expert_bytes / link, adaptive=not det)
 
 
