@@ -358,14 +358,13 @@ MD_ORDER = ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "type_k", "type_
             "moe_cache", "vram_budget", "moe_cache_window", "routing", "n_gen_warmup")
 MD_NAMES = {"n_gpu_layers": "ngl", "n_threads": "threads", "split_mode": "sm", "flash_attn": "fa",
             "tensor_split": "ts"}
-MD_DEFAULTS = {"n_batch": 2048, "n_ubatch": 512, "type_k": "f16", "type_v": "f16"}
 
 
 def md_columns(results: list[Result], shown: list[str]) -> list[str]:
     """The parameter columns of the markdown table (field names, llama-bench's order): ``shown`` are
     the parameters given on the command line (varied or not at their default); a CPU-only run has
-    no ngl column and always a threads one; n_batch / n_ubatch / type_k / type_v also when a run
-    used another value than the default (the engine clamps -ub to the context)."""
+    no ngl column and always a threads one. Values are those that ran (n_ubatch: -ub clamped to
+    -b and the context, as the engine runs it)."""
     cpu = all(r.fields.get("backends") == "CPU" for r in results)
     cols = set(shown)
     cols.discard("model")
@@ -374,9 +373,6 @@ def md_columns(results: list[Result], shown: list[str]) -> list[str]:
         cols.add("n_threads")
     else:
         cols.add("n_gpu_layers")
-    for k, v in MD_DEFAULTS.items():
-        if any(r.fields.get(k) != v for r in results):
-            cols.add(k)
     return [k for k in MD_ORDER if k in cols] + sorted(k for k in cols if k not in MD_ORDER)
 
 
