@@ -29,6 +29,8 @@ _click = getattr(typer.core, "_click", None) or click
 ClickException = _click.exceptions.ClickException
 UsageError = _click.exceptions.UsageError
 BadParameter = _click.exceptions.BadParameter
+# `moecache` alone prints the help (no_args_is_help): Click raises it as a usage error; it stays as is
+_HELP_ERRORS = tuple(c for c in (getattr(_click.exceptions, "NoArgsIsHelpError", None),) if c is not None)
 
 
 class OneLineUsageError(UsageError):
@@ -70,7 +72,7 @@ class OneLineErrorsGroup(TyperGroup):
     def make_context(self, info_name, args, parent=None, **extra):
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
-        except OneLineUsageError:
+        except (OneLineUsageError, *_HELP_ERRORS):
             raise
         except ClickException as e:
             raise _one_line(e, getattr(e, "ctx", None)) from None
@@ -78,7 +80,7 @@ class OneLineErrorsGroup(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except OneLineUsageError:
+        except (OneLineUsageError, *_HELP_ERRORS):
             raise
         except ClickException as e:
             raise _one_line(e, getattr(e, "ctx", None) or ctx) from None

@@ -125,6 +125,11 @@ def test_usage_errors_are_one_line(args, fragment):
     assert "-h` lists the flags" in line
 
 
+def test_no_arguments_still_print_the_help():
+    r = runner.invoke(app, [])
+    assert "Usage:" in r.output and "Commands" in r.output and not r.output.startswith("error:")
+
+
 # ---- bench lists: every value of every list flag in range (exit 1 from the command) --------------------
 @pytest.mark.parametrize("flag,value", [("-t", "-1"), ("-t", "1,-2"), ("-b", "0"), ("-ub", "0,512"), ("-ngl", "-2"),
                                         ("-ncmoe", "-1"), ("--moe-cache-window", "0"), ("-p", "-5"), ("-n", "2,-1"),
