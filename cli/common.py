@@ -246,18 +246,18 @@ def ineffective_flag_notes(eng, placement, cache: CacheOptions) -> list[str]:
     on_gpu = pl is not None and bool(pl.devices)
     dense = not eng.gguf.config.is_moe
     out = []
-    if dense and cache_flags + moe_flags:
-        out.append(f"note: {', '.join(cache_flags + moe_flags)} ignored: {eng.gguf.path.name} is a dense model "
-                   f"(no routed experts)")
-    elif not on_gpu and cache_flags + moe_flags:
-        out.append(f"note: {', '.join(cache_flags + moe_flags)} ignored: this run is on the CPU only (the expert "
-                   f"cache and expert placement need a GPU)")
+    if dense or not on_gpu:
+        flags = [f for f in cache_flags + moe_flags if not (on_gpu and f == "--vram-budget")]  # it bounds a GPU run
+        why = ([f"{eng.gguf.path.name} is a dense model (no routed experts)"] if dense else []) + (
+            [] if on_gpu else ["this run is on the CPU only (the expert cache and expert placement need a GPU)"])
+        if flags:
+            out.append(f"note: {', '.join(flags)} ignored: {'; '.join(why)}")
     elif not eng.caches:
         cache_flags = [f for f in cache_flags if not (f == "--moe-cache" and placement.moe_cache == 0)
                        and f != "--vram-budget"]  # the budget still bounds the placement
         if cache_flags:
-            out.append(f"note: {', '.join(cache_flags)} ignored: no expert cache in this run (every routed "
-                       f"expert is placed: {pl.summary()})")
+            out.append(f"note: {', '.join(cache_flags)} ignored: no expert cache was made in this run "
+                       f"({pl.summary()})")
     return out
 
 

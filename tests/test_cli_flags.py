@@ -314,6 +314,30 @@ def test_bench_says_an_ignored_flag_once_over_its_combinations(tiny):
     assert sum("ignored" in ln for ln in r.output.splitlines()) == 1
 
 
+def test_ignored_flag_notes_on_a_gpu_run():
+    """The GPU cases (no GPU in CI: a stand-in engine): a made cache takes every cache flag; without
+    one, the cache's own flags are said ignored, but --moe-cache 0 (off) and --vram-budget (it bounds
+    the placement) are in effect."""
+    from types import SimpleNamespace
+
+    from cli.common import CacheOptions, ineffective_flag_notes
+    from moecache.placement import PlacementOptions
+
+    def eng(caches, moe=True):
+        pl = SimpleNamespace(devices=[0], summary=lambda: "48/48 layers on GPU 0")
+        return SimpleNamespace(placement=pl, caches=caches, gguf=SimpleNamespace(
+            config=SimpleNamespace(is_moe=moe), path=Path("m.gguf")))
+    opts = PlacementOptions(moe_cache=4096, vram_budget=8 << 30)
+    stats = CacheOptions(window=8, stats_every=4)
+    assert ineffective_flag_notes(eng(["cache"]), opts, stats) == []
+    (line,) = ineffective_flag_notes(eng([]), opts, stats)
+    assert "--moe-cache, --moe-cache-window, --moe-cache-stats ignored: no expert cache" in line
+    assert "--vram-budget" not in line and "48/48 layers" in line
+    assert ineffective_flag_notes(eng([]), PlacementOptions(moe_cache=0, vram_budget=8 << 30), CacheOptions()) == []
+    (line,) = ineffective_flag_notes(eng([], moe=False), opts, CacheOptions())
+    assert "--moe-cache ignored: m.gguf is a dense model" in line  # the budget still bounds a dense model's layers
+
+
 # ---- CPU kernels: a status line while they compile, compile time outside the speeds ----------------------------
 def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
     from cli.common import cpu_kernel_names, uncompiled_kernels
