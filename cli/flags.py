@@ -13,7 +13,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import click
 import typer
 import typer.core
 from typer.core import TyperGroup
@@ -25,7 +24,9 @@ SEED_MAX = 2**32 - 1
 # ---- one-line usage errors -----------------------------------------------------------------------
 # Typer >= 0.2x vendors its own copy of Click (typer._click): its exceptions are not the click
 # package's, so the classes come from the Click that typer.core itself uses.
-_click = getattr(typer.core, "_click", None) or click
+_click = getattr(typer.core, "_click", None)
+if _click is None:  # older Typer on the click package
+    import click as _click
 ClickException = _click.exceptions.ClickException
 UsageError = _click.exceptions.UsageError
 BadParameter = _click.exceptions.BadParameter
@@ -118,12 +119,6 @@ def version_option():
 
 
 # ---- numeric ranges ---------------------------------------------------------------------------------
-def irange(lo: int | None = None, hi: int | None = INT32_MAX) -> click.IntRange:
-    """An int flag's range, checked by Click: ``-n -3`` -> ``error: -n/--n-predict: -3 is not in the
-    range x>=-1.`` (the int32 ceiling keeps a huge value from reaching an allocation)."""
-    return click.IntRange(min=lo, max=hi)
-
-
 def _range_text(lo, hi) -> str:
     if lo is None and hi is None:
         return "any finite number"

@@ -2,7 +2,8 @@
 
 Heavy imports (numba, cupy, the kernels) happen inside the commands so ``--help`` is instant.
 Errors meant for the user (:class:`moecache.errors.MoecacheError`) print one line on stderr and
-exit 1; commands that are not built yet say so and exit 2.
+exit 1; usage errors (a flag out of its range, an unknown flag) one line too, exit 2, as Click's;
+commands that are not built yet say so and exit 2.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.flags import (INT32_MAX, SEED_MAX, SIZE_HELP, OneLineErrorsGroup, minus_one_or_at_least, frange,
+from cli.flags import (INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least,
                        kv_cache_type as _kv_type, parse_moe_cache, parse_size, version_option)
 from moecache.threads import short_openmp_spin
 
@@ -32,7 +33,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # usage errors as plain lines, not a box
-    cls=OneLineErrorsGroup,  # ... and each one line: `error: -n/--n-predict: -3 is not in the range x>=-1.`
+    cls=OneLineErrorsGroup,  # ... each one line: `error: -n/--n-predict: input should be greater than ...`
     context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 
@@ -43,6 +44,7 @@ VersionOpt = Annotated[Optional[bool], version_option()]
 def _main(version: VersionOpt = None) -> None:
     """Run Mixture-of-Experts GGUF models larger than GPU memory: hot experts cached in VRAM,
     misses computed on the CPU at the same time."""
+
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 

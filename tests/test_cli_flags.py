@@ -94,7 +94,7 @@ def test_out_of_range_flag_is_one_error_line_naming_it(cmd, args, flag):
 def test_range_errors_say_the_valid_range():
     line = _one_error_line(runner.invoke(app, ["run", "-m", NOWHERE, "-n", "-2"]), "-1")
     assert "-1 to 2147483647" in line
-    line = _one_error_line(runner.invoke(app, ["run", "-m", NOWHERE, "--top-p", "1.5"]), "0<=x<=1")
+    _one_error_line(runner.invoke(app, ["run", "-m", NOWHERE, "--top-p", "1.5"]), "0<=x<=1")
     line = _one_error_line(runner.invoke(app, ["perplexity", "-m", NOWHERE, "--chunks", "0"]))
     assert "-1 (all)" in line and "[1, 2147483647]" in line
 
@@ -137,7 +137,7 @@ def test_no_arguments_still_print_the_help():
 def test_bench_list_values_out_of_range(tiny, flag, value):
     r = runner.invoke(app, ["bench", "-m", str(tiny), flag, value])
     canonical = {"-ncmoe": "--n-cpu-moe"}.get(flag, flag)
-    line = _one_error_line(r, canonical, "values must be in [", code=1)
+    _one_error_line(r, canonical, "values must be in [", code=1)
     assert "model:" not in r.output  # refused before loading
 
 
@@ -354,7 +354,7 @@ def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     (sub / f"cpu.matmul_q8_0-158.{py}.nbi").write_bytes(b"")
     (sub / f"cpu.dequant_q8_0-172.{py}.nbi").write_bytes(b"")
-    (sub / f"cpu.moe_ffn_q4_0_q4_0_q4_0-275.py27.nbi").write_bytes(b"")  # another Python's: not ours
+    (sub / "cpu.moe_ffn_q4_0_q4_0_q4_0-275.py27.nbi").write_bytes(b"")  # another Python's: not ours
     assert uncompiled_kernels(names) == {"moe_ffn_q4_0_q4_0_q4_0"}
 
 
