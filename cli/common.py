@@ -176,10 +176,9 @@ def pin_progress_bar():
 
 
 # ---- CPU kernels: compiled by Numba on first use, cached on disk ---------------------------------------
-def cpu_kernel_names(model: Path, experts_only: bool = False) -> set[str]:
+def cpu_kernel_names(model: Path) -> set[str]:
     """The Numba kernels (moecache.quants.cpu's names) a CPU run of ``model`` calls: matmul and
-    dequantize per weight type, the grouped MoE kernel per (gate, up, down) type triple;
-    ``experts_only``: the MoE kernels only (a GPU run computes only host experts on the CPU)."""
+    dequantize per quantized weight type, the grouped MoE kernel per (gate, up, down) type triple."""
     from moecache.gguf_file import open_gguf
 
     names: set[str] = set()
@@ -190,7 +189,7 @@ def cpu_kernel_names(model: Path, experts_only: bool = False) -> set[str]:
             if "_exps." in n:
                 parts = n.split(".")
                 exps.setdefault(parts[1], {})[parts[2]] = tn
-            elif len(t.shape) >= 2 and tn != "f32" and not experts_only:  # F32 matrices go to BLAS
+            elif len(t.shape) >= 2 and tn != "f32":  # F32 matrices go to BLAS
                 names |= {f"matmul_{tn}", f"dequant_{tn}"}
     for d in exps.values():
         if {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"} <= d.keys():
@@ -309,8 +308,10 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
             if not c.n_expert:
                 raise UserError(f"--routing: {model.name} has no routed experts")
             override = make_routing(cache.routing, c.n_layer, c.n_expert, c.n_expert_used)
+    # a CPU-only run calls every kernel of cpu_kernel_names at load; a GPU run calls the MoE kernel
+    # only where the CPU computes experts (mmap misses, host experts), so a missing one proves nothing
     cpu_only = not probe.gpus or placement.n_gpu_layers == 0
-    cold = uncompiled_kernels(cpu_kernel_names(model, experts_only=not cpu_only))
+    cold = uncompiled_kernels(cpu_kernel_names(model)) if cpu_only else set()
     if cold:
         note(f"compiling CPU kernels, first run only ({len(cold)} to compile; cached for later runs)...")
     t0 = time.perf_counter()
