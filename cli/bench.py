@@ -5,15 +5,35 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cli.common import CacheOptions, UserError, load_engine, note
+from cli.common import CacheOptions, UserError, load_engine, note, resolve_model
 
 
-def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
+# each list flag's field, its valid range (int32 like llama-bench's), and its meaning when not given
+INT32_MAX = 2**31 - 1
+LIST_RANGES = {"-p": 0, "-n": 0, "-pg": 0, "-d": 0, "-t": 0, "-b": 1, "-ub": 1, "-ngl": -1, "--n-cpu-moe": 0,
+               "--moe-cache-window": 1}
+
+
+def checked_list(text: str | None, flag: str) -> list[int]:
+    """A llama-bench list (``1,2``, ``8-32+8``) whose every value is in the flag's range (UserError
+    naming the flag, the value and the range)."""
+    from moecache.benchmark import parse_list
+
+    vals = parse_list(text, flag)
+    lo = LIST_RANGES[flag]
+    for v in vals:
+        if not lo <= v <= INT32_MAX:
+            raise UserError(f"{flag} {v}: values must be in [{lo}, {INT32_MAX}]" + (" (-1 = all that fit)"
+                                                                                   if flag == "-ngl" else ""))
+    return vals
+
+
+def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
                   threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
-                  vram_budget: str | None, window: str, routing: str | None, n_gen_warmup: int, warmup: bool,
+                  vram_budget: str | None, window: str | None, routing: str | None, n_gen_warmup: int, warmup: bool,
                   load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f16") -> None:
-    from cli.main import parse_size
-    from moecache.benchmark import BenchParams, bench, expand, make_tests, parse_list, render
+    from cli.flags import parse_moe_cache, parse_size
+    from moecache.benchmark import BenchParams, bench, expand, make_tests, render
     from moecache.placement import PlacementOptions
     from moecache.probe import UserFlags
 
@@ -23,41 +43,48 @@ def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None,
         raise UserError(f"-r must be >= 1, got {reps}")
     if n_gen_warmup < 0:
         raise UserError(f"--n-gen-warmup must be >= 0, got {n_gen_warmup}")
+    models = list(models) if models else [resolve_model(None)]
     for m in models:
         if not m.is_file():
             raise UserError(f"-m {m}: no such file")
-    pgs = parse_list(pg, "-pg")
+    pgs = checked_list(pg, "-pg")
     if len(pgs) % 2:
         raise UserError(f"-pg {pg!r}: expected pp,tg pairs")
-    ps, ns, ds = parse_list(n_prompt, "-p"), parse_list(n_gen, "-n"), parse_list(depth, "-d")
-    for flag, vals in (("-p", ps), ("-n", ns), ("-pg", pgs), ("-d", ds)):
-        if any(v < 0 for v in vals):
-            raise UserError(f"{flag}: values must be >= 0, got {','.join(map(str, vals))}")
+    ps, ns, ds = checked_list(n_prompt, "-p"), checked_list(n_gen, "-n"), checked_list(depth, "-d")
     tests = make_tests(ps, ns, list(zip(pgs[::2], pgs[1::2])), ds)
     if not tests:
         raise UserError("no tests: give -p, -n or -pg with values > 0")
-    lists = {"model": models, "n_batch": parse_list(batch, "-b"), "n_ubatch": parse_list(ubatch, "-ub"),
-             "n_threads": parse_list(threads, "-t") or [0], "n_gpu_layers": parse_list(ngl, "-ngl"),
-             "n_cpu_moe": parse_list(n_cpu_moe, "--n-cpu-moe"),
-             "moe_cache": parse_list(moe_cache, "--moe-cache") or [None],
-             "vram_budget": [parse_size(v, "--vram-budget") for v in (vram_budget or "").split(",") if v] or [0],
-             "moe_cache_window": parse_list(window, "--moe-cache-window"),
+    lists = {"model": models, "n_batch": checked_list(batch, "-b"), "n_ubatch": checked_list(ubatch, "-ub"),
+             "n_threads": checked_list(threads, "-t") or [0], "n_gpu_layers": checked_list(ngl, "-ngl"),
+             "n_cpu_moe": checked_list(n_cpu_moe, "--n-cpu-moe"),
+             "moe_cache": [parse_moe_cache(v) for v in (moe_cache or "").split(",") if v.strip()] or [None],
+             "vram_budget": [parse_size(v, "--vram-budget") for v in (vram_budget or "").split(",") if v.strip()]
+             or [0],
+             "moe_cache_window": checked_list(window, "--moe-cache-window") or [None],
              "routing": [v for v in (routing or "").split(",") if v] or [None]}
-    base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, 64, None, load_mode or "auto")
+    base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, load_mode or "auto")
     combos = expand(base, **lists)
-    varied = [k for k, v in lists.items() if len(v) > 1 and k != "model"]
+    # the parameters given (varied, or not at their default): the md table's columns
+    defaults = {"n_batch": [2048], "n_ubatch": [512], "n_threads": [0], "n_gpu_layers": [99], "n_cpu_moe": [0],
+                "moe_cache": [None], "vram_budget": [0], "moe_cache_window": [None], "routing": [None]}
+    shown = [k for k, v in lists.items() if k != "model" and (len(v) > 1 or v != defaults.get(k))]
+    if cache_type != "f16":
+        shown += ["type_k", "type_v"]
+    if n_gen_warmup:
+        shown.append("n_gen_warmup")
     need = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
     if ctx_size is not None and ctx_size < need:
         raise UserError(f"-c {ctx_size}: the tests need {need} tokens of context (depth + prompt + generated + "
                         f"warm-up)")
     n_ctx = ctx_size or need
+    said: set[str] = set()  # notes said once for the whole bench, not once per combination
 
     def make_engine(p: BenchParams):
         pl = PlacementOptions(p.n_gpu_layers, False, p.n_cpu_moe, moe_cache=p.moe_cache, vram_budget=p.vram_budget)
         flags = UserFlags("bench", p.n_ubatch, n_ctx, p.n_threads or None, None if p.load_mode == "auto" else p.load_mode,
                           cache_type=cache_type)
         return load_engine(p.model, flags, p.n_batch, pl, None, False,
-                           CacheOptions(p.moe_cache_window, 0, p.routing, False))
+                           CacheOptions(p.moe_cache_window, 0, p.routing, False), said=said)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -75,7 +102,7 @@ def bench_command(models: list[Path], n_prompt: str, n_gen: str, pg: str | None,
 
         results = bench(combos, tests, reps, warmup, n_gen_warmup, make_engine, progress)
         prog.update(task, completed=total)
-    sys.stdout.write(render(results, output, varied))
+    sys.stdout.write(render(results, output, shown))
     if any(r.fields.get("routing") for r in results):
         note("note: --routing replaced the routers' choices: speeds, hit rates and uploads are measured; the text "
              "is meaningless")

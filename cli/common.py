@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,7 @@ def resolve_model(model: Path | None) -> Path:
 class CacheOptions:
     """The expert-cache flags other than sizing (which is placement)."""
 
-    window: int = 64
+    window: int | None = None  # None: not given (64)
     stats_every: int = 0
     routing: str | None = None
     deterministic: bool = False
@@ -97,6 +98,7 @@ class CacheOptions:
 # on 16 cores): the policy's estimate of a miss's CPU time
 CPU_EXPERT_BYTES_PER_CORE_S = 1.3e9
 DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
+DEFAULT_WINDOW = 64  # --moe-cache-window when not given
 
 
 def policy_config(expert_bytes: int, probe, cache: CacheOptions, res):
@@ -111,7 +113,7 @@ def policy_config(expert_bytes: int, probe, cache: CacheOptions, res):
         link = gi.h2d_pinned
     link = link or DETERMINISTIC_LINK_BYTES_S
     cores = res.n_threads if det else max(1, res.n_threads)
-    return PolicyConfig(window=cache.window, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
+    return PolicyConfig(window=cache.window or DEFAULT_WINDOW, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
                         t_gpu=expert_bytes / 1e12, t_upload=expert_bytes / link, adaptive=not det)
 
 
@@ -173,15 +175,109 @@ def pin_progress_bar():
     return update
 
 
+# ---- CPU kernels: compiled by Numba on first use, cached on disk ---------------------------------------
+def cpu_kernel_names(model: Path) -> set[str]:
+    """The Numba kernels (moecache.quants.cpu's names) a CPU run of ``model`` calls: matmul and
+    dequantize per quantized weight type, the grouped MoE kernel per (gate, up, down) type triple."""
+    from moecache.gguf_file import open_gguf
+
+    names: set[str] = set()
+    exps: dict[str, dict[str, str]] = {}
+    with open_gguf(model) as g:
+        for n, t in g.tensors.items():
+            tn = t.type_name.lower()
+            if "_exps." in n:
+                parts = n.split(".")
+                exps.setdefault(parts[1], {})[parts[2]] = tn
+            elif len(t.shape) >= 2 and tn != "f32":  # F32 matrices go to BLAS
+                names |= {f"matmul_{tn}", f"dequant_{tn}"}
+    for d in exps.values():
+        if {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"} <= d.keys():
+            names.add(f"moe_ffn_{d['ffn_gate_exps']}_{d['ffn_up_exps']}_{d['ffn_down_exps']}")
+    return names
+
+
+def uncompiled_kernels(names: set[str]) -> set[str]:
+    """The kernels of ``names`` with no entry in Numba's on-disk cache for this checkout's kernel
+    sources (``<kernel_cache_dir>/<numba's subpath of moecache/quants>/cpu.<name>-<line>.py3X.nbi``):
+    these compile on first use (seconds each)."""
+    import hashlib
+    import sys
+
+    from moecache.quants import _numba_setup
+
+    src_dir = Path(_numba_setup.__file__).resolve().parent
+    root = Path(os.environ.get("NUMBA_CACHE_DIR") or _numba_setup.kernel_cache_dir())
+    # numba.core.caching._CacheLocator.get_suitable_cache_subpath: "<dir name>_<sha1 of the dir path>"
+    sub = root / f"{src_dir.name}_{hashlib.sha1(str(src_dir).encode()).hexdigest()}"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    have = {p.name.split("-")[0].removeprefix("cpu.") for p in sub.glob(f"cpu.*.{py}.nbi")} if sub.is_dir() else set()
+    return {n for n in names if n not in have}
+
+
+def warm_prompt_path(eng) -> None:
+    """Evaluate one prompt-sized ubatch and forget it: a CPU prompt of BLAS_MIN_TOKENS+ tokens calls
+    the dequantize kernels (the engine's own one-token warm-up does not), so without this their
+    loading (or compiling) lands in the first prompt's timing."""
+    from moecache.backends.numpy_backend import BLAS_MIN_TOKENS
+
+    n = min(BLAS_MIN_TOKENS, eng.n_ubatch, eng.n_ctx)
+    if n < BLAS_MIN_TOKENS:
+        return  # every prompt ubatch is smaller: the decode kernels, warmed by the engine, serve it
+    tok = eng.tokenizer.bos_id if eng.tokenizer.bos_id is not None else 0
+    eng.eval([tok] * n)
+    eng.reset()
+    for c in eng.caches:
+        c.reset_stats()
+
+
+def ineffective_flag_notes(eng, placement, cache: CacheOptions) -> list[str]:
+    """One note per group of flags that cannot take effect in this run (an expert cache needs a GPU
+    and a model with routed experts, and is made only when the experts do not all fit in VRAM)."""
+    cache_flags = [f for f, given in (("--moe-cache", placement.moe_cache is not None),
+                                      ("--vram-budget", bool(placement.vram_budget)),
+                                      ("--moe-cache-window", cache.window is not None),
+                                      ("--moe-cache-stats", bool(cache.stats_every)),
+                                      ("--deterministic", cache.deterministic)) if given]
+    moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
+                                    ("--n-cpu-moe", bool(placement.n_cpu_moe))) if given]
+    pl = eng.placement
+    on_gpu = pl is not None and bool(pl.devices)
+    dense = not eng.gguf.config.is_moe
+    out = []
+    if dense or not on_gpu:
+        flags = [f for f in cache_flags + moe_flags if not (on_gpu and f == "--vram-budget")]  # it bounds a GPU run
+        why = ([f"{eng.gguf.path.name} is a dense model (no routed experts)"] if dense else []) + (
+            [] if on_gpu else ["this run is on the CPU only (the expert cache and expert placement need a GPU)"])
+        if flags:
+            out.append(f"note: {', '.join(flags)} ignored: {'; '.join(why)}")
+    elif not eng.caches:
+        cache_flags = [f for f in cache_flags if not (f == "--moe-cache" and placement.moe_cache == 0)
+                       and f != "--vram-budget"]  # the budget still bounds the placement
+        if cache_flags:
+            out.append(f"note: {', '.join(cache_flags)} ignored: no expert cache was made in this run "
+                       f"({pl.summary()})")
+    return out
+
+
 def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | None, verbose: bool = False,
-                cache: CacheOptions | None = None):
+                cache: CacheOptions | None = None, said: set[str] | None = None):
     """Resolve the settings (printed), build the engine with the placement flags, print what was
     resolved at load (devices, layers on the GPU, fallbacks); flags this version does not
-    implement are said once.
+    implement, or that cannot take effect in this run, are said once. A status line says when
+    the CPU kernels compile (first run); they are loaded before anything is timed.
 
     Args:
         flags: moecache.probe.UserFlags (None = not passed).
+        said: notes already printed (bench loads one engine per combination): each said once.
     """
+    said = set() if said is None else said
+
+    def once(line: str) -> None:
+        if line not in said:
+            said.add(line)
+            note(line)
+
     from moecache.engine import Engine, EngineConfig
 
     if flash_attn not in (None, "on", "off", "auto"):
@@ -212,9 +308,26 @@ def load_engine(model: Path, flags, n_batch: int, placement, flash_attn: str | N
             if not c.n_expert:
                 raise UserError(f"--routing: {model.name} has no routed experts")
             override = make_routing(cache.routing, c.n_layer, c.n_expert, c.n_expert_used)
-    eng = Engine(model, config, log=note, placement=placement, load_mode=res.load_mode,
+    # a CPU-only run calls every kernel of cpu_kernel_names at load; a GPU run calls the MoE kernel
+    # only where the CPU computes experts (mmap misses, host experts), so a missing one proves nothing
+    cpu_only = not probe.gpus or placement.n_gpu_layers == 0
+    cold = uncompiled_kernels(cpu_kernel_names(model)) if cpu_only else set()
+    if cold:
+        note(f"compiling CPU kernels, first run only ({len(cold)} to compile; cached for later runs)...")
+    t0 = time.perf_counter()
+    eng = Engine(model, config, log=once, placement=placement, load_mode=res.load_mode,
                  pin_progress=pin_progress_bar() if res.load_mode == "pin" else None,
                  policy_config=policy_config(expert_each, probe, cache, res) if expert_each else None)
+    try:
+        if eng.placement is None or not eng.placement.devices:
+            warm_prompt_path(eng)
+    except BaseException:
+        eng.close()
+        raise
+    if cold:
+        note(f"compiled CPU kernels: loading took {time.perf_counter() - t0:.1f} s (not counted in any speed below)")
+    for line in ineffective_flag_notes(eng, placement, cache):
+        once(line)
     if override is not None:
         eng.model.routing_override = override
         note(f"note: --routing {cache.routing}: the router runs but its choice is replaced: the output text is "

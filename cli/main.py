@@ -2,11 +2,13 @@
 
 Heavy imports (numba, cupy, the kernels) happen inside the commands so ``--help`` is instant.
 Errors meant for the user (:class:`moecache.errors.MoecacheError`) print one line on stderr and
-exit 1; commands that are not built yet say so and exit 2.
+exit 1; usage errors (a flag out of its range, an unknown flag) one line too, exit 2, as Click's;
+commands that are not built yet say so and exit 2.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from cli.flags import (INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least,
+                       kv_cache_type as _kv_type, parse_moe_cache, parse_size, version_option)
 from moecache.threads import short_openmp_spin
 
 short_openmp_spin()  # before any OpenMP runtime loads (see moecache/threads.py)
@@ -28,8 +32,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # usage errors as click's plain "Error: ..." lines, not a box
+    rich_markup_mode=None,  # usage errors as plain lines, not a box
+    cls=OneLineErrorsGroup,  # ... each one line: `error: -n/--n-predict: input should be greater than ...`
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
+
+VersionOpt = Annotated[Optional[bool], version_option()]
+
+
+@app.callback()
+def _main(version: VersionOpt = None) -> None:
+    """Run Mixture-of-Experts GGUF models larger than GPU memory: hot experts cached in VRAM,
+    misses computed on the CPU at the same time."""
+
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -47,29 +62,32 @@ def not_built(command: str, what: str) -> None:
 
 # ---- options shared by the commands (llama.cpp names) -------------------------------------------
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (first shard of a split model). "
-                                                  "Default for `run`: the gemma3-270m package's model.")]
-CtxOpt = Annotated[Optional[int], typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's "
+                                                  "Default: the gemma3-270m package's model (the demo extra).")]
+CtxOpt = Annotated[Optional[int], typer.Option("-c", "--ctx-size", min=0, max=INT32_MAX, help="Context size in tokens (0 = the model's "
                                                "trained context); default: resolved at startup (printed).")]
-BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size.")]
-UBatchOpt = Annotated[Optional[int], typer.Option("-ub", "--ubatch-size", help="Physical batch size (tokens per "
+BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, max=INT32_MAX, help="Logical batch size.")]
+UBatchOpt = Annotated[Optional[int], typer.Option("-ub", "--ubatch-size", min=1, max=INT32_MAX, help="Physical batch size (tokens per "
                                                   "forward pass); default: resolved at startup (printed).")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads (0 = physical cores); "
+ThreadsOpt = Annotated[Optional[int], typer.Option("-t", "--threads", min=0, max=INT32_MAX, help="CPU threads (0 = physical cores); "
                                                    "default: resolved at startup (printed).")]
 LoadModeOpt = Annotated[Optional[str], typer.Option("--load-mode", help="mmap: map the file; pin: copy the weights "
                                                     "into page-locked RAM at load; auto (default): pin when it fits "
                                                     "in RAM and the experts go to host RAM (or for serve), else "
                                                     "map.")]
-CacheTypeKOpt = Annotated[str, typer.Option("-ctk", "--cache-type-k", help="KV cache type for K: f16 (default, "
-                                             "as llama.cpp) or f32 (twice the VRAM; -ctv must match).")]
-CacheTypeVOpt = Annotated[str, typer.Option("-ctv", "--cache-type-v", help="KV cache type for V: f16 (default) or f32.")]
+CacheTypeKOpt = Annotated[Optional[str], typer.Option("-ctk", "--cache-type-k", help="KV cache type: f16 (default, "
+                                                       "as llama.cpp) or f32 (twice the memory). K and V take the "
+                                                       "same type: -ctk or -ctv alone sets both.")]
+CacheTypeVOpt = Annotated[Optional[str], typer.Option("-ctv", "--cache-type-v", help="KV cache type for V (sets K too); "
+                                                       "see -ctk.")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Print every resolved setting with its reason.")]
-MoeCacheOpt = Annotated[Optional[int], typer.Option("--moe-cache", help="Expert cache per GPU: -1 = fill free VRAM "
-                                                    "(default when the model does not fit), 0 = off, N = at most N MiB.")]
+MoeCacheOpt = Annotated[Optional[str], typer.Option("--moe-cache", help="Expert cache per GPU: -1 = fill free VRAM "
+                                                    "(default when the model does not fit), 0 = off, or at most this "
+                                                    "size (12GB, 8GiB, 8000 = MiB).")]
 VramBudgetOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Use at most this much of each GPU "
-                                                      "(e.g. 8GiB, 12000MiB): emulates a smaller card.")]
-MoeWindowOpt = Annotated[int, typer.Option("--moe-cache-window", help="Tokens of expert-usage history the cache "
-                                           "policy weighs.")]
-MoeStatsOpt = Annotated[int, typer.Option("--moe-cache-stats", help="Print the cache's hit rate and uploads every N "
+                                                      "(e.g. 8GiB, 12GB, 12000 = MiB): emulates a smaller card.")]
+MoeWindowOpt = Annotated[Optional[int], typer.Option("--moe-cache-window", min=1, max=INT32_MAX, help="Tokens of expert-usage history the cache "
+                                           "policy weighs (default 64).")]
+MoeStatsOpt = Annotated[int, typer.Option("--moe-cache-stats", min=-1, max=INT32_MAX, help="Print the cache's hit rate and uploads every N "
                                           "tokens and at exit (0 = off, -1 = at exit only).")]
 RoutingOpt = Annotated[Optional[str], typer.Option("--routing", help="Benchmarks only: replace the router's choice by "
                                                    "a routing process (uniform, qwen3-moe, olmoe, low-locality) or a "
@@ -78,51 +96,30 @@ DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache d
                                                 "measured timings (also MOECACHE_DETERMINISTIC=1).")]
 
 
-def kv_cache_type(ctk: str, ctv: str) -> str:
-    """``-ctk``/``-ctv`` -> the KV cache type (f32, f16); UserError when they differ or are unknown."""
+def kv_cache_type(ctk: str | None, ctv: str | None) -> str:
+    """``-ctk``/``-ctv`` -> the KV cache type (cli.flags.kv_cache_type); UserError when they differ."""
     from cli.common import UserError
-    from moecache.engine import KV_TYPES
 
-    ctk, ctv = ctk.lower(), ctv.lower()
-    for flag, v in (("-ctk", ctk), ("-ctv", ctv)):
-        if v not in KV_TYPES:
-            raise UserError(f"{flag} {v}: supported KV cache types are {', '.join(KV_TYPES)}")
-    if ctk != ctv:
-        raise UserError(f"-ctk {ctk} -ctv {ctv}: K and V caches of different types are not supported; give both "
-                        f"the same type")
-    return ctk
-
-
-def parse_size(text: str | None, flag: str) -> int:
-    """``8GiB``, ``8G``, ``12000MiB``, ``512M``, ``1073741824`` -> bytes (ValueError naming the flag)."""
-    if not text:
-        return 0
-    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    unit = t[len(num):]
     try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if value < 0 or unit not in units:
-        raise ValueError(f"{flag} {text!r}: expected a size such as 8GiB, 12000MiB or 512M")
-    return int(value * units[unit])
-NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", help="Layers on the GPU, counted from the "
+        return _kv_type(ctk, ctv)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", min=-1, max=INT32_MAX, help="Layers on the GPU, counted from the "
                                      "last (> n_layer: the output layer too); -1 = all that fit; 0 = CPU only.")]
 CpuMoeOpt = Annotated[bool, typer.Option("-cmoe", "--cpu-moe", help="Keep every layer's routed experts in host RAM "
                                          "(computed on the CPU; prompt ubatches of 32+ tokens on the GPU).")]
-NCpuMoeOpt = Annotated[int, typer.Option("-ncmoe", "--n-cpu-moe", help="Keep the routed experts of the first N "
+NCpuMoeOpt = Annotated[int, typer.Option("-ncmoe", "--n-cpu-moe", min=0, max=INT32_MAX, help="Keep the routed experts of the first N "
                                          "layers in host RAM.")]
 SplitOpt = Annotated[str, typer.Option("-sm", "--split-mode", help="layer: split layers over the GPUs; none: -mg only.")]
 TsOpt = Annotated[Optional[str], typer.Option("-ts", "--tensor-split", help="Proportions of layers per GPU, e.g. 3,1 "
                                               "(default: by free memory).")]
-MgOpt = Annotated[int, typer.Option("-mg", "--main-gpu", help="The GPU of -sm none.")]
+MgOpt = Annotated[int, typer.Option("-mg", "--main-gpu", min=0, max=INT32_MAX, help="The GPU of -sm none.")]
 
 
 def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, tensor_split: str | None,
-                      main_gpu: int, moe_cache: int | None = None, vram_budget: str | None = None):
+                      main_gpu: int, moe_cache: str | None = None, vram_budget: str | None = None):
     """The placement flags as a PlacementOptions (ValueError naming -ts if it does not parse)."""
     from moecache.placement import PlacementOptions
 
@@ -131,8 +128,13 @@ def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, 
         try:
             ts = tuple(float(v) for v in tensor_split.replace("/", ",").split(","))
         except ValueError:
-            raise ValueError(f"-ts {tensor_split!r}: expected comma-separated numbers, e.g. 3,1") from None
-    return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu, moe_cache=moe_cache,
+            ts = (float("nan"),)
+        if not all(math.isfinite(v) and v >= 0 for v in ts) or sum(ts) <= 0:
+            raise ValueError(f"-ts {tensor_split!r}: expected comma-separated proportions >= 0 with a positive sum, "
+                             f"e.g. 3,1")
+    if split_mode not in ("layer", "none"):
+        raise ValueError(f"-sm {split_mode!r}: expected layer or none")
+    return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu, moe_cache=parse_moe_cache(moe_cache),
                             vram_budget=parse_size(vram_budget, "--vram-budget"))
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
 EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Process escapes (\\n, \\t, \\xHH, ...) "
@@ -165,14 +167,14 @@ def run(
     model: ModelOpt = None,
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt: complete it once and exit.")] = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of generation).")] = -1,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=-1, max=INT32_MAX, help="Tokens to generate (-1 = until end of generation).")] = -1,
     ctx_size: CtxOpt = None,
     batch_size: BatchOpt = 2048,
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
     verbose: VerboseOpt = False,
     ngl: NglOpt = -1,
     cpu_moe: CpuMoeOpt = False,
@@ -182,20 +184,22 @@ def run(
     main_gpu: MgOpt = 0,
     moe_cache: MoeCacheOpt = None,
     vram_budget: VramBudgetOpt = None,
-    moe_cache_window: MoeWindowOpt = 64,
+    moe_cache_window: MoeWindowOpt = None,
     moe_cache_stats: MoeStatsOpt = 0,
     routing: RoutingOpt = None,
     deterministic: DeterministicOpt = False,
     flash_attn: FaOpt = None,
-    temp: Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Top-p sampling (1.0 = off).")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling (0.0 = off).")] = 0.05,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty (1.0 = off).")] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look at (-1 = context).")] = 64,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
-    seed: Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")] = -1,
+    temp: Annotated[float, typer.Option("--temp", parser=frange(), help="Temperature (<= 0 = greedy).")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, max=INT32_MAX, help="Top-k sampling (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", parser=frange(0.0, 1.0), help="Top-p sampling (1.0 = off).")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", parser=frange(0.0, 1.0), help="Min-p sampling (0.0 = off).")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", parser=frange(1e-6),
+                                                  help="Repetition penalty (1.0 = off).")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", min=-1, max=INT32_MAX,
+                                               help="Tokens the penalties look at (-1 = context).")] = 64,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", parser=frange())] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", parser=frange())] = 0.0,
+    seed: Annotated[int, typer.Option("-s", "--seed", min=-1, max=SEED_MAX, help="RNG seed (-1 = random).")] = -1,
     conversation: Annotated[Optional[bool], typer.Option("-cnv/-no-cnv", "--conversation/--no-conversation",
                                                          help="Interactive chat (default when no -p/-f).")] = None,
     system: Annotated[Optional[str], typer.Option("-sys", "--system-prompt", help="System prompt for chat.")] = None,
@@ -206,6 +210,7 @@ def run(
     special: Annotated[bool, typer.Option("-sp", "--special", help="Print special (control) tokens.")] = False,
     no_display_prompt: Annotated[bool, typer.Option("--no-display-prompt", help="Print only the generated text, "
                                                     "not the prompt before it (-p/-f).")] = False,
+    version: VersionOpt = None,
 ) -> None:
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
@@ -230,15 +235,16 @@ def run(
 def perplexity(
     model: ModelOpt = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Text file to score.")] = None,
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Chunk size in tokens.")] = 512,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=4, max=INT32_MAX, help="Chunk size in tokens.")] = 512,
     batch_size: BatchOpt = 2048,
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
     verbose: VerboseOpt = False,
-    chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
+    chunks: Annotated[int, typer.Option("--chunks", parser=minus_one_or_at_least(1, "all"),
+                                        help="Score at most this many chunks (-1 = all).")] = -1,
     ngl: NglOpt = -1,
     cpu_moe: CpuMoeOpt = False,
     n_cpu_moe: NCpuMoeOpt = 0,
@@ -247,12 +253,13 @@ def perplexity(
     main_gpu: MgOpt = 0,
     moe_cache: MoeCacheOpt = None,
     vram_budget: VramBudgetOpt = None,
-    moe_cache_window: MoeWindowOpt = 64,
+    moe_cache_window: MoeWindowOpt = None,
     moe_cache_stats: MoeStatsOpt = 0,
     deterministic: DeterministicOpt = False,
     flash_attn: FaOpt = None,
     escape: Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Process escapes (\\n, \\t, ...) in "
                                          "the text; off by default, as in llama-perplexity.")] = False,
+    version: VersionOpt = None,
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
     def body() -> None:
@@ -262,8 +269,6 @@ def perplexity(
 
         if file is None:
             raise UserError("perplexity needs a text file: -f FILE")
-        if ctx_size <= 0:
-            raise UserError(f"-c must be > 0 for perplexity, got {ctx_size}")
         pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
         perplexity_command(model, file, ctx_size, UserFlags("perplexity", ubatch_size, ctx_size, threads, load_mode,
                                                              cache_type=kv_cache_type(cache_type_k, cache_type_v)),
@@ -280,31 +285,36 @@ def serve(ctx: typer.Context) -> None:
 
 @app.command()
 def bench(
-    model: Annotated[list[Path], typer.Option("-m", "--model", help="GGUF model (repeat -m for several).")],
+    model: Annotated[Optional[list[Path]], typer.Option("-m", "--model", help="GGUF model (repeat -m for several); "
+                                                         "default: the gemma3-270m package's model.")] = None,
     n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt lengths (pp tests).")] = "512",
     n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generated tokens (tg tests).")] = "128",
     pg: Annotated[Optional[str], typer.Option("-pg", help="pp,tg pairs timed together, e.g. 512,128.")] = None,
     depth: Annotated[str, typer.Option("-d", "--n-depth", help="Tokens already in the context, evaluated untimed "
                                        "before each timed run (their own t/s: the depth_ts field).")] = "0",
-    reps: Annotated[int, typer.Option("-r", "--repetitions", help="Timed runs per test.")] = 5,
+    reps: Annotated[int, typer.Option("-r", "--repetitions", min=1, max=INT32_MAX, help="Timed runs per test.")] = 5,
     threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="CPU threads.")] = None,
     batch_size: Annotated[str, typer.Option("-b", "--batch-size")] = "2048",
     ubatch_size: Annotated[str, typer.Option("-ub", "--ubatch-size")] = "512",
     ngl: Annotated[str, typer.Option("-ngl", "--n-gpu-layers", help="GPU layers (-1 = all that fit).")] = "99",
     n_cpu_moe: Annotated[str, typer.Option("-ncmoe", "--n-cpu-moe")] = "0",
-    moe_cache: Annotated[Optional[str], typer.Option("--moe-cache", help="Expert cache MiB per GPU (-1 fill, 0 off).")] = None,
-    vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="VRAM per GPU, e.g. 8GiB,12GiB.")] = None,
-    moe_cache_window: Annotated[str, typer.Option("--moe-cache-window")] = "64",
+    moe_cache: Annotated[Optional[str], typer.Option("--moe-cache", help="Expert cache per GPU: -1 fill, 0 off, or "
+                                                     "sizes, e.g. 4GiB,8GiB (MiB when unitless).")] = None,
+    vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="VRAM per GPU, e.g. 8GiB,12GiB (MiB when "
+                                                       "unitless).")] = None,
+    moe_cache_window: Annotated[Optional[str], typer.Option("--moe-cache-window", help="Policy windows (default 64).")] = None,
     routing: Annotated[Optional[str], typer.Option("--routing", help="Routing processes/traces (see run --help).")] = None,
-    n_gen_warmup: Annotated[int, typer.Option("--n-gen-warmup", help="Generate N tokens before timing: an expert "
-                                              "cache starts cold and needs warming.")] = 0,
-    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", help="Context size (its KV cache takes VRAM); "
+    n_gen_warmup: Annotated[int, typer.Option("--n-gen-warmup", min=0, max=INT32_MAX, help="Generate N tokens before "
+                                              "timing: an expert cache starts cold and needs warming.")] = 0,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", min=1, max=INT32_MAX,
+                                                    help="Context size (its KV cache takes VRAM); "
                                                     "default: what the tests need.")] = None,
     no_warmup: Annotated[bool, typer.Option("--no-warmup", help="Skip the untimed warm-up run of each test.")] = False,
     load_mode: LoadModeOpt = None,
-    cache_type_k: CacheTypeKOpt = "f16",
-    cache_type_v: CacheTypeVOpt = "f16",
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
+    version: VersionOpt = None,
 ) -> None:
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
     with the expert cache's parameters."""
@@ -320,8 +330,9 @@ def bench(
 @app.command("probe-pcie")
 def probe_pcie(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object instead of tables.")] = False,
-    size: Annotated[int, typer.Option("--size", help="Test buffer size in MiB.")] = 256,
-    reps: Annotated[int, typer.Option("--reps", help="Repetitions; the median is reported.")] = 5,
+    size: Annotated[int, typer.Option("--size", min=1, max=1 << 20, help="Test buffer size in MiB.")] = 256,
+    reps: Annotated[int, typer.Option("--reps", min=1, max=10_000, help="Repetitions; the median is reported.")] = 5,
+    version: VersionOpt = None,
 ) -> None:
     """Measure GPU links (PCIe generation/width, copy bandwidths), VRAM, host RAM bandwidth and cores."""
     def body() -> None:
@@ -339,20 +350,17 @@ def profile(ctx: typer.Context) -> None:
 
 @app.command()
 def info(
-    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF file (first shard of a split model).")],
+    model: ModelOpt = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
+    version: VersionOpt = None,
 ) -> None:
     """Validate a GGUF and print its architecture, hyperparameters and tensor summary."""
-    from moecache.errors import MoecacheError
-
-    try:
+    def body() -> None:
+        from cli.common import resolve_model
         from cli.info import show_info
 
-        show_info(model, tensors)
-    except MoecacheError as e:
-        fail(str(e))
-    except MemoryError as e:
-        fail(out_of_memory(e))
+        show_info(resolve_model(model), tensors)
+    _user_errors(body)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -37,6 +37,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "flash_attn", "tensor_split",
                       "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
                       "stddev_ns", "avg_ts", "stddev_ts")
+DEFAULT_WINDOW = 64  # --moe-cache-window when not given
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "hit_rate",
               "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts")
 
@@ -88,7 +89,7 @@ class BenchParams:
     n_cpu_moe: int
     moe_cache: int | None
     vram_budget: int
-    moe_cache_window: int
+    moe_cache_window: int | None  # None: not given (DEFAULT_WINDOW)
     routing: str | None
     load_mode: str
 
@@ -247,7 +248,10 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                 r.fields = {
                     "build_commit": _commit(), "build_number": 0, "cpu_info": cpu_info, "gpu_info": _gpu_info(pl),
                     "backends": "CUDA" if pl is not None and pl.devices else "CPU",
-                    "model_filename": str(p.model), **info, "n_batch": p.n_batch, "n_ubatch": p.n_ubatch,
+                    # n_batch / n_ubatch as they ran: the engine clamps -ub to -b and the context
+                    "model_filename": str(p.model), **info,
+                    "n_batch": getattr(getattr(eng, "config", None), "n_batch", p.n_batch),
+                    "n_ubatch": getattr(eng, "n_ubatch", p.n_ubatch),
                     "n_threads": eng.n_threads, "n_gpu_layers": p.n_gpu_layers, "n_cpu_moe": p.n_cpu_moe,
                     "split_mode": "layer", "main_gpu": 0, "flash_attn": "auto", "tensor_split": "0.00",
                     "load_mode": getattr(eng, "load_mode", p.load_mode),
@@ -257,7 +261,8 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "moe_cache": -1 if p.moe_cache is None else p.moe_cache,
                     "moe_cache_mib_granted": round(sum(s for _, s in (pl.cache_slots if pl else ())) * slot_bytes
                                                    / 2**20, 1),
-                    "vram_budget": p.vram_budget, "moe_cache_window": p.moe_cache_window, "routing": p.routing or "",
+                    "vram_budget": p.vram_budget,
+                    "moe_cache_window": DEFAULT_WINDOW if p.moe_cache_window is None else p.moe_cache_window, "routing": p.routing or "",
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
@@ -345,19 +350,54 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
 
 
-def to_markdown(results: list[Result], varied: list[str]) -> str:
-    """llama-bench's markdown table: model, size, params, backend, ngl, threads, the varied
-    parameters, test and ``t/s`` as ``avg ± stddev``; hit rate when a cache ran."""
-    cols = ["model", "size", "params", "backend", "ngl", "threads"] + varied
+# llama-bench's markdown columns (tools/llama-bench/llama-bench.cpp, markdown_printer): model, size,
+# params, backend, then each parameter once, under its display name: n_gpu_layers ("ngl") unless the
+# backend is the CPU, n_threads ("threads") on the CPU or when given, any other parameter when it
+# varies or differs from its default; then test and t/s. Ours follow llama-bench's.
+MD_ORDER = ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "type_k", "type_v", "n_cpu_moe", "load_mode",
+            "moe_cache", "vram_budget", "moe_cache_window", "routing", "n_gen_warmup")
+MD_NAMES = {"n_gpu_layers": "ngl", "n_threads": "threads", "split_mode": "sm", "flash_attn": "fa",
+            "tensor_split": "ts"}
+
+
+def md_columns(results: list[Result], shown: list[str]) -> list[str]:
+    """The parameter columns of the markdown table (field names, llama-bench's order): ``shown`` are
+    the parameters given on the command line (varied or not at their default); a CPU-only run has
+    no ngl column and always a threads one. Values are those that ran (n_ubatch: -ub clamped to
+    -b and the context, as the engine runs it)."""
+    cpu = all(r.fields.get("backends") == "CPU" for r in results)
+    cols = set(shown)
+    cols.discard("model")
+    if cpu:
+        cols.discard("n_gpu_layers")
+        cols.add("n_threads")
+    else:
+        cols.add("n_gpu_layers")
+    return [k for k in MD_ORDER if k in cols] + sorted(k for k in cols if k not in MD_ORDER)
+
+
+def _md_value(field: str, v: Any) -> str:
+    if field == "vram_budget":
+        return _size(v) if v else "-"
+    if field == "routing":
+        return v or "-"
+    return str(v)
+
+
+def to_markdown(results: list[Result], shown: list[str]) -> str:
+    """llama-bench's markdown table: model, size, params, backend, the parameter columns
+    (:func:`md_columns`), test and ``t/s`` as ``avg ± stddev``; hit rate when a cache ran."""
+    params = md_columns(results, shown)
     has_cache = any(r.fields.get("hit_rate") is not None for r in results)
-    header = cols + ["test", "t/s"] + (["hit rate"] if has_cache else [])
+    header = ["model", "size", "params", "backend"] + [MD_NAMES.get(k, k) for k in params] + ["test", "t/s"] \
+        + (["hit rate"] if has_cache else [])
+    right = {"size", "params", "t/s", "hit rate"} | {MD_NAMES.get(k, k) for k in params}
     lines = ["| " + " | ".join(header) + " |",
-             "| " + " | ".join("---:" if h in ("size", "params", "ngl", "threads", "t/s", "hit rate") or h in varied
-                              else "---" for h in header) + " |"]
+             "| " + " | ".join("---:" if h in right else "---" for h in header) + " |"]
     for r in results:
         f = r.fields
-        row = [f["model_type"], _size(f["model_size"]), _params(f["model_n_params"]), f["backends"],
-               str(f["n_gpu_layers"]), str(f["n_threads"])] + [str(f[v]) for v in varied]
+        row = [f["model_type"], _size(f["model_size"]), _params(f["model_n_params"]), f["backends"]]
+        row += [_md_value(k, f.get(k)) for k in params]
         row += [BenchTest(f["n_prompt"], f["n_gen"], f["n_depth"]).name, f"{f['avg_ts']:.2f} ± {f['stddev_ts']:.2f}"]
         if has_cache:
             row.append("-" if f.get("hit_rate") is None else f"{100 * f['hit_rate']:.1f}%")
@@ -372,10 +412,11 @@ def to_records(results: list[Result]) -> list[dict]:
             for r in results]
 
 
-def render(results: list[Result], fmt: str, varied: list[str]) -> str:
-    """``-o md|csv|json|jsonl``. Raises ValueError for another format."""
+def render(results: list[Result], fmt: str, shown: list[str]) -> str:
+    """``-o md|csv|json|jsonl`` (``shown``: the parameters given, for the md columns). Raises
+    ValueError for another format."""
     if fmt == "md":
-        return to_markdown(results, varied)
+        return to_markdown(results, shown)
     recs = to_records(results)
     if fmt == "json":
         return json.dumps(recs, indent=2) + "\n"

@@ -333,7 +333,7 @@ def test_cli_cache_flags(model_path):
     line = next(ln for ln in r.output.splitlines() if ln.startswith("{"))
     assert len(json.loads(line)["tokens"]) == 3
     for args, msg in ((["--vram-budget", "lots"], "--vram-budget 'lots'"), (["--routing", "zipf"], "not a preset"),
-                      (["--moe-cache", "-5"], "--moe-cache must be")):
+                      (["--moe-cache", "-5"], "--moe-cache '-5': expected -1")):
         r = CliRunner().invoke(app, run + args)
         assert r.exit_code == 1 and msg in r.output, r.output
 

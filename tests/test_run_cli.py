@@ -132,13 +132,13 @@ def test_context_full_stops_generation_cleanly(code_moe_tiny):
     (["-p", ""], "prompt is empty"),
     (["-p", "x " * 40, "-c", "16"], "context is 16"),
     (["-p", "x", "--top-p", "1.5"], "--top-p"),
-    (["-p", "x", "-n", "-3"], "-n must be"),
-    (["-p", "x", "-c", "-1"], "-c must be"),
+    (["-p", "x", "-n", "-3"], "-n/--n-predict"),
+    (["-p", "x", "-c", "-1"], "-c/--ctx-size"),
     (["-p", "x", "-f", "whatever.txt"], "not both"),
 ])
 def test_run_bad_input_is_one_error_line(code_moe_tiny, args, message):
     r = runner.invoke(app, ["run", "-m", str(code_moe_tiny)] + args)
-    assert r.exit_code == 1, r.output
+    assert r.exit_code in (1, 2), r.output  # 2: a range Click checked while parsing (tests/test_cli_flags.py)
     assert "error:" in r.output and message in r.output
 
 
