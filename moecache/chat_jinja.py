@@ -9,16 +9,22 @@ so that a hostile template ends with :class:`moecache.errors.ChatTemplateError` 
   never folds intercepted operators) and checked before they run: an integer result of at most
   :data:`MAX_INT_BITS` bits, a string or sequence of at most :data:`MAX_SIZE` items, no format
   width or precision of 6+ digits;
-- **bounded calls and filters**: integer arguments at most :data:`MAX_INT_ARG` in magnitude,
-  ``replace``/``join`` checked for their result size first, every result at most :data:`MAX_SIZE`;
+- **bounded calls and filters**: the integer arguments that size a result (``range``, widths and
+  counts: ``center ljust rjust zfill expandtabs``, the filters in :data:`SIZING_FILTERS`, ``%``
+  with a ``*`` width) at most :data:`MAX_INT_ARG` in magnitude, other integers (``"%d" % 128000``)
+  free; ``replace``/``join`` checked for their result size first, ``wordwrap``/``urlize`` (whose
+  run time grows with the square of a long word) given at most :data:`MAX_SLOW_INPUT` characters,
+  every result at most :data:`MAX_SIZE`;
   ``~`` (concatenation) and captured blocks (``{% set %}...``, macros) at most :data:`MAX_SIZE`;
 - **bounded work**: every ``for`` loop and call counts a step (at most :data:`MAX_STEPS` per
   render) and checks the deadline (``time_limit`` seconds; compiling included);
 - **bounded output**: the template is rendered as a stream, cut at :data:`MAX_OUTPUT` characters;
-- **bounded memory** (Linux): while compiling or rendering, the address-space limit
-  (``RLIMIT_AS``) is lowered to the current size plus :data:`MEMORY_HEADROOM`, so any other
-  runaway allocation fails as ``MemoryError`` instead of growing until the OOM killer (the limit
-  is process-wide: chat renders between generations, while no other thread allocates).
+- **bounded source**: at most :data:`MAX_SOURCE` characters of template text are compiled;
+- **bounded memory** (Linux): while compiling or rendering in a process with no other Python
+  thread, the address-space limit (``RLIMIT_AS``) is lowered to the current size plus
+  :data:`MEMORY_HEADROOM`, so any other runaway allocation fails as ``MemoryError`` instead of
+  growing until the OOM killer. The limit is process-wide, so with other threads running (a
+  server, the expert cache's workers) it is not set, and the limits above bound the work alone.
 
 The environment is that of transformers' ``apply_chat_template`` (``trim_blocks``,
 ``lstrip_blocks``, ``loopcontrols``, a ``tojson`` filter keeping non-ASCII text, a
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -52,6 +59,10 @@ MAX_STEPS = 1_000_000       # loop iterations plus calls, per render
 MAX_OUTPUT = 32 << 20       # characters of rendered text
 MEMORY_HEADROOM = 512 << 20  # bytes of address space a compile or render may add
 TIME_LIMIT = 5.0            # seconds per compile or render
+MAX_SOURCE = 256 << 10      # characters of template text (real templates: a few KiB to ~20 KiB)
+MAX_SLOW_INPUT = 100_000    # characters given to wordwrap/urlize
+SIZING_FILTERS = frozenset(["center", "indent", "wordwrap", "truncate", "batch", "slice", "filesizeformat"])
+SIZING_METHODS = frozenset(["center", "ljust", "rjust", "zfill", "expandtabs"])
 
 _BIG_FORMAT_NUMBER = re.compile(r"\d{6,}")
 
@@ -72,8 +83,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False,
+            separators: Any = None) -> str:
+    seps = tuple(separators) if isinstance(separators, (list, tuple)) and len(separators) == 2 else None
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=seps)
 
 
 class GenerationTag(Extension):
@@ -146,7 +159,10 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         """Start the deadline and the step count; lower the address-space limit meanwhile."""
         self._deadline, self._steps = time.monotonic() + self.time_limit, 0
         try:
-            with _memory_limit(MEMORY_HEADROOM):
+            if threading.active_count() == 1:  # process-wide: never under another thread's feet
+                with _memory_limit(MEMORY_HEADROOM):
+                    yield
+            else:
                 yield
         finally:
             self._deadline = float("inf")
@@ -210,7 +226,8 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
                 raise LimitExceeded(f"+ made {_size(left) + _size(right)} items (limit {MAX_SIZE})")
         elif operator == "%" and isinstance(left, str):
             _check_format(left, "%")
-            _check_int_args(right if isinstance(right, tuple) else [right], "%")
+            if "*" in left:  # a width or precision taken from the arguments
+                _check_int_args(right if isinstance(right, tuple) else [right], "%")
         return _check_size(super().call_binop(context, operator, left, right), operator)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
@@ -218,7 +235,8 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         target = getattr(__obj, "__wrapped__", __obj)
         owner, name = getattr(target, "__self__", None), getattr(target, "__name__", "")
         what = f"{type(owner).__name__}.{name}" if isinstance(owner, str) else (name or "a call")
-        _check_int_args([*args, *kwargs.values()], what)
+        if target is range or (isinstance(owner, str) and name in SIZING_METHODS):
+            _check_int_args([*args, *kwargs.values()], what)
         if isinstance(owner, str):
             if name in ("format", "format_map"):
                 _check_format(owner, what)
@@ -246,7 +264,10 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
             env.step()
             values = [a for a in args if not isinstance(a, (jinja2.nodes.EvalContext, jinja2.runtime.Context,
                                                             jinja2.Environment))]
-            _check_int_args([*values[1:], *kwargs.values()], f"filter {name}")
+            if name in SIZING_FILTERS:
+                _check_int_args([*values[1:], *kwargs.values()], f"filter {name}")
+            if name in ("wordwrap", "urlize") and values and _size(values[0]) > MAX_SLOW_INPUT:
+                raise LimitExceeded(f"filter {name} given {_size(values[0])} characters (limit {MAX_SLOW_INPUT})")
             if name == "format" and values:
                 _check_format(values[0], "filter format")
             elif name == "replace" and len(values) >= 3:
@@ -313,6 +334,8 @@ class CompiledTemplate:
     def __init__(self, source: str, name: str, time_limit: float = TIME_LIMIT):
         self.name = name
         self.env = LimitedEnvironment(time_limit)
+        if len(source) > MAX_SOURCE:
+            raise self._breach(LimitExceeded(f"{len(source)} characters of template text (limit {MAX_SOURCE})"))
         try:
             with self.env.limits():
                 self.template = self.env.from_string(source)
@@ -320,6 +343,8 @@ class CompiledTemplate:
             raise ValueError(f"chat template ({name}) does not compile: line {e.lineno}: {e.message}") from None
         except (LimitExceeded, MemoryError, RecursionError) as e:
             raise self._breach(e) from None
+        except Exception as e:  # noqa: BLE001 - e.g. Python's SyntaxError on 21 nested loops
+            raise ValueError(f"chat template ({name}) does not compile: {type(e).__name__}: {e}") from None
 
     def _breach(self, e: BaseException) -> ChatTemplateError:
         why = "it needs too much memory" if isinstance(e, MemoryError) else \
