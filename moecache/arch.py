@@ -38,7 +38,7 @@ class ModelConfig:
     n_head: int                # {arch}.attention.head_count
     n_head_kv: int             # {arch}.attention.head_count_kv (default n_head)
     head_dim: int              # {arch}.attention.key_length (default n_embd // n_head)
-    head_dim_v: int            # {arch}.attention.value_length (default head_dim)
+    head_dim_v: int            # {arch}.attention.value_length (default n_embd // n_head, as llama.cpp)
     n_ff: int                  # {arch}.feed_forward_length (dense FFN width; 0 if absent)
     n_expert: int              # {arch}.expert_count (0: dense model)
     n_expert_used: int         # {arch}.expert_used_count (top-k)
@@ -309,7 +309,7 @@ def config_from_metadata(md: Mapping[str, Any], n_vocab: int) -> ModelConfig:
     cfg = ModelConfig(
         arch=arch, n_layer=i("block_count"), n_embd=n_embd, n_head=n_head,
         n_head_kv=i("attention.head_count_kv", n_head), head_dim=head_dim,
-        head_dim_v=i("attention.value_length", head_dim), n_ff=n_ff,
+        head_dim_v=i("attention.value_length", n_embd // n_head), n_ff=n_ff,
         n_expert=n_expert, n_expert_used=n_used, expert_ff=expert_ff,
         shared_expert_ff=shared_ff, n_expert_shared=i("expert_shared_count", 1 if shared_ff else 0),
         context_length=i("context_length"), n_vocab=i("vocab_size", n_vocab),

@@ -509,3 +509,19 @@ def test_corrupt_key_is_named_in_one_short_line(tmp_path, tiny):
     long_len = (10**6).to_bytes(8, "little")  # a key "length" that swallows the token list
     msg = raises(GGUFError, patched(tmp_path, tiny[0], 24, long_len))
     assert len(msg) < 300
+
+
+def test_value_length_defaults_to_n_embd_over_n_head_as_llama_cpp():
+    """llama.cpp (llama-model.cpp, load_hparams) defaults both attention.key_length and
+    attention.value_length to n_embd / n_head, each on its own: a file giving key_length alone keeps
+    value heads of n_embd / n_head (an earlier version took key_length for both)."""
+    from moecache.arch import config_from_metadata
+
+    md = {"general.architecture": "qwen3", "qwen3.block_count": 2, "qwen3.context_length": 128,
+          "qwen3.embedding_length": 64, "qwen3.feed_forward_length": 96, "qwen3.attention.head_count": 4,
+          "qwen3.attention.head_count_kv": 2, "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+          "qwen3.attention.key_length": 32}
+    c = config_from_metadata(md, N_VOCAB)
+    assert c.head_dim == 32 and c.head_dim_v == 16
+    md["qwen3.attention.value_length"] = 8
+    assert config_from_metadata(md, N_VOCAB).head_dim_v == 8
