@@ -38,6 +38,7 @@ Log = Callable[[str], None]
 
 KV_TYPES = {"f32": np.float32, "f16": np.float16}  # -ctk/-ctv values -> KV cache element type
 KV_RAM_FRACTION = 0.9  # the KV cache's host part may take at most this share of the available RAM
+MIN_AUTO_CTX = 256  # without -c, a trained context that does not fit is lowered, but not below this
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,10 @@ class Engine:
     def _check_kv_memory(self) -> None:
         """The KV cache's host part (layers on a CPU backend) against the available RAM, before it
         is allocated: a file's trained context (``{arch}.context_length``, the default ``-c``) or a
-        large ``-c`` can ask for terabytes. Raises InsufficientMemoryError saying which ``-c``
-        fits (at most ``KV_RAM_FRACTION`` of the available RAM, ``psutil``)."""
+        large ``-c`` can ask for terabytes. At most ``KV_RAM_FRACTION`` of the available RAM
+        (``psutil``) may go to it. Without ``-c`` the context is lowered to the largest power of two
+        that fits, with a note (llama.cpp users get the trained context when it fits); with ``-c``
+        InsufficientMemoryError says which ``-c`` fits."""
         c = self.gguf.config
         itemsize = np.dtype(KV_TYPES[self.config.cache_type]).itemsize
         host_layers = sum(1 for be in self.model.layer_be if getattr(be, "xp", np) is np)
@@ -229,6 +232,13 @@ class Engine:
             return
         fit = int(KV_RAM_FRACTION * avail // max(1, per_token))
         fit = 1 << (fit.bit_length() - 1) if fit >= 1 else 0  # a round number: the largest power of two
+        if not self.config.n_ctx and fit >= MIN_AUTO_CTX:
+            self.log(f"note: the model's trained context ({c.arch}.context_length = {self.n_ctx}) needs "
+                     f"{need / 2**30:.1f} GiB of KV cache in RAM, {avail / 2**30:.1f} GiB is available: "
+                     f"context lowered to {fit} tokens (-c sets it)")
+            self.n_ctx = fit
+            self.n_ubatch = min(self.n_ubatch, fit)
+            return
         src = f"-c {self.config.n_ctx}" if self.config.n_ctx else f"the model's trained context, {c.arch}.context_length"
         hint = f"pass -c {fit} or less" if fit >= 1 else "even one token does not fit"
         raise InsufficientMemoryError(

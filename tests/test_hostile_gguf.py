@@ -277,17 +277,39 @@ def test_many_small_inner_arrays_stay_fast(tiny, tmp_path):
 # ---- the KV cache against RAM ---------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("command,extra,from_file", [
-    ("run", (), True),                           # the trained context is the default -c
-    ("run", ("-c", str(2**30)), False),          # -c itself is capped at 2^31 - 1 (int32) by its range
-    ("perplexity", ("-c", str(2**30)), False),   # a later -c wins over _cli_args' -c 16
-    ("bench", ("-c", str(2**30)), False),
+@pytest.mark.parametrize("command,extra", [
+    ("run", ("-c", str(2**30))),          # -c itself is capped at 2^31 - 1 (int32) by its range
+    ("perplexity", ("-c", str(2**30))),   # a later -c wins over _cli_args' -c 16
+    ("bench", ("-c", str(2**30))),
 ])
-def test_kv_cache_checked_against_ram(tiny, text, tmp_path, command, extra, from_file):
-    model = Crafted.load(tiny).set(f"{A}.context_length", 2**31).write(tmp_path / "ctx.gguf") if from_file else tiny
-    line = assert_one_error(_cli_args(command, model, text, *extra), "KV cache of", "GiB of RAM", "pass -c")
-    if from_file:
-        assert f"{A}.context_length" in line
+def test_kv_cache_of_an_explicit_c_checked_against_ram(tiny, text, command, extra):
+    assert_one_error(_cli_args(command, tiny, text, *extra), "KV cache of", "GiB of RAM", "pass -c")
+
+
+@pytest.mark.timeout(300)
+def test_trained_context_past_the_ram_is_lowered_with_a_note(tiny, tmp_path):
+    """Without -c the context is the file's {arch}.context_length (2^31 here: 1 TiB of KV cache):
+    it is lowered to the largest power of two that fits the available RAM, said in one note, and
+    the run goes on (the KV cache is committed lazily: small RSS). Not under run_cli's address-space
+    limit, which is smaller than the RAM the note sizes the context by."""
+    model = Crafted.load(tiny).set(f"{A}.context_length", 2**31).write(tmp_path / "ctx.gguf")
+    code = ("import resource, sys, runpy\nsys.argv = ['moecache'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_module('cli.main', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+            "else:\n    code = 0\nprint('maxrss_kb=%d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+            "sys.exit(code)\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NUMBA_NUM_THREADS="2")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code, *_cli_args("run", model)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+    wall = time.perf_counter() - t0
+    print(p.stderr)
+    assert p.returncode == 0 and "Traceback" not in p.stderr
+    notes = [ln for ln in p.stderr.splitlines() if "context lowered to" in ln]
+    assert len(notes) == 1 and f"{A}.context_length = {2**31}" in notes[0]
+    n = int(notes[0].split("context lowered to ")[1].split()[0])
+    assert 256 <= n < 2**31 and n & (n - 1) == 0
+    rss = int(p.stderr.rstrip().splitlines()[-1].split("=")[1]) * 1024
+    assert rss < RSS_LIMIT and wall < 60
 
 
 def test_memory_error_is_one_line(monkeypatch, tiny):
