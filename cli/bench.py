@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import sys
 from pathlib import Path
 
@@ -12,6 +14,24 @@ from cli.common import CacheOptions, UserError, load_engine, note, resolve_model
 INT32_MAX = 2**31 - 1
 LIST_RANGES = {"-p": 0, "-n": 0, "-pg": 0, "-d": 0, "-t": 0, "-b": 1, "-ub": 1, "-ngl": -1, "--n-cpu-moe": 0,
                "--moe-cache-window": 1}
+
+
+def moe_cache_list(text: str | None) -> list[int]:
+    """``--moe-cache`` values of a bench: sizes (``8GiB,12GiB``), -1, 0, or llama-bench ranges of
+    MiB (``1024-4096+1024``) -> MiB per GPU (-1 fill, 0 off)."""
+    from cli.flags import parse_moe_cache
+    from moecache.benchmark import parse_list
+
+    out: list[int] = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if re.fullmatch(r"\d+-\d+([+*]\d+)?", item):  # a range of MiB, as llama-bench writes ranges
+            out += [parse_moe_cache(str(v)) for v in parse_list(item, "--moe-cache")]
+        else:
+            out.append(parse_moe_cache(item))
+    return out
 
 
 def checked_list(text: str | None, flag: str) -> list[int]:
@@ -32,7 +52,7 @@ def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str 
                   threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
                   vram_budget: str | None, window: str | None, routing: str | None, n_gen_warmup: int, warmup: bool,
                   load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f16") -> None:
-    from cli.flags import parse_moe_cache, parse_size
+    from cli.flags import parse_size
     from moecache.benchmark import BenchParams, bench, expand, make_tests, render
     from moecache.placement import PlacementOptions
     from moecache.probe import UserFlags
@@ -57,7 +77,7 @@ def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str 
     lists = {"model": models, "n_batch": checked_list(batch, "-b"), "n_ubatch": checked_list(ubatch, "-ub"),
              "n_threads": checked_list(threads, "-t") or [0], "n_gpu_layers": checked_list(ngl, "-ngl"),
              "n_cpu_moe": checked_list(n_cpu_moe, "--n-cpu-moe"),
-             "moe_cache": [parse_moe_cache(v) for v in (moe_cache or "").split(",") if v.strip()] or [None],
+             "moe_cache": moe_cache_list(moe_cache) or [None],
              "vram_budget": [parse_size(v, "--vram-budget") for v in (vram_budget or "").split(",") if v.strip()]
              or [0],
              "moe_cache_window": checked_list(window, "--moe-cache-window") or [None],

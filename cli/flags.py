@@ -170,6 +170,7 @@ def minus_one_or_at_least(lo: int, meaning: str):
 _UNITS = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 SIZE_HELP = "a size: 8GiB, 12GB, 12000MiB, 512M (MiB when no unit is given)"
+UNITLESS_MIB_MAX = 1 << 20  # MiB: a plain number at least this large (1 TiB) is taken for a byte count and refused
 
 
 def parse_size(text: str | None, flag: str) -> int:
@@ -190,6 +191,9 @@ def parse_size(text: str | None, flag: str) -> int:
         value = float("nan")
     if scale is None or not math.isfinite(value) or value < 0 or value * scale >= 2**63:
         raise ValueError(f"{flag} {text!r}: expected {SIZE_HELP}")
+    if not unit and value >= UNITLESS_MIB_MAX:  # a byte count written as before 0.1 (8589934592 = 8 PiB now)
+        raise ValueError(f"{flag} {text!r}: a number without a unit is MiB, and {value:g} MiB is over "
+                         f"{UNITLESS_MIB_MAX >> 10} GiB: give a unit ({SIZE_HELP}; plain numbers meant bytes before)")
     return int(value * scale)
 
 

@@ -13,7 +13,7 @@ role, a generation prompt); the few with state across messages are functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Turns = Sequence[tuple[str, str]]
 Renderer = Callable[[Turns, bool], str]

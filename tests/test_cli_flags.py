@@ -425,3 +425,26 @@ def test_info_and_bench_default_to_the_demo_model(gemma3_270m):
     r = runner.invoke(app, ["bench", "-p", "0", "-n", "1", "-r", "1", "-o", "json"])
     assert r.exit_code == 0, r.output
     assert Path(json.loads(r.stdout)[0]["model_filename"]).resolve() == Path(gemma3_270m).resolve()
+
+
+@pytest.mark.parametrize("flag", ["--vram-budget", "--moe-cache"])
+def test_a_byte_count_without_a_unit_is_refused_not_read_as_mib(flag):
+    """Before 0.1 a plain --vram-budget was bytes; now it is MiB. A byte count typed the old way
+    (8589934592) would be 8 PiB, silently no budget: it is refused with a line naming the unit."""
+    from cli.flags import parse_moe_cache, parse_size
+
+    parse = parse_size if flag == "--vram-budget" else parse_moe_cache
+    with pytest.raises(ValueError, match="give a unit|expected"):
+        parse("8589934592", flag)
+    assert parse_size("8192", flag) == 8 << 30 and parse_size("8GiB", flag) == 8 << 30
+
+
+def test_bench_moe_cache_takes_ranges_and_sizes():
+    """--moe-cache in bench: llama-bench ranges of MiB, sizes, -1 and 0 (sweeping the cache size is
+    this flag's use in bench)."""
+    from cli.bench import moe_cache_list
+
+    assert moe_cache_list("1024-4096+1024") == [1024, 2048, 3072, 4096]
+    assert moe_cache_list("512-2048*2,8GiB,-1,0") == [512, 1024, 2048, 8192, -1, 0]
+    with pytest.raises(ValueError):
+        moe_cache_list("12XB")

@@ -14,7 +14,6 @@ Each kind is tried with several commands (info, run, perplexity, bench) and, in-
 from __future__ import annotations
 
 import os
-import resource
 import struct
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gguf_craft import ARRAY, FLOAT32, STRING, UINT8, UINT32, UINT64, Crafted, array_head, nested_array
-from moecache.errors import GGUFError, MoecacheError, NonFiniteError
+from moecache.errors import GGUFError, NonFiniteError
 from moecache.gguf_file import MAX_ARRAY_DEPTH, open_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
