@@ -102,3 +102,12 @@ def test_the_twin_reproduces_the_race_without_the_wait():
 def test_ring_rejects_no_buffers():
     with pytest.raises(ValueError, match="n_buffers"):
         StagingRing(lambda n: np.empty(n, np.uint8), n_buffers=0)
+
+
+def test_buffers_grow_by_powers_of_two():
+    sizes = []
+    ring = StagingRing(lambda n: sizes.append(n) or np.empty(n, np.uint8), n_buffers=1)
+    for n in (1, 3, 1000, 1024, 1025, 5000):
+        i, view = ring.take(n)
+        assert view.size == n
+    assert sizes == [1, 4, 1024, 2048, 8192]

@@ -64,7 +64,9 @@ class StagingRing:
             self._events[i] = None
         buf = self._bufs[i]
         if buf is None or buf.size < nbytes:
-            buf = self._bufs[i] = self._alloc(max(int(nbytes), 1))
+            # a power of two: a pinned memory pool keeps every size it gave out, so growing by
+            # doubling holds less than twice the largest buffer, not the sum of every size reached
+            buf = self._bufs[i] = self._alloc(1 << max(int(nbytes) - 1, 0).bit_length())
         return i, buf[:nbytes]
 
     def submitted(self, i: int, event: CopyEvent) -> None:
