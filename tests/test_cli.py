@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from moecache.cli.main import app
 
 runner = CliRunner()
 
@@ -31,7 +31,7 @@ def test_unbuilt_commands_say_so_and_exit_2(cmd):
 def test_info_on_bad_files_is_one_line_exit_1(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)
-    r = subprocess.run([sys.executable, "-m", "cli.main", "info", "-m", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "info", "-m", str(bad)],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 1
     assert "Traceback" not in r.stderr

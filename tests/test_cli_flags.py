@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from moecache.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -112,7 +112,7 @@ def test_boundary_values_pass_parsing():
 
 
 def test_real_entry_point_prints_one_line_and_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "perplexity", "--chunks", "0"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "perplexity", "--chunks", "0"], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert _lines(r.stderr) == [_lines(r.stderr)[0]] and r.stderr.startswith("error: --chunks")
@@ -151,7 +151,7 @@ def test_bench_bad_list_syntax_and_sizes(tiny):
 
 # ---- sizes -------------------------------------------------------------------------------------------
 def test_sizes_in_moe_cache_and_vram_budget():
-    from cli.flags import parse_moe_cache, parse_size
+    from moecache.cli.flags import parse_moe_cache, parse_size
 
     assert parse_size("8GiB", "--vram-budget") == 8 << 30
     assert parse_size("12GB", "--vram-budget") == 12 * 10**9
@@ -188,7 +188,7 @@ def test_moe_cache_takes_a_size_on_every_command(tiny):
 
 # ---- -ctk / -ctv ---------------------------------------------------------------------------------------------
 def test_one_kv_type_flag_sets_both(tiny):
-    from cli.flags import kv_cache_type
+    from moecache.cli.flags import kv_cache_type
 
     assert kv_cache_type(None, None) == "f16"
     assert kv_cache_type("f32", None) == kv_cache_type(None, "F32") == kv_cache_type("f32", "f32") == "f32"
@@ -320,7 +320,7 @@ def test_ignored_flag_notes_on_a_gpu_run():
     the placement) are in effect."""
     from types import SimpleNamespace
 
-    from cli.common import CacheOptions, ineffective_flag_notes
+    from moecache.cli.common import CacheOptions, ineffective_flag_notes
     from moecache.placement import PlacementOptions
 
     def eng(caches, moe=True):
@@ -340,7 +340,7 @@ def test_ignored_flag_notes_on_a_gpu_run():
 
 # ---- CPU kernels: a status line while they compile, compile time outside the speeds ----------------------------
 def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
-    from cli.common import cpu_kernel_names, uncompiled_kernels
+    from moecache.cli.common import cpu_kernel_names, uncompiled_kernels
     from moecache.quants import _numba_setup
 
     names = cpu_kernel_names(tiny)
@@ -358,13 +358,13 @@ def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
 
 
 def test_compile_status_line_before_the_load_and_none_when_cached(tiny, monkeypatch):
-    import cli.common
+    import moecache.cli.common
 
     r = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])  # compiles if needed
     assert r.exit_code == 0, r.output
     again = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])
     assert again.exit_code == 0 and "compiling" not in again.output  # cached now: no false alarm
-    monkeypatch.setattr(cli.common, "uncompiled_kernels", lambda names: {"matmul_q8_0"})
+    monkeypatch.setattr(moecache.cli.common, "uncompiled_kernels", lambda names: {"matmul_q8_0"})
     cold = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])
     assert cold.exit_code == 0, cold.output
     lines = cold.output.splitlines()
@@ -386,7 +386,7 @@ def test_prompt_kernels_are_loaded_before_anything_is_timed(tmp_path):
     write_model(path, PRESETS["tiny-qwen2moe"], seed=1)
     code = (
         "import sys\nfrom pathlib import Path\n"
-        "from cli.common import load_engine\nfrom moecache.placement import PlacementOptions\n"
+        "from moecache.cli.common import load_engine\nfrom moecache.placement import PlacementOptions\n"
         "from moecache.probe import UserFlags\nfrom moecache.quants import cpu\nfrom gguf import GGMLQuantizationType as T\n"
         "eng = load_engine(Path(sys.argv[1]), UserFlags('run'), 2048, PlacementOptions(n_gpu_layers=0), None)\n"
         "print(bool(cpu._dequant_kernel(int(T.Q5_0)).signatures), eng.n_past, eng.n_ubatch)\n")

@@ -124,7 +124,7 @@ def test_pin_refuses_before_allocating(tmp_path, monkeypatch):
 def test_cli_probe_pcie_without_gpu_prints_host_and_exits_0():
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
 
     r = CliRunner().invoke(app, ["probe-pcie", "--json", "--size", "8", "--reps", "1"])
     assert r.exit_code == 0, r.output
@@ -139,7 +139,7 @@ def test_cli_probe_pcie_without_gpu_prints_host_and_exits_0():
 def test_run_prints_the_resolved_settings(tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
     from moecache.testing.synth import PRESETS, write_model
 
     path = tmp_path / "tiny.gguf"

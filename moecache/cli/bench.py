@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cli.common import CacheOptions, UserError, load_engine, note, resolve_model
+from moecache.cli.common import CacheOptions, UserError, load_engine, note, resolve_model
 
 
 # each list flag's field, its valid range (int32 like llama-bench's), and its meaning when not given
@@ -32,7 +32,7 @@ def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str 
                   threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
                   vram_budget: str | None, window: str | None, routing: str | None, n_gen_warmup: int, warmup: bool,
                   load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f16") -> None:
-    from cli.flags import parse_moe_cache, parse_size
+    from moecache.cli.flags import parse_moe_cache, parse_size
     from moecache.benchmark import BenchParams, bench, expand, make_tests, render
     from moecache.placement import PlacementOptions
     from moecache.probe import UserFlags

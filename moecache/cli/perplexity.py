@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model
+from moecache.cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model
 
 
 def perplexity_command(model: Path | None, file: Path, n_ctx: int, flags, n_batch: int, n_chunks: int,

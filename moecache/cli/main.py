@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.flags import (INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least,
+from moecache.cli.flags import (INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least,
                        kv_cache_type as _kv_type, parse_moe_cache, parse_size, version_option)
 from moecache.threads import short_openmp_spin
 
@@ -97,8 +97,8 @@ DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache d
 
 
 def kv_cache_type(ctk: str | None, ctv: str | None) -> str:
-    """``-ctk``/``-ctv`` -> the KV cache type (cli.flags.kv_cache_type); UserError when they differ."""
-    from cli.common import UserError
+    """``-ctk``/``-ctv`` -> the KV cache type (moecache.cli.flags.kv_cache_type); UserError when they differ."""
+    from moecache.cli.common import UserError
 
     try:
         return _kv_type(ctk, ctv)
@@ -143,7 +143,7 @@ EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Pro
 
 def _user_errors(fn, *args) -> None:
     """Run a command body; user and model errors become one `error:` line and exit 1."""
-    from cli.common import UserError
+    from moecache.cli.common import UserError
     from moecache.errors import MoecacheError
 
     try:
@@ -214,8 +214,8 @@ def run(
 ) -> None:
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
-        from cli.common import CacheOptions
-        from cli.run import RunOptions, run_command
+        from moecache.cli.common import CacheOptions
+        from moecache.cli.run import RunOptions, run_command
         from moecache.probe import UserFlags
         from moecache.sampling import DEFAULT_SEED, SamplingParams
 
@@ -263,8 +263,8 @@ def perplexity(
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
     def body() -> None:
-        from cli.common import CacheOptions, UserError
-        from cli.perplexity import perplexity_command
+        from moecache.cli.common import CacheOptions, UserError
+        from moecache.cli.perplexity import perplexity_command
         from moecache.probe import UserFlags
 
         if file is None:
@@ -319,7 +319,7 @@ def bench(
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
     with the expert cache's parameters."""
     def body() -> None:
-        from cli.bench import bench_command
+        from moecache.cli.bench import bench_command
 
         bench_command(model, n_prompt, n_gen, pg, depth, reps, threads, batch_size, ubatch_size, ngl, n_cpu_moe,
                       moe_cache, vram_budget, moe_cache_window, routing, n_gen_warmup, not no_warmup, load_mode, output,
@@ -336,7 +336,7 @@ def probe_pcie(
 ) -> None:
     """Measure GPU links (PCIe generation/width, copy bandwidths), VRAM, host RAM bandwidth and cores."""
     def body() -> None:
-        from cli.probe import probe_command
+        from moecache.cli.probe import probe_command
 
         probe_command(as_json, size, reps)
     _user_errors(body)
@@ -356,8 +356,8 @@ def info(
 ) -> None:
     """Validate a GGUF and print its architecture, hyperparameters and tensor summary."""
     def body() -> None:
-        from cli.common import resolve_model
-        from cli.info import show_info
+        from moecache.cli.common import resolve_model
+        from moecache.cli.info import show_info
 
         show_info(resolve_model(model), tensors)
     _user_errors(body)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model, timing_lines
+from moecache.cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model, timing_lines
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,13 @@ class RunOptions:
     escape: bool = True
     special: bool = False
     verbose: bool = False
-    cache: Any = None  # cli.common.CacheOptions
+    cache: Any = None  # moecache.cli.common.CacheOptions
     display_prompt: bool = True  # -p/-f: echo the prompt before the generated text, as llama-cli does
 
 
 def read_prompt(opts: RunOptions) -> str | None:
     """``-p`` or the contents of ``-f`` (not both), as llama.cpp reads them (see
-    :func:`cli.common.read_text_arg`); None when neither is given."""
+    :func:`moecache.cli.common.read_text_arg`); None when neither is given."""
     if opts.prompt is not None and opts.file is not None:
         raise UserError("give -p PROMPT or -f FILE, not both")
     if opts.prompt is None and opts.file is None:

@@ -96,7 +96,7 @@ def version_text() -> str:
         v = version("moecache")
     except Exception:  # noqa: BLE001 - not installed (run from a checkout)
         v = "unknown"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout (moecache/cli/flags.py)
     commit = ""
     if (root / ".git").exists():
         try:
