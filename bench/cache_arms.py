@@ -125,7 +125,7 @@ def render(rows: list[dict], model_name: str, argv: str) -> str:
 
 
 def main() -> None:
-    from moecache.cli.main import parse_size
+    from moecache.sizes import parse_size
     import numpy as np
 
     from moecache.devices import gpu_free_bytes

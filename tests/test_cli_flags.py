@@ -320,27 +320,27 @@ def test_ignored_flag_notes_on_a_gpu_run():
     the placement) are in effect."""
     from types import SimpleNamespace
 
-    from moecache.cli.common import CacheOptions, ineffective_flag_notes
-    from moecache.placement import PlacementOptions
+    from moecache.llm import ineffective_flag_notes
+    from moecache.settings import Settings
 
     def eng(caches, moe=True):
         pl = SimpleNamespace(devices=[0], summary=lambda: "48/48 layers on GPU 0")
         return SimpleNamespace(placement=pl, caches=caches, gguf=SimpleNamespace(
             config=SimpleNamespace(is_moe=moe), path=Path("m.gguf")))
-    opts = PlacementOptions(moe_cache=4096, vram_budget=8 << 30)
-    stats = CacheOptions(window=8, stats_every=4)
-    assert ineffective_flag_notes(eng(["cache"]), opts, stats) == []
-    (line,) = ineffective_flag_notes(eng([]), opts, stats)
+    opts = dict(moe_cache=4096, vram_budget=8 << 30)
+    stats = Settings(**opts, moe_cache_window=8, moe_cache_stats=4)
+    assert ineffective_flag_notes(eng(["cache"]), stats) == []
+    (line,) = ineffective_flag_notes(eng([]), stats)
     assert "--moe-cache, --moe-cache-window, --moe-cache-stats ignored: no expert cache" in line
     assert "--vram-budget" not in line and "48/48 layers" in line
-    assert ineffective_flag_notes(eng([]), PlacementOptions(moe_cache=0, vram_budget=8 << 30), CacheOptions()) == []
-    (line,) = ineffective_flag_notes(eng([], moe=False), opts, CacheOptions())
+    assert ineffective_flag_notes(eng([]), Settings(moe_cache=0, vram_budget=8 << 30)) == []
+    (line,) = ineffective_flag_notes(eng([], moe=False), Settings(**opts))
     assert "--moe-cache ignored: m.gguf is a dense model" in line  # the budget still bounds a dense model's layers
 
 
 # ---- CPU kernels: a status line while they compile, compile time outside the speeds ----------------------------
 def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
-    from moecache.cli.common import cpu_kernel_names, uncompiled_kernels
+    from moecache.cpu_kernels import cpu_kernel_names, uncompiled_kernels
     from moecache.quants import _numba_setup
 
     names = cpu_kernel_names(tiny)
@@ -358,13 +358,13 @@ def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
 
 
 def test_compile_status_line_before_the_load_and_none_when_cached(tiny, monkeypatch):
-    import moecache.cli.common
+    import moecache.cpu_kernels
 
     r = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])  # compiles if needed
     assert r.exit_code == 0, r.output
     again = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])
     assert again.exit_code == 0 and "compiling" not in again.output  # cached now: no false alarm
-    monkeypatch.setattr(moecache.cli.common, "uncompiled_kernels", lambda names: {"matmul_q8_0"})
+    monkeypatch.setattr(moecache.cpu_kernels, "uncompiled_kernels", lambda names: {"matmul_q8_0"})
     cold = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])
     assert cold.exit_code == 0, cold.output
     lines = cold.output.splitlines()
@@ -376,7 +376,7 @@ def test_compile_status_line_before_the_load_and_none_when_cached(tiny, monkeypa
 
 
 def test_prompt_kernels_are_loaded_before_anything_is_timed(tmp_path):
-    """In a fresh process (no kernel loaded yet), load_engine leaves the prompt path's dequantize
+    """In a fresh process (no kernel loaded yet), moecache.load leaves the prompt path's dequantize
     kernels loaded and the sequence empty: the first prompt's timing holds no compile or load.
     tiny-qwen2moe's attention is Q5_0, a type only the prompt path dequantizes (its embedding is
     F16), so the engine's one-token warm-up alone would not load it."""
@@ -386,9 +386,8 @@ def test_prompt_kernels_are_loaded_before_anything_is_timed(tmp_path):
     write_model(path, PRESETS["tiny-qwen2moe"], seed=1)
     code = (
         "import sys\nfrom pathlib import Path\n"
-        "from moecache.cli.common import load_engine\nfrom moecache.placement import PlacementOptions\n"
-        "from moecache.probe import UserFlags\nfrom moecache.quants import cpu\nfrom gguf import GGMLQuantizationType as T\n"
-        "eng = load_engine(Path(sys.argv[1]), UserFlags('run'), 2048, PlacementOptions(n_gpu_layers=0), None)\n"
+        "import moecache\nfrom moecache.quants import cpu\nfrom gguf import GGMLQuantizationType as T\n"
+        "eng = moecache.load(Path(sys.argv[1]), n_gpu_layers=0).engine\n"
         "print(bool(cpu._dequant_kernel(int(T.Q5_0)).signatures), eng.n_past, eng.n_ubatch)\n")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr
