@@ -29,7 +29,7 @@ from moecache.models.base import expert_weights
 from moecache.moe.cache import CachedExperts
 from moecache.moe.executor import placed_experts
 from moecache.moe.policy import CachePolicy, PolicyConfig
-from moecache.placement import Placement, PlacementOptions, model_sizes, plan
+from moecache.placement import CPU, Placement, PlacementOptions, model_sizes, plan
 from moecache.sampling import Sampler
 from moecache.settings import LOAD_MODES
 from moecache.tokenizer import Tokenizer
@@ -256,7 +256,7 @@ class Engine:
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl
-        bes = make_backends(pl.devices + [-1], self.log)
+        bes = make_backends(pl.devices + [CPU], self.log)
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,
