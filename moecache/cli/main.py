@@ -63,7 +63,8 @@ ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF mo
                                                   "Default: the gemma3-270m package's model (the demo extra).")]
 CtxOpt = Annotated[Optional[int], typer.Option("-c", "--ctx-size", min=0, max=INT32_MAX, help="Context size in tokens (0 = the model's "
                                                "trained context); default: resolved at startup (printed).")]
-BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, max=INT32_MAX, help="Logical batch size.")]
+BatchOpt = Annotated[Optional[int], typer.Option("-b", "--batch-size", min=1, max=INT32_MAX, help="Logical batch size "
+                                                 "(default 2048, raised to a larger resolved -ub).")]
 UBatchOpt = Annotated[Optional[int], typer.Option("-ub", "--ubatch-size", min=1, max=INT32_MAX, help="Physical batch size (tokens per "
                                                   "forward pass); default: resolved at startup (printed).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("-t", "--threads", min=0, max=INT32_MAX, help="CPU threads (0 = physical cores); "
@@ -139,7 +140,7 @@ def run(
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=-1, max=INT32_MAX, help="Tokens to generate (-1 = until end of generation).")] = -1,
     ctx_size: CtxOpt = None,
-    batch_size: BatchOpt = 2048,
+    batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
@@ -210,7 +211,7 @@ def perplexity(
     model: ModelOpt = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Text file to score.")] = None,
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=4, max=INT32_MAX, help="Chunk size in tokens.")] = 512,
-    batch_size: BatchOpt = 2048,
+    batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
