@@ -19,7 +19,7 @@ import psutil
 
 from moecache.errors import MoecacheError
 from moecache.gguf_file import GGUFModel
-from moecache.settings import GiB, LOAD_MODES, PIN_HEADROOM_BYTES, pin_fits  # noqa: F401 - LOAD_MODES: the modes
+from moecache.settings import GiB, PIN_HEADROOM_BYTES, pin_fits
 
 
 ALIGN = 64  # tensor starts in the pinned buffer (GGUF aligns to 32; kernels read words)

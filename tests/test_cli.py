@@ -52,3 +52,20 @@ def test_info_on_real_model(code_moe_tiny):
 def test_kv_cache_type_flags_are_checked(tmp_path, flags, msg):
     r = runner.invoke(app, ["run", "-m", str(tmp_path / "any.gguf"), "-p", "hi", *flags])
     assert r.exit_code == 1 and msg in r.output
+
+
+def test_the_cli_is_a_module_of_the_package():
+    """The console script runs moecache.cli.main:app (no top-level `cli` package is installed), and
+    importing the package or the CLI loads no heavy module (``--help`` stays instant)."""
+    import tomllib
+    from importlib.metadata import entry_points
+
+    root = Path(__file__).resolve().parents[1]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["moecache"] == "moecache.cli.main:app"
+    assert meta["tool"]["setuptools"]["packages"]["find"]["include"] == ["moecache*"]
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "moecache"]
+    assert ep.value == "moecache.cli.main:app" and ep.load() is app
+    code = "import sys, moecache.cli.main; print(sorted(m for m in ('numba', 'numpy', 'cupy') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -151,7 +151,7 @@ def test_bench_bad_list_syntax_and_sizes(tiny):
 
 # ---- sizes -------------------------------------------------------------------------------------------
 def test_sizes_in_moe_cache_and_vram_budget():
-    from moecache.cli.flags import parse_moe_cache, parse_size
+    from moecache.sizes import parse_moe_cache, parse_size
 
     assert parse_size("8GiB", "--vram-budget") == 8 << 30
     assert parse_size("12GB", "--vram-budget") == 12 * 10**9
@@ -188,7 +188,7 @@ def test_moe_cache_takes_a_size_on_every_command(tiny):
 
 # ---- -ctk / -ctv ---------------------------------------------------------------------------------------------
 def test_one_kv_type_flag_sets_both(tiny):
-    from moecache.cli.flags import kv_cache_type
+    from moecache.settings import kv_cache_type
 
     assert kv_cache_type(None, None) == "f16"
     assert kv_cache_type("f32", None) == kv_cache_type(None, "F32") == kv_cache_type("f32", "f32") == "f32"

@@ -1,5 +1,6 @@
-"""Flag types and checks shared by the commands: numeric ranges, sizes, the KV cache type, the
-one-line usage errors, ``--version``.
+"""Flag types and checks shared by the commands: numeric ranges, the one-line usage errors,
+``--version`` (sizes and the KV cache type are parsed by the library: :mod:`moecache.sizes`,
+:func:`moecache.settings.kv_cache_type`).
 
 Every bad value ends as one ``error: ...`` line naming the flag and what it accepts: Click's own
 range types where they say it clearly (exit 2, as Click's usage errors), :func:`moecache.sizes.parse_size` and
@@ -16,9 +17,6 @@ from pathlib import Path
 import typer
 import typer.core
 from typer.core import TyperGroup
-
-from moecache.settings import kv_cache_type  # noqa: F401 - the flags' names for the library's parsers
-from moecache.sizes import SIZE_HELP, parse_moe_cache, parse_size  # noqa: F401
 
 INT32_MAX = 2**31 - 1  # llama.cpp's flags are int32: larger values are refused, not wrapped
 SEED_MAX = 2**32 - 1
