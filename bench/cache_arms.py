@@ -72,7 +72,7 @@ def best_static(model: Path, n_ctx: int, budget: int, free: int, kv_itemsize: in
 
 
 def run_arm(model: Path, args: list[str], log: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "cli.main", "bench", "-m", str(model), "-o", "jsonl", *args]
+    cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", str(model), "-o", "jsonl", *args]
     with log.open("a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True, check=True).stdout
@@ -125,7 +125,7 @@ def render(rows: list[dict], model_name: str, argv: str) -> str:
 
 
 def main() -> None:
-    from cli.main import parse_size
+    from moecache.sizes import parse_size
     import numpy as np
 
     from moecache.devices import gpu_free_bytes

@@ -127,7 +127,7 @@ def decode_args(ap: argparse.ArgumentParser, routing: str, n: int) -> None:
 
 
 def main() -> None:
-    from cli.main import parse_size
+    from moecache.sizes import parse_size
     from moecache.engine import Engine, EngineConfig
     from moecache.benchmark import release_gpu_memory
     from moecache.moe.policy import PolicyConfig

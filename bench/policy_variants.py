@@ -53,7 +53,7 @@ class DebiasedPolicy(CachePolicy):
 
 
 def main() -> None:
-    from cli.main import parse_size
+    from moecache.sizes import parse_size
     from moecache.engine import Engine, EngineConfig
     from moecache.moe.policy import PolicyConfig
     from moecache.moe.routing_process import make_routing

@@ -21,7 +21,7 @@ def main() -> None:
     import cupy as cp
     from cupy.cuda.memory_hooks import LineProfileHook
 
-    from cli.main import parse_size
+    from moecache.sizes import parse_size
     from moecache.engine import Engine, EngineConfig
     from moecache.moe.routing_process import make_routing
     from moecache.placement import PlacementOptions

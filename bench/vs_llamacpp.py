@@ -109,7 +109,7 @@ def llama_cmd(bin_: str, model: str, case: Case, ncmoe: int | None, reps: int, t
 
 def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin") -> list[str]:
     """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM)."""
-    cmd = [sys.executable, "-m", "cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
+    cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
            "-t", str(threads), "-r", str(reps), "-o", "jsonl", *case.ours]
     if case.d:
         cmd += ["-d", str(case.d)]

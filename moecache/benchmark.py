@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from moecache.probe import cpu_model
+from moecache.settings import DEFAULT_WINDOW
 
 # llama-bench's result fields that moecache fills (same names, same meaning), then ours
 LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
@@ -37,7 +38,6 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "flash_attn", "tensor_split",
                       "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
                       "stddev_ns", "avg_ts", "stddev_ts")
-DEFAULT_WINDOW = 64  # --moe-cache-window when not given
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "hit_rate",
               "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts")
 

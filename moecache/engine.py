@@ -1,6 +1,6 @@
 """The engine: load a GGUF, evaluate tokens in ubatches, generate, and score perplexity.
 
-Used by the command-line tools (``cli/``); holds one sequence (one KV cache). Everything here is
+Used by the command-line tools (``moecache/cli/``) and the library entry point (``moecache.load``); holds one sequence (one KV cache). Everything here is
 backend-neutral: the model and KV cache live on the engine's backend (numpy on the CPU).
 """
 
@@ -29,8 +29,9 @@ from moecache.models.base import expert_weights
 from moecache.moe.cache import CachedExperts
 from moecache.moe.executor import placed_experts
 from moecache.moe.policy import CachePolicy, PolicyConfig
-from moecache.placement import Placement, PlacementOptions, model_sizes, plan
+from moecache.placement import CPU, Placement, PlacementOptions, model_sizes, plan
 from moecache.sampling import Sampler
+from moecache.settings import LOAD_MODES
 from moecache.tokenizer import Tokenizer
 
 Log = Callable[[str], None]
@@ -143,7 +144,8 @@ class Engine:
     """One loaded model, its tokenizer and one sequence's KV cache.
 
     Args:
-        path: GGUF file (first shard of a split model).
+        path: GGUF file (first shard of a split model), or one already opened (the engine then owns
+            it and closes it).
         config: settings; ValueError if impossible.
         log: where one-line notes go (resolved settings, fallbacks); default: discard.
         backend: one array backend for every layer (routed experts in host RAM); default: as
@@ -167,7 +169,7 @@ class Engine:
         NonFiniteError: NaN/inf in a norm weight, or in the warm-up token's logits.
     """
 
-    def __init__(self, path: str | Path, config: EngineConfig = EngineConfig(), log: Log | None = None,
+    def __init__(self, path: str | Path | GGUFModel, config: EngineConfig = EngineConfig(), log: Log | None = None,
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
                  policy_config: PolicyConfig | None = None, stage_misses: bool = False):
@@ -181,14 +183,14 @@ class Engine:
         numba.set_num_threads(n_threads)  # process-wide: the Numba pool is shared by every engine
         self.n_threads = n_threads
         t0 = time.perf_counter()
-        self.gguf: GGUFModel = open_gguf(path)
+        self.gguf: GGUFModel = path if isinstance(path, GGUFModel) else open_gguf(path)
         self.pinned = None
         self.caches: list[CachedExperts] = []
         self.policy_config = policy_config or PolicyConfig()
         self.stage_misses = stage_misses
         try:
-            if load_mode not in ("mmap", "pin"):
-                raise ValueError(f"load_mode must be mmap or pin, got {load_mode!r}")
+            if load_mode not in LOAD_MODES:
+                raise ValueError(f"load_mode must be {' or '.join(LOAD_MODES)}, got {load_mode!r}")
             self.load_mode = load_mode
             if load_mode == "pin":
                 self.pinned = pin_model(self.gguf, pin_progress)
@@ -264,7 +266,7 @@ class Engine:
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl
-        bes = make_backends(pl.devices + [-1], self.log)
+        bes = make_backends(pl.devices + [CPU], self.log)
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,

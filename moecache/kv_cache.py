@@ -72,18 +72,6 @@ class KVCache:
             raise ContextFullError(
                 f"context full: {self.n_past} positions used + {n_tokens} new > n_ctx {self.n_ctx} (raise -c)")
 
-    def store(self, il: int, pos0: int, k: Any, v: Any) -> None:
-        """Write the keys/values of positions ``pos0 .. pos0 + T - 1`` of layer ``il``.
-
-        ``k``: (T, n_head_kv, head_dim), ``v``: (T, n_head_kv, head_dim_v). Raises
-        ContextFullError if the positions pass ``n_ctx``.
-        """
-        t = k.shape[0]
-        if pos0 + t > self.n_ctx:
-            raise ContextFullError(f"context full: position {pos0 + t - 1} >= n_ctx {self.n_ctx}")
-        self.k[il][pos0:pos0 + t] = k
-        self.v[il][pos0:pos0 + t] = v
-
     def advance(self, n_tokens: int) -> None:
         """Mark ``n_tokens`` more positions as filled (after every layer stored them)."""
         self.check_room(n_tokens)

@@ -4,7 +4,7 @@
   copied at load; uploads to the GPU go through pageable memory or a staging buffer).
 - ``pin``: every tensor is copied once, at load, into page-locked (pinned) host memory, so expert
   uploads and prompt processing read by DMA. :func:`pin_model` refuses, before allocating anything,
-  a model that would not leave :data:`moecache.probe.PIN_HEADROOM_BYTES` (or 10% of RAM) free:
+  a model that would not leave :data:`moecache.settings.PIN_HEADROOM_BYTES` (or 10% of RAM) free:
   nothing here makes the machine swap.
 """
 
@@ -19,9 +19,7 @@ import psutil
 
 from moecache.errors import MoecacheError
 from moecache.gguf_file import GGUFModel
-from moecache.probe import GiB, PIN_HEADROOM_BYTES, pin_fits
-
-LOAD_MODES = ("auto", "mmap", "pin")
+from moecache.settings import GiB, PIN_HEADROOM_BYTES, pin_fits
 
 
 ALIGN = 64  # tensor starts in the pinned buffer (GGUF aligns to 32; kernels read words)

@@ -1,4 +1,4 @@
-"""What the machine offers (GPUs, links, RAM, cores), measured, and the defaults resolved from it.
+"""What the machine offers (GPUs, links, RAM, cores), measured.
 
 Two probes:
 
@@ -11,21 +11,7 @@ Two probes:
   system, plus each GPU's pinned host->device bandwidth measured once per boot on a small buffer and
   remembered in ``~/.cache/moecache/probe.json`` (keyed by the kernel's boot id): well under a second.
 
-:func:`resolve_defaults` is a pure function of (model facts, probe, user flags): the defaults a
-user did not set, each with its reason. The rules (for MoE models larger than the free VRAM of all
-GPUs; everything else keeps llama.cpp's defaults):
-
-- ``-ub`` 2048 / 1024 / 512 when the largest GPU has >= 20 GiB / >= 10 GiB / less free VRAM;
-- ``-c`` 32768 (at most the trained context), halved (not below 4096) while its KV cache would take
-  more than a quarter of the VRAM left after the dense weights and the reserve: the rest is the
-  expert cache's;
-- ``-t`` physical cores minus one per GPU (a core feeds each GPU);
-- routed experts in host RAM, the VRAM left after dense weights and KV cache as the expert budget;
-- prompt processing on the GPU with the fastest measured host link;
-- ``--load-mode auto``: pin when the model fits in available RAM with headroom and either its
-  routed experts go to host RAM (the expert cache reads decode misses zero-copy from page-locked
-  memory: ~8x the decode speed of computing them on the CPU, bench/results/cache-arms-h200.md) or
-  the command is ``serve``; otherwise map the file.
+The defaults resolved from a probe live in :mod:`moecache.settings` (:func:`moecache.settings.resolve`).
 """
 
 from __future__ import annotations
@@ -35,7 +21,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +30,6 @@ import psutil
 GiB = 1 << 30
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecache" / "probe.json"
 STARTUP_PROBE_BYTES = 64 << 20
-PIN_HEADROOM_BYTES = 4 * GiB  # RAM left free after pinning a whole model (or 10% of RAM if larger)
 
 
 @dataclass(frozen=True)
@@ -314,142 +299,3 @@ def startup_probe(cache_file: Path | None = None, with_gpus: bool = True) -> Pro
         except OSError:
             pass  # a read-only home only costs a re-measurement next time
     return Probe(host_info(), tuple(gpus), why)
-
-
-# ---- resolution -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the resolution needs to know about a model (bytes)."""
-
-    n_bytes: int
-    expert_bytes: int
-    context_length: int
-    kv_bytes_per_token: int = 0  # the KV cache of one position, all layers (K and V at -ctk/-ctv)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.expert_bytes > 0
-
-
-@dataclass(frozen=True)
-class UserFlags:
-    """The flags the user passed (None = not passed)."""
-
-    command: str = "run"
-    n_ubatch: int | None = None
-    n_ctx: int | None = None
-    n_threads: int | None = None
-    load_mode: str | None = None  # None and "auto" both mean: resolve
-    n_gpu_layers: int = -1  # -ngl 0: the GPUs are not used (resolved as if there were none)
-    vram_budget: int = 0  # --vram-budget: each GPU's free memory counts as at most this
-    cache_type: str = "f16"  # -ctk/-ctv: the KV cache's element type (f16 as llama.cpp, or f32)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """Resolved settings; ``reasons[name]`` says where each value came from.
-
-    Attributes:
-        n_ubatch, n_ctx, n_threads: ``-ub``, ``-c`` (0 = the trained context), ``-t``.
-        load_mode: "mmap" or "pin".
-        experts_in_ram: routed experts stay in host RAM (the model does not fit in VRAM).
-        prompt_gpu: the GPU prompt ubatches of host experts go to (fastest link), None without GPU.
-        big_moe: the automatic rules applied (a MoE model larger than the free VRAM of all GPUs).
-    """
-
-    n_ubatch: int
-    n_ctx: int
-    n_threads: int
-    load_mode: str
-    experts_in_ram: bool
-    prompt_gpu: int | None
-    big_moe: bool
-    reasons: dict[str, str] = field(default_factory=dict)
-
-
-def pin_fits(model_bytes: int, ram_available: int, ram_total: int) -> bool:
-    """Whether pinning the whole model leaves the headroom (PIN_HEADROOM_BYTES or 10% of RAM)."""
-    return model_bytes + max(PIN_HEADROOM_BYTES, ram_total // 10) <= ram_available
-
-
-def resolve_defaults(model: ModelFacts, probe: Probe, flags: UserFlags) -> Resolved:
-    """The settings a command runs with (see the module docstring for the rules).
-
-    Raises:
-        ValueError: ``--load-mode`` not one of mmap, pin, auto.
-    """
-    reasons: dict[str, str] = {}
-    gpus = () if flags.n_gpu_layers == 0 else probe.gpus
-    if flags.vram_budget:
-        from dataclasses import replace
-
-        gpus = tuple(replace(g, vram_free=min(g.vram_free, flags.vram_budget)) for g in gpus)
-    free_total = sum(g.vram_free for g in gpus)
-    big = bool(gpus) and model.is_moe and model.n_bytes > free_total
-    host = probe.host
-    # -ub
-    if flags.n_ubatch is not None:
-        ub, reasons["n_ubatch"] = flags.n_ubatch, "-ub given"
-    elif big:
-        largest = max(g.vram_free for g in gpus)
-        ub = 2048 if largest >= 20 * GiB else 1024 if largest >= 10 * GiB else 512
-        reasons["n_ubatch"] = f"largest GPU has {largest / GiB:.0f} GiB free"
-    else:
-        ub, reasons["n_ubatch"] = 512, "llama.cpp default"
-    # -c
-    if flags.n_ctx is not None:
-        ctx, reasons["n_ctx"] = flags.n_ctx, "-c given"
-    elif big:
-        ctx = min(32768, model.context_length) if model.context_length else 32768
-        reasons["n_ctx"] = "32768 for MoE models larger than VRAM" + (
-            f" (capped at the trained {model.context_length})" if ctx < 32768 else "")
-        from moecache.placement import RESERVE_BYTES
-
-        left = free_total - (model.n_bytes - model.expert_bytes) - RESERVE_BYTES * len(gpus)
-        first = ctx
-        while ctx > 4096 and ctx * model.kv_bytes_per_token > left / 4:
-            ctx //= 2
-        if ctx < first:
-            reasons["n_ctx"] += (f", halved to {ctx}: a KV cache of {first * model.kv_bytes_per_token / GiB:.1f} GiB "
-                                 f"would take more than a quarter of the {max(0, left) / GiB:.1f} GiB of VRAM left "
-                                 f"after the dense weights (the expert cache gets the rest)")
-    else:
-        ctx, reasons["n_ctx"] = 0, "the model's trained context"
-    # -t
-    if flags.n_threads not in (None, 0):  # 0 = "physical cores", as before; negatives fail in EngineConfig
-        threads, reasons["n_threads"] = flags.n_threads, "-t given"
-    elif big:
-        threads = max(1, host.physical_cores - len(gpus))
-        reasons["n_threads"] = f"{host.physical_cores} physical cores - 1 per GPU"
-    else:
-        threads, reasons["n_threads"] = host.physical_cores, "physical cores"
-    # --load-mode
-    mode = (flags.load_mode or "auto").lower()
-    if mode not in ("auto", "mmap", "pin"):
-        raise ValueError(f"--load-mode must be mmap, pin or auto, got {flags.load_mode!r}")
-    if mode != "auto":
-        reasons["load_mode"] = "--load-mode given"
-    else:
-        fits = pin_fits(model.n_bytes, host.ram_available, host.ram_total)
-        wants = ("routed experts in host RAM (the expert cache reads misses zero-copy from page-locked RAM)"
-                 if big else "serve" if flags.command == "serve" else None)
-        if wants and fits:
-            mode, reasons["load_mode"] = "pin", f"{wants}, and the model fits in available RAM with headroom"
-        elif wants:
-            mode, reasons["load_mode"] = "mmap", (f"{wants}, but the model does not fit in available RAM with "
-                                                  f"headroom" + ("; the cache computes misses on the CPU" if big else ""))
-        else:
-            mode, reasons["load_mode"] = "mmap", f"{flags.command} maps the file"
-    # experts and prompt GPU
-    if big:
-        reasons["experts"] = (f"model {model.n_bytes / GiB:.1f} GiB > {free_total / GiB:.1f} GiB free VRAM: "
-                              f"routed experts in host RAM, VRAM left over for experts")
-    elif model.is_moe and gpus:
-        reasons["experts"] = "the model fits in VRAM"
-    prompt_gpu = None
-    if gpus:
-        best = max(gpus, key=lambda g: (g.h2d_pinned, -g.index))
-        prompt_gpu = best.index
-        reasons["prompt_gpu"] = (f"fastest host link ({best.h2d_pinned / 1e9:.1f} GB/s pinned)"
-                                 if best.h2d_pinned else "first GPU (links not measured)")
-    return Resolved(ub, ctx, threads, mode, big, prompt_gpu, big, reasons)

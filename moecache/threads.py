@@ -5,7 +5,7 @@
 kernel and starve the OpenBLAS threads of the next call: on 2 cores, gemma3-270m's prefill
 (dequantize a weight tile, then sgemm) ran at 36 instead of ~100 t/s; fully passive threads
 (``OMP_WAIT_POLICY=PASSIVE``) cost decode 15% instead. It changes the process environment, so the
-commands (``cli/main.py``, ``bench/``) call it, not the library; a user's own setting wins. It has
+commands (``moecache/cli/main.py``, ``bench/``) call it, not the library; a user's own setting wins. It has
 no effect once an OpenMP runtime is loaded (``gguf`` may load one through sentencepiece: call it
 first).
 """

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from moecache.cli.main import app
 from moecache.benchmark import LLAMA_BENCH_FIELDS, BenchTest, make_tests, parse_list
 
 FIELDS = Path(__file__).parent / "data" / "llamacpp" / "llama-bench-fields.txt"

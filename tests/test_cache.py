@@ -323,7 +323,7 @@ def test_cli_cache_flags(model_path):
 
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
 
     run = ["run", "-m", str(model_path), "-p", "hello", "-n", "3", "--temp", "0", "-c", "64"]
     r = CliRunner().invoke(app, run + ["--moe-cache", "0", "--vram-budget", "8GiB", "--routing", "qwen3-moe",

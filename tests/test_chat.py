@@ -493,7 +493,7 @@ def test_issue_inputs_bounded_in_a_fresh_process() -> None:
 def test_cli_hostile_gguf_template_is_one_error_line(synth_path: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
 
     for src in (HOSTILE["nested-loops-output"], HOSTILE["power-of-a-power"]):
         path = _with_keys(synth_path, tmp_path / "hostile.gguf", {"tokenizer.chat_template": (src, gguf.GGUFValueType.STRING)})
@@ -508,7 +508,7 @@ def test_cli_says_only_true_things_about_the_models_template(templated_path: Pat
                                                             tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
 
     r = CliRunner().invoke(app, ["run", "-m", str(templated_path), "-n", "2", "-sys", "be brief"], input="hi\n/exit\n")
     assert r.exit_code == 0, r.output
@@ -567,8 +567,8 @@ def test_real_templates_without_a_system_role(synth_path: Path, name: str) -> No
 
 
 def test_cli_accepts_every_llamacpp_name() -> None:
-    from cli.common import UserError
-    from cli.run import check_chat_template_name
+    from moecache.cli.common import UserError
+    from moecache.cli.run import check_chat_template_name
 
     for name in BUILTIN_TEMPLATES:
         check_chat_template_name(name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from moecache.cli.main import app
 
 runner = CliRunner()
 
@@ -31,7 +31,7 @@ def test_unbuilt_commands_say_so_and_exit_2(cmd):
 def test_info_on_bad_files_is_one_line_exit_1(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)
-    r = subprocess.run([sys.executable, "-m", "cli.main", "info", "-m", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "info", "-m", str(bad)],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
@@ -52,3 +52,20 @@ def test_info_on_real_model(code_moe_tiny):
 def test_kv_cache_type_flags_are_checked(tmp_path, flags, msg):
     r = runner.invoke(app, ["run", "-m", str(tmp_path / "any.gguf"), "-p", "hi", *flags])
     assert r.exit_code == 1 and msg in r.output
+
+
+def test_the_cli_is_a_module_of_the_package():
+    """The console script runs moecache.cli.main:app (no top-level `cli` package is installed), and
+    importing the package or the CLI loads no heavy module (``--help`` stays instant)."""
+    import tomllib
+    from importlib.metadata import entry_points
+
+    root = Path(__file__).resolve().parents[1]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["moecache"] == "moecache.cli.main:app"
+    assert meta["tool"]["setuptools"]["packages"]["find"]["include"] == ["moecache*"]
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "moecache"]
+    assert ep.value == "moecache.cli.main:app" and ep.load() is app
+    code = "import sys, moecache.cli.main; print(sorted(m for m in ('numba', 'numpy', 'cupy') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

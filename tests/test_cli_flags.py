@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from moecache.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -112,7 +112,7 @@ def test_boundary_values_pass_parsing():
 
 
 def test_real_entry_point_prints_one_line_and_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "perplexity", "--chunks", "0"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "perplexity", "--chunks", "0"], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert _lines(r.stderr) == [_lines(r.stderr)[0]] and r.stderr.startswith("error: --chunks")
@@ -151,7 +151,7 @@ def test_bench_bad_list_syntax_and_sizes(tiny):
 
 # ---- sizes -------------------------------------------------------------------------------------------
 def test_sizes_in_moe_cache_and_vram_budget():
-    from cli.flags import parse_moe_cache, parse_size
+    from moecache.sizes import parse_moe_cache, parse_size
 
     assert parse_size("8GiB", "--vram-budget") == 8 << 30
     assert parse_size("12GB", "--vram-budget") == 12 * 10**9
@@ -188,7 +188,7 @@ def test_moe_cache_takes_a_size_on_every_command(tiny):
 
 # ---- -ctk / -ctv ---------------------------------------------------------------------------------------------
 def test_one_kv_type_flag_sets_both(tiny):
-    from cli.flags import kv_cache_type
+    from moecache.settings import kv_cache_type
 
     assert kv_cache_type(None, None) == "f16"
     assert kv_cache_type("f32", None) == kv_cache_type(None, "F32") == kv_cache_type("f32", "f32") == "f32"
@@ -320,27 +320,27 @@ def test_ignored_flag_notes_on_a_gpu_run():
     the placement) are in effect."""
     from types import SimpleNamespace
 
-    from cli.common import CacheOptions, ineffective_flag_notes
-    from moecache.placement import PlacementOptions
+    from moecache.llm import ineffective_flag_notes
+    from moecache.settings import Settings
 
     def eng(caches, moe=True):
         pl = SimpleNamespace(devices=[0], summary=lambda: "48/48 layers on GPU 0")
         return SimpleNamespace(placement=pl, caches=caches, gguf=SimpleNamespace(
             config=SimpleNamespace(is_moe=moe), path=Path("m.gguf")))
-    opts = PlacementOptions(moe_cache=4096, vram_budget=8 << 30)
-    stats = CacheOptions(window=8, stats_every=4)
-    assert ineffective_flag_notes(eng(["cache"]), opts, stats) == []
-    (line,) = ineffective_flag_notes(eng([]), opts, stats)
+    opts = dict(moe_cache=4096, vram_budget=8 << 30)
+    stats = Settings(**opts, moe_cache_window=8, moe_cache_stats=4)
+    assert ineffective_flag_notes(eng(["cache"]), stats) == []
+    (line,) = ineffective_flag_notes(eng([]), stats)
     assert "--moe-cache, --moe-cache-window, --moe-cache-stats ignored: no expert cache" in line
     assert "--vram-budget" not in line and "48/48 layers" in line
-    assert ineffective_flag_notes(eng([]), PlacementOptions(moe_cache=0, vram_budget=8 << 30), CacheOptions()) == []
-    (line,) = ineffective_flag_notes(eng([], moe=False), opts, CacheOptions())
+    assert ineffective_flag_notes(eng([]), Settings(moe_cache=0, vram_budget=8 << 30)) == []
+    (line,) = ineffective_flag_notes(eng([], moe=False), Settings(**opts))
     assert "--moe-cache ignored: m.gguf is a dense model" in line  # the budget still bounds a dense model's layers
 
 
 # ---- CPU kernels: a status line while they compile, compile time outside the speeds ----------------------------
 def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
-    from cli.common import cpu_kernel_names, uncompiled_kernels
+    from moecache.cpu_kernels import cpu_kernel_names, uncompiled_kernels
     from moecache.quants import _numba_setup
 
     names = cpu_kernel_names(tiny)
@@ -358,13 +358,13 @@ def test_kernel_names_and_the_on_disk_cache_check(tiny, tmp_path, monkeypatch):
 
 
 def test_compile_status_line_before_the_load_and_none_when_cached(tiny, monkeypatch):
-    import cli.common
+    import moecache.cpu_kernels
 
     r = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])  # compiles if needed
     assert r.exit_code == 0, r.output
     again = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])
     assert again.exit_code == 0 and "compiling" not in again.output  # cached now: no false alarm
-    monkeypatch.setattr(cli.common, "uncompiled_kernels", lambda names: {"matmul_q8_0"})
+    monkeypatch.setattr(moecache.cpu_kernels, "uncompiled_kernels", lambda names: {"matmul_q8_0"})
     cold = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0"])
     assert cold.exit_code == 0, cold.output
     lines = cold.output.splitlines()
@@ -376,7 +376,7 @@ def test_compile_status_line_before_the_load_and_none_when_cached(tiny, monkeypa
 
 
 def test_prompt_kernels_are_loaded_before_anything_is_timed(tmp_path):
-    """In a fresh process (no kernel loaded yet), load_engine leaves the prompt path's dequantize
+    """In a fresh process (no kernel loaded yet), moecache.load leaves the prompt path's dequantize
     kernels loaded and the sequence empty: the first prompt's timing holds no compile or load.
     tiny-qwen2moe's attention is Q5_0, a type only the prompt path dequantizes (its embedding is
     F16), so the engine's one-token warm-up alone would not load it."""
@@ -386,9 +386,8 @@ def test_prompt_kernels_are_loaded_before_anything_is_timed(tmp_path):
     write_model(path, PRESETS["tiny-qwen2moe"], seed=1)
     code = (
         "import sys\nfrom pathlib import Path\n"
-        "from cli.common import load_engine\nfrom moecache.placement import PlacementOptions\n"
-        "from moecache.probe import UserFlags\nfrom moecache.quants import cpu\nfrom gguf import GGMLQuantizationType as T\n"
-        "eng = load_engine(Path(sys.argv[1]), UserFlags('run'), 2048, PlacementOptions(n_gpu_layers=0), None)\n"
+        "import moecache\nfrom moecache.quants import cpu\nfrom gguf import GGMLQuantizationType as T\n"
+        "eng = moecache.load(Path(sys.argv[1]), n_gpu_layers=0).engine\n"
         "print(bool(cpu._dequant_kernel(int(T.Q5_0)).signatures), eng.n_past, eng.n_ubatch)\n")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -431,7 +430,7 @@ def test_info_and_bench_default_to_the_demo_model(gemma3_270m):
 def test_a_byte_count_without_a_unit_is_refused_not_read_as_mib(flag):
     """Before 0.1 a plain --vram-budget was bytes; now it is MiB. A byte count typed the old way
     (8589934592) would be 8 PiB, silently no budget: it is refused with a line naming the unit."""
-    from cli.flags import parse_moe_cache, parse_size
+    from moecache.sizes import parse_moe_cache, parse_size
 
     parse = parse_size if flag == "--vram-budget" else parse_moe_cache
     with pytest.raises(ValueError, match="give a unit|expected"):
@@ -442,7 +441,7 @@ def test_a_byte_count_without_a_unit_is_refused_not_read_as_mib(flag):
 def test_bench_moe_cache_takes_ranges_and_sizes():
     """--moe-cache in bench: llama-bench ranges of MiB, sizes, -1 and 0 (sweeping the cache size is
     this flag's use in bench)."""
-    from cli.bench import moe_cache_list
+    from moecache.cli.bench import moe_cache_list
 
     assert moe_cache_list("1024-4096+1024") == [1024, 2048, 3072, 4096]
     assert moe_cache_list("512-2048*2,8GiB,-1,0") == [512, 1024, 2048, 8192, -1, 0]

@@ -1,7 +1,7 @@
 """Crafted GGUF headers (issue 16): every kind ends fast, in bounded memory, with one ``error:`` line.
 
 Each hostile file is the synthetic tiny qwen3moe with raw header bytes rewritten by
-tests/gguf_craft.py. The CLI runs in a child process (``python -m cli.main``) under a 4 GiB
+tests/gguf_craft.py. The CLI runs in a child process (``python -m moecache.cli.main``) under a 4 GiB
 address-space limit (a safety net: a regression fails instead of swapping the CI machine), and the
 test asserts a non-zero exit, exactly one line starting ``error:`` that names the culprit, no
 traceback, the wall time, and the child's peak RSS. The message check matters: an allocation that
@@ -36,7 +36,7 @@ _WRAPPER = """
 import resource, subprocess, sys
 def limit():
     resource.setrlimit(resource.RLIMIT_AS, ({lim}, {lim}))
-p = subprocess.run([sys.executable, "-m", "cli.main", *sys.argv[1:]], preexec_fn=limit)
+p = subprocess.run([sys.executable, "-m", "moecache.cli.main", *sys.argv[1:]], preexec_fn=limit)
 print("maxrss_kb=%d" % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
 sys.exit(p.returncode)
 """
@@ -293,7 +293,7 @@ def test_trained_context_past_the_ram_is_lowered_with_a_note(tiny, tmp_path):
     limit, which is smaller than the RAM the note sizes the context by."""
     model = Crafted.load(tiny).set(f"{A}.context_length", 2**31).write(tmp_path / "ctx.gguf")
     code = ("import resource, sys, runpy\nsys.argv = ['moecache'] + sys.argv[1:]\n"
-            "try:\n    runpy.run_module('cli.main', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+            "try:\n    runpy.run_module('moecache.cli.main', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
             "else:\n    code = 0\nprint('maxrss_kb=%d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
             "sys.exit(code)\n")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NUMBA_NUM_THREADS="2")
@@ -313,13 +313,13 @@ def test_trained_context_past_the_ram_is_lowered_with_a_note(tiny, tmp_path):
 
 def test_memory_error_is_one_line(monkeypatch, tiny):
     """A MemoryError from any allocation (numpy's "Unable to allocate ...") is a user error."""
-    import cli.run
-    from cli.main import app
+    import moecache.cli.run
+    from moecache.cli.main import app
 
     def boom(*a, **k):
         raise MemoryError("Unable to allocate 128. GiB for an array with shape (2147483648, 2, 16)")
 
-    monkeypatch.setattr(cli.run, "run_command", boom)
+    monkeypatch.setattr(moecache.cli.run, "run_command", boom)
     r = CliRunner().invoke(app, ["run", "-m", str(tiny), "-p", "x"])
     assert r.exit_code == 1 and not isinstance(r.exception, MemoryError), r.output
     assert r.output.strip().splitlines()[-1].startswith("error: out of memory: Unable to allocate 128. GiB")

@@ -181,7 +181,7 @@ def test_engine_without_a_gpu_says_so_once_and_runs_on_the_cpu(tiny_moe, monkeyp
 def test_cli_placement_flags_are_checked(tmp_path, args, msg, code):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
     from moecache.testing.synth import PRESETS, write_model
 
     path = tmp_path / "tiny.gguf"

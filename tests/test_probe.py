@@ -1,4 +1,4 @@
-"""Startup probe and the resolution of defaults (moecache/probe.py), load modes, probe-pcie on a
+"""Startup probe (moecache/probe.py), the resolution of defaults (moecache/settings.py), load modes, probe-pcie on a
 machine without a GPU. The resolution is a pure function: table-driven cases."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from moecache.probe import GiB, GpuInfo, HostInfo, ModelFacts, Probe, UserFlags, resolve_defaults
+from moecache.probe import GiB, GpuInfo, HostInfo, Probe
+from moecache.settings import ModelFacts, Settings, resolve
 
 HOST = HostInfo("test cpu", 16, 32, 128 * GiB, 120 * GiB)
 
@@ -23,26 +24,27 @@ MOE_SHORT_CTX = ModelFacts(60 * GiB, 55 * GiB, 8192)
 
 CASES = [
     # (name, model, gpus, flags, expected (ub, ctx, threads, mode, experts_in_ram, prompt_gpu))
-    ("1 gpu 24G, big moe", MOE_BIG, [gpu(0, 24)], UserFlags(), (2048, 32768, 15, "pin", True, 0)),
-    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], UserFlags(), (1024, 32768, 15, "pin", True, 0)),
-    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], UserFlags(), (512, 32768, 15, "pin", True, 0)),
-    ("2 gpus, fastest link second", MOE_BIG, [gpu(0, 24, 25e9), gpu(1, 12, 50e9)], UserFlags(),
+    ("1 gpu 24G, big moe", MOE_BIG, [gpu(0, 24)], Settings(), (2048, 32768, 15, "pin", True, 0)),
+    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], Settings(), (1024, 32768, 15, "pin", True, 0)),
+    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], Settings(), (512, 32768, 15, "pin", True, 0)),
+    ("2 gpus, fastest link second", MOE_BIG, [gpu(0, 24, 25e9), gpu(1, 12, 50e9)], Settings(),
      (2048, 32768, 14, "pin", True, 1)),
-    ("4 gpus mismatched", MOE_BIG, [gpu(0, 8), gpu(1, 8, 12e9), gpu(2, 8), gpu(3, 22, 3e9)], UserFlags(),
+    ("4 gpus mismatched", MOE_BIG, [gpu(0, 8), gpu(1, 8, 12e9), gpu(2, 8), gpu(3, 22, 3e9)], Settings(),
      (2048, 32768, 12, "pin", True, 0)),
-    ("model fits in VRAM: llama.cpp defaults", MOE_SMALL, [gpu(0, 24)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
-    ("fits only across 4 GPUs", MOE_BIG, [gpu(i, 20) for i in range(4)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
-    ("no GPU", MOE_BIG, [], UserFlags(), (512, 0, 16, "mmap", False, None)),
-    ("dense model larger than VRAM", DENSE_BIG, [gpu(0, 24)], UserFlags(), (512, 0, 16, "mmap", False, 0)),
-    ("short trained context caps -c", MOE_SHORT_CTX, [gpu(0, 24)], UserFlags(), (2048, 8192, 15, "pin", True, 0)),
-    ("user flags win", MOE_BIG, [gpu(0, 24)], UserFlags("run", 256, 4096, 3, "pin"), (256, 4096, 3, "pin", True, 0)),
-    ("serve pins when it fits RAM", MOE_BIG, [gpu(0, 24)], UserFlags("serve"), (2048, 32768, 15, "pin", True, 0)),
+    ("model fits in VRAM: llama.cpp defaults", MOE_SMALL, [gpu(0, 24)], Settings(), (512, 0, 16, "mmap", False, 0)),
+    ("fits only across 4 GPUs", MOE_BIG, [gpu(i, 20) for i in range(4)], Settings(), (512, 0, 16, "mmap", False, 0)),
+    ("no GPU", MOE_BIG, [], Settings(), (512, 0, 16, "mmap", False, None)),
+    ("dense model larger than VRAM", DENSE_BIG, [gpu(0, 24)], Settings(), (512, 0, 16, "mmap", False, 0)),
+    ("short trained context caps -c", MOE_SHORT_CTX, [gpu(0, 24)], Settings(), (2048, 8192, 15, "pin", True, 0)),
+    ("user flags win", MOE_BIG, [gpu(0, 24)], Settings(n_ubatch=256, n_ctx=4096, n_threads=3, load_mode="pin"), (256, 4096, 3, "pin", True, 0)),
+    ("serve pins when it fits RAM", MOE_BIG, [gpu(0, 24)], ("serve", Settings()), (2048, 32768, 15, "pin", True, 0)),
 ]
 
 
 @pytest.mark.parametrize("name,model,gpus,flags,want", CASES, ids=[c[0] for c in CASES])
 def test_resolution_table(name, model, gpus, flags, want):
-    r = resolve_defaults(model, Probe(HOST, tuple(gpus)), flags)
+    command, flags = flags if isinstance(flags, tuple) else ("run", flags)
+    r = resolve(flags, model, Probe(HOST, tuple(gpus)), command=command)
     assert (r.n_ubatch, r.n_ctx, r.n_threads, r.load_mode, r.experts_in_ram, r.prompt_gpu) == want
     assert set(r.reasons) >= {"n_ubatch", "n_ctx", "n_threads", "load_mode"}
 
@@ -50,21 +52,21 @@ def test_resolution_table(name, model, gpus, flags, want):
 @pytest.mark.parametrize("command", ["serve", "run"])
 def test_a_model_that_does_not_fit_ram_is_mapped(command):
     host = HostInfo("cpu", 16, 32, 64 * GiB, 62 * GiB)
-    r = resolve_defaults(MOE_BIG, Probe(host, (gpu(0, 24),)), UserFlags(command))
+    r = resolve(Settings(), MOE_BIG, Probe(host, (gpu(0, 24),)), command=command)
     assert r.load_mode == "mmap" and "does not fit" in r.reasons["load_mode"]
     assert "computes misses on the CPU" in r.reasons["load_mode"]  # the experts go to host RAM
 
 
 def test_run_pins_when_the_experts_go_to_host_ram():
-    r = resolve_defaults(MOE_BIG, Probe(HOST, (gpu(0, 24),)), UserFlags("run"))
+    r = resolve(Settings(), MOE_BIG, Probe(HOST, (gpu(0, 24),)), command="run")
     assert r.load_mode == "pin" and "zero-copy" in r.reasons["load_mode"]
-    small = resolve_defaults(MOE_SMALL, Probe(HOST, (gpu(0, 24),)), UserFlags("run"))
+    small = resolve(Settings(), MOE_SMALL, Probe(HOST, (gpu(0, 24),)), command="run")
     assert small.load_mode == "mmap" and small.reasons["load_mode"] == "run maps the file"
 
 
 def test_bad_load_mode_is_named():
     with pytest.raises(ValueError, match="--load-mode must be mmap, pin or auto"):
-        resolve_defaults(MOE_BIG, Probe(HOST), UserFlags(load_mode="fast"))
+        resolve(Settings(load_mode="fast"), MOE_BIG, Probe(HOST))
 
 
 def test_startup_probe_remembers_links_per_boot(tmp_path, monkeypatch):
@@ -124,7 +126,7 @@ def test_pin_refuses_before_allocating(tmp_path, monkeypatch):
 def test_cli_probe_pcie_without_gpu_prints_host_and_exits_0():
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
 
     r = CliRunner().invoke(app, ["probe-pcie", "--json", "--size", "8", "--reps", "1"])
     assert r.exit_code == 0, r.output
@@ -139,7 +141,7 @@ def test_cli_probe_pcie_without_gpu_prints_host_and_exits_0():
 def test_run_prints_the_resolved_settings(tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from moecache.cli.main import app
     from moecache.testing.synth import PRESETS, write_model
 
     path = tmp_path / "tiny.gguf"
@@ -158,9 +160,9 @@ def test_default_context_leaves_the_expert_cache_most_of_the_vram(model_gib, vra
     32768 would put 6 GiB of KV cache on an 8 GiB card; the default halves it until the KV cache takes
     at most a quarter of the VRAM left after the dense weights and the 1 GiB reserve."""
     model = ModelFacts(int(model_gib * GiB), int((model_gib - 1) * GiB), 40960, 48 * 4 * 256 * 4)
-    r = resolve_defaults(model, Probe(HOST, (gpu(0, vram_gib),)), UserFlags())
-    assert r.big_moe and r.n_ctx == want
+    r = resolve(Settings(), model, Probe(HOST, (gpu(0, vram_gib),)))
+    assert r.experts_in_ram and r.n_ctx == want
     assert ("halved to" in r.reasons["n_ctx"]) == (want < 32768)
     assert want * model.kv_bytes_per_token <= (vram_gib * GiB - GiB - GiB) / 4
-    given = resolve_defaults(model, Probe(HOST, (gpu(0, 8),)), UserFlags(n_ctx=32768))
+    given = resolve(Settings(n_ctx=32768), model, Probe(HOST, (gpu(0, 8),)))
     assert given.n_ctx == 32768 and given.reasons["n_ctx"] == "-c given"

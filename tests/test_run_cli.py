@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from moecache.cli.main import app
 from conftest import require_shared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def test_missing_model_and_unknown_arch_exit_1(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    r = subprocess.run([sys.executable, "-m", "cli.main", "run", "-m", str(tmp_path / "mamba.gguf"), "-p", "hi"],
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "run", "-m", str(tmp_path / "mamba.gguf"), "-p", "hi"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1
     assert "Traceback" not in r.stderr and "unsupported architecture 'mamba'" in r.stderr
@@ -169,7 +169,7 @@ def test_perplexity_text_too_short(code_moe_tiny, tmp_path):
 
 
 def test_prompt_text_is_read_as_llamacpp_reads_it(tmp_path):
-    from cli.common import process_escapes, read_text_arg
+    from moecache.cli.common import process_escapes, read_text_arg
 
     # llama.cpp common.cpp string_process_escapes: \n \r \t \' \" \\ and \xHH; others stay
     assert process_escapes(r"a\nb\tc\\d\x41\q\'\"") == "a\nb\tc\\dA\\q'\""

@@ -114,7 +114,7 @@ class ArrayOps:
 
     def rope_tables(self, inv_freq: np.ndarray, pos: Any) -> tuple[Any, Any]:
         """cos and sin, float32 (T, n_rot/2), of the angles ``pos[t] * inv_freq[i]`` computed in float64
-        (see :meth:`moecache.models.base.RopeSpec.angles`)."""
+        (``inv_freq``: :meth:`moecache.models.base.RopeSpec.inv_freq`)."""
         xp = self.xp
         a = xp.asarray(pos).astype(np.float64)[:, None] * xp.asarray(inv_freq, dtype=np.float64)[None, :]
         return xp.cos(a).astype(np.float32), xp.sin(a).astype(np.float32)

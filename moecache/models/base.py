@@ -55,11 +55,6 @@ class RopeSpec:
             inv = inv / self.factors.astype(np.float64)
         return self.freq_scale * inv
 
-    def angles(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin, float32 (T, n_rot/2), of int positions (T,). Angles in float64, then rounded."""
-        a = pos.astype(np.float64)[:, None] * self.inv_freq()[None, :]
-        return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
-
 
 def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
     """The routed experts of every MoE layer as host views of the file (no copy), keyed by layer:

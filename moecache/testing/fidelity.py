@@ -12,6 +12,7 @@ import numpy as np
 
 from moecache.engine import Engine, EngineConfig
 from moecache.placement import PlacementOptions
+from moecache.settings import LOAD_MODES  # noqa: F401 - the load modes every placement runs under
 
 PLACEMENTS: dict[str, dict[str, Any]] = {  # name -> PlacementOptions fields ("budget": an expert cache)
     "-ngl 99": dict(n_gpu_layers=99),
@@ -19,7 +20,6 @@ PLACEMENTS: dict[str, dict[str, Any]] = {  # name -> PlacementOptions fields ("b
     "--n-cpu-moe 4": dict(n_cpu_moe=4),
     "cache": dict(),
 }
-LOAD_MODES = ("mmap", "pin")
 UBATCHES = (16, 32, 64, 256)
 
 

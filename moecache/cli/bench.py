@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from cli.common import CacheOptions, UserError, load_engine, note, resolve_model
+from moecache.cli.common import UserError, load_engine, note, resolve_model
 
 
 # each list flag's field, its valid range (int32 like llama-bench's), and its meaning when not given
@@ -19,7 +20,7 @@ LIST_RANGES = {"-p": 0, "-n": 0, "-pg": 0, "-d": 0, "-t": 0, "-b": 1, "-ub": 1, 
 def moe_cache_list(text: str | None) -> list[int]:
     """``--moe-cache`` values of a bench: sizes (``8GiB,12GiB``), -1, 0, or llama-bench ranges of
     MiB (``1024-4096+1024``) -> MiB per GPU (-1 fill, 0 off)."""
-    from cli.flags import parse_moe_cache
+    from moecache.sizes import parse_moe_cache
     from moecache.benchmark import parse_list
 
     out: list[int] = []
@@ -48,14 +49,45 @@ def checked_list(text: str | None, flag: str) -> list[int]:
     return vals
 
 
-def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str | None, depth: str, reps: int,
-                  threads: str | None, batch: str, ubatch: str, ngl: str, n_cpu_moe: str, moe_cache: str | None,
-                  vram_budget: str | None, window: str | None, routing: str | None, n_gen_warmup: int, warmup: bool,
-                  load_mode: str | None, output: str, ctx_size: int | None = None, cache_type: str = "f16") -> None:
-    from cli.flags import parse_size
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """The ``bench`` flags as given (llama-bench's lists and ranges are text until
+    :func:`checked_list` reads them; llama.cpp names)."""
+
+    models: list[Path] | None = None
+    n_prompt: str = "512"
+    n_gen: str = "128"
+    pg: str | None = None
+    depth: str = "0"
+    reps: int = 5
+    threads: str | None = None
+    batch: str = "2048"
+    ubatch: str = "512"
+    ngl: str = "99"
+    n_cpu_moe: str = "0"
+    moe_cache: str | None = None
+    vram_budget: str | None = None
+    window: str | None = None
+    routing: str | None = None
+    n_gen_warmup: int = 0
+    warmup: bool = True
+    load_mode: str | None = None
+    output: str = "md"
+    ctx_size: int | None = None
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+
+
+def bench_command(o: BenchOptions) -> None:
+    """Expand the lists into combinations, load an engine per combination (the library's
+    settings road, as ``run``), run the tests and print the table. Raises UserError / ValueError."""
     from moecache.benchmark import BenchParams, bench, expand, make_tests, render
-    from moecache.placement import PlacementOptions
-    from moecache.probe import UserFlags
+    from moecache.settings import Settings, kv_cache_type
+    from moecache.sizes import parse_size
+
+    models, n_prompt, n_gen, pg, depth, reps = o.models, o.n_prompt, o.n_gen, o.pg, o.depth, o.reps
+    output, n_gen_warmup, ctx_size = o.output, o.n_gen_warmup, o.ctx_size
+    cache_type = kv_cache_type(o.cache_type_k, o.cache_type_v)
 
     if output not in ("md", "csv", "json", "jsonl"):
         raise UserError(f"-o {output!r}: expected md, csv, json or jsonl")
@@ -74,15 +106,15 @@ def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str 
     tests = make_tests(ps, ns, list(zip(pgs[::2], pgs[1::2])), ds)
     if not tests:
         raise UserError("no tests: give -p, -n or -pg with values > 0")
-    lists = {"model": models, "n_batch": checked_list(batch, "-b"), "n_ubatch": checked_list(ubatch, "-ub"),
-             "n_threads": checked_list(threads, "-t") or [0], "n_gpu_layers": checked_list(ngl, "-ngl"),
-             "n_cpu_moe": checked_list(n_cpu_moe, "--n-cpu-moe"),
-             "moe_cache": moe_cache_list(moe_cache) or [None],
-             "vram_budget": [parse_size(v, "--vram-budget") for v in (vram_budget or "").split(",") if v.strip()]
+    lists = {"model": models, "n_batch": checked_list(o.batch, "-b"), "n_ubatch": checked_list(o.ubatch, "-ub"),
+             "n_threads": checked_list(o.threads, "-t") or [0], "n_gpu_layers": checked_list(o.ngl, "-ngl"),
+             "n_cpu_moe": checked_list(o.n_cpu_moe, "--n-cpu-moe"),
+             "moe_cache": moe_cache_list(o.moe_cache) or [None],
+             "vram_budget": [parse_size(v, "--vram-budget") for v in (o.vram_budget or "").split(",") if v.strip()]
              or [0],
-             "moe_cache_window": checked_list(window, "--moe-cache-window") or [None],
-             "routing": [v for v in (routing or "").split(",") if v] or [None]}
-    base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, load_mode or "auto")
+             "moe_cache_window": checked_list(o.window, "--moe-cache-window") or [None],
+             "routing": [v for v in (o.routing or "").split(",") if v] or [None]}
+    base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, o.load_mode or "auto")
     combos = expand(base, **lists)
     # the parameters given (varied, or not at their default): the md table's columns
     defaults = {"n_batch": [2048], "n_ubatch": [512], "n_threads": [0], "n_gpu_layers": [99], "n_cpu_moe": [0],
@@ -100,11 +132,12 @@ def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str 
     said: set[str] = set()  # notes said once for the whole bench, not once per combination
 
     def make_engine(p: BenchParams):
-        pl = PlacementOptions(p.n_gpu_layers, False, p.n_cpu_moe, moe_cache=p.moe_cache, vram_budget=p.vram_budget)
-        flags = UserFlags("bench", p.n_ubatch, n_ctx, p.n_threads or None, None if p.load_mode == "auto" else p.load_mode,
-                          cache_type=cache_type)
-        return load_engine(p.model, flags, p.n_batch, pl, None, False,
-                           CacheOptions(p.moe_cache_window, 0, p.routing, False), said=said)
+        settings = Settings(n_ctx=n_ctx, n_batch=p.n_batch, n_ubatch=p.n_ubatch, n_threads=p.n_threads or None,
+                            n_gpu_layers=p.n_gpu_layers, n_cpu_moe=p.n_cpu_moe, moe_cache=p.moe_cache,
+                            vram_budget=p.vram_budget, cache_type=cache_type,
+                            load_mode=None if p.load_mode == "auto" else p.load_mode,
+                            moe_cache_window=p.moe_cache_window, routing=p.routing)
+        return load_engine(p.model, settings, "bench", said=said).engine
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -120,7 +153,7 @@ def bench_command(models: list[Path] | None, n_prompt: str, n_gen: str, pg: str 
             prog.update(task, description=name, completed=started[0])
             started[0] += 1
 
-        results = bench(combos, tests, reps, warmup, n_gen_warmup, make_engine, progress)
+        results = bench(combos, tests, reps, o.warmup, n_gen_warmup, make_engine, progress)
         prog.update(task, completed=total)
     sys.stdout.write(render(results, output, shown))
     if any(r.fields.get("routing") for r in results):

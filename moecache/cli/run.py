@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import json
 import sys
 from dataclasses import dataclass
@@ -11,33 +9,30 @@ from pathlib import Path
 
 import typer
 
-from cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model, timing_lines
+from moecache.cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model, timing_lines
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """The parsed ``run`` flags (llama-cli names)."""
+    """The parsed ``run`` flags (llama-cli names) other than the engine's settings."""
 
     model: Path | None
-    prompt: str | None
-    file: Path | None
-    n_predict: int
-    conversation: bool | None
-    system: str | None
-    chat_template: str | None
-    as_json: bool
-    placement: Any  # moecache.placement.PlacementOptions
-    flash_attn: str | None
+    prompt: str | None = None
+    file: Path | None = None
+    n_predict: int = -1
+    conversation: bool | None = None
+    system: str | None = None
+    chat_template: str | None = None
+    as_json: bool = False
     escape: bool = True
     special: bool = False
     verbose: bool = False
-    cache: Any = None  # cli.common.CacheOptions
     display_prompt: bool = True  # -p/-f: echo the prompt before the generated text, as llama-cli does
 
 
 def read_prompt(opts: RunOptions) -> str | None:
     """``-p`` or the contents of ``-f`` (not both), as llama.cpp reads them (see
-    :func:`cli.common.read_text_arg`); None when neither is given."""
+    :func:`moecache.cli.common.read_text_arg`); None when neither is given."""
     if opts.prompt is not None and opts.file is not None:
         raise UserError("give -p PROMPT or -f FILE, not both")
     if opts.prompt is None and opts.file is None:
@@ -54,8 +49,10 @@ def check_chat_template_name(name: str | None) -> None:
                         f"or a Jinja template")
 
 
-def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
-    """Validate, load, then complete once or chat. Raises UserError / MoecacheError for the caller."""
+def run_command(opts: RunOptions, settings, sampling) -> None:
+    """Validate, load (:func:`moecache.llm.open_llm` with ``settings``, a
+    :class:`moecache.settings.Settings`), then complete once or chat. Raises UserError /
+    MoecacheError / ValueError for the caller."""
     from moecache.sampling import Sampler
 
     if opts.n_predict < -1:
@@ -73,8 +70,9 @@ def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
     check_chat_template_name(opts.chat_template)
     if not chat and (opts.system is not None or opts.chat_template is not None):
         note("note: -sys and --chat-template apply to chat (-cnv); this one-shot run completes the raw prompt")
-    eng = load_engine(resolve_model(opts.model), flags, n_batch, opts.placement, opts.flash_attn, opts.verbose,
-                      opts.cache)
+    llm = load_engine(resolve_model(opts.model), settings, "run", opts.verbose)
+    eng = llm.engine
+    stats_every = settings.moe_cache_stats or 0
     try:
         sampler = Sampler(sampling, eng.n_ctx)
         if sampling.temp > 0:
@@ -85,28 +83,25 @@ def run_command(opts: RunOptions, flags, n_batch: int, sampling) -> None:
         if chat:
             _chat(eng, sampler, opts, prompt)
         else:
-            _complete(eng, sampler, opts, prompt)
-        if eng.caches and opts.cache is not None and opts.cache.stats_every:
+            _complete(llm, sampler, opts, prompt, stats_every)
+        if eng.caches and stats_every:
             for line in cache_stats_lines(eng):
                 note(line)
     finally:
-        eng.close()
+        llm.close()
 
 
-def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
+def _complete(llm, sampler, opts: RunOptions, prompt: str, every: int) -> None:
     from moecache.kv_cache import ContextFullError
 
-    ids = eng.tokenizer.encode(prompt)
-    if len(ids) >= eng.n_ctx:
-        raise UserError(f"the prompt is {len(ids)} tokens, the context is {eng.n_ctx} (-c): "
-                        f"nothing left to generate into")
+    eng = llm.engine
+    ids = llm.tokenize(prompt)
     stream = eng.tokenizer.streamer(skip_special=not opts.special)
     out = sys.stdout
     if opts.display_prompt and not opts.as_json:
         out.write(prompt)
         out.flush()
 
-    every = opts.cache.stats_every if opts.cache is not None else 0
     n_done = [0]
 
     def on_token(t: int) -> None:
@@ -118,15 +113,14 @@ def _complete(eng, sampler, opts: RunOptions, prompt: str) -> None:
             for line in cache_stats_lines(eng):
                 note(line)
     try:
-        res = eng.generate(ids, sampler, opts.n_predict, on_token)
+        res = llm.complete(ids, n_predict=opts.n_predict, sampler=sampler, on_token=on_token, special=opts.special)
     except ContextFullError as e:
         raise UserError(str(e)) from None
-    text = eng.tokenizer.decode(res.tokens, skip_special=not opts.special)
     if opts.as_json:
         t = res.timings
         for c in eng.caches:
             c.flush()  # the zero-copy path accounts a pass one pass late
-        json.dump({"model": str(eng.gguf.path), "prompt": prompt, "prompt_tokens": len(ids), "text": text,
+        json.dump({"model": str(eng.gguf.path), "prompt": prompt, "prompt_tokens": res.prompt_tokens, "text": res.text,
                    "tokens": res.tokens, "stop": res.stop,
                    "timings": {"prompt_n": t.n_prompt, "prompt_ms": t.t_prompt * 1e3, "prompt_per_second": t.pp_tps,
                                "predicted_n": t.n_gen, "eval_runs": t.n_eval, "predicted_ms": t.t_eval * 1e3,

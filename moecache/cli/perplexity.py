@@ -9,20 +9,22 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model
+from moecache.cli.common import UserError, cache_stats_lines, load_engine, note, read_text_arg, resolve_model
 
 
-def perplexity_command(model: Path | None, file: Path, n_ctx: int, flags, n_batch: int, n_chunks: int,
-                       placement, flash_attn: str | None, escape: bool = False, verbose: bool = False,
-                       cache=None) -> None:
+def perplexity_command(model: Path | None, file: Path, settings, n_chunks: int, escape: bool = False,
+                       verbose: bool = False) -> None:
     """Tokenize ``file`` as llama-perplexity does (BOS as the model says, special-token text not
     parsed, escapes processed only with ``-e`` (perplexity.cpp turns llama.cpp's default escaping
     off), one trailing newline dropped), score at most
-    ``n_chunks`` chunks (-1: all), print the running values and llama-perplexity's final line."""
+    ``n_chunks`` chunks (-1: all) of ``settings.n_ctx`` tokens (``settings``: a
+    :class:`moecache.settings.Settings`), print the running values and llama-perplexity's final line."""
+    n_ctx = settings.n_ctx
     if n_ctx < 4:
         raise UserError(f"-c must be >= 4 for perplexity, got {n_ctx}")
     text = read_text_arg(None, file, escape)
-    eng = load_engine(resolve_model(model), flags, n_batch, placement, flash_attn, verbose, cache)
+    llm = load_engine(resolve_model(model), settings, "perplexity", verbose)
+    eng = llm.engine
     try:
         tokens = eng.tokenizer.encode(text, parse_special=False)
         if len(tokens) < 2 * n_ctx:
@@ -49,10 +51,10 @@ def perplexity_command(model: Path | None, file: Path, n_ctx: int, flags, n_batc
         note(f"scored {res.count} tokens in {res.seconds:.2f} s "
              f"({res.n_chunks * n_ctx / res.seconds:.1f} tokens per second evaluated)")
     finally:
-        if eng.caches and cache is not None and cache.stats_every:
+        if eng.caches and settings.moe_cache_stats:
             for line in cache_stats_lines(eng):
                 note(line)
-        eng.close()
+        llm.close()
 
 
 __all__ = ["perplexity_command", "typer"]

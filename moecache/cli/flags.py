@@ -1,9 +1,10 @@
-"""Flag types and checks shared by the commands: numeric ranges, sizes, the KV cache type, the
-one-line usage errors, ``--version``.
+"""Flag types and checks shared by the commands: numeric ranges, the one-line usage errors,
+``--version`` (sizes and the KV cache type are parsed by the library: :mod:`moecache.sizes`,
+:func:`moecache.settings.kv_cache_type`).
 
 Every bad value ends as one ``error: ...`` line naming the flag and what it accepts: Click's own
-range types where they say it clearly (exit 2, as Click's usage errors), :func:`parse_size` and
-:func:`parse_moe_cache` for sizes (ValueError, exit 1 through the commands' error handler).
+range types where they say it clearly (exit 2, as Click's usage errors), :func:`moecache.sizes.parse_size` and
+:func:`moecache.sizes.parse_moe_cache` for sizes (ValueError, exit 1 through the commands' error handler).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def version_text() -> str:
         v = version("moecache")
     except Exception:  # noqa: BLE001 - not installed (run from a checkout)
         v = "unknown"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout (moecache/cli/flags.py)
     commit = ""
     if (root / ".git").exists():
         try:
@@ -164,67 +165,3 @@ def minus_one_or_at_least(lo: int, meaning: str):
         return v
     parse.__name__ = "integer"
     return parse
-
-
-# ---- sizes ----------------------------------------------------------------------------------------------
-_UNITS = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-          "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-SIZE_HELP = "a size: 8GiB, 12GB, 12000MiB, 512M (MiB when no unit is given)"
-UNITLESS_MIB_MAX = 1 << 20  # MiB: a plain number at least this large (1 TiB) is taken for a byte count and refused
-
-
-def parse_size(text: str | None, flag: str) -> int:
-    """``8GiB``, ``8G``, ``12GB``, ``12000MiB``, ``512M``, ``12000`` (MiB) -> bytes; None/empty -> 0.
-
-    Raises:
-        ValueError: naming the flag and the accepted forms (negative, non-finite or unknown units).
-    """
-    if text is None or not str(text).strip():
-        return 0
-    t = str(text).strip().lower().replace(" ", "")
-    num = t.rstrip("kmgtib")
-    unit = t[len(num):]
-    scale = _UNITS.get(unit) if unit else 1 << 20
-    try:
-        value = float(num)
-    except ValueError:
-        value = float("nan")
-    if scale is None or not math.isfinite(value) or value < 0 or value * scale >= 2**63:
-        raise ValueError(f"{flag} {text!r}: expected {SIZE_HELP}")
-    if not unit and value >= UNITLESS_MIB_MAX:  # a byte count written as before 0.1 (8589934592 = 8 PiB now)
-        raise ValueError(f"{flag} {text!r}: a number without a unit is MiB, and {value:g} MiB is over "
-                         f"{UNITLESS_MIB_MAX >> 10} GiB: give a unit ({SIZE_HELP}; plain numbers meant bytes before)")
-    return int(value * scale)
-
-
-def parse_moe_cache(text: str | int | None, flag: str = "--moe-cache") -> int | None:
-    """``--moe-cache``: None (not given), -1 (fill free VRAM), 0 (off), or a size -> MiB per GPU."""
-    if text is None:
-        return None
-    t = str(text).strip()
-    if t in ("-1", "0"):
-        return int(t)
-    try:
-        b = parse_size(t, flag)
-    except ValueError:
-        raise ValueError(f"{flag} {text!r}: expected -1 (fill free VRAM), 0 (off) or {SIZE_HELP}") from None
-    mib = b >> 20
-    if mib < 1:
-        raise ValueError(f"{flag} {text!r}: less than 1 MiB; give -1 (fill free VRAM), 0 (off) or {SIZE_HELP}")
-    return mib
-
-
-# ---- KV cache type ------------------------------------------------------------------------------------
-def kv_cache_type(ctk: str | None, ctv: str | None, default: str = "f16") -> str:
-    """``-ctk``/``-ctv`` -> the KV cache type: one of them alone sets both (K and V take the same
-    type); ValueError when they differ or are unknown."""
-    from moecache.engine import KV_TYPES
-
-    given = [(f, v.lower()) for f, v in (("-ctk", ctk), ("-ctv", ctv)) if v is not None]
-    for flag, v in given:
-        if v not in KV_TYPES:
-            raise ValueError(f"{flag} {v}: supported KV cache types are {', '.join(KV_TYPES)}")
-    if len(given) == 2 and given[0][1] != given[1][1]:
-        raise ValueError(f"-ctk {given[0][1]} -ctv {given[1][1]}: K and V caches of different types are not "
-                         f"supported; give both the same type (or one of them: it sets both)")
-    return given[0][1] if given else default

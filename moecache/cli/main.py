@@ -8,7 +8,6 @@ commands that are not built yet say so and exit 2.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -16,8 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.flags import (INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least,
-                       kv_cache_type as _kv_type, parse_moe_cache, parse_size, version_option)
+from moecache.cli.flags import INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least, version_option
 from moecache.threads import short_openmp_spin
 
 short_openmp_spin()  # before any OpenMP runtime loads (see moecache/threads.py)
@@ -65,7 +63,8 @@ ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF mo
                                                   "Default: the gemma3-270m package's model (the demo extra).")]
 CtxOpt = Annotated[Optional[int], typer.Option("-c", "--ctx-size", min=0, max=INT32_MAX, help="Context size in tokens (0 = the model's "
                                                "trained context); default: resolved at startup (printed).")]
-BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, max=INT32_MAX, help="Logical batch size.")]
+BatchOpt = Annotated[Optional[int], typer.Option("-b", "--batch-size", min=1, max=INT32_MAX, help="Logical batch size "
+                                                 "(default 2048, raised to a larger resolved -ub).")]
 UBatchOpt = Annotated[Optional[int], typer.Option("-ub", "--ubatch-size", min=1, max=INT32_MAX, help="Physical batch size (tokens per "
                                                   "forward pass); default: resolved at startup (printed).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("-t", "--threads", min=0, max=INT32_MAX, help="CPU threads (0 = physical cores); "
@@ -96,16 +95,6 @@ DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache d
                                                 "measured timings (also MOECACHE_DETERMINISTIC=1).")]
 
 
-def kv_cache_type(ctk: str | None, ctv: str | None) -> str:
-    """``-ctk``/``-ctv`` -> the KV cache type (cli.flags.kv_cache_type); UserError when they differ."""
-    from cli.common import UserError
-
-    try:
-        return _kv_type(ctk, ctv)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", min=-1, max=INT32_MAX, help="Layers on the GPU, counted from the "
                                      "last (> n_layer: the output layer too); -1 = all that fit; 0 = CPU only.")]
 CpuMoeOpt = Annotated[bool, typer.Option("-cmoe", "--cpu-moe", help="Keep every layer's routed experts in host RAM "
@@ -118,24 +107,6 @@ TsOpt = Annotated[Optional[str], typer.Option("-ts", "--tensor-split", help="Pro
 MgOpt = Annotated[int, typer.Option("-mg", "--main-gpu", min=0, max=INT32_MAX, help="The GPU of -sm none.")]
 
 
-def placement_options(ngl: int, cpu_moe: bool, n_cpu_moe: int, split_mode: str, tensor_split: str | None,
-                      main_gpu: int, moe_cache: str | None = None, vram_budget: str | None = None):
-    """The placement flags as a PlacementOptions (ValueError naming -ts if it does not parse)."""
-    from moecache.placement import PlacementOptions
-
-    ts: tuple[float, ...] = ()
-    if tensor_split:
-        try:
-            ts = tuple(float(v) for v in tensor_split.replace("/", ",").split(","))
-        except ValueError:
-            ts = (float("nan"),)
-        if not all(math.isfinite(v) and v >= 0 for v in ts) or sum(ts) <= 0:
-            raise ValueError(f"-ts {tensor_split!r}: expected comma-separated proportions >= 0 with a positive sum, "
-                             f"e.g. 3,1")
-    if split_mode not in ("layer", "none"):
-        raise ValueError(f"-sm {split_mode!r}: expected layer or none")
-    return PlacementOptions(ngl, cpu_moe, n_cpu_moe, split_mode, ts, main_gpu, moe_cache=parse_moe_cache(moe_cache),
-                            vram_budget=parse_size(vram_budget, "--vram-budget"))
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
 EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Process escapes (\\n, \\t, \\xHH, ...) "
                                          "in the prompt text, as llama.cpp does by default.")]
@@ -143,7 +114,7 @@ EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Pro
 
 def _user_errors(fn, *args) -> None:
     """Run a command body; user and model errors become one `error:` line and exit 1."""
-    from cli.common import UserError
+    from moecache.cli.common import UserError
     from moecache.errors import MoecacheError
 
     try:
@@ -169,7 +140,7 @@ def run(
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=-1, max=INT32_MAX, help="Tokens to generate (-1 = until end of generation).")] = -1,
     ctx_size: CtxOpt = None,
-    batch_size: BatchOpt = 2048,
+    batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
@@ -214,20 +185,24 @@ def run(
 ) -> None:
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
-        from cli.common import CacheOptions
-        from cli.run import RunOptions, run_command
-        from moecache.probe import UserFlags
+        from moecache.cli.run import RunOptions, run_command
         from moecache.sampling import DEFAULT_SEED, SamplingParams
+        from moecache.settings import Settings
 
         sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
-        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
-        cache = CacheOptions(moe_cache_window, moe_cache_stats, routing, deterministic)
-        opts = RunOptions(model, prompt, file, n_predict, conversation, system, chat_template, as_json, pl, flash_attn,
-                          escape, special, verbose, cache, not no_display_prompt)
-        run_command(opts, UserFlags("run", ubatch_size, ctx_size, threads, load_mode,
-                                    cache_type=kv_cache_type(cache_type_k, cache_type_v)), batch_size, sp)
+        settings = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads,
+                            n_gpu_layers=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
+                            tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
+                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
+                            flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
+                            routing=routing, deterministic=deterministic)
+        settings.check()
+        opts = RunOptions(model=model, prompt=prompt, file=file, n_predict=n_predict, conversation=conversation,
+                          system=system, chat_template=chat_template, as_json=as_json, escape=escape, special=special,
+                          verbose=verbose, display_prompt=not no_display_prompt)
+        run_command(opts, settings, sp)
     _user_errors(body)
 
 
@@ -236,7 +211,7 @@ def perplexity(
     model: ModelOpt = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Text file to score.")] = None,
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=4, max=INT32_MAX, help="Chunk size in tokens.")] = 512,
-    batch_size: BatchOpt = 2048,
+    batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     load_mode: LoadModeOpt = None,
@@ -263,17 +238,20 @@ def perplexity(
 ) -> None:
     """Perplexity over a text file, chunked as llama-perplexity does (second half of each -c chunk scored)."""
     def body() -> None:
-        from cli.common import CacheOptions, UserError
-        from cli.perplexity import perplexity_command
-        from moecache.probe import UserFlags
+        from moecache.cli.common import UserError
+        from moecache.cli.perplexity import perplexity_command
+        from moecache.settings import Settings
 
         if file is None:
             raise UserError("perplexity needs a text file: -f FILE")
-        pl = placement_options(ngl, cpu_moe, n_cpu_moe, split_mode, tensor_split, main_gpu, moe_cache, vram_budget)
-        perplexity_command(model, file, ctx_size, UserFlags("perplexity", ubatch_size, ctx_size, threads, load_mode,
-                                                             cache_type=kv_cache_type(cache_type_k, cache_type_v)),
-                           batch_size, chunks, pl, flash_attn, escape, verbose,
-                           CacheOptions(moe_cache_window, moe_cache_stats, None, deterministic))
+        settings = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads,
+                            n_gpu_layers=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
+                            tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
+                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
+                            flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
+                            deterministic=deterministic)
+        settings.check()
+        perplexity_command(model, file, settings, chunks, escape, verbose)
     _user_errors(body)
 
 
@@ -319,11 +297,14 @@ def bench(
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
     with the expert cache's parameters."""
     def body() -> None:
-        from cli.bench import bench_command
+        from moecache.cli.bench import BenchOptions, bench_command
 
-        bench_command(model, n_prompt, n_gen, pg, depth, reps, threads, batch_size, ubatch_size, ngl, n_cpu_moe,
-                      moe_cache, vram_budget, moe_cache_window, routing, n_gen_warmup, not no_warmup, load_mode, output,
-                      ctx_size, kv_cache_type(cache_type_k, cache_type_v))
+        bench_command(BenchOptions(models=model, n_prompt=n_prompt, n_gen=n_gen, pg=pg, depth=depth, reps=reps,
+                                   threads=threads, batch=batch_size, ubatch=ubatch_size, ngl=ngl, n_cpu_moe=n_cpu_moe,
+                                   moe_cache=moe_cache, vram_budget=vram_budget, window=moe_cache_window,
+                                   routing=routing, n_gen_warmup=n_gen_warmup, warmup=not no_warmup,
+                                   load_mode=load_mode, output=output, ctx_size=ctx_size, cache_type_k=cache_type_k,
+                                   cache_type_v=cache_type_v))
     _user_errors(body)
 
 
@@ -336,7 +317,7 @@ def probe_pcie(
 ) -> None:
     """Measure GPU links (PCIe generation/width, copy bandwidths), VRAM, host RAM bandwidth and cores."""
     def body() -> None:
-        from cli.probe import probe_command
+        from moecache.cli.probe import probe_command
 
         probe_command(as_json, size, reps)
     _user_errors(body)
@@ -356,8 +337,8 @@ def info(
 ) -> None:
     """Validate a GGUF and print its architecture, hyperparameters and tensor summary."""
     def body() -> None:
-        from cli.common import resolve_model
-        from cli.info import show_info
+        from moecache.cli.common import resolve_model
+        from moecache.cli.info import show_info
 
         show_info(resolve_model(model), tensors)
     _user_errors(body)

@@ -1,0 +1,295 @@
+"""The library's entry point: ``moecache.load(path, **settings)`` -> an :class:`LLM` that completes and chats.
+
+``load`` resolves the settings exactly as the CLI does (the same :class:`moecache.settings.Settings`
+record, the startup probe, :func:`moecache.settings.resolve`), builds the :class:`moecache.engine.Engine`
+and says what it resolved through ``log`` (the lines the CLI prints on stderr)::
+
+    import moecache
+    with moecache.load("model.gguf", n_ctx=256, n_threads=2) as llm:
+        out = llm.complete("def add(a, b):", n_predict=8, temperature=0)
+        print(out.text, out.tokens, out.timings)
+        reply = llm.chat([{"role": "user", "content": "hi"}], n_predict=8)
+
+``moecache run -m model.gguf -p "def add(a, b):" -n 8 --temp 0 --json`` gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moecache.settings import Resolved, Settings
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What :meth:`LLM.complete` and :meth:`LLM.chat` produced.
+
+    Attributes:
+        text: the generated text (special tokens left out unless ``special``).
+        tokens: the generated ids (the end-of-generation token excluded).
+        stop: "eog", "length" (``n_predict`` reached), "context" (the context is full) or "interrupted".
+        timings: :class:`moecache.engine.Timings` (prompt and generation counts and seconds).
+        prompt_tokens: ids the prompt was tokenized into (BOS included where the model adds it).
+    """
+
+    text: str
+    tokens: list[int]
+    stop: str
+    timings: Any
+    prompt_tokens: int
+
+
+def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
+    """One note per group of flags that cannot take effect in this run (an expert cache needs a GPU
+    and a model with routed experts, and is made only when the experts do not all fit in VRAM)."""
+    placement = settings.placement_options()
+    cache_flags = [f for f, given in (("--moe-cache", placement.moe_cache is not None),
+                                      ("--vram-budget", bool(placement.vram_budget)),
+                                      ("--moe-cache-window", settings.moe_cache_window is not None),
+                                      ("--moe-cache-stats", bool(settings.moe_cache_stats)),
+                                      ("--deterministic", bool(settings.deterministic))) if given]
+    moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
+                                    ("--n-cpu-moe", bool(placement.n_cpu_moe))) if given]
+    pl = eng.placement
+    on_gpu = pl is not None and bool(pl.devices)
+    dense = not eng.gguf.config.is_moe
+    out = []
+    if dense or not on_gpu:
+        flags = [f for f in cache_flags + moe_flags if not (on_gpu and f == "--vram-budget")]  # it bounds a GPU run
+        why = ([f"{eng.gguf.path.name} is a dense model (no routed experts)"] if dense else []) + (
+            [] if on_gpu else ["this run is on the CPU only (the expert cache and expert placement need a GPU)"])
+        if flags:
+            out.append(f"note: {', '.join(flags)} ignored: {'; '.join(why)}")
+    elif not eng.caches:
+        cache_flags = [f for f in cache_flags if not (f == "--moe-cache" and placement.moe_cache == 0)
+                       and f != "--vram-budget"]  # the budget still bounds the placement
+        if cache_flags:
+            out.append(f"note: {', '.join(cache_flags)} ignored: no expert cache was made in this run "
+                       f"({pl.summary()})")
+    return out
+
+
+class LLM:
+    """A loaded model (it owns its :class:`moecache.engine.Engine`): complete text, chat, close.
+
+    Attributes:
+        engine: the engine (one sequence; :meth:`complete` and :meth:`chat` start it from empty).
+        resolved: the values it runs with and their reasons (:class:`moecache.settings.Resolved`).
+        probe: the machine as the startup probe saw it.
+    """
+
+    def __init__(self, engine, resolved: Resolved, probe):
+        self.engine = engine
+        self.resolved = resolved
+        self.probe = probe
+
+    def close(self) -> None:
+        """Release the model file and the expert caches' threads (idempotent)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def sampler(self, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, seed: int = -1):
+        """llama.cpp's sampler chain with these settings (its defaults; ``temperature`` <= 0 is
+        greedy, ``seed`` -1 draws a random seed). Raises ValueError naming a bad value's flag."""
+        from moecache.sampling import DEFAULT_SEED, Sampler, SamplingParams
+
+        sp = SamplingParams(temp=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                            repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
+        sp.validate()
+        return Sampler(sp, self.engine.n_ctx)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """``prompt``'s ids as ``moecache run -p`` makes them (the model's BOS rules, special-token
+        text parsed). Raises ValueError when they leave no room to generate in the context."""
+        eng = self.engine
+        ids = eng.tokenizer.encode(prompt)
+        if len(ids) >= eng.n_ctx:
+            raise ValueError(f"the prompt is {len(ids)} tokens, the context is {eng.n_ctx} (-c): "
+                             f"nothing left to generate into")
+        return ids
+
+    def complete(self, prompt: str | list[int], *, n_predict: int = -1, sampler=None,
+                 on_token: Callable[[int], None] | None = None, special: bool = False, **sampling: Any) -> Completion:
+        """Complete ``prompt`` as ``moecache run -p`` does: tokenized by :meth:`tokenize` (or given
+        as ids), then up to ``n_predict`` tokens sampled (-1: until the end of generation or a full
+        context), from an empty sequence.
+
+        Args:
+            sampler: a :class:`moecache.sampling.Sampler`; default: :meth:`sampler` of ``sampling``
+                (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``, ``seed``, ...).
+            on_token: called with each generated id as it is sampled (streaming).
+            special: keep special (control) tokens in ``text``.
+
+        Raises:
+            ValueError: the prompt leaves no room in the context, or a sampling value is out of range.
+            ContextFullError: the prompt does not fit.
+        """
+        eng = self.engine
+        sampler = sampler or self.sampler(**sampling)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        eng.reset()
+        res = eng.generate(ids, sampler, n_predict, on_token)
+        return Completion(eng.tokenizer.decode(res.tokens, skip_special=not special), res.tokens, res.stop,
+                          res.timings, len(ids))
+
+    def chat(self, messages: list[dict[str, Any]], *, n_predict: int = -1, chat_template: str | None = None,
+             sampler=None, on_token: Callable[[int], None] | None = None, special: bool = False,
+             **sampling: Any) -> Completion:
+        """The assistant's reply to ``messages`` (``{"role": ..., "content": ...}`` dicts), rendered
+        with the model's chat template (:func:`moecache.chat.resolve_chat_template`; ``chat_template``:
+        a built-in name or a Jinja template instead) and completed as :meth:`complete` does.
+
+        Raises:
+            ValueError: an unknown template name, a template that fails on these messages, or a
+                sampling value out of range.
+            ContextFullError: the rendered conversation does not fit.
+        """
+        from moecache.chat import resolve_chat_template
+
+        eng = self.engine
+        tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, chat_template)
+        sampler = sampler or self.sampler(**sampling)
+        eng.reset()
+        ids = eng.tokenizer.encode(tmpl.render(messages, add_generation_prompt=True))
+        eng.kv.check_room(len(ids))
+        res = eng.generate(ids, sampler, n_predict, on_token)
+        return Completion(eng.tokenizer.decode(res.tokens, skip_special=not special), res.tokens, res.stop,
+                          res.timings, len(ids))
+
+
+def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log: Log | None = None,
+             log_once: Log | None = None, verbose: bool = False,
+             pin_progress: Callable[[], Callable[[int, int, float], None]] | None = None,
+             environ: Mapping[str, str] | None = None) -> LLM:
+    """Resolve ``settings`` against the model and the startup probe, say what was resolved, build
+    the engine, say what it placed where (the lines ``moecache run`` prints on stderr).
+
+    The GGUF is opened once: its facts, the ``--routing`` check, the kernels to compile and the
+    engine read the same :class:`moecache.gguf_file.GGUFModel`.
+
+    Args:
+        command: "run", "perplexity", "bench" or "serve" (see :func:`moecache.settings.resolve`).
+        log: each line (resolved values, notes, the model line); default: discard.
+        log_once: the engine's notes and the ignored-flag notes (a caller that loads several engines
+            says each once); default: ``log``.
+        verbose: every resolved value with its reason.
+        pin_progress: makes the callback (bytes done, total, seconds) that sees ``--load-mode pin``'s copy.
+        environ: the environment (``MOECACHE_DETERMINISTIC``); default: ``os.environ``.
+
+    Raises:
+        ValueError: a setting is impossible (the message names the flag), or ``--routing`` on a
+            model without routed experts.
+        GGUFError and the other :class:`moecache.errors.MoecacheError`: the model cannot be run.
+        MemoryError: an allocation failed.
+    """
+    from moecache.cpu_kernels import cpu_kernel_names, uncompiled_kernels, warm_prompt_path
+    from moecache.engine import Engine
+    from moecache.gguf_file import open_gguf
+    from moecache.probe import startup_probe
+    from moecache.settings import model_facts, resolve
+
+    log = log or (lambda s: None)
+    once = log_once or log
+    settings.check()
+    if settings.flash_attn == "on":
+        log(f"note: -fa {settings.flash_attn} ignored: one attention implementation per backend for now")
+    gguf = open_gguf(path)
+    try:
+        facts = model_facts(gguf, settings.kv_type())
+        placement = settings.placement_options()
+        probe = startup_probe(with_gpus=placement.n_gpu_layers != 0)
+        res = resolve(settings, facts, probe, command=command, environ=os.environ if environ is None else environ)
+        for line in res.summary_lines(probe, verbose):
+            log(line)
+        override = None
+        if res.routing:  # checked before the (possibly long) load
+            from moecache.moe.routing_process import make_routing
+
+            c = gguf.config
+            if not c.n_expert:
+                raise ValueError(f"--routing: {Path(path).name} has no routed experts")
+            override = make_routing(res.routing, c.n_layer, c.n_expert, c.n_expert_used)
+        # a CPU-only run calls every kernel of cpu_kernel_names at load; a GPU run calls the MoE kernel
+        # only where the CPU computes experts (mmap misses, host experts), so a missing one proves nothing
+        cpu_only = not probe.gpus or placement.n_gpu_layers == 0
+        cold = uncompiled_kernels(cpu_kernel_names(gguf)) if cpu_only else set()
+        if cold:
+            log(f"compiling CPU kernels, first run only ({len(cold)} to compile; cached for later runs)...")
+        t0 = time.perf_counter()
+        eng = Engine(gguf, res.engine_config(), log=once, placement=res.placement, load_mode=res.load_mode,
+                     pin_progress=pin_progress() if pin_progress is not None and res.load_mode == "pin" else None,
+                     policy_config=res.policy)
+    except BaseException:
+        gguf.close()
+        raise
+    try:
+        if eng.placement is None or not eng.placement.devices:
+            warm_prompt_path(eng)
+    except BaseException:
+        eng.close()
+        raise
+    if cold:
+        log(f"compiled CPU kernels: loading took {time.perf_counter() - t0:.1f} s (not counted in any speed below)")
+    for line in ineffective_flag_notes(eng, settings):
+        once(line)
+    if override is not None:
+        eng.model.routing_override = override
+        log(f"note: --routing {res.routing}: the router runs but its choice is replaced: the output text is "
+            f"meaningless (for speed, hit-rate and upload measurements)")
+    log(model_line(eng, res))
+    return LLM(eng, res, probe)
+
+
+def model_line(eng, res: Resolved) -> str:
+    """``model: NAME (arch, layers, MiB) | backend: ... | n_ctx ... | n_ubatch ... | load mode ... | loaded in ...``."""
+    c = eng.gguf.config
+    pl = eng.placement
+    ctx_src = f"-c {res.n_ctx}" if res.n_ctx else "the model's trained context"
+    if pl is not None and pl.devices:
+        from moecache.devices import gpu_name
+
+        gpus = ", ".join(f"{d}: {gpu_name(d)}" for d in pl.devices)
+        where = f"cuda [{gpus}] + {eng.n_threads} CPU threads | {pl.summary()}"
+    else:
+        where = f"cpu, {eng.n_threads} threads"
+    return (f"model: {eng.gguf.path.name} ({c.arch}, {c.n_layer} layers, {eng.gguf.n_bytes / 2**20:.0f} MiB) | "
+            f"backend: {where} | n_ctx {eng.n_ctx} ({ctx_src}) | n_ubatch {eng.n_ubatch} | "
+            f"load mode {eng.load_mode} | loaded in {eng.load_seconds:.2f} s")
+
+
+def load(path: str | Path, log: Log | None = None, *, verbose: bool = False, **settings: Any) -> LLM:
+    """Load a GGUF model, resolving ``settings`` exactly as ``moecache run`` does.
+
+    Args:
+        path: the GGUF file (first shard of a split model).
+        log: where the resolved settings and notes go, one line per call (default: discard).
+        verbose: every resolved value with its reason.
+        **settings: :class:`moecache.settings.Settings` fields under llama.cpp's names (``n_ctx``,
+            ``n_batch``, ``n_ubatch``, ``n_threads``, ``n_gpu_layers``, ``cpu_moe``, ``n_cpu_moe``,
+            ``moe_cache``, ``vram_budget``, ``cache_type``, ``load_mode``, ``routing``, ...); the
+            ones not given are resolved from the model and a probe of the machine.
+
+    Returns:
+        an :class:`LLM` (a context manager; ``close()`` releases the model).
+
+    Raises:
+        TypeError: an unknown setting name. ValueError: an impossible value (the message names the
+        flag). :class:`moecache.errors.MoecacheError`: the model cannot be run (missing file,
+        invalid GGUF, unsupported architecture or quant, not enough memory).
+    """
+    return open_llm(path, Settings(**settings), log=log, verbose=verbose)
