@@ -35,7 +35,8 @@ RSS_LIMIT = 600 << 20  # its peak resident memory; a normal run of the tiny mode
 _WRAPPER = """
 import resource, subprocess, sys
 def limit():
-    resource.setrlimit(resource.RLIMIT_AS, ({lim}, {lim}))
+    if {lim}:
+        resource.setrlimit(resource.RLIMIT_AS, ({lim}, {lim}))
 p = subprocess.run([sys.executable, "-m", "moecache.cli.main", *sys.argv[1:]], preexec_fn=limit)
 print("maxrss_kb=%d" % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
 sys.exit(p.returncode)
@@ -70,14 +71,16 @@ def _cli_args(command: str, model: Path, text: Path | None = None, *extra: str) 
     return base + list(extra)
 
 
-def run_cli(args: list[str], timeout: float = 120) -> tuple[int, str, str, float, int]:
-    """(exit code, stdout, stderr without the RSS line, wall seconds, peak RSS bytes) of the CLI."""
+def run_cli(args: list[str], timeout: float = 120, as_limit: int = AS_LIMIT) -> tuple[int, str, str, float, int]:
+    """(exit code, stdout, stderr without the RSS line, wall seconds, peak RSS bytes) of the CLI, run by
+    a small wrapper process (a child's ru_maxrss after exec counts the memory of the process it was
+    spawned from: pytest's, here) under an address-space limit of ``as_limit`` bytes (0: none)."""
     # CUDA reserves more address space than the limit; so would a thread pool (and its malloc arenas)
     # per core on a many-core machine
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NUMBA_NUM_THREADS="2", OMP_NUM_THREADS="2",
                MALLOC_ARENA_MAX="2")
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", _WRAPPER.format(lim=AS_LIMIT), *args], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-c", _WRAPPER.format(lim=as_limit), *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     lines = p.stderr.rstrip("\n").split("\n")
@@ -292,22 +295,13 @@ def test_trained_context_past_the_ram_is_lowered_with_a_note(tiny, tmp_path):
     the run goes on (the KV cache is committed lazily: small RSS). Not under run_cli's address-space
     limit, which is smaller than the RAM the note sizes the context by."""
     model = Crafted.load(tiny).set(f"{A}.context_length", 2**31).write(tmp_path / "ctx.gguf")
-    code = ("import resource, sys, runpy\nsys.argv = ['moecache'] + sys.argv[1:]\n"
-            "try:\n    runpy.run_module('moecache.cli.main', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
-            "else:\n    code = 0\nprint('maxrss_kb=%d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
-            "sys.exit(code)\n")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NUMBA_NUM_THREADS="2")
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", code, *_cli_args("run", model)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=240)
-    wall = time.perf_counter() - t0
-    print(p.stderr)
-    assert p.returncode == 0 and "Traceback" not in p.stderr
-    notes = [ln for ln in p.stderr.splitlines() if "context lowered to" in ln]
+    rc, out, err, wall, rss = run_cli(_cli_args("run", model), as_limit=0)
+    print(err)
+    assert rc == 0 and "Traceback" not in err
+    notes = [ln for ln in err.splitlines() if "context lowered to" in ln]
     assert len(notes) == 1 and f"{A}.context_length = {2**31}" in notes[0]
     n = int(notes[0].split("context lowered to ")[1].split()[0])
     assert 256 <= n < 2**31 and n & (n - 1) == 0
-    rss = int(p.stderr.rstrip().splitlines()[-1].split("=")[1]) * 1024
     assert rss < RSS_LIMIT and wall < 60
 
 
