@@ -140,6 +140,7 @@ class LLM:
             ContextFullError: the prompt does not fit.
         """
         eng = self.engine
+        _check_n_predict(n_predict)
         sampler = sampler or self.sampler(**sampling)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         eng.reset()
@@ -162,6 +163,7 @@ class LLM:
         from moecache.chat import resolve_chat_template
 
         eng = self.engine
+        _check_n_predict(n_predict)
         tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, chat_template)
         sampler = sampler or self.sampler(**sampling)
         eng.reset()
@@ -170,6 +172,12 @@ class LLM:
         res = eng.generate(ids, sampler, n_predict, on_token)
         return Completion(eng.tokenizer.decode(res.tokens, skip_special=not special), res.tokens, res.stop,
                           res.timings, len(ids))
+
+
+def _check_n_predict(n: int) -> None:
+    """``n_predict`` as ``-n`` takes it: -1 (until the end) or >= 0; ValueError naming the flag."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < -1:
+        raise ValueError(f"-n/--n-predict (n_predict) must be -1 (until the end of generation) or >= 0, got {n!r}")
 
 
 def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log: Log | None = None,

@@ -112,6 +112,12 @@ def test_unknown_setting_and_bad_values_are_named(tiny):
         moecache.load(tiny, load_mode="fast")
     with pytest.raises(ValueError, match="-ts"):
         moecache.load(tiny, tensor_split="a,b")
+    with moecache.load(tiny, n_ctx=64, n_threads=1) as llm:  # -n's range, as the CLI checks it
+        for n in (-3, 2.5):
+            with pytest.raises(ValueError, match="-n/--n-predict"):
+                llm.complete("hi", n_predict=n)
+            with pytest.raises(ValueError, match="-n/--n-predict"):
+                llm.chat([{"role": "user", "content": "hi"}], n_predict=n)
 
 
 def test_sampling_through_the_library_follows_the_seed(tiny):
