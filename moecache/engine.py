@@ -112,7 +112,7 @@ class Generation:
     Attributes:
         tokens: generated ids (the end-of-generation token excluded).
         stop: why it stopped: ``"eog"`` (end-of-generation token), ``"length"`` (-n reached),
-            ``"context"`` (the context is full), ``"interrupted"`` (Ctrl-C).
+            ``"context"`` (the context is full), ``"interrupted"`` (Ctrl-C), or the str ``on_token`` returned.
         timings: pp/tg counts and times.
     """
 
@@ -375,7 +375,9 @@ class Engine:
             prompt: ids to append first (at least one).
             sampler: picks each token; every prompt and generated token is ``accept``-ed into it.
             n_predict: most tokens to generate; -1 = until end of generation or a full context.
-            on_token: called with each generated id as soon as it is sampled (streaming).
+            on_token: called with each generated id as soon as it is sampled (streaming); when it
+                returns a str, generation ends there with that ``stop`` reason (a stop string, a
+                cancelled request), the token kept.
 
         Returns:
             a :class:`Generation`. Ctrl-C (KeyboardInterrupt) ends it with stop ``"interrupted"``:
@@ -405,8 +407,9 @@ class Engine:
                     res.stop = "eog"
                     break
                 res.tokens.append(tok)
-                if on_token is not None:
-                    on_token(tok)
+                if on_token is not None and isinstance(why := on_token(tok), str):
+                    res.stop = why
+                    break
                 if n_predict >= 0 and len(res.tokens) >= n_predict:
                     break
                 if self.kv.n_past >= self.n_ctx:

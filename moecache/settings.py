@@ -17,7 +17,7 @@ free VRAM of all GPUs (everything else keeps llama.cpp's defaults):
 - ``--load-mode auto``: pin when the model fits in available RAM with headroom and either its
   routed experts go to host RAM (the expert cache reads decode misses zero-copy from page-locked
   memory: ~8x the decode speed of computing them on the CPU, bench/results/cache-arms-h200.md) or
-  the command is ``serve``; otherwise map the file.
+  the command is ``serve`` on a machine with a GPU; otherwise map the file.
 - ``-b`` is raised to the resolved ``-ub`` when ``-ub`` was not given (a reason says so);
 - the expert cache's policy costs (:func:`policy_config`) from the expert size, the threads and the
   measured link (fixed values with ``--deterministic``).
@@ -360,12 +360,14 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     else:
         fits = pin_fits(model.n_bytes, host.ram_available, host.ram_total)
         wants = ("routed experts in host RAM (the expert cache reads misses zero-copy from page-locked RAM)"
-                 if big else "serve" if command == "serve" else None)
+                 if big else "serve" if command == "serve" and gpus else None)
         if wants and fits:
             mode, reasons["load_mode"] = "pin", f"{wants}, and the model fits in available RAM with headroom"
         elif wants:
             mode, reasons["load_mode"] = "mmap", (f"{wants}, but the model does not fit in available RAM with "
                                                   f"headroom" + ("; the cache computes misses on the CPU" if big else ""))
+        elif command == "serve":
+            mode, reasons["load_mode"] = "mmap", "serve without a GPU maps the file (page-locked RAM is for GPU copies)"
         else:
             mode, reasons["load_mode"] = "mmap", f"{command} maps the file"
     # experts and prompt GPU

@@ -255,10 +255,84 @@ def perplexity(
     _user_errors(body)
 
 
-@app.command(context_settings=_PASSTHROUGH)
-def serve(ctx: typer.Context) -> None:
-    """(Not built yet.) OpenAI-compatible HTTP server like llama-server."""
-    not_built("serve", "the OpenAI-compatible server comes later")
+# the sampling flags as serve takes them (the server's defaults for requests; run's are the same)
+TempOpt = Annotated[float, typer.Option("--temp", parser=frange(), help="Temperature (<= 0 = greedy).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, max=INT32_MAX, help="Top-k sampling (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", parser=frange(0.0, 1.0), help="Top-p sampling (1.0 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", parser=frange(0.0, 1.0), help="Min-p sampling (0.0 = off).")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", parser=frange(1e-6), help="Repetition penalty (1.0 = off).")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", min=-1, max=INT32_MAX, help="Tokens the penalties look at (-1 = context).")]
+PresenceOpt = Annotated[float, typer.Option("--presence-penalty", parser=frange())]
+FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", parser=frange())]
+SeedOpt = Annotated[int, typer.Option("-s", "--seed", min=-1, max=SEED_MAX, help="RNG seed (-1 = random).")]
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8080,
+    n_parallel: Annotated[int, typer.Option("-np", "--parallel", min=1, max=4096, help="Requests that may wait while "
+                                            "one runs (more: 503). Requests run one at a time in this version.")] = 4,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="MOECACHE_API_KEY", help="Require "
+                                                   "'Authorization: Bearer KEY' (also MOECACHE_API_KEY).")] = None,
+    alias: Annotated[Optional[str], typer.Option("-a", "--alias", help="Model name in the API (default: the file name).")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=-1, max=INT32_MAX, help="Default max_tokens "
+                                           "(-1 = until the end of generation or a full context).")] = -1,
+    ctx_size: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UBatchOpt = None,
+    threads: ThreadsOpt = None,
+    load_mode: LoadModeOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    verbose: VerboseOpt = False,
+    ngl: NglOpt = -1,
+    cpu_moe: CpuMoeOpt = False,
+    n_cpu_moe: NCpuMoeOpt = 0,
+    split_mode: SplitOpt = "layer",
+    tensor_split: TsOpt = None,
+    main_gpu: MgOpt = 0,
+    moe_cache: MoeCacheOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    moe_cache_window: MoeWindowOpt = None,
+    moe_cache_stats: MoeStatsOpt = 0,
+    routing: RoutingOpt = None,
+    deterministic: DeterministicOpt = False,
+    flash_attn: FaOpt = None,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    seed: SeedOpt = -1,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Built-in template name or a "
+                                                         "Jinja template (overrides the GGUF's).")] = None,
+    version: VersionOpt = None,
+) -> None:
+    """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""
+    def body() -> None:
+        from moecache.cli.serve import ServeOptions, serve_command
+        from moecache.sampling import DEFAULT_SEED, SamplingParams
+        from moecache.settings import Settings
+
+        sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                            repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
+        settings = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads,
+                            n_gpu_layers=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
+                            tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
+                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
+                            flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
+                            routing=routing, deterministic=deterministic)
+        settings.check()
+        serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
+                                   alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose),
+                      settings, sp)
+    _user_errors(body)
 
 
 @app.command()

@@ -1,0 +1,112 @@
+"""``moecache serve``: start the HTTP server at once (``/health`` says 503 while the model loads),
+load the model in a thread, then serve until SIGINT/SIGTERM (uvicorn's graceful shutdown; running
+generations are cancelled at their next token; exit 0)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from moecache.cli.common import UserError, load_engine, note, resolve_model
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """The parsed ``serve`` flags other than the engine's and the sampler's settings."""
+
+    model: Path | None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    n_parallel: int = 4
+    api_key: str | None = None
+    alias: str | None = None
+    n_predict: int = -1
+    chat_template: str | None = None
+    verbose: bool = False
+
+
+def serve_command(opts: ServeOptions, settings, sampling) -> None:
+    """Run the server; returns when it has stopped. Raises UserError when the model cannot load."""
+    import uvicorn
+
+    from moecache.cli.run import check_chat_template_name
+    from moecache.server.app import ServerState, build_app
+    from moecache.server.worker import Worker
+
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    check_chat_template_name(opts.chat_template)
+    if opts.api_key is not None and not opts.api_key:
+        raise UserError("--api-key is empty")
+    path = resolve_model(opts.model)
+    state = ServerState(model_id=opts.alias or path.name, api_key=opts.api_key, n_parallel=opts.n_parallel,
+                        defaults=sampling, max_tokens=opts.n_predict)
+    server = make_server(uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level="warning",
+                                    access_log=False, timeout_graceful_shutdown=5, lifespan="off"), state)
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        from moecache.chat import resolve_chat_template
+
+        try:
+            llm = load_engine(path, settings, "serve", opts.verbose)
+            try:
+                eng = llm.engine
+                tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, opts.chat_template)
+            except BaseException:
+                llm.close()
+                raise
+            note(f"chat template: {tmpl.name} ({tmpl.source})")
+
+            def done(job, res) -> None:
+                state.metrics.done(res.timings.n_prompt, res.timings.t_prompt, res.n_tokens, res.predicted_s,
+                                   res.finish_reason == "cancelled")
+            state.llm, state.template = llm, tmpl
+            state.worker = Worker(llm, opts.n_parallel, done, note)
+            note(f"server: ready: model {state.model_id}, requests one at a time, up to {opts.n_parallel} waiting "
+                 f"(-np){', API key required' if opts.api_key else ''}")
+        except BaseException as e:
+            failed.append(e)
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="moecache-load", daemon=True)
+    note(f"server: listening on http://{opts.host}:{opts.port} (loading the model; /health says 503 until ready)")
+    # uvicorn re-raises the signal it caught after its graceful shutdown, to the handler it found:
+    # ours is a no-op, so that the stop is clean (exit 0)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *a: None)
+    loader.start()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits 1 when it cannot bind
+        pass
+    finally:
+        if state.worker is not None:
+            state.worker.stop()
+        loader.join(timeout=1.0)
+        if state.llm is not None:
+            state.llm.close()
+    if failed:
+        raise failed[0]
+    if not server.started:
+        raise UserError(f"could not serve on {opts.host}:{opts.port} (is the port in use?)")
+    note("server: stopped")
+
+
+def make_server(config, state):
+    """uvicorn's server, whose signal handler also cancels the running generations."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.worker is not None:
+                state.worker.stopping.set()
+                cur = state.worker.current
+                if cur is not None:
+                    cur.cancel()
+            super().handle_exit(sig, frame)
+    return Server(config)

@@ -1,0 +1,316 @@
+"""The HTTP routes (Starlette): llama-server's endpoints, OpenAI's shapes.
+
+Every route answers JSON; an error is ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx
+status, and nothing a request sends can end the server (each handler's exception becomes a 500).
+Prompts are rendered and tokenized in the request's thread (under a lock: a chat template's sandbox
+keeps state), so a prompt too long for the context is a 400 before it queues; the engine runs in
+:class:`moecache.server.worker.Worker`'s thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from moecache.server.metrics import Metrics
+from moecache.server.schemas import (MAX_BODY_BYTES, ApiError, GenRequest, bad, get_bool, parse_gen, parse_json,
+                                     parse_messages, parse_prompt, timings_object)
+from moecache.server.worker import Job, Result, Worker
+
+POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    """What the routes share. ``llm``/``worker``/``template`` are None while the model loads.
+
+    Attributes:
+        model_id: the name /v1/models and responses give (``--alias`` or the file name).
+        api_key: ``--api-key`` (None: no key needed).
+        n_parallel: ``-np``: requests that may wait beyond the running one.
+        defaults: the server's :class:`moecache.sampling.SamplingParams` (the sampling flags).
+        max_tokens: the default ``max_tokens`` (``-n``; -1 = until the end or a full context).
+    """
+
+    model_id: str
+    api_key: str | None
+    n_parallel: int
+    defaults: Any
+    max_tokens: int = -1
+    llm: Any = None
+    worker: Worker | None = None
+    template: Any = None
+    metrics: Metrics = field(default_factory=Metrics)
+    prep_lock: threading.Lock = field(default_factory=threading.Lock)
+    started: float = field(default_factory=time.time)
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(data, ensure_ascii=False), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, at most :data:`MAX_BODY_BYTES` (413 beyond)."""
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def build_app(state: ServerState) -> Starlette:
+    """The ASGI app over ``state`` (see the module docstring for the endpoints)."""
+
+    def ready() -> None:
+        if state.worker is None:
+            raise ApiError(503, "Loading model")
+
+    def guarded(handler):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if state.api_key is not None and request.url.path not in ("/health", "/v1/health"):
+                    if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                        raise ApiError(401, "Invalid API Key")
+                return await handler(request)
+            except ApiError as e:
+                if e.status >= 400 and request.url.path.endswith("completions"):
+                    state.metrics.count("rejected" if e.status == 503 else "error")
+                return error_response(e)
+            except Exception as e:  # a bug must cost one request, not the server
+                import traceback
+
+                traceback.print_exc()
+                return error_response(ApiError(500, f"internal error: {type(e).__name__}: {str(e)[:300]}"))
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        ready()
+        return _json({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        meta = {}
+        if state.llm is not None:
+            eng = state.llm.engine
+            meta = {"n_vocab": eng.tokenizer.n_vocab, "n_ctx_train": eng.gguf.config.context_length,
+                    "n_ctx": eng.n_ctx, "size": eng.gguf.n_bytes}
+        return _json({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
+                                                  "owned_by": "moecache", "meta": meta}]})
+
+    async def props(request: Request) -> Response:
+        ready()
+        eng = state.llm.engine
+        return _json({"default_generation_settings": {**asdict(state.defaults), "n_ctx": eng.n_ctx,
+                                                      "n_predict": state.max_tokens},
+                      "total_slots": state.n_parallel, "model_path": str(eng.gguf.path), "model_alias": state.model_id,
+                      "chat_template": state.template.name, "chat_template_source": state.template.source,
+                      "build_info": "moecache", "batching": "none: requests run one at a time"})
+
+    async def slots(request: Request) -> Response:
+        ready()
+        w = state.worker
+        cur = w.current
+        return _json([{"id": 0, "n_ctx": state.llm.engine.n_ctx, "is_processing": cur is not None,
+                       "n_decoded": cur.n_decoded if cur is not None else 0,
+                       "n_prompt_tokens": len(cur.ids) if cur is not None else 0, "queued": w.n_waiting}])
+
+    async def metrics(request: Request) -> Response:
+        ready()
+        w = state.worker
+        text = state.metrics.render(int(w.current is not None), w.n_waiting, state.llm.engine.caches)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def tokenize(request: Request) -> Response:
+        ready()
+        d = await read_json(request)
+        content = d.get("content")
+        if not isinstance(content, str):
+            raise bad("'content' must be a string", "content")
+        add_special = get_bool(d, "add_special", False)
+        tok = state.llm.engine.tokenizer
+        ids = await run_in_threadpool(tok.encode, content, None if add_special else False)
+        if get_bool(d, "with_pieces", False):
+            return _json({"tokens": [{"id": i, "piece": tok.token_bytes(i).decode("utf-8", "replace")} for i in ids]})
+        return _json({"tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        ready()
+        d = await read_json(request)
+        ids = d.get("tokens")
+        n = state.llm.engine.tokenizer.n_vocab
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                                                for i in ids):
+            raise bad(f"'tokens' must be a list of token ids in [0, {n})", "tokens")
+        return _json({"content": state.llm.engine.tokenizer.decode(ids)})
+
+    def prepare(prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+        """Prompt ids (rendered with the chat template for messages); 400 when they do not fit."""
+        eng = state.llm.engine
+        with state.prep_lock:
+            if messages is not None:
+                try:
+                    prompt = state.template.render(messages, add_generation_prompt=True)
+                except ValueError as e:
+                    raise bad(f"the chat template failed on these messages: {str(e)[:300]}", "messages") from None
+            ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise bad("the prompt is empty", "prompt")
+        if len(ids) >= eng.n_ctx:
+            raise bad(f"the prompt is {len(ids)} tokens, the context is {eng.n_ctx} (-c): nothing left to "
+                      f"generate into", "prompt")
+        return ids
+
+    async def next_event(job: Job, request: Request) -> tuple[str, Any]:
+        """The job's next event; cancels it when the client has gone meanwhile."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ApiError(499, "the client disconnected")
+
+    async def completion(request: Request, chat: bool) -> Response:
+        ready()
+        d = await read_json(request)
+        eng = state.llm.engine
+        if chat:
+            messages, prompt = parse_messages(d), None
+        else:
+            messages, prompt = None, parse_prompt(d, eng.tokenizer.n_vocab)
+        gen = parse_gen(d, state.defaults, state.max_tokens)
+        ids = await run_in_threadpool(prepare, prompt, messages)
+        room = eng.n_ctx - len(ids)
+        if gen.max_tokens < 0 or gen.max_tokens > room:
+            gen = GenRequest(room, gen.sampling, gen.stop, gen.stream, gen.include_usage)
+        job = Job(ids, gen, asyncio.get_running_loop())
+        state.worker.submit(job)
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        try:
+            first = await next_event(job, request)
+        except BaseException:
+            job.cancel()
+            raise
+        if first[0] == "error":
+            raise first[1]
+        if gen.stream:
+            return SSEResponse(_stream(job, request, first, chat, ident, created, gen), job)
+        parts = []
+        ev = first
+        try:
+            while ev[0] == "text":
+                parts.append(ev[1])
+                ev = await next_event(job, request)
+        except BaseException:
+            job.cancel()
+            raise
+        if ev[0] == "error":
+            raise ev[1]
+        res: Result = ev[1]
+        choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": res.text}
+        else:
+            choice["text"] = res.text
+        return _json({"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                      "model": state.model_id, "choices": [choice], "usage": _usage(len(ids), res),
+                      "timings": timings_object(res.timings, res.predicted_s),
+                      **({"moe_cache": res.cache} if res.cache else {})})
+
+    async def _stream(job: Job, request: Request, first, chat: bool, ident: str, created: int, gen: GenRequest):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, extra: dict | None = None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": ident, "object": obj, "created": created, "model": state.model_id, "choices": [choice],
+                    **(extra or {})}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            ev = first
+            while ev[0] == "text":
+                yield chunk(ev[1], None)
+                ev = await job.events.get()
+            if ev[0] == "error":
+                yield f"data: {json.dumps(ev[1].body())}\n\n".encode()
+                return
+            res: Result = ev[1]
+            extra = {"timings": timings_object(res.timings, res.predicted_s),
+                     **({"moe_cache": res.cache} if res.cache else {})}
+            if gen.include_usage:
+                extra["usage"] = _usage(len(job.ids), res)
+            yield chunk(None, res.finish_reason, extra)
+            yield b"data: [DONE]\n\n"
+        finally:
+            job.cancel()  # a client that left stops its generation at the next token
+
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, True)
+
+    async def completions(request: Request) -> Response:
+        return await completion(request, False)
+
+    routes = [("/health", health, ["GET"]), ("/v1/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
+              ("/models", models, ["GET"]), ("/props", props, ["GET"]), ("/slots", slots, ["GET"]),
+              ("/metrics", metrics, ["GET"]), ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
+              ("/v1/chat/completions", chat_completions, ["POST"]), ("/chat/completions", chat_completions, ["POST"]),
+              ("/v1/completions", completions, ["POST"]), ("/completions", completions, ["POST"])]
+    app = Starlette(routes=[Route(p, guarded(h), methods=m) for p, h, m in routes],
+                    exception_handlers={404: _not_found, 405: _not_allowed})
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(404, f"no such endpoint: {request.url.path}"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+
+def _usage(n_prompt: int, res: Result) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": res.n_tokens, "total_tokens": n_prompt + res.n_tokens}
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose job is cancelled however the response ends (done, the client gone,
+    the server stopping)."""
+
+    def __init__(self, content, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()

@@ -1,0 +1,60 @@
+"""Counters of the server's work, rendered as Prometheus text (llama-server's names, ``moecache:``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class Metrics:
+    """Totals since start: requests by outcome, prompt and generated tokens and their seconds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.prompt_seconds = 0.0
+        self.predicted_tokens = 0
+        self.predicted_seconds = 0.0
+        self.requests = {"ok": 0, "cancelled": 0, "error": 0, "rejected": 0}
+
+    def done(self, n_prompt: int, prompt_s: float, n_predicted: int, predicted_s: float, cancelled: bool) -> None:
+        """A request finished in the worker."""
+        with self._lock:
+            self.prompt_tokens += n_prompt
+            self.prompt_seconds += prompt_s
+            self.predicted_tokens += n_predicted
+            self.predicted_seconds += predicted_s
+            self.requests["cancelled" if cancelled else "ok"] += 1
+
+    def count(self, outcome: str) -> None:
+        """A request that ended without generating: "error" (4xx/5xx) or "rejected" (queue full)."""
+        with self._lock:
+            self.requests[outcome] += 1
+
+    def render(self, processing: int, waiting: int, caches: list[Any]) -> str:
+        """Prometheus text exposition format (version 0.0.4)."""
+        rows: list[tuple[str, str, str, Any]] = [
+            ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
+            ("prompt_seconds_total", "counter", "Prompt processing time.", self.prompt_seconds),
+            ("tokens_predicted_total", "counter", "Generated tokens.", self.predicted_tokens),
+            ("tokens_predicted_seconds_total", "counter", "Generation time.", self.predicted_seconds),
+            ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
+             self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0),
+            ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
+             self.predicted_tokens / self.predicted_seconds if self.predicted_seconds else 0.0),
+            ("requests_processing", "gauge", "Requests being processed.", processing),
+            ("requests_deferred", "gauge", "Requests waiting in the queue.", waiting),
+        ]
+        out = []
+        for name, kind, help, value in rows:
+            out += [f"# HELP moecache:{name} {help}", f"# TYPE moecache:{name} {kind}", f"moecache:{name} {value}"]
+        out += ["# HELP moecache:requests_total Requests by outcome.", "# TYPE moecache:requests_total counter"]
+        out += [f'moecache:requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
+        if caches:
+            out += ["# HELP moecache:expert_cache_hit_rate Expert-cache hit rate since start, per GPU cache.",
+                    "# TYPE moecache:expert_cache_hit_rate gauge"]
+            out += [f'moecache:expert_cache_hit_rate{{cache="{i}"}} {c.stats.hit_rate}' for i, c in enumerate(caches)]
+            out += ["# HELP moecache:expert_cache_uploads_total Experts uploaded into the cache.",
+                    "# TYPE moecache:expert_cache_uploads_total counter"]
+            out += [f'moecache:expert_cache_uploads_total{{cache="{i}"}} {c.stats.uploads}' for i, c in enumerate(caches)]
+        return "\n".join(out) + "\n"
