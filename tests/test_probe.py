@@ -38,6 +38,9 @@ CASES = [
     ("short trained context caps -c", MOE_SHORT_CTX, [gpu(0, 24)], Settings(), (2048, 8192, 15, "pin", True, 0)),
     ("user flags win", MOE_BIG, [gpu(0, 24)], Settings(n_ubatch=256, n_ctx=4096, n_threads=3, load_mode="pin"), (256, 4096, 3, "pin", True, 0)),
     ("serve pins when it fits RAM", MOE_BIG, [gpu(0, 24)], ("serve", Settings()), (2048, 32768, 15, "pin", True, 0)),
+    ("serve pins a model that fits VRAM", MOE_SMALL, [gpu(0, 24)], ("serve", Settings()), (512, 0, 16, "pin", False, 0)),
+    ("serve without a GPU maps (pinning needs CUDA)", MOE_SMALL, [], ("serve", Settings()),
+     (512, 0, 16, "mmap", False, None)),
 ]
 
 

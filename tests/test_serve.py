@@ -1,0 +1,312 @@
+"""``moecache serve``: the real server in a subprocess on a free port, driven by the openai client
+and plain HTTP (code-moe-tiny for the text, the tiny synthetic model for the queue and shutdown)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import require_module
+from moecache.server.stops import StopMatcher
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+PROMPT = "def add(a, b):"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``moecache serve`` in a subprocess; ``url``, ``proc``, ``stop()``."""
+
+    def __init__(self, model: Path, *flags: str):
+        self.key = KEY if "--api-key" in flags else None
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.devnull, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moecache.cli.main", "serve", "-m", str(model),
+                                      "--port", str(self.port), "-t", "2", *flags],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+        httpx = require_module("httpx")
+        deadline = time.monotonic() + 120
+        seen_503 = False
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._reader.join(2)
+                raise AssertionError(f"serve exited {self.proc.returncode}: {''.join(self.output)}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    break
+                seen_503 |= r.status_code == 503
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            self.stop()
+            raise AssertionError(f"serve not ready in 120 s: {''.join(self.output)}")
+        self.seen_503 = seen_503
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(code_moe_tiny):
+    s = Server(code_moe_tiny, "-c", "256", "--api-key", KEY, "-np", "4")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _http(server, method: str, path: str, key: str | None = KEY, **kw):
+    httpx = require_module("httpx")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, server.url + path, headers=headers, timeout=60, **kw)
+
+
+def _client(server):
+    openai = require_module("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_the_info_endpoints(server):
+    assert _http(server, "GET", "/health", key=None).json() == {"status": "ok"}
+    models = _http(server, "GET", "/v1/models").json()
+    assert models["data"][0]["id"] == "code-moe-tiny.gguf" and models["data"][0]["meta"]["n_ctx"] == 256
+    props = _http(server, "GET", "/props").json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 256
+    slots = _http(server, "GET", "/slots").json()
+    assert slots[0]["n_ctx"] == 256 and slots[0]["is_processing"] is False
+    toks = _http(server, "POST", "/tokenize", json={"content": PROMPT}).json()["tokens"]
+    assert toks and _http(server, "POST", "/detokenize", json={"tokens": toks}).json()["content"] == PROMPT
+    metrics = _http(server, "GET", "/metrics")
+    assert metrics.status_code == 200 and "moecache:tokens_predicted_total" in metrics.text
+
+
+def test_greedy_text_equals_run_json(server, code_moe_tiny):
+    """The same greedy tokens as ``moecache run -p ... --temp 0 --json`` (same -c, -n), streamed or not."""
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "run", "-m", str(code_moe_tiny), "-p", PROMPT,
+                        "-n", "12", "--temp", "0", "--json", "-c", "256", "-t", "2"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)
+    client = _client(server)
+    out = client.completions.create(model="x", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == cli["text"]
+    assert out.usage.completion_tokens == len(cli["tokens"]) and out.usage.prompt_tokens == cli["prompt_tokens"]
+    assert out.choices[0].finish_reason == ("length" if cli["stop"] == "length" else "stop")
+    timings = out.model_extra["timings"]
+    assert timings["prompt_n"] == cli["prompt_tokens"] and timings["predicted_n"] == len(cli["tokens"])
+    assert timings["predicted_per_second"] > 0 and timings["prompt_per_token_ms"] > 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="x", prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert streamed == cli["text"]
+
+
+def test_chat_streamed_and_not(server):
+    client = _client(server)
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "add two numbers"}]
+    out = client.chat.completions.create(model="x", messages=msgs, max_tokens=10, temperature=0, seed=1)
+    text = out.choices[0].message.content
+    assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens <= 10 and text
+    chunks = list(client.chat.completions.create(model="x", messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop") and chunks[-1].usage.completion_tokens >= 1
+    # sampled with a seed: the same seed, the same text
+    kw = dict(model="x", messages=msgs, max_tokens=10, temperature=1.0, top_p=0.9, seed=7,
+              presence_penalty=0.5, frequency_penalty=0.5)
+    a, b = (client.chat.completions.create(**kw).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_stop_strings_end_the_text(server):
+    client = _client(server)
+    full = client.completions.create(model="x", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = full[3:6]
+    assert stop.strip()
+    cut = full[:full.index(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model="x", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                    stop=[stop, "never"], stream=True))
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            c = client.completions.create(model="x", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop).choices[0]
+            text, reason = c.text, c.finish_reason
+        assert (text, reason) == (cut, "stop")
+
+
+def test_concurrent_clients_all_complete(server):
+    client = _client(server)
+    results, errors = [], []
+
+    def one(i: int) -> None:
+        try:
+            out = client.chat.completions.create(model="x", messages=[{"role": "user", "content": f"count to {i}"}],
+                                                 max_tokens=6, temperature=0)
+            results.append(out.choices[0].message.content)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 4
+
+
+@pytest.mark.parametrize("path,body,key,status,words", [
+    ("/v1/chat/completions", b"{not json", KEY, 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", KEY, 400, "JSON object"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', KEY, 400, "role"),
+    ("/v1/chat/completions", b'{"messages": []}', KEY, 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "10"}', KEY, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', KEY, 400,
+     "JSON"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', KEY, 400,
+     "not supported yet"),
+    ("/v1/completions", b'{"prompt": 5}', KEY, 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [1, 99999999]}', KEY, 400, "token ids"),
+    ("/v1/completions", json.dumps({"prompt": "word " * 400}).encode(), KEY, 400, "context"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": [1]}', KEY, 400, "stop"),
+    ("/v1/completions", b'{"prompt": "hi"}', None, 401, "API Key"),
+    ("/v1/completions", b'{"prompt": "hi"}', "wrong", 401, "API Key"),
+    ("/v1/nothing", b"{}", KEY, 404, "no such endpoint"),
+    ("/tokenize", b'{"content": 3}', KEY, 400, "content"),
+    ("/detokenize", b'{"tokens": [-1]}', KEY, 400, "tokens"),
+])
+def test_bad_requests_get_one_clear_error(server, path, body, key, status, words):
+    r = _http(server, "POST", path, key=key, content=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["code"] == status and err["type"]
+    assert _http(server, "GET", "/health").status_code == 200
+
+
+def test_a_huge_body_is_refused(server):
+    r = _http(server, "POST", "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
+    assert r.status_code == 413 and "MiB" in r.json()["error"]["message"]
+
+
+def _metric(server, name: str) -> float:
+    for line in _http(server, "GET", "/metrics", key=KEY if server.key else None).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """The tiny synthetic model (random weights: long generations rarely end early), -np 1."""
+    from moecache.testing.synth import PRESETS, write_model
+
+    model = tmp_path_factory.mktemp("serve") / "tiny.gguf"
+    write_model(model, PRESETS["tiny"], seed=3)
+    s = Server(model, "-c", "4096", "-np", "1")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+LONG = {"prompt": "hello", "max_tokens": 4000, "temperature": 1.0, "min_p": 0, "stream": True}
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(tiny_server):
+    httpx = require_module("httpx")
+    s = tiny_server
+    before = _metric(s, 'moecache:requests_total{outcome="cancelled"}')
+    with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    t0 = time.monotonic()
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert time.monotonic() - t0 < 20
+    assert _metric(s, 'moecache:requests_total{outcome="cancelled"}') == before + 1
+
+
+def test_a_full_queue_is_503_and_sigterm_stops_cleanly(tiny_server):
+    """-np 1: one runs, one waits, the third is refused; SIGTERM cancels both and exits 0 in seconds."""
+    httpx = require_module("httpx")
+    s = tiny_server
+    long = LONG
+    try:
+        first_line = threading.Event()
+        ends: list[str] = []
+
+        def streaming() -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as r:
+                for line in r.iter_lines():
+                    first_line.set()
+                    if line:
+                        ends.append(line)
+        waiting: list[int] = []
+        a = threading.Thread(target=streaming)
+        a.start()
+        assert first_line.wait(30)
+        b = threading.Thread(target=lambda: waiting.append(
+            httpx.post(s.url + "/v1/completions", json={**long, "stream": False}, timeout=60).status_code))
+        b.start()
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/slots").json()[0]["queued"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "busy" in r.json()["error"]["message"]
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(20) == 0
+        assert time.monotonic() - t0 < 10
+        a.join(10)
+        b.join(10)
+        assert ends and ends[-1] == "data: [DONE]"  # the running stream was ended, not cut
+        assert waiting == [503]
+        assert "server: stopped" in "".join(s.output)
+    finally:
+        s.stop()
+
+
+def test_health_is_503_while_the_model_loads():
+    """Before the engine is there: /health and the completions say 503 "Loading model"."""
+    require_module("httpx")
+    from starlette.testclient import TestClient
+
+    from moecache.sampling import SamplingParams
+    from moecache.server.app import ServerState, build_app
+
+    client = TestClient(build_app(ServerState(model_id="m", api_key=None, n_parallel=1, defaults=SamplingParams())))
+    for method, path in (("GET", "/health"), ("POST", "/v1/chat/completions"), ("GET", "/metrics")):
+        r = client.request(method, path, json={})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_stop_matcher_holds_back_what_may_start_a_stop_string():
+    m = StopMatcher(["END", "xy"])
+    assert m.push("abc E") == "abc " and m.push("N") == "" and m.push("D tail") == "" and m.hit == "END"
+    m = StopMatcher(["END"])
+    assert m.push("E") == "" and m.push("gg") == "Egg" and m.push("EN") == "" and m.flush() == "EN"
+    assert StopMatcher().push("any") == "any"
