@@ -43,10 +43,17 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     if opts.api_key is not None and not opts.api_key:
         raise UserError("--api-key is empty")
     path = resolve_model(opts.model)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
     state = ServerState(model_id=opts.alias or path.name, api_key=opts.api_key, n_parallel=opts.n_parallel,
                         defaults=sampling, max_tokens=opts.n_predict)
-    server = make_server(uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level="warning",
-                                    access_log=False, timeout_graceful_shutdown=5, lifespan="off"), state)
+    config = uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+    try:
+        sock = config.bind_socket()  # before the (possibly long) load: a port in use fails at once
+    except SystemExit:
+        raise UserError(f"cannot listen on {opts.host}:{opts.port} (see the line above: is the port in use?)") from None
+    server = make_server(config, state)
     failed: list[BaseException] = []
 
     def load() -> None:
@@ -81,9 +88,7 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         signal.signal(sig, lambda *a: None)
     loader.start()
     try:
-        server.run()
-    except SystemExit:  # uvicorn exits 1 when it cannot bind
-        pass
+        server.run(sockets=[sock])
     finally:
         if state.worker is not None:
             state.worker.stop()
@@ -92,8 +97,6 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
             state.llm.close()
     if failed:
         raise failed[0]
-    if not server.started:
-        raise UserError(f"could not serve on {opts.host}:{opts.port} (is the port in use?)")
     note("server: stopped")
 
 
