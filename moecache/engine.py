@@ -112,7 +112,7 @@ class Generation:
     Attributes:
         tokens: generated ids (the end-of-generation token excluded).
         stop: why it stopped: ``"eog"`` (end-of-generation token), ``"length"`` (-n reached),
-            ``"context"`` (the context is full), ``"interrupted"`` (Ctrl-C), or the str ``on_token`` returned.
+            ``"context"`` (the context is full), ``"interrupted"`` (Ctrl-C), or the str ``stop`` returned.
         timings: pp/tg counts and times.
     """
 
@@ -368,16 +368,18 @@ class Engine:
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def generate(self, prompt: list[int], sampler: Sampler, n_predict: int,
-                 on_token: Callable[[int], None] | None = None) -> Generation:
+                 on_token: Callable[[int], None] | None = None,
+                 stop: Callable[[int], str | None] | None = None) -> Generation:
         """Evaluate ``prompt`` (appended to the sequence), then sample up to ``n_predict`` tokens.
 
         Args:
             prompt: ids to append first (at least one).
             sampler: picks each token; every prompt and generated token is ``accept``-ed into it.
             n_predict: most tokens to generate; -1 = until end of generation or a full context.
-            on_token: called with each generated id as soon as it is sampled (streaming); when it
-                returns a str, generation ends there with that ``stop`` reason (a stop string, a
-                cancelled request), the token kept.
+            on_token: called with each generated id as soon as it is sampled (streaming).
+            stop: called after ``on_token`` with each generated id; when it returns a str,
+                generation ends there with that ``stop`` reason (a stop string, a cancelled
+                request), the token kept.
 
         Returns:
             a :class:`Generation`. Ctrl-C (KeyboardInterrupt) ends it with stop ``"interrupted"``:
@@ -407,7 +409,9 @@ class Engine:
                     res.stop = "eog"
                     break
                 res.tokens.append(tok)
-                if on_token is not None and isinstance(why := on_token(tok), str):
+                if on_token is not None:
+                    on_token(tok)
+                if stop is not None and (why := stop(tok)) is not None:
                     res.stop = why
                     break
                 if n_predict >= 0 and len(res.tokens) >= n_predict:

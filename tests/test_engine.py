@@ -50,6 +50,15 @@ def test_generation_stops_at_eog_and_at_n_predict(eng):
     assert eng.n_past == 2 + 2  # the last sampled token is not evaluated
 
 
+def test_a_stop_callback_ends_generation_with_its_reason(eng):
+    """``stop`` (the server's stop strings and cancellation) ends it after the token it saw."""
+    eng.reset()
+    seen = []
+    g = eng.generate([0, 474], Scripted([10, 11, 12, 13]), n_predict=10, on_token=seen.append,
+                     stop=lambda t: "stop" if t == 11 else None)
+    assert g.tokens == [10, 11] == seen and g.stop == "stop" and g.timings.n_gen == 2
+
+
 def test_full_context_and_too_long_prompt(eng):
     eng.reset()
     g = eng.generate(list(range(1, 61)), Sampler(SamplingParams(temp=0.0)), n_predict=-1)

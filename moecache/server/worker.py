@@ -168,7 +168,7 @@ class Worker:
         eng.reset()
         t0 = time.perf_counter()
         try:
-            res = eng.generate(job.ids, sampler, job.gen.max_tokens, on_token)
+            res = eng.generate(job.ids, sampler, job.gen.max_tokens, stop=on_token)
         except ContextFullError as e:
             raise ApiError(400, str(e)) from None
         finally:
