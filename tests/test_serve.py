@@ -219,7 +219,7 @@ def _metric(server, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    """The tiny synthetic model (random weights: long generations rarely end early), -np 1."""
+    """The tiny synthetic model (fast), -np 1; long requests set ignore_eos."""
     from moecache.testing.synth import PRESETS, write_model
 
     model = tmp_path_factory.mktemp("serve") / "tiny.gguf"
@@ -231,7 +231,7 @@ def tiny_server(tmp_path_factory):
         s.stop()
 
 
-LONG = {"prompt": "hello", "max_tokens": 4000, "temperature": 1.0, "min_p": 0, "stream": True}
+LONG = {"prompt": "hello", "max_tokens": 4000, "temperature": 1.0, "min_p": 0, "stream": True, "ignore_eos": True}
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_engine(tiny_server):

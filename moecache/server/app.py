@@ -14,7 +14,7 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -201,7 +201,7 @@ def build_app(state: ServerState) -> Starlette:
         ids = await run_in_threadpool(prepare, prompt, messages)
         room = eng.n_ctx - len(ids)
         if gen.max_tokens < 0 or gen.max_tokens > room:
-            gen = GenRequest(room, gen.sampling, gen.stop, gen.stream, gen.include_usage)
+            gen = replace(gen, max_tokens=room)
         job = Job(ids, gen, asyncio.get_running_loop())
         state.worker.submit(job)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

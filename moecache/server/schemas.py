@@ -116,6 +116,7 @@ class GenRequest:
         stop: stop strings (the text ends before the first one; ``finish_reason`` "stop").
         stream: answer as server-sent events.
         include_usage: ``stream_options.include_usage``: a last chunk carries ``usage``.
+        ignore_eos: llama-server's ``ignore_eos``: end-of-generation tokens are never sampled.
     """
 
     max_tokens: int
@@ -123,11 +124,12 @@ class GenRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def parse_gen(d: dict, defaults: Any, default_max_tokens: int) -> GenRequest:
     """The generation fields common to chat and completions (OpenAI's names, plus llama-server's
-    ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``n_predict``)."""
+    ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``n_predict``, ``ignore_eos``)."""
     from moecache.sampling import DEFAULT_SEED
 
     if d.get("logprobs") not in (None, False) or d.get("top_logprobs") not in (None, 0):
@@ -168,7 +170,7 @@ def parse_gen(d: dict, defaults: Any, default_max_tokens: int) -> GenRequest:
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     return GenRequest(max_tokens, sp, stops, get_bool(d, "stream", False),
-                      get_bool(opts or {}, "include_usage", False))
+                      get_bool(opts or {}, "include_usage", False), get_bool(d, "ignore_eos", False))
 
 
 def parse_messages(d: dict) -> list[dict[str, str]]:

@@ -151,6 +151,8 @@ class Worker:
         eng = self.llm.engine
         before = [(c.stats.hits, c.stats.misses, c.stats.uploads) for c in eng.caches]
         sampler = Sampler(job.gen.sampling, eng.n_ctx)
+        if job.gen.ignore_eos and eng.tokenizer.eog_ids:
+            sampler.sample = _without(sampler.sample, sorted(eng.tokenizer.eog_ids))
         stream = eng.tokenizer.streamer(skip_special=True)
         stops = StopMatcher(job.gen.stop)
         parts: list[str] = []
@@ -185,3 +187,14 @@ class Worker:
             c.flush()
             cache.append({"hits": c.stats.hits - h, "misses": c.stats.misses - m, "uploads": c.stats.uploads - u})
         return Result("".join(parts), res.timings.n_gen, reason, res.timings, predicted_s, cache)
+
+
+def _without(sample: Callable[[Any], int], ids: list[int]) -> Callable[[Any], int]:
+    """``sample`` that never picks ``ids`` (their logits set to -inf: llama-server's ``ignore_eos``)."""
+    import numpy as np
+
+    def masked(logits):
+        x = np.array(logits, dtype=np.float32, copy=True)
+        x[[i for i in ids if i < x.shape[0]]] = -np.inf
+        return sample(x)
+    return masked
