@@ -279,12 +279,13 @@ def expert_bytes_of(gguf: Any) -> int:
 
 
 def model_key(gguf: Any) -> str:
-    """``<file name>-<size in bytes>-<12 hex digits>``: the hash covers every tensor's name, type,
+    """``<file name>-<file size in bytes>-<12 hex digits>`` (sizes of every shard summed): the hash covers every tensor's name, type,
     shape and offset, so a re-quantized or re-shaped file with the same name gets another key."""
     h = hashlib.sha256()
     for t in gguf.tensors.values():
         h.update(f"{t.name}:{t.ggml_type}:{','.join(map(str, t.shape))}:{t.file}:{t.offset};".encode())
-    return f"{gguf.path.name}-{gguf.n_bytes}-{h.hexdigest()[:12]}"
+    size = sum(Path(p).stat().st_size for p in getattr(gguf, "paths", [gguf.path]))
+    return f"{gguf.path.name}-{size}-{h.hexdigest()[:12]}"
 
 
 def profiles_dir() -> Path:
