@@ -21,7 +21,7 @@ def test_help_lists_subcommands():
         assert cmd in r.output
 
 
-@pytest.mark.parametrize("cmd", ["serve", "profile"])
+@pytest.mark.parametrize("cmd", ["serve"])
 def test_unbuilt_commands_say_so_and_exit_2(cmd):
     r = runner.invoke(app, [cmd, "-m", "x.gguf", "-ngl", "99"])
     assert r.exit_code == 2
