@@ -345,6 +345,8 @@ def profile(
                                                        "copy rate in GB/s (default: the startup probe's).")] = None,
     expert_mib: Annotated[Optional[float], typer.Option("--expert-mib", parser=frange(1e-9), help="What-if on "
                                                         "--trace-in without -m: bytes of one expert, in MiB.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=INT32_MAX, help="With --trace-in: "
+                                                      "use only the trace's first N tokens.")] = None,
     save: Annotated[bool, typer.Option("--save", help="Save the usage counts under ~/.cache/moecache/profiles/.")] = False,
     load_profile: Annotated[Optional[Path], typer.Option("--load-profile", help="Add a saved usage profile of this "
                                                          "model (one of another model is refused).")] = None,
@@ -364,7 +366,8 @@ def profile(
         profile_command(ProfileOptions(model=model, prompts=prompt or [], files=file or [], n_predict=n_predict,
                                        temp=temp, trace_out=trace, trace_in=trace_in, plot=plot, what_if=what_if,
                                        save=save, load_profile=load_profile, step_ms=step_ms, link_gbps=link_gbps,
-                                       expert_mib=expert_mib, escape=escape, verbose=verbose), settings)
+                                       expert_mib=expert_mib, max_tokens=max_tokens, escape=escape,
+                                       verbose=verbose), settings)
     _user_errors(body)
 
 

@@ -38,6 +38,7 @@ class ProfileOptions:
     step_ms: float | None = None
     link_gbps: float | None = None
     expert_mib: float | None = None
+    max_tokens: int | None = None
     escape: bool = True
     verbose: bool = False
 
@@ -117,6 +118,8 @@ def profile_command(o: ProfileOptions, settings) -> None:
     else:
         if o.trace_in is not None:
             trace = Trace.load(o.trace_in)
+            if o.max_tokens is not None:
+                trace = trace.head(o.max_tokens)
         if o.model is not None:
             key, ebytes = _model_facts(o.model)
             if trace is not None and not trace.expert_bytes:
