@@ -154,6 +154,10 @@ def test_save_load_and_a_foreign_profile_refused(tiny, code_moe_tiny, tmp_path, 
     r = _profile("-m", str(code_moe_tiny), "--load-profile", str(saved[0]))
     assert r.exit_code == 1
     assert "refused: it is a profile of tiny.gguf" in r.output and "error: nothing to profile" in r.output
+    # same key, wrong shape; another key
+    assert "are (2, 3)" in UsageProfile("k", np.zeros((2, 3), np.int64), 1).check_model("k", (2, 4))
+    assert UsageProfile("k", np.zeros((2, 3), np.int64), 1).check_model("k", (2, 3)) is None
+    assert "not of this model" in UsageProfile("a", np.zeros((2, 3), np.int64), 1).check_model("b", (2, 3))
     # not a profile at all: one error line
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=np.zeros(3))

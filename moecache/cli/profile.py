@@ -104,6 +104,7 @@ def profile_command(o: ProfileOptions, settings) -> None:
 
     trace: Trace | None = None
     key: str | None = None
+    shape: tuple[int, int] | None = None  # the model's MoE layers x experts
     probe = None
     if texts:
         llm = load_engine(resolve_model(o.model), settings, "run", o.verbose)
@@ -113,6 +114,7 @@ def profile_command(o: ProfileOptions, settings) -> None:
                 raise UserError(f"{llm.engine.gguf.path.name} has no routed experts: nothing to profile")
             trace = record(llm, texts, o.n_predict, o.temp)
             key, probe = model_key(llm.engine.gguf), llm.probe
+            shape = (trace.n_layer, trace.n_expert)
         finally:
             llm.close()
     else:
@@ -121,20 +123,21 @@ def profile_command(o: ProfileOptions, settings) -> None:
             if o.max_tokens is not None:
                 trace = trace.head(o.max_tokens)
         if o.model is not None:
-            key, ebytes = _model_facts(o.model)
+            key, ebytes, shape = _model_facts(o.model)
             if trace is not None and not trace.expert_bytes:
                 trace = Trace(trace.routes, trace.weights, trace.n_expert, ebytes, trace.tokens)
     if trace is not None and o.expert_mib is not None:
         trace = Trace(trace.routes, trace.weights, trace.n_expert, int(o.expert_mib * 2**20), trace.tokens)
 
+    if budgets and trace is None:
+        raise UserError("--what-if needs a trace: prompts (-p/-f) or --trace-in FILE")
     counts = usage_counts(trace.routes, trace.n_expert) if trace is not None else None
     n_tokens = trace.n_tokens if trace is not None else 0
     if o.load_profile is not None:
         prof = UsageProfile.load(o.load_profile)
         if key is None:
             raise UserError("--load-profile needs the model it belongs to: give -m MODEL")
-        shape = counts.shape if counts is not None else prof.counts.shape
-        why = prof.check_model(key, shape)
+        why = prof.check_model(key, counts.shape if counts is not None else shape)
         if why is not None:
             note(f"note: --load-profile {o.load_profile} refused: {why}")
             if counts is None:
@@ -162,14 +165,16 @@ def profile_command(o: ProfileOptions, settings) -> None:
         note(f"plot: written to {o.plot}")
 
 
-def _model_facts(model: Path) -> tuple[str, int]:
-    """(model key, bytes of one expert) of a GGUF, read without loading the model."""
+def _model_facts(model: Path) -> tuple[str, int, tuple[int, int]]:
+    """(model key, bytes of one expert, (MoE layers, experts)) of a GGUF, read without loading the model."""
     from moecache.gguf_file import open_gguf
     from moecache.moe.profile import expert_bytes_of, model_key
 
     g = open_gguf(model)
     try:
-        return model_key(g), expert_bytes_of(g)
+        c = g.config
+        n_moe = sum(f"blk.{il}.ffn_gate_exps.weight" in g.tensors for il in range(c.n_layer))
+        return model_key(g), expert_bytes_of(g), (n_moe, c.n_expert)
     finally:
         g.close()
 
