@@ -279,8 +279,9 @@ def expert_bytes_of(gguf: Any) -> int:
 
 
 def model_key(gguf: Any) -> str:
-    """``<file name>-<file size in bytes>-<12 hex digits>`` (sizes of every shard summed): the hash covers every tensor's name, type,
-    shape and offset, so a re-quantized or re-shaped file with the same name gets another key."""
+    """``<file name>-<file size in bytes>-<12 hex digits>`` (the shards' sizes summed). The hash covers
+    every tensor's name, type, shape and offset, so a re-quantized or re-shaped file with the same name
+    gets another key; two files of the same name, size and layout (e.g. re-trained weights) share one."""
     h = hashlib.sha256()
     for t in gguf.tensors.values():
         h.update(f"{t.name}:{t.ggml_type}:{','.join(map(str, t.shape))}:{t.file}:{t.offset};".encode())
