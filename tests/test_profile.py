@@ -110,7 +110,12 @@ def test_what_if_equals_the_replay_module_and_is_monotonic(real_trace, tmp_path)
         lru = replay_lru(ArrayRouting(real_trace), 8, real_trace.n_tokens, r.n_slots, cfg)
         assert r.ours == ours and r.lru == lru
         assert r.tokens_per_s == pytest.approx(1 / (0.01 + ours.misses / ours.tokens * eb / 25e9))
+        counts = usage_counts(real_trace.routes, 16)
+        best = sorted(counts.reshape(-1), reverse=True)[:r.n_slots]
+        assert r.static_hit_rate == pytest.approx(sum(best) / counts.sum())
     hits = [r.ours.hit_rate for r in rows]
+    static = [r.static_hit_rate for r in rows]
+    assert static == sorted(static) and rows[-1].static_hit_rate == 1.0  # 128 slots: every expert
     tps = [r.tokens_per_s for r in rows]
     assert hits == sorted(hits) and tps == sorted(tps) and hits[-1] > hits[0]
     # the trace file read by --trace-in replays the same as the in-memory one (TraceRouting)
@@ -123,7 +128,8 @@ def test_what_if_equals_the_replay_module_and_is_monotonic(real_trace, tmp_path)
     assert r.exit_code == 0, r.output
     assert "UNCALIBRATED" in r.stdout
     table = [ln for ln in r.stdout.splitlines() if ln.startswith("| 1")]
-    assert len(table) == 1 and f"| {100 * rows[0].ours.hit_rate:.1f}% | {100 * rows[0].lru.hit_rate:.1f}% |" in table[0]
+    assert len(table) == 1 and (f"| {100 * rows[0].ours.hit_rate:.1f}% | {100 * rows[0].lru.hit_rate:.1f}% | "
+                                f"{100 * rows[0].static_hit_rate:.1f}% |") in table[0]
     assert f"| {rows[0].tokens_per_s:.1f} |" in table[0]
 
 

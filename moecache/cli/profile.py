@@ -241,7 +241,7 @@ def _link_rate(o: ProfileOptions, probe) -> tuple[float, str]:
 
 
 def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe) -> None:
-    """The what-if table: per budget, slots, hit rates (ours, LRU) and the uncalibrated t/s."""
+    """The what-if table: per budget, slots, hit rates (ours, LRU, best static) and the uncalibrated t/s."""
     from moecache.moe.profile import DEFAULT_STEP_MS, CostModel, what_if
 
     if trace is None:
@@ -257,12 +257,13 @@ def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe) -> None:
     print(f"cost model: s/token = {step_ms:g} ms GPU step ({step_src}) + misses/token x "
           f"{trace.expert_bytes / 2**20:.2f} MiB / {link / 1e9:.1f} GB/s (link: {src})")
     print("predicted t/s is UNCALIBRATED: not yet validated against measured runs (the H200 validation is next)")
-    print("| budget | slots | % of experts | hit rate (ours) | hit rate (LRU) | misses/token | predicted t/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| budget | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | misses/token "
+          "| predicted t/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in what_if(trace, budgets, cost):
         total = trace.n_layer * trace.n_expert
         print(f"| {_size(r.budget_bytes)} | {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
-              f"{100 * r.ours.hit_rate:.1f}% | {100 * r.lru.hit_rate:.1f}% | "
+              f"{100 * r.ours.hit_rate:.1f}% | {100 * r.lru.hit_rate:.1f}% | {100 * r.static_hit_rate:.1f}% | "
               f"{r.ours.misses / max(1, r.ours.tokens):.2f} | {r.tokens_per_s:.1f} |")
 
 

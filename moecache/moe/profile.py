@@ -220,6 +220,7 @@ class WhatIfRow:
         budget_bytes: the expert cache's size in bytes.
         n_slots: experts it holds (budget // expert bytes, at most every expert).
         ours, lru: the replay's counts for our policy and per-layer LRU.
+        static_hit_rate: hit rate of the best static placement for this trace (:func:`static_hit_rate`).
         tokens_per_s: predicted decode tokens/s of our policy by the :class:`CostModel`.
     """
 
@@ -227,6 +228,7 @@ class WhatIfRow:
     n_slots: int
     ours: ReplayStats
     lru: ReplayStats
+    static_hit_rate: float
     tokens_per_s: float
 
 
@@ -245,6 +247,14 @@ def replay_at(trace: Trace, n_slots: int, cfg: PolicyConfig = PolicyConfig()) ->
     return ours, lru
 
 
+def static_hit_rate(counts: np.ndarray, n_slots: int) -> float:
+    """Hit rate of the best static placement: the ``n_slots`` most used (layer, expert) pairs of
+    ``counts`` int (n_layer, n_expert) kept resident. Chosen with hindsight on the same tokens, so it
+    is an upper bound for any fixed placement (e.g. ``--n-cpu-moe`` style or a saved hot set)."""
+    flat = np.sort(np.asarray(counts, np.int64).reshape(-1))[::-1]
+    return float(flat[:max(0, n_slots)].sum() / max(1, flat.sum()))
+
+
 def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig = PolicyConfig()) -> list[WhatIfRow]:
     """Hit rates and predicted decode t/s for each cache budget (bytes), in the order given."""
     rows = []
@@ -252,7 +262,7 @@ def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig
         n = slots_for(b, cost.expert_bytes, trace.n_layer, trace.n_expert)
         ours, lru = replay_at(trace, n, cfg)
         tps = 1.0 / cost.seconds_per_token(ours.misses / max(1, ours.tokens))
-        rows.append(WhatIfRow(b, n, ours, lru, tps))
+        rows.append(WhatIfRow(b, n, ours, lru, static_hit_rate(usage_counts(trace.routes, trace.n_expert), n), tps))
     return rows
 
 
