@@ -21,13 +21,6 @@ def test_help_lists_subcommands():
         assert cmd in r.output
 
 
-@pytest.mark.parametrize("cmd", ["profile"])
-def test_unbuilt_commands_say_so_and_exit_2(cmd):
-    r = runner.invoke(app, [cmd, "-m", "x.gguf", "-ngl", "99"])
-    assert r.exit_code == 2
-    assert "not built yet" in r.output
-
-
 def test_info_on_bad_files_is_one_line_exit_1(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)

@@ -2,8 +2,7 @@
 
 Heavy imports (numba, cupy, the kernels) happen inside the commands so ``--help`` is instant.
 Errors meant for the user (:class:`moecache.errors.MoecacheError`) print one line on stderr and
-exit 1; usage errors (a flag out of its range, an unknown flag) one line too, exit 2, as Click's;
-commands that are not built yet say so and exit 2.
+exit 1; usage errors (a flag out of its range, an unknown flag) one line too, exit 2, as Click's.
 """
 
 from __future__ import annotations
@@ -51,11 +50,6 @@ def fail(message: str, code: int = 1) -> None:
     """Print ``error: message`` on stderr and exit with ``code``."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def not_built(command: str, what: str) -> None:
-    typer.echo(f"moecache {command}: not built yet in this version ({what}).", err=True)
-    raise typer.Exit(2)
 
 
 # ---- options shared by the commands (llama.cpp names) -------------------------------------------
@@ -397,10 +391,52 @@ def probe_pcie(
     _user_errors(body)
 
 
-@app.command(context_settings=_PASSTHROUGH)
-def profile(ctx: typer.Context) -> None:
-    """(Not built yet.) Show, save or preload expert-usage profiles."""
-    not_built("profile", "needs the expert cache")
+@app.command()
+def profile(
+    model: ModelOpt = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("-p", "--prompt", help="A prompt to run (repeat for several).")] = None,
+    file: Annotated[Optional[list[Path]], typer.Option("-f", "--file", help="A prompt file to run (repeat for several).")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=0, max=INT32_MAX, help="Tokens to generate per prompt "
+                                           "(their routing is recorded too).")] = 32,
+    temp: Annotated[float, typer.Option("--temp", parser=frange(), help="Temperature (<= 0 = greedy, the default).")] = 0.0,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write the routing trace (.npz, replayable with "
+                                                  "--routing FILE).")] = None,
+    trace_in: Annotated[Optional[Path], typer.Option("--trace-in", help="Read a trace instead of running the model.")] = None,
+    routing: RoutingOpt = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: usage heatmap and hit rate against cache "
+                                                 "size (needs matplotlib: the plot extra).")] = None,
+    what_if: Annotated[Optional[str], typer.Option("--what-if", help="Cache budgets, e.g. 4GiB,8GiB: predicted hit rate "
+                                                   "and (uncalibrated) decode t/s each.")] = None,
+    step_ms: Annotated[Optional[float], typer.Option("--step-ms", parser=frange(0.0), help="What-if: GPU time of one "
+                                                     "decode step with every expert a hit, ms (default: a placeholder, 10).")] = None,
+    link_gbps: Annotated[Optional[float], typer.Option("--link-gbps", parser=frange(1e-6), help="What-if: host->GPU "
+                                                       "copy rate in GB/s (default: the startup probe's).")] = None,
+    expert_mib: Annotated[Optional[float], typer.Option("--expert-mib", parser=frange(1e-9), help="What-if on "
+                                                        "--trace-in without -m: bytes of one expert, in MiB.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=INT32_MAX, help="With --trace-in: "
+                                                      "use only the trace's first N tokens.")] = None,
+    save: Annotated[bool, typer.Option("--save", help="Save the usage counts under ~/.cache/moecache/profiles/.")] = False,
+    load_profile: Annotated[Optional[Path], typer.Option("--load-profile", help="Add a saved usage profile of this "
+                                                         "model (one of another model is refused).")] = None,
+    ctx_size: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    verbose: VerboseOpt = False,
+    escape: EscapeOpt = True,
+    version: VersionOpt = None,
+) -> None:
+    """Record and show expert routing (heatmap, skew), save it, and predict hit rate and speed per cache size."""
+    def body() -> None:
+        from moecache.cli.profile import ProfileOptions, profile_command
+        from moecache.settings import Settings
+
+        settings = Settings(n_ctx=ctx_size, n_threads=threads, routing=routing)
+        settings.check()
+        profile_command(ProfileOptions(model=model, prompts=prompt or [], files=file or [], n_predict=n_predict,
+                                       temp=temp, trace_out=trace, trace_in=trace_in, plot=plot, what_if=what_if,
+                                       save=save, load_profile=load_profile, step_ms=step_ms, link_gbps=link_gbps,
+                                       expert_mib=expert_mib, max_tokens=max_tokens, escape=escape,
+                                       verbose=verbose), settings)
+    _user_errors(body)
 
 
 @app.command()

@@ -1,0 +1,309 @@
+"""``moecache profile``: run prompts, record the routing, show it, and predict speed per cache budget.
+
+The work is in :mod:`moecache.moe.profile`; this module reads the flags, runs the model through the
+library (:func:`moecache.cli.common.load_engine`, greedy by default) and prints. Results go to
+stdout (heatmap, skew lines, what-if table); notes and the files written go to stderr.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moecache.cli.common import UserError, load_engine, note, read_text_arg, resolve_model
+
+SHADES = " ░▒▓█"
+MAX_COLUMNS = 128  # experts per heatmap row; more are summed in groups
+CURVE_FRACTIONS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """The flags of ``moecache profile`` (see ``moecache profile --help``)."""
+
+    model: Path | None = None
+    prompts: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    n_predict: int = 32
+    temp: float = 0.0
+    trace_out: Path | None = None
+    trace_in: Path | None = None
+    plot: Path | None = None
+    what_if: str | None = None
+    save: bool = False
+    load_profile: Path | None = None
+    step_ms: float | None = None
+    link_gbps: float | None = None
+    expert_mib: float | None = None
+    max_tokens: int | None = None
+    escape: bool = True
+    verbose: bool = False
+
+
+def parse_budgets(text: str) -> list[int]:
+    """``4GiB,8GiB,...`` -> bytes each (MiB when unitless); ValueError naming --what-if."""
+    from moecache.sizes import parse_size
+
+    out = []
+    for part in text.split(","):
+        b = parse_size(part, "--what-if")
+        if b <= 0:
+            raise ValueError(f"--what-if {text!r}: each budget must be a size > 0, e.g. 4GiB,8GiB")
+        out.append(b)
+    return out
+
+
+def _need_matplotlib() -> Any:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'moecache[plot]'") from None
+    return plt
+
+
+def record(llm, texts: list[str], n_predict: int, temp: float):
+    """Run each prompt (from an empty sequence) with generation and record the routing of every
+    token fed to the model: returns the :class:`moecache.moe.profile.Trace`."""
+    from moecache.moe.profile import RouteRecorder, expert_bytes_of
+
+    eng = llm.engine
+    rec = RouteRecorder()
+    fed: list[int] = []
+    eng.model.route_observers.append(rec)
+    try:
+        for text in texts:
+            out = llm.complete(text, n_predict=n_predict, temperature=temp, seed=0)
+            ids = llm.tokenize(text)
+            # the last sampled token is fed only when generation went on past it (an end token is)
+            fed += ids + (out.tokens if out.stop == "eog" else out.tokens[:-1])
+    finally:
+        eng.model.route_observers.remove(rec)
+    return rec.trace(eng.gguf.config.n_expert, expert_bytes_of(eng.gguf), fed)
+
+
+def profile_command(o: ProfileOptions, settings) -> None:
+    """Validate, record or read a trace, print the pictures and the what-if, write the files."""
+    from moecache.moe.profile import Trace, UsageProfile, model_key, usage_counts
+
+    texts = [read_text_arg(t, None, o.escape) for t in o.prompts] + [read_text_arg(None, f, o.escape) for f in o.files]
+    if texts and o.trace_in is not None:
+        raise UserError("give prompts (-p/-f) or --trace-in FILE, not both")
+    if not texts and o.trace_in is None and o.load_profile is None:
+        raise UserError("profile needs prompts (-p TEXT or -f FILE), --trace-in FILE or --load-profile FILE")
+    if o.trace_in is not None and settings.routing:
+        raise UserError("--routing profiles a model run; with --trace-in the trace is the routing")
+    budgets = parse_budgets(o.what_if) if o.what_if else []
+    plt = _need_matplotlib() if o.plot is not None else None
+    if o.n_predict < 0:
+        raise UserError(f"-n/--n-predict must be >= 0 for profile, got {o.n_predict}")
+
+    trace: Trace | None = None
+    key: str | None = None
+    shape: tuple[int, int] | None = None  # the model's MoE layers x experts
+    probe = None
+    if texts:
+        llm = load_engine(resolve_model(o.model), settings, "run", o.verbose)
+        try:
+            c = llm.engine.gguf.config
+            if not c.n_expert:
+                raise UserError(f"{llm.engine.gguf.path.name} has no routed experts: nothing to profile")
+            trace = record(llm, texts, o.n_predict, o.temp)
+            key, probe = model_key(llm.engine.gguf), llm.probe
+            shape = (trace.n_layer, trace.n_expert)
+        finally:
+            llm.close()
+    else:
+        if o.trace_in is not None:
+            trace = Trace.load(o.trace_in)
+            if o.max_tokens is not None:
+                trace = trace.head(o.max_tokens)
+        if o.model is not None:
+            key, ebytes, shape = _model_facts(o.model)
+            if trace is not None and not trace.expert_bytes:
+                trace = Trace(trace.routes, trace.weights, trace.n_expert, ebytes, trace.tokens)
+    if trace is not None and o.expert_mib is not None:
+        trace = Trace(trace.routes, trace.weights, trace.n_expert, int(o.expert_mib * 2**20), trace.tokens)
+
+    if budgets and trace is None:
+        raise UserError("--what-if needs a trace: prompts (-p/-f) or --trace-in FILE")
+    counts = usage_counts(trace.routes, trace.n_expert) if trace is not None else None
+    n_tokens = trace.n_tokens if trace is not None else 0
+    if o.load_profile is not None:
+        prof = UsageProfile.load(o.load_profile)
+        if key is None:
+            raise UserError("--load-profile needs the model it belongs to: give -m MODEL")
+        why = prof.check_model(key, counts.shape if counts is not None else shape)
+        if why is not None:
+            note(f"note: --load-profile {o.load_profile} refused: {why}")
+            if counts is None:
+                raise UserError("nothing to profile: the only input was a refused profile")
+        else:
+            counts = prof.counts if counts is None else counts + prof.counts
+            n_tokens += prof.tokens
+            note(f"note: --load-profile {o.load_profile}: {prof.tokens} tokens of usage added")
+
+    print_heatmap(counts, n_tokens)
+    print_skew(counts)
+    if budgets:
+        print_what_if(trace, budgets, o, probe)
+    if o.trace_out is not None and trace is not None:
+        trace.save(o.trace_out)
+        note(f"trace: {trace.n_layer} layers x {trace.n_tokens} tokens x top-{trace.routes.shape[2]} written to "
+             f"{o.trace_out} (replay it with --routing {o.trace_out})")
+    if o.save:
+        if key is None:
+            raise UserError("--save needs the model: give -m MODEL")
+        p = UsageProfile(key, counts, n_tokens).save()
+        note(f"profile: usage of {n_tokens} tokens saved to {p}")
+    if plt is not None:
+        write_plot(plt, o.plot, counts, trace)
+        note(f"plot: written to {o.plot}")
+
+
+def _model_facts(model: Path) -> tuple[str, int, tuple[int, int]]:
+    """(model key, bytes of one expert, (MoE layers, experts)) of a GGUF, read without loading the model."""
+    from moecache.gguf_file import open_gguf
+    from moecache.moe.profile import expert_bytes_of, model_key
+
+    g = open_gguf(model)
+    try:
+        c = g.config
+        n_moe = sum(f"blk.{il}.ffn_gate_exps.weight" in g.tensors for il in range(c.n_layer))
+        return model_key(g), expert_bytes_of(g), (n_moe, c.n_expert)
+    finally:
+        g.close()
+
+
+def _columns(row: np.ndarray) -> np.ndarray:
+    """A layer's counts in at most :data:`MAX_COLUMNS` columns (consecutive experts summed)."""
+    g = -(-row.size // MAX_COLUMNS)
+    if g == 1:
+        return row
+    pad = np.zeros(g * -(-row.size // g) - row.size, row.dtype)
+    return np.concatenate([row, pad]).reshape(-1, g).sum(axis=1)
+
+
+def print_heatmap(counts: np.ndarray, n_tokens: int) -> None:
+    """Layers x experts, each cell shaded by its count relative to the layer's most used expert."""
+    from rich.console import Console
+    from rich.text import Text
+
+    con = Console(highlight=False, soft_wrap=True)
+    n_layer, n_expert = counts.shape
+    g = -(-n_expert // MAX_COLUMNS)
+    per = f", {g} experts per column" if g > 1 else ""
+    con.print(f"expert usage per layer ({n_layer} layers x {n_expert} experts{per}, {n_tokens} tokens; "
+              f"shade = count / the layer's most used: ' ' 0 .. '█' max)")
+    for il in range(n_layer):
+        row = _columns(counts[il]).astype(np.float64)
+        top = row.max() if row.max() > 0 else 1.0
+        line = Text(f"{il:>4} ")
+        for v in row / top:
+            level = int(round(v * (len(SHADES) - 1)))
+            shade = int(55 + 200 * v)
+            line.append(SHADES[level], style=f"rgb({shade},{shade // 3},0)")
+        con.print(line)
+
+
+def print_skew(counts: np.ndarray) -> None:
+    """One line per layer: top-10% share, entropy, experts for 90%, top expert."""
+    from moecache.moe.profile import layer_skew
+
+    n_expert = counts.shape[1]
+    print(f"skew per layer (uniform routing: top-10% share ~{max(1, -(-n_expert // 10)) / n_expert:.2f}, "
+          f"entropy 1.00, 90% of pairs on ~90% of experts)")
+    for s in layer_skew(counts):
+        print(f"  layer {s.layer:>3}: top-10% experts take {100 * s.top10_share:5.1f}% of routed pairs | "
+              f"entropy {s.entropy:.2f} | 90% of pairs on {100 * s.experts_90:5.1f}% of experts | "
+              f"top expert {s.top_expert}")
+
+
+def _link_rate(o: ProfileOptions, probe) -> tuple[float, str]:
+    """(bytes/s, where it came from): --link-gbps, else the startup probe's pinned host->GPU rate,
+    else the placeholder :data:`moecache.moe.profile.DEFAULT_LINK_GBPS`."""
+    from moecache.moe.profile import DEFAULT_LINK_GBPS
+
+    if o.link_gbps is not None:
+        return o.link_gbps * 1e9, "--link-gbps"
+    if probe is None:
+        from moecache.probe import startup_probe
+
+        probe = startup_probe()
+    rates = [g.h2d_pinned for g in probe.gpus if g.h2d_pinned > 0]
+    if rates:
+        return min(rates), "the startup probe (pinned host->GPU)"
+    return DEFAULT_LINK_GBPS * 1e9, "a placeholder: no GPU was probed (set --link-gbps)"
+
+
+def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe) -> None:
+    """The what-if table: per budget, slots, hit rates (ours, LRU, best static) and the uncalibrated t/s."""
+    from moecache.moe.profile import DEFAULT_STEP_MS, CostModel, what_if
+
+    if trace is None:
+        raise UserError("--what-if needs a trace: prompts (-p/-f) or --trace-in FILE")
+    if not trace.expert_bytes:
+        raise UserError("--what-if: the expert size is unknown: give -m MODEL or --expert-mib N")
+    link, src = _link_rate(o, probe)
+    step_ms = o.step_ms if o.step_ms is not None else DEFAULT_STEP_MS
+    cost = CostModel(step_ms / 1e3, link, trace.expert_bytes)
+    step_src = "--step-ms" if o.step_ms is not None else "a placeholder until calibrated on the H200"
+    print(f"what-if on {trace.n_tokens} tokens ({trace.n_layer} layers x {trace.n_expert} experts, "
+          f"{trace.expert_bytes / 2**20:.2f} MiB each); every token replayed as one decode step")
+    print(f"cost model: s/token = {step_ms:g} ms GPU step ({step_src}) + misses/token x "
+          f"{trace.expert_bytes / 2**20:.2f} MiB / {link / 1e9:.1f} GB/s (link: {src})")
+    print("predicted t/s is UNCALIBRATED: not yet validated against measured runs (the H200 validation is next)")
+    print("| budget | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | misses/token "
+          "| predicted t/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in what_if(trace, budgets, cost):
+        total = trace.n_layer * trace.n_expert
+        print(f"| {_size(r.budget_bytes)} | {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
+              f"{100 * r.ours.hit_rate:.1f}% | {100 * r.lru.hit_rate:.1f}% | {100 * r.static_hit_rate:.1f}% | "
+              f"{r.ours.misses / max(1, r.ours.tokens):.2f} | {r.tokens_per_s:.1f} |")
+
+
+def _size(b: int) -> str:
+    for unit, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if b >= 1 << s:
+            return f"{b / (1 << s):g}{unit}"
+    return f"{b}B"
+
+
+def write_plot(plt, path: Path, counts: np.ndarray, trace) -> None:
+    """A PNG: the usage heatmap (layers x experts) and, with a trace, hit rate against cache size
+    (our policy and per-layer LRU, by :func:`moecache.moe.profile.hit_rate_curve`)."""
+    from moecache.moe.profile import hit_rate_curve
+
+    n = 2 if trace is not None else 1
+    fig, axes = plt.subplots(1, n, figsize=(6 * n + 1, 4.5), squeeze=False)
+    ax = axes[0][0]
+    share = counts / np.maximum(1, counts.sum(axis=1, keepdims=True))
+    im = ax.imshow(share, aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title("share of each layer's routed pairs")
+    fig.colorbar(im, ax=ax)
+    if trace is not None:
+        ax = axes[0][1]
+        curve = hit_rate_curve(trace, CURVE_FRACTIONS)
+        x = [100 * f for f, _, _ in curve]
+        ax.plot(x, [100 * h for _, h, _ in curve], "o-", label="ours (moecache policy)")
+        ax.plot(x, [100 * h for _, _, h in curve], "s--", label="per-layer LRU")
+        ax.set_xlabel("cache size (% of all experts)")
+        ax.set_ylabel("hit rate (%)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(f"hit rate vs cache size ({trace.n_tokens} tokens replayed)")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise UserError(f"--plot {path}: {e}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,346 @@
+"""Routing profiles: record a model's expert routing, summarise its skew, and ask "what if the cache
+had N GiB?" by replaying the policy on the recorded trace.
+
+- :class:`RouteRecorder` is a route observer (``DecoderLM.route_observers``): it copies every MoE
+  layer's routing (ids and weights) and changes nothing in the forward pass.
+- :class:`Trace` is the recorded routing in the format ``--routing FILE.npz`` replays
+  (:class:`moecache.moe.routing_process.TraceRouting`): ``routes`` [layer, token, k] expert ids,
+  ``weights`` [layer, token, k]; plus ``n_expert``, ``expert_bytes`` and ``tokens`` (the ids fed).
+- :func:`usage_counts`, :func:`layer_skew`: per-expert counts and a one-line skew per layer.
+- :func:`what_if`: hit rate per cache budget (our policy and per-layer LRU, through
+  :mod:`moecache.moe.replay`) and a predicted decode speed from :class:`CostModel`.
+- :class:`UsageProfile`: usage counts saved per model (``profile --save``), keyed by
+  :func:`model_key`; a profile of another model is refused when loaded.
+
+The speed prediction is **uncalibrated**: the GPU step time is a placeholder until it is measured on
+the H200 (issue 22's validation step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moecache.moe.policy import PolicyConfig
+from moecache.moe.replay import ReplayStats, replay_lru, replay_policy
+from moecache.moe.routing import Routing
+
+DEFAULT_STEP_MS = 10.0  # placeholder GPU step time per decode token (not calibrated; see CostModel)
+DEFAULT_LINK_GBPS = 25.0  # placeholder host->GPU link rate when no GPU was probed (PCIe 4.0 x16 pinned, roughly)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A recorded routing trace.
+
+    Attributes:
+        routes: int32 (n_layer, n_tokens, k) expert ids per layer and token, best first.
+        weights: float32 (n_layer, n_tokens, k) routing weights.
+        n_expert: experts per layer of the model (ids are < n_expert).
+        expert_bytes: bytes of one expert (gate + up + down of one layer; 0 = unknown).
+        tokens: int32 (n_tokens,) the token ids fed, in order (empty when unknown).
+    """
+
+    routes: np.ndarray
+    weights: np.ndarray
+    n_expert: int
+    expert_bytes: int = 0
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    @property
+    def n_layer(self) -> int:
+        return self.routes.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.routes.shape[1]
+
+    def save(self, path: str | Path) -> None:
+        """Write the ``.npz`` that ``--routing FILE`` and ``profile --trace-in FILE`` read."""
+        dtype = np.uint8 if self.n_expert <= 256 else np.int32
+        with open(path, "wb") as f:
+            np.savez(f, routes=self.routes.astype(dtype), weights=self.weights.astype(np.float32),
+                     n_expert=np.int64(self.n_expert), expert_bytes=np.int64(self.expert_bytes),
+                     tokens=np.asarray(self.tokens, np.int32))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        """Read a trace (ours, or any ``.npz`` that ``--routing FILE`` accepts, e.g.
+        ``code-moe-tiny.routes.npz``). Raises ValueError on a malformed file."""
+        from moecache.moe.routing_process import TraceRouting
+
+        tr = TraceRouting(path)
+        n_expert, expert_bytes, tokens = tr.n_expert, 0, np.zeros(0, np.int32)
+        with np.load(path) as f:
+            if "n_expert" in f:
+                n_expert = int(f["n_expert"])
+                if n_expert < tr.n_expert:
+                    raise ValueError(f"{path}: expert ids up to {tr.n_expert - 1} but n_expert {n_expert}")
+            if "expert_bytes" in f:
+                expert_bytes = int(f["expert_bytes"])
+            if "tokens" in f and f["tokens"].size == tr.n_tokens:
+                tokens = np.asarray(f["tokens"], np.int32)
+        if tr.routes.min(initial=0) < 0:
+            raise ValueError(f"{path}: negative expert ids")
+        weights = tr.weights if tr.weights is not None else np.full(tr.routes.shape, 1.0 / tr.k, np.float32)
+        return cls(tr.routes, weights, n_expert, expert_bytes, tokens)
+
+    def head(self, n_tokens: int) -> Trace:
+        """The first ``n_tokens`` tokens of the trace."""
+        return Trace(self.routes[:, :n_tokens], self.weights[:, :n_tokens], self.n_expert, self.expert_bytes,
+                     self.tokens[:n_tokens] if self.tokens.size else self.tokens)
+
+
+class RouteRecorder:
+    """Records every MoE layer's routing: append it to ``model.route_observers``.
+
+    Each forward pass calls it once per MoE layer with host arrays (ids int (T, k), weights float32
+    (T, k)); it only copies them, so the pass's results are unchanged. Dense layers (no routing)
+    are not recorded; the trace's layer axis is the model's MoE layers in order.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[int, list[np.ndarray]] = {}
+        self._w: dict[int, list[np.ndarray]] = {}
+
+    def __call__(self, il: int, r: Routing) -> None:
+        self._ids.setdefault(il, []).append(np.array(r.ids, np.int32, copy=True))
+        self._w.setdefault(il, []).append(np.array(r.weights, np.float32, copy=True))
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._ids)
+
+    def trace(self, n_expert: int, expert_bytes: int = 0, tokens: Any = None) -> Trace:
+        """What was recorded as a :class:`Trace` (every MoE layer saw the same tokens)."""
+        if not self._ids:
+            raise ValueError("no routing was recorded (a model without routed experts?)")
+        routes = np.stack([np.concatenate(self._ids[il]) for il in self.layers])
+        weights = np.stack([np.concatenate(self._w[il]) for il in self.layers])
+        toks = np.zeros(0, np.int32) if tokens is None else np.asarray(tokens, np.int32)
+        if toks.size != routes.shape[1]:
+            toks = np.zeros(0, np.int32)
+        return Trace(routes, weights, n_expert, expert_bytes, toks)
+
+
+def usage_counts(routes: np.ndarray, n_expert: int) -> np.ndarray:
+    """int64 (n_layer, n_expert): how many routed (token, expert) pairs each expert got per layer,
+    from routes int (n_layer, n_tokens, k)."""
+    routes = np.asarray(routes)
+    out = np.zeros((routes.shape[0], n_expert), np.int64)
+    for il in range(routes.shape[0]):
+        out[il] = np.bincount(routes[il].reshape(-1).astype(np.int64), minlength=n_expert)[:n_expert]
+    return out
+
+
+@dataclass(frozen=True)
+class LayerSkew:
+    """How concentrated one layer's routing is.
+
+    Attributes:
+        layer: index in the trace's layer axis.
+        top10_share: share of routed pairs that go to the most used 10% of experts (0.1 = uniform).
+        entropy: entropy of the usage distribution over experts divided by log(n_expert)
+            (1 = uniform, 0 = one expert takes everything).
+        experts_90: fewest experts covering 90% of routed pairs, as a share of the layer's experts.
+        top_expert: the most used expert id.
+    """
+
+    layer: int
+    top10_share: float
+    entropy: float
+    experts_90: float
+    top_expert: int
+
+
+def layer_skew(counts: np.ndarray) -> list[LayerSkew]:
+    """One :class:`LayerSkew` per row of ``counts`` int (n_layer, n_expert)."""
+    out = []
+    n_expert = counts.shape[1]
+    top = max(1, math.ceil(0.1 * n_expert))
+    for il, row in enumerate(np.asarray(counts, np.float64)):
+        total = row.sum()
+        if total <= 0:
+            out.append(LayerSkew(il, 0.0, 0.0, 0.0, 0))
+            continue
+        srt = np.sort(row)[::-1]
+        p = row[row > 0] / total
+        ent = float(-(p * np.log(p)).sum() / math.log(n_expert)) if n_expert > 1 else 0.0
+        n90 = int(np.searchsorted(np.cumsum(srt) / total, 0.9 - 1e-12) + 1)
+        out.append(LayerSkew(il, float(srt[:top].sum() / total), ent, n90 / n_expert, int(np.argmax(row))))
+    return out
+
+
+class ArrayRouting:
+    """A trace held in memory as a routing source for :mod:`moecache.moe.replay` (``route(layer, n)``,
+    each layer reading on from where it stopped)."""
+
+    def __init__(self, trace: Trace):
+        self.t = trace
+        self.pos = np.zeros(trace.n_layer, np.int64)
+
+    def route(self, layer: int, n_tokens: int) -> Routing:
+        i = self.pos[layer]
+        self.pos[layer] += n_tokens
+        idx = (i + np.arange(n_tokens)) % self.t.n_tokens
+        return Routing(self.t.routes[layer, idx], self.t.weights[layer, idx])
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The what-if's decode-speed model (uncalibrated):
+    ``seconds per token = step_s + misses per token x expert_bytes / link_bytes_per_s``.
+
+    Attributes:
+        step_s: GPU time of one decode step with every expert a hit (a placeholder, default
+            :data:`DEFAULT_STEP_MS`, until calibrated on the H200).
+        link_bytes_per_s: host->GPU copy rate in bytes/s (the startup probe's pinned rate, or a flag).
+        expert_bytes: bytes of one expert (gate + up + down of one layer).
+    """
+
+    step_s: float
+    link_bytes_per_s: float
+    expert_bytes: int
+
+    def seconds_per_token(self, misses_per_token: float) -> float:
+        return self.step_s + misses_per_token * self.expert_bytes / self.link_bytes_per_s
+
+
+@dataclass(frozen=True)
+class WhatIfRow:
+    """One budget of :func:`what_if`.
+
+    Attributes:
+        budget_bytes: the expert cache's size in bytes.
+        n_slots: experts it holds (budget // expert bytes, at most every expert).
+        ours, lru: the replay's counts for our policy and per-layer LRU.
+        static_hit_rate: hit rate of the best static placement for this trace (:func:`static_hit_rate`).
+        tokens_per_s: predicted decode tokens/s of our policy by the :class:`CostModel`.
+    """
+
+    budget_bytes: int
+    n_slots: int
+    ours: ReplayStats
+    lru: ReplayStats
+    static_hit_rate: float
+    tokens_per_s: float
+
+
+def slots_for(budget_bytes: int, expert_bytes: int, n_layer: int, n_expert: int) -> int:
+    """Experts a cache of ``budget_bytes`` holds (capped at all ``n_layer x n_expert``)."""
+    if expert_bytes <= 0:
+        raise ValueError("the expert size is unknown: give -m MODEL (or --expert-mib) for a what-if in bytes")
+    return int(min(budget_bytes // expert_bytes, n_layer * n_expert))
+
+
+def replay_at(trace: Trace, n_slots: int, cfg: PolicyConfig = PolicyConfig()) -> tuple[ReplayStats, ReplayStats]:
+    """Our policy and per-layer LRU over every token of ``trace`` (each replayed as one decode
+    step) with ``n_slots`` slots in all."""
+    ours = replay_policy(ArrayRouting(trace), trace.n_layer, trace.n_expert, trace.n_tokens, n_slots, cfg)
+    lru = replay_lru(ArrayRouting(trace), trace.n_layer, trace.n_tokens, n_slots, cfg)
+    return ours, lru
+
+
+def static_hit_rate(counts: np.ndarray, n_slots: int) -> float:
+    """Hit rate of the best static placement: the ``n_slots`` most used (layer, expert) pairs of
+    ``counts`` int (n_layer, n_expert) kept resident. Chosen with hindsight on the same tokens, so it
+    is an upper bound for any fixed placement (e.g. ``--n-cpu-moe`` style or a saved hot set)."""
+    flat = np.sort(np.asarray(counts, np.int64).reshape(-1))[::-1]
+    return float(flat[:max(0, n_slots)].sum() / max(1, flat.sum()))
+
+
+def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig = PolicyConfig()) -> list[WhatIfRow]:
+    """Hit rates and predicted decode t/s for each cache budget (bytes), in the order given."""
+    rows = []
+    for b in budgets:
+        n = slots_for(b, cost.expert_bytes, trace.n_layer, trace.n_expert)
+        ours, lru = replay_at(trace, n, cfg)
+        tps = 1.0 / cost.seconds_per_token(ours.misses / max(1, ours.tokens))
+        rows.append(WhatIfRow(b, n, ours, lru, static_hit_rate(usage_counts(trace.routes, trace.n_expert), n), tps))
+    return rows
+
+
+def hit_rate_curve(trace: Trace, fractions: list[float],
+                   cfg: PolicyConfig = PolicyConfig()) -> list[tuple[float, float, float]]:
+    """(fraction of all experts cached, our hit rate, LRU hit rate) at each fraction."""
+    out = []
+    for f in fractions:
+        n = int(round(f * trace.n_layer * trace.n_expert))
+        ours, lru = replay_at(trace, n, cfg)
+        out.append((f, ours.hit_rate, lru.hit_rate))
+    return out
+
+
+# ---- the model's identity and persisted usage ------------------------------------------------------
+def expert_bytes_of(gguf: Any) -> int:
+    """Bytes of one routed expert (gate + up + down) of the first MoE layer of a GGUFModel; 0 if none."""
+    c = gguf.config
+    for il in range(c.n_layer):
+        names = [f"blk.{il}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+        if all(n in gguf.tensors for n in names):
+            return sum(gguf.tensors[n].n_bytes for n in names) // max(1, c.n_expert)
+    return 0
+
+
+def model_key(gguf: Any) -> str:
+    """``<file name>-<file size in bytes>-<12 hex digits>`` (the shards' sizes summed). The hash covers
+    every tensor's name, type, shape and offset, so a re-quantized or re-shaped file with the same name
+    gets another key; two files of the same name, size and layout (e.g. re-trained weights) share one."""
+    h = hashlib.sha256()
+    for t in gguf.tensors.values():
+        h.update(f"{t.name}:{t.ggml_type}:{','.join(map(str, t.shape))}:{t.file}:{t.offset};".encode())
+    size = sum(Path(p).stat().st_size for p in getattr(gguf, "paths", [gguf.path]))
+    return f"{gguf.path.name}-{size}-{h.hexdigest()[:12]}"
+
+
+def profiles_dir() -> Path:
+    """``$XDG_CACHE_HOME/moecache/profiles`` (default ``~/.cache/moecache/profiles``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecache" / "profiles"
+
+
+@dataclass(frozen=True)
+class UsageProfile:
+    """Per-expert usage counts of one model.
+
+    Attributes:
+        key: :func:`model_key` of the model they were counted on.
+        counts: int64 (n_layer, n_expert) routed pairs per expert (MoE layers in order).
+        tokens: tokens counted.
+    """
+
+    key: str
+    counts: np.ndarray
+    tokens: int
+
+    def save(self, path: str | Path | None = None) -> Path:
+        """Write to ``path`` (default ``profiles_dir()/<key>.npz``, made if missing); returns it."""
+        p = Path(path) if path is not None else profiles_dir() / f"{self.key}.npz"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, key=np.array(self.key), counts=self.counts.astype(np.int64), tokens=np.int64(self.tokens))
+        os.replace(tmp, p)
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> UsageProfile:
+        """Read a saved profile; ValueError on anything else."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                return cls(str(f["key"]), np.asarray(f["counts"], np.int64), int(f["tokens"]))
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{path}: not a moecache usage profile ({e})") from None
+
+    def check_model(self, key: str, shape: tuple[int, int]) -> str | None:
+        """None if this profile fits the model of ``key`` with counts of ``shape``; else why not."""
+        if self.key != key:
+            return f"it is a profile of {self.key}, not of this model ({key})"
+        if self.counts.shape != shape:
+            return f"its counts are {self.counts.shape}, the model's layers x experts are {shape}"
+        return None
