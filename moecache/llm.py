@@ -252,8 +252,8 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         eng.close()
         raise
     if cold:
-        log(f"compiled CPU kernels: load and compile took {time.perf_counter() - t0:.1f} s in all (the model line's "
-            f"load time includes the compile; neither is counted in any speed below)")
+        log(f"compiled CPU kernels: load and compile took {time.perf_counter() - t0:.1f} s in all (not counted in any "
+            f"speed below; the model line's load time includes the compile)")
     for line in ineffective_flag_notes(eng, settings):
         once(line)
     if override is not None:
