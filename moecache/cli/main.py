@@ -102,6 +102,16 @@ MgOpt = Annotated[int, typer.Option("-mg", "--main-gpu", min=0, max=INT32_MAX, h
 
 
 FaOpt = Annotated[Optional[str], typer.Option("-fa", "--flash-attn", help="on|off|auto; accepted, no effect on the CPU.")]
+# the sampling flags of run and serve (serve: the defaults of requests that leave them out)
+TempOpt = Annotated[float, typer.Option("--temp", parser=frange(), help="Temperature (<= 0 = greedy).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, max=INT32_MAX, help="Top-k sampling (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", parser=frange(0.0, 1.0), help="Top-p sampling (1.0 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", parser=frange(0.0, 1.0), help="Min-p sampling (0.0 = off).")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", parser=frange(1e-6), help="Repetition penalty (1.0 = off).")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", min=-1, max=INT32_MAX, help="Tokens the penalties look at (-1 = context).")]
+PresenceOpt = Annotated[float, typer.Option("--presence-penalty", parser=frange())]
+FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", parser=frange())]
+SeedOpt = Annotated[int, typer.Option("-s", "--seed", min=-1, max=SEED_MAX, help="RNG seed (-1 = random).")]
 EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Process escapes (\\n, \\t, \\xHH, ...) "
                                          "in the prompt text, as llama.cpp does by default.")]
 
@@ -154,17 +164,15 @@ def run(
     routing: RoutingOpt = None,
     deterministic: DeterministicOpt = False,
     flash_attn: FaOpt = None,
-    temp: Annotated[float, typer.Option("--temp", parser=frange(), help="Temperature (<= 0 = greedy).")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, max=INT32_MAX, help="Top-k sampling (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", parser=frange(0.0, 1.0), help="Top-p sampling (1.0 = off).")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", parser=frange(0.0, 1.0), help="Min-p sampling (0.0 = off).")] = 0.05,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", parser=frange(1e-6),
-                                                  help="Repetition penalty (1.0 = off).")] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", min=-1, max=INT32_MAX,
-                                               help="Tokens the penalties look at (-1 = context).")] = 64,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty", parser=frange())] = 0.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", parser=frange())] = 0.0,
-    seed: Annotated[int, typer.Option("-s", "--seed", min=-1, max=SEED_MAX, help="RNG seed (-1 = random).")] = -1,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    seed: SeedOpt = -1,
     conversation: Annotated[Optional[bool], typer.Option("-cnv/-no-cnv", "--conversation/--no-conversation",
                                                          help="Interactive chat (default when no -p/-f).")] = None,
     system: Annotated[Optional[str], typer.Option("-sys", "--system-prompt", help="System prompt for chat.")] = None,
@@ -249,16 +257,6 @@ def perplexity(
     _user_errors(body)
 
 
-# the sampling flags as serve takes them (the server's defaults for requests; run's are the same)
-TempOpt = Annotated[float, typer.Option("--temp", parser=frange(), help="Temperature (<= 0 = greedy).")]
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, max=INT32_MAX, help="Top-k sampling (0 = off).")]
-TopPOpt = Annotated[float, typer.Option("--top-p", parser=frange(0.0, 1.0), help="Top-p sampling (1.0 = off).")]
-MinPOpt = Annotated[float, typer.Option("--min-p", parser=frange(0.0, 1.0), help="Min-p sampling (0.0 = off).")]
-RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", parser=frange(1e-6), help="Repetition penalty (1.0 = off).")]
-RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", min=-1, max=INT32_MAX, help="Tokens the penalties look at (-1 = context).")]
-PresenceOpt = Annotated[float, typer.Option("--presence-penalty", parser=frange())]
-FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", parser=frange())]
-SeedOpt = Annotated[int, typer.Option("-s", "--seed", min=-1, max=SEED_MAX, help="RNG seed (-1 = random).")]
 
 
 @app.command()
