@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moecache.testing.fidelity import third_of_experts_budget
+
 pytestmark = pytest.mark.gpu
 
 try:  # not a module-level importorskip: CI (no GPU, no CuPy) must still collect this file and
@@ -385,16 +387,6 @@ def test_pinned_weights_give_the_same_logits(gpu, tmp_path):
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
-def _third_of_experts_budget(path, n_ctx):
-    from moecache.gguf_file import open_gguf
-    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, model_sizes
-
-    with open_gguf(path) as m:
-        sz = model_sizes(m, n_ctx)
-    need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
-    return int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
-
-
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 
@@ -415,7 +407,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
 
     path = tmp_path / "moe.gguf"
     write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=21)
-    budget = _third_of_experts_budget(path, 128)
+    budget = third_of_experts_budget(path, 128)
     rng = np.random.default_rng(5)
     with Engine(path, EngineConfig(n_ctx=128)) as ref, \
             Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=budget), load_mode=load_mode,
@@ -454,7 +446,7 @@ def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
 
     path = tmp_path / "moe.gguf"
     write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=22)
-    budget = _third_of_experts_budget(path, 64)
+    budget = third_of_experts_budget(path, 64)
     engines = [Engine(path, EngineConfig(n_ctx=64), placement=PlacementOptions(vram_budget=budget), load_mode="pin",
                       cuda_graph=g) for g in (False, True)]
     try:
