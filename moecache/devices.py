@@ -29,13 +29,14 @@ def gpu_name(device: int) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def make_backends(devices: list[int], log: Callable[[str], None]) -> dict[int, Any]:
-    """One backend per device id: ``CPU`` -> NumpyBackend, a GPU ordinal -> CupyBackend on it."""
+def make_backends(devices: list[int], log: Callable[[str], None], act_q8: bool = True) -> dict[int, Any]:
+    """One backend per device id: ``CPU`` -> NumpyBackend, a GPU ordinal -> CupyBackend on it
+    (``act_q8``: the GPU's decode products round activations to int8, see CupyBackend)."""
     out: dict[int, Any] = {CPU: NumpyBackend()}
     if any(d != CPU for d in devices):
         from moecache.backends.cupy_backend import CupyBackend
 
         for d in devices:
             if d != CPU:
-                out[d] = CupyBackend(d, log=log)
+                out[d] = CupyBackend(d, log=log, act_q8=act_q8)
     return out

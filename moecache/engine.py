@@ -161,6 +161,10 @@ class Engine:
             sets the costs from the expert size and the measured link).
         stage_misses: the expert caches stage decode misses in VRAM with a copy kernel before the
             MoE kernels read them (``CachedExperts``'s option; off by default, to be measured).
+        gpu_act_q8: the GPU's decode matrix products (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K weights) round
+            their activations to int8 per 32 values and multiply in integers, as llama.cpp's CUDA
+            MMVQ kernels do (logits move by that rounding); False keeps float32 activations, the
+            CPU backend's arithmetic (the tests that compare the two use it).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -172,7 +176,7 @@ class Engine:
     def __init__(self, path: str | Path | GGUFModel, config: EngineConfig = EngineConfig(), log: Log | None = None,
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
-                 policy_config: PolicyConfig | None = None, stage_misses: bool = False):
+                 policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -188,6 +192,7 @@ class Engine:
         self.caches: list[CachedExperts] = []
         self.policy_config = policy_config or PolicyConfig()
         self.stage_misses = stage_misses
+        self.gpu_act_q8 = gpu_act_q8
         try:
             if load_mode not in LOAD_MODES:
                 raise ValueError(f"load_mode must be {' or '.join(LOAD_MODES)}, got {load_mode!r}")
@@ -266,7 +271,7 @@ class Engine:
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl
-        bes = make_backends(pl.devices + [CPU], self.log)
+        bes = make_backends(pl.devices + [CPU], self.log, self.gpu_act_q8)
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,

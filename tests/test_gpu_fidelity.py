@@ -88,3 +88,30 @@ def test_synthetic_moe_prompt_experts_in_several_groups(gpu_ok, tmp_path_factory
     assert rel < 1e-3
     assert F.first_real_divergence(ref_toks, c.tokens, gaps) is None
     assert (c.offloaded_bytes > 0) == (ub >= 32)
+
+
+LLAMACPP_PPL = 3.8860  # llama-perplexity -f heldout-b.py.txt -c 256 -b 256, b11434 CPU (../shared/models/README.md)
+
+
+def test_code_moe_tiny_8bit_activations_perplexity_near_llamacpp(gpu_ok, code_moe_tiny):
+    """The default GPU arithmetic (8-bit activations in every product of a ubatch of <= 16 tokens,
+    as llama.cpp's MMVQ): code-moe-tiny's perplexity over the whole held-out text at -c 256 within
+    0.5% of llama.cpp's recorded value (-ub 16: every ubatch takes the 8-bit kernels), and within
+    0.5% of this GPU's float32-activation perplexity."""
+    from conftest import require_shared
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+
+    text = require_shared("heldout-b.py.txt").read_text()
+    ub = 16
+    cfg = EngineConfig(n_ctx=256, n_batch=256, n_ubatch=ub)
+    ppl = {}
+    for q8 in (True, False):
+        with Engine(code_moe_tiny, cfg, placement=PlacementOptions(n_gpu_layers=99), gpu_act_q8=q8) as e:
+            assert e.backend.act_q8 == q8
+            tokens = e.tokenizer.encode(text, parse_special=False)
+            ppl[q8] = e.perplexity(tokens, 256).ppl
+    print(f"-ub {ub}: ppl 8-bit activations {ppl[True]:.4f}, float32 {ppl[False]:.4f}, llama.cpp {LLAMACPP_PPL}")
+    assert abs(ppl[True] - LLAMACPP_PPL) / LLAMACPP_PPL < 5e-3
+    assert abs(ppl[True] - ppl[False]) / ppl[False] < 5e-3
+    assert ppl[True] != ppl[False]  # the 8-bit kernels ran

@@ -29,13 +29,16 @@ from moecache.backends.ops import MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, ex
 from moecache.moe.cache import MAX_DIRECT_TOKENS
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
+from moecache.quants.act_q8 import Q8_ACT  # formats with 8-bit-activation kernels in mmvq.cu
 from moecache.quants.formats import FORMATS, format_for
 
 QUANT_SRC = Path(__file__).resolve().parents[1] / "quants" / "cuda" / "dequant.cu"
+MMVQ_SRC = QUANT_SRC.with_name("mmvq.cu")  # compiled after dequant.cu, in the same module
 OPS_SRC = Path(__file__).resolve().parent / "cuda" / "ops.cu"
 # format name -> kernel suffix in dequant.cu (deq_<s>, gemv_<s>, moe_glu_<s>, moe_down_<s>, deq_experts_<s>)
 SUFFIX = {name: name.lower() for name in FORMATS}
 THREADS = 256  # DEQ_THREADS of dequant.cu (the dequantize kernels rely on it)
+MMVQ_WARPS = 4  # MMVQ_WARPS of mmvq.cu
 GEMV_MAX_TOKENS = MAX_DIRECT_TOKENS  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
 WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
 ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
@@ -43,6 +46,15 @@ ATT_MAX_HEAD_DIM = 256
 ATT_WARPS = 4  # ATT_WARPS of ops.cu: warps per (head, query, key run) block of attn_decode
 ATT_KEYS_PER_SPLIT = 256  # attn_decode: one key run per this many positions of the KV cache ...
 ATT_MAX_SPLITS = 64  # ... at most this many runs (a 16k context: 64 runs of <= 256 keys)
+GQA_THREADS = 128  # GQA_THREADS of ops.cu: threads (and keys per chunk) of an attn_gqa block
+GQA_MAX_G = 16  # GQA_MAX_G of ops.cu: most query heads per KV head attn_gqa takes
+GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_MAX_S of ops.cu) ...
+GQA_MIN_RUN = 64  # ... of at least this many keys
+# decode queries with at least this many keys take attn_gqa, fewer attn_decode (per head, many short
+# runs: the lower latency while the keys are few). H200, Qwen3-30B-A3B's layer, f16 cache, µs per
+# layer (bench/attn_variants.py): attn_decode 11.5 / 21.1 / 46.8 / 192.6 at 128 / 1024 / 4096 /
+# 16000 keys, attn_gqa (runs >= 64) 28.0 / 28.9 / 32.6 / 123.2
+GQA_MIN_KEYS = 2048
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -61,6 +73,32 @@ def att_splits(n_ctx: int) -> int:
     """Key runs per (head, query) of decode attention for a KV cache of ``n_ctx`` positions: one per
     :data:`ATT_KEYS_PER_SPLIT` positions, 1 .. :data:`ATT_MAX_SPLITS`."""
     return max(1, min(ATT_MAX_SPLITS, -(-n_ctx // ATT_KEYS_PER_SPLIT)))
+
+
+def gqa_splits(n_ctx: int) -> tuple[int, int]:
+    """(runs S, min_run) of grouped decode attention (``attn_gqa``) for a KV cache of ``n_ctx``
+    positions. The grid holds S runs per (KV head, query), fixed by the cache's capacity (a captured
+    graph replays at every position); the kernel cuts the query's n keys into runs of
+    max(min_run, ceil(n / S)) keys, so short contexts use many short runs (one block's serial
+    latency is small) and long ones at most :data:`GQA_MAX_SPLITS` runs (the merge stays small)."""
+    return max(1, min(GQA_MAX_SPLITS, -(-n_ctx // GQA_MIN_RUN))), GQA_MIN_RUN
+
+
+def gqa_ok(n_head: int, n_head_kv: int, d: int, dv: int) -> bool:
+    """Whether ``attn_gqa`` takes this shape: a whole query group of <= :data:`GQA_MAX_G` heads per KV
+    head; K and V rows of one size, 64, 128 or 256 elements (2, 4 or 8 per lane of a warp); at most
+    64 query values and 64 sums per lane (group size x elements per lane)."""
+    g = n_head // n_head_kv if n_head % n_head_kv == 0 else 0
+    return 0 < g <= GQA_MAX_G and d == dv and dv in (64, 128, 256) and g * (dv // 32) <= 64
+
+
+def lanes_per_row(n_in: int, fmt_name: str) -> int:
+    """Lanes of a warp that share one row in the ``mmvq.cu`` kernels: the pieces of a row
+    (:data:`Q8_ACT`), rounded up to a power of two, at most 32 (a 768-wide Q4_K row has 12 pieces:
+    16 lanes, two rows per warp)."""
+    ppb, qk = Q8_ACT[fmt_name]
+    pieces = n_in // qk * ppb
+    return min(32, 1 << max(0, pieces - 1).bit_length())
 
 
 class _SlotCopy:
@@ -118,8 +156,12 @@ class CupyBackend(ArrayOps):
     name = "cuda"
     xp = cp
 
-    def __init__(self, device: int = 0, log: Callable[[str], None] | None = None):
+    def __init__(self, device: int = 0, log: Callable[[str], None] | None = None, act_q8: bool = True):
         self.device = device
+        # the decode products of Q8_ACT formats round their activations to int8 per 32 values (as
+        # llama.cpp's MMVQ kernels do); False keeps float32 activations (the CPU twin's arithmetic)
+        self.act_q8 = act_q8
+        self._xq: tuple[Any, tuple] | None = None  # the last activation quantized, and its quants
         self.log = log or (lambda s: None)
         self._noted: set[str] = set()
         self._cpu = NumpyBackend()
@@ -136,7 +178,7 @@ class CupyBackend(ArrayOps):
     @cached_property
     def _modules(self) -> tuple[cp.RawModule, cp.RawModule]:
         with cp.cuda.Device(self.device):
-            return (cp.RawModule(code=QUANT_SRC.read_text(), options=("-std=c++17",)),
+            return (cp.RawModule(code=QUANT_SRC.read_text() + "\n" + MMVQ_SRC.read_text(), options=("-std=c++17",)),
                     cp.RawModule(code=OPS_SRC.read_text(), options=("-std=c++17",)))
 
     def _fn(self, name: str) -> Any:
@@ -287,10 +329,36 @@ class CupyBackend(ArrayOps):
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n_rows, row_bytes = w.data.shape
         y = cp.empty((x.shape[0], n_rows), cp.float32)
+        fmt = format_for(w.ggml_type, w.name).name
+        if self.act_q8 and fmt in Q8_ACT:
+            xq, xd, xs = self._quantized(x)
+            lpr = lanes_per_row(w.n_in, fmt)
+            rows_per_block = 32 * MMVQ_WARPS // lpr
+            self._fn("gemvq_" + SUFFIX[fmt])(
+                ((n_rows + rows_per_block - 1) // rows_per_block,), (32 * MMVQ_WARPS,),
+                (w.data, xq, xd, xs, y, _i64(n_rows), _i64(row_bytes), _i64(w.n_in), np.int32(x.shape[0]),
+                 np.int32(lpr)))
+            return y
         self._fn("gemv_" + self._suffix(w))(
             ((n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,), (32 * WARPS_PER_BLOCK,),
             (w.data, x, y, _i64(n_rows), _i64(row_bytes), _i64(w.n_in), np.int32(x.shape[0])))
         return y
+
+    def _quantized(self, x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+        """``quantize_q8`` of mmvq.cu: x float32 (R, n), n % 32 == 0 -> (int8 (R, n), scales float32
+        (R, n / 32), scale * quant sums float32 (R, n / 32)). The last input's quants are kept: q, k
+        and v (and an MoE layer's router and experts) read the same normed activations, quantized
+        once. The kept input is referenced, so its memory cannot be reused for another array."""
+        if self._xq is not None and self._xq[0] is x:
+            return self._xq[1]
+        r, n = x.shape
+        if n % 32:
+            raise ValueError(f"quantize_q8: rows of {n} values are not a multiple of 32")
+        units = r * n // 32
+        out = (cp.empty((r, n), cp.int8), cp.empty((r, n // 32), cp.float32), cp.empty((r, n // 32), cp.float32))
+        self._fn("quantize_q8")(((units + 7) // 8,), (256,), (x, *out, _i64(units)))
+        self._xq = (x, out)
+        return out
 
     def embed(self, w: Linear, ids: Any) -> cp.ndarray:
         """Rows ``ids`` of an embedding matrix, dequantized: int (T,) (host, or int64 on this GPU) ->
@@ -300,8 +368,35 @@ class CupyBackend(ArrayOps):
         return self.dequantize(w, ids)
 
     # ---- layer operations (ops.cu; the numpy twins are in ArrayOps) ---------------------------------
+    def _fused_norm_ok(self, x: cp.ndarray) -> bool:
+        """Whether ``rms_norm_q8`` (norm + 8-bit rounding for the decode products) takes x."""
+        return (self.act_q8 and x.ndim == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.shape[1] % 256 == 0
+                and x.shape[1] <= 8192)
+
+    def _rms_norm_q8(self, x: cp.ndarray, r: cp.ndarray | None, w: cp.ndarray | None,
+                     eps: float) -> tuple[cp.ndarray | None, cp.ndarray]:
+        """(x + r or None, the norm) by ``rms_norm_q8`` of ops.cu; the norm's 8-bit quants are kept
+        for the products that read it (:meth:`_quantized`)."""
+        t, n = x.shape
+        h = cp.empty_like(x) if r is not None else None
+        y = cp.empty_like(x)
+        q = (cp.empty((t, n), cp.int8), cp.empty((t, n // 32), cp.float32), cp.empty((t, n // 32), cp.float32))
+        self._fn("rms_norm_q8")((t,), (n // 8,), (x, NULL if r is None else r, NULL if w is None else w,
+                                                  NULL if h is None else h, y, *q, np.int32(n), np.float32(eps)))
+        self._xq = (y, q)
+        return h, y
+
+    def add_rms_norm(self, x: cp.ndarray, r: cp.ndarray, w: cp.ndarray | None, eps: float):
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        r = cp.ascontiguousarray(r, dtype=cp.float32)
+        if self._fused_norm_ok(x) and r.shape == x.shape:
+            return self._rms_norm_q8(x, r, w, eps)
+        return super().add_rms_norm(x, r, w, eps)
+
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray | None, eps: float) -> cp.ndarray:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if self._fused_norm_ok(x):
+            return self._rms_norm_q8(x, None, w, eps)[1]
         n = x.shape[-1]
         y = cp.empty_like(x)
         threads = 32 * min(8, max(1, (n + 127) // 128))
@@ -347,6 +442,22 @@ class CupyBackend(ArrayOps):
                              (cp.ascontiguousarray(k), cp.ascontiguousarray(v), k_all, v_all, pos, np.int32(t),
                               np.int32(rk), np.int32(rv)))
 
+    def qk_rope_store(self, q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos):
+        """:meth:`ArrayOps.qk_rope_store` in one launch (``qk_rope_store`` of ops.cu); head sizes up to 256."""
+        t, n_head, d = q.shape
+        n_kv, dv = v.shape[1], v.shape[2]
+        if d > 256 or d % 2 or (pos is not None and not isinstance(pos, cp.ndarray)):
+            return super().qk_rope_store(q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos)
+        c = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)  # noqa: E731
+        q, k, v = c(q), c(k), c(v)
+        qo = cp.empty_like(q)
+        self._fn("qk_rope_store" + _kv_suffix(k_all))(
+            (n_head + 2 * n_kv, t), (128,),
+            (q, k, v, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, np.float32(eps),
+             cp.ascontiguousarray(cos), cp.ascontiguousarray(sin), np.int32(cos.shape[1]), np.int32(bool(neox)),
+             qo, k_all, v_all, pos, np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(dv)))
+        return qo
+
     def attention(self, q: cp.ndarray, k_all: cp.ndarray, v_all: cp.ndarray, pos0: Any, scale: float,
                   window: int | None = None, softcap: float | None = None) -> cp.ndarray:
         t, n_head, d = q.shape
@@ -356,15 +467,34 @@ class CupyBackend(ArrayOps):
         pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * dv), cp.float32)
-        # the key runs per query follow the cache's capacity, not the position: a captured graph
-        # replays at every position with the same grid
-        splits = att_splits(k_all.shape[0])
-        part = cp.empty((t, n_head, splits, dv + 2), cp.float32)
-        self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t, splits), (32 * ATT_WARPS,),
-                                (q, k_all, v_all, part, pos, np.int32(n_head), np.int32(k_all.shape[1]),
-                                 np.int32(d), np.int32(dv), np.float32(scale), np.int32(window or 0),
-                                 np.float32(softcap or 0.0)))
-        self._fn("attn_combine")((n_head, t), (128,), (part, out, np.int32(n_head), np.int32(splits), np.int32(dv)))
+        # the grids follow the cache's capacity, not the position: a captured graph replays at every
+        # position; each kernel reads the positions from device memory and takes its own queries:
+        # attn_decode those with fewer than GQA_MIN_KEYS keys, attn_gqa the others
+        cap, n_kv = k_all.shape[0], k_all.shape[1]
+        args = (q, k_all, v_all, pos, np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(dv),
+                np.float32(scale), np.int32(window or 0), np.float32(softcap or 0.0))
+        use_gqa = gqa_ok(n_head, n_kv, d, dv) and cap >= GQA_MIN_KEYS
+        s_a = att_splits(cap)
+        part_a = cp.empty((t, n_head, s_a, dv + 2), cp.float32)
+        self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t, s_a), (32 * ATT_WARPS,),
+                                                    args[:3] + (part_a,) + args[3:] +
+                                                    (np.int32(GQA_MIN_KEYS if use_gqa else 0),))
+        s_b, min_run, part_b = 0, 0, NULL
+        if use_gqa:  # each KV head read once for its query group
+            s_b, min_run = gqa_splits(cap)
+            part_b = cp.empty((t, n_head, s_b, dv + 2), cp.float32)
+            self._fn(f"attn_gqa_d{dv // 32}" + _kv_suffix(k_all))((n_kv, t, s_b), (GQA_THREADS,),
+                                                                  args[:3] + (part_b,) + args[3:] +
+                                                                  (np.int32(min_run), np.int32(GQA_MIN_KEYS)))
+        quant = (NULL, NULL, NULL)
+        if self.act_q8 and dv % 32 == 0:  # the attn_output product reads out's 8-bit rounding: made here
+            quant = (cp.empty((t, n_head * dv), cp.int8), cp.empty((t, n_head * dv // 32), cp.float32),
+                     cp.empty((t, n_head * dv // 32), cp.float32))
+        self._fn("attn_combine")((n_head, t), (128,), (part_a, part_b, out, np.int32(n_head), np.int32(s_a),
+                                                      np.int32(s_b), np.int32(dv), pos, np.int32(window or 0),
+                                                      np.int32(min_run), np.int32(GQA_MIN_KEYS), *quant))
+        if quant[0] is not NULL:
+            self._xq = (out, quant)
         return out
 
     def topk_routing(self, logits: cp.ndarray, k: int, renorm: bool) -> Routing:
@@ -401,8 +531,26 @@ class CupyBackend(ArrayOps):
         k = ids.shape[1]
         _, ff, rb = gate.shape
         rbd = down.shape[2]
-        fg, fd = (SUFFIX[format_for(tp).name] for tp in (types[0], types[2]))
+        fmt_g, fmt_d = (format_for(tp).name for tp in (types[0], types[2]))
+        fg, fd = SUFFIX[fmt_g], SUFFIX[fmt_d]
         a = cp.empty((t * k, ff), cp.float32)
+        if self.act_q8 and fmt_g in Q8_ACT and fmt_d in Q8_ACT:
+            xq, xd, xs = self._quantized(h)
+            lpr = lanes_per_row(n_embd, fmt_g)
+            rpb = 32 * MMVQ_WARPS // lpr
+            self._fn("moeq_glu_" + fg)(
+                ((ff + rpb - 1) // rpb, t * k), (32 * MMVQ_WARPS,),
+                (gate, up, ids, xq, xd, xs, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
+                 np.int32(act != "silu"), slot_map, host[0], host[1], scratch[0], scratch[1], np.int32(lpr)))
+            aq, ad, as_ = self._quantized(a)
+            lpr = lanes_per_row(ff * k, fmt_d)  # a row's lanes take the pieces of all k experts
+            rpb = 32 * MMVQ_WARPS // lpr
+            y = cp.empty((t, n_embd), cp.float32)
+            self._fn("moeq_down_" + fd)(
+                ((n_embd + rpb - 1) // rpb, t), (32 * MMVQ_WARPS,),
+                (down, ids, w, aq, ad, as_, y, np.int32(k), _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff),
+                 slot_map, host[2], scratch[2], np.int32(lpr)))
+            return y
         self._fn("moe_glu_" + fg)(
             ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, t * k), (32 * WARPS_PER_BLOCK,),
             (gate, up, ids, h, a, np.int32(k), _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
@@ -434,7 +582,11 @@ class CupyBackend(ArrayOps):
         """None if the GPU can read every host array in place (page-locked: ``--load-mode pin``),
         else the reason it cannot."""
         bad = [a for a in arrays if not _is_pinned(a)]
-        return None if not bad else "host experts are not in page-locked memory (--load-mode pin makes them so)"
+        if bad:
+            return "host experts are not in page-locked memory (--load-mode pin makes them so)"
+        if any(a.ctypes.data % 16 for a in arrays):  # the kernels read weights as 16-byte words
+            return "host experts are not 16-byte aligned in memory (the file's general.alignment)"
+        return None
 
     def moe_ffn_cached(self, pool: tuple[cp.ndarray, cp.ndarray, cp.ndarray], types: tuple[int, int, int],
                        routing: Routing, h: cp.ndarray, act: str, slot_map: cp.ndarray,

@@ -15,6 +15,7 @@ from moecache.backends.ops import ArrayOps
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing, softmax, topk_routing
 from moecache.quants import cpu
+from moecache.quants.act_q8 import Q8_ACT, Q8_MAX_TOKENS, q8_round
 from moecache.quants.formats import format_for
 
 # From this many tokens on, a quantized matmul dequantizes row tiles of W to float32 and calls BLAS
@@ -51,11 +52,25 @@ class Linear:
 
 
 class NumpyBackend(ArrayOps):
-    """Array operations on the CPU (numpy + Numba kernels). Stateless apart from the array module."""
+    """Array operations on the CPU (numpy + Numba kernels).
+
+    Args:
+        act_q8: run the GPU's default arithmetic: the products of ubatches of up to
+            :data:`Q8_MAX_TOKENS` tokens with weights of a :data:`Q8_ACT` format see their
+            activations rounded by :func:`q8_round` (the CPU twin of ``CupyBackend(act_q8=True)``);
+            default False: float32 activations.
+    """
 
     name = "cpu"
     xp = np
     device = None  # no GPU
+    act_q8 = False
+
+    def __init__(self, act_q8: bool = False):
+        self.act_q8 = act_q8
+
+    def _q8(self, ggml_type: int, name: str | None, n_tok: int) -> bool:
+        return self.act_q8 and n_tok <= Q8_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
 
     def activate(self) -> None:
         """Make this backend's device current (nothing to do on the CPU)."""
@@ -122,6 +137,8 @@ class NumpyBackend(ArrayOps):
         """``x @ W.T``: float32 (T, n_in) -> (T, n_out)."""
         if w.is_f32:
             return x @ w.data.T
+        if self._q8(w.ggml_type, w.name, x.shape[0]):
+            x = q8_round(x)
         if x.shape[0] < BLAS_MIN_TOKENS:
             return cpu.matmul(w.data, w.ggml_type, x, name=w.name)
         out = np.empty((x.shape[0], w.n_out), np.float32)
@@ -148,9 +165,29 @@ class NumpyBackend(ArrayOps):
         Returns:
             float32 (T, n_embd).
         """
+        if types[0] == types[1] and self._q8(types[0], None, h.shape[0]) and self._q8(types[2], None, 1):
+            return self._moe_ffn_q8(gate, up, down, types, routing, h, act)
         eids, offs, rows, wts = routing.groups()
         return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
                            act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
+
+    def _moe_ffn_q8(self, gate, up, down, types, routing: Routing, h: np.ndarray, act: str) -> np.ndarray:
+        """The GPU's decode MoE with 8-bit activations (moeq_glu, moeq_down of mmvq.cu): h rounded by
+        :func:`q8_round`, then each pair's gated activations rounded before the down product."""
+        ids = np.asarray(routing.ids)
+        w = np.asarray(routing.weights, np.float32)
+        t, k = ids.shape
+        hq = q8_round(np.ascontiguousarray(h, np.float32))
+        a = np.empty((t * k, gate.shape[1]), np.float32)
+        for p, e in enumerate(ids.reshape(-1)):
+            x = hq[p // k:p // k + 1]
+            g = cpu.matmul(gate[e], types[0], x)
+            a[p] = self.glu(g, cpu.matmul(up[e], types[1], x), act)[0]
+        aq = q8_round(a)
+        y = np.zeros((t, down.shape[1]), np.float32)
+        for p, e in enumerate(ids.reshape(-1)):
+            y[p // k] += w.flat[p] * cpu.matmul(down[e], types[2], aq[p:p + 1])[0]
+        return y
 
     def fill(self, dst: np.ndarray, value: int) -> None:
         """``dst[...] = value`` (the twin of :meth:`CupyBackend.fill`)."""

@@ -85,6 +85,11 @@ class ArrayOps:
         y = x * (1.0 / xp.sqrt(ms + np.float32(eps))).astype(np.float32)
         return y * w if w is not None else y
 
+    def add_rms_norm(self, x: Any, r: Any, w: Any | None, eps: float) -> tuple[Any, Any]:
+        """``h = x + r`` and ``rms_norm(h, w, eps)``: (h, normed), float32 like x."""
+        h = x + r
+        return h, self.rms_norm(h, w, eps)
+
     def rope(self, x: Any, cos: Any, sin: Any, neox: bool) -> Any:
         """Rotary position embedding (Su et al. 2021) of the first ``2 * cos.shape[1]`` dims of each head.
 
@@ -126,6 +131,31 @@ class ArrayOps:
         t = k.shape[0]
         k_all[p0:p0 + t] = k
         v_all[p0:p0 + t] = v
+
+    def qk_rope_store(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None, eps: float,
+                      cos: Any, sin: Any, neox: bool, k_all: Any, v_all: Any, pos: Any) -> Any:
+        """The attention inputs of a block in one step: per-head RMSNorm of q and k (when ``q_norm`` /
+        ``k_norm`` are given: float32 (head_dim,), qwen3's and gemma3's ``attn_q_norm``/``attn_k_norm``),
+        RoPE of both, and k, v written into the layer's KV cache at ``pos``.
+
+        Args:
+            q: float32 (T, n_head, head_dim); k: (T, n_head_kv, head_dim); v: (T, n_head_kv, head_dim_v).
+            cos, sin: float32 (T, n_rot / 2) (:meth:`rope_tables`); neox: as :meth:`rope`.
+            k_all, v_all, pos: as :meth:`kv_store`.
+
+        Returns:
+            q after norm and RoPE, float32 (T, n_head, head_dim). The same arithmetic as
+            :meth:`rms_norm`, :meth:`rope` and :meth:`kv_store` one after another (this is their
+            composition; the GPU backend runs it as one kernel).
+        """
+        if q_norm is not None:
+            q = self.rms_norm(q, q_norm, eps)
+        if k_norm is not None:
+            k = self.rms_norm(k, k_norm, eps)
+        q = self.rope(q, cos, sin, neox)
+        k = self.rope(k, cos, sin, neox)
+        self.kv_store(k_all, v_all, pos, k, v)
+        return q
 
     def attention(self, q: Any, k_all: Any, v_all: Any, pos0: Any, scale: float,
                   window: int | None = None, softcap: float | None = None) -> Any:

@@ -280,6 +280,11 @@ class DecoderLM:
         """RMSNorm with the model's epsilon."""
         return self.be.rms_norm(x, w, self.cfg.norm_eps)
 
+    def add_norm(self, x: Any, r: Any, w: Any) -> tuple[Any, Any]:
+        """The residual sum ``h = x + r`` and its RMSNorm ``norm(h, w)``: (h, normed), both float32
+        (T, n_embd) (one launch on the GPU)."""
+        return self.be.add_rms_norm(x, r, w, self.cfg.norm_eps)
+
     def attention(self, il: int, x: Any, pos: np.ndarray, kv: KVCache, *, qk_norm: str | None = None,
                   scale: float | None = None) -> Any:
         """Self-attention of block ``il`` on the normed input; returns the ``attn_output`` projection.
@@ -303,15 +308,12 @@ class DecoderLM:
         q = q.reshape(t, c.n_head, c.head_dim)
         k = k.reshape(t, c.n_head_kv, c.head_dim)
         v = v.reshape(t, c.n_head_kv, c.head_dim_v)
-        if qk_norm == "head":
-            q = self.norm(q, L["attn_q_norm"])
-            k = self.norm(k, L["attn_k_norm"])
+        per_head = qk_norm == "head"
         rope = self.rope_spec(il)
         cos, sin = self._rope_tables(rope)
-        q = be.rope(q, cos, sin, rope.neox)
-        k = be.rope(k, cos, sin, rope.neox)
         p = self.positions()
-        be.kv_store(kv.k[il], kv.v[il], p, k, v)
+        q = be.qk_rope_store(q, k, v, L["attn_q_norm"] if per_head else None, L["attn_k_norm"] if per_head else None,
+                             c.norm_eps, cos, sin, rope.neox, kv.k[il], kv.v[il], p)
         o = be.attention(q, kv.k[il], kv.v[il], p, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
                          window=self.window(il), softcap=c.attn_logit_softcapping if self.attn_softcap else None)
         return self._proj(L, "attn_output", o)

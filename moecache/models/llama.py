@@ -14,5 +14,5 @@ class Llama(DecoderLM):
 
     def block(self, il, x, pos, kv):
         L = self.layers[il]
-        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv)
-        return h + self.dense_ffn(il, self.norm(h, L["ffn_norm"]))
+        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), pos, kv), L["ffn_norm"])
+        return h + self.dense_ffn(il, y)

@@ -15,6 +15,5 @@ class Mixtral(DecoderLM):
 
     def block(self, il, x, pos, kv):
         L = self.layers[il]
-        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv)
-        y = self.norm(h, L["ffn_norm"])
+        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), pos, kv), L["ffn_norm"])
         return h + (self.moe(il, y) if "ffn_gate_inp" in L else self.dense_ffn(il, y))

@@ -15,5 +15,6 @@ class Qwen3Moe(DecoderLM):
 
     def block(self, il, x, pos, kv):
         L = self.layers[il]
-        h = x + self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head")
-        return h + self.moe(il, self.norm(h, L["ffn_norm"]))
+        a = self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head")
+        h, y = self.add_norm(x, a, L["ffn_norm"])
+        return h + self.moe(il, y)

@@ -82,7 +82,8 @@ def run_cell(path: str | Path, placement: str, load_mode: str, n_ubatch: int, to
     if placement == "cache":
         opts["vram_budget"] = third_of_experts_budget(path, n_ctx)
     cfg = EngineConfig(n_ctx=n_ctx, n_batch=max(n_ctx, n_ubatch), n_ubatch=n_ubatch)
-    with Engine(path, cfg, placement=PlacementOptions(**opts), load_mode=load_mode) as eng:
+    # float32 activations: the CPU's arithmetic, so that only moved bytes can make a difference
+    with Engine(path, cfg, placement=PlacementOptions(**opts), load_mode=load_mode, gpu_act_q8=False) as eng:
         if placement == "cache":
             assert eng.caches and eng.placement.cache_slots[0][1] > 0, "the budget gave no expert cache"
         ppl = eng.perplexity(tokens, n_ctx, max_chunks=max_chunks).ppl

@@ -46,6 +46,74 @@ extern "C" __global__ void rms_norm(const float *x, const float *w, float *y, lo
     for (long long i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * inv * w[i] : xr[i] * inv;
 }
 
+// RMSNorm fused with the residual sum before it and the 8-bit activation rounding after it (the
+// decode path with act_q8): v = x + r (r may be null; then h is not written), h = v,
+// y = v / sqrt(mean(v^2) + eps) * w (w may be null), and y rounded as quantize_q8 of mmvq.cu does:
+// XQ int8 (T, n), XD, XS float (T, n / 32). One block per row of n floats (n % 256 == 0,
+// n <= 8192), n / 8 threads: thread i holds elements 8i .. 8i + 7 (four threads per 32-value unit).
+extern "C" __global__ void rms_norm_q8(const float *x, const float *r, const float *w, float *h, float *y,
+                                       signed char *XQ, float *XD, float *XS, int n, float eps) {
+    __shared__ float red[32];
+    int row = blockIdx.x, i = threadIdx.x, lane = i % 32, wid = i / 32, nw = blockDim.x / 32;
+    long long o = (long long)row * n + 8 * i;
+    float v[8];
+    {
+        float4 a = *(const float4 *)(x + o), b = *(const float4 *)(x + o + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+    if (r != nullptr) {
+        float4 a = *(const float4 *)(r + o), b = *(const float4 *)(r + o + 4);
+        v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w; v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
+        *(float4 *)(h + o) = make_float4(v[0], v[1], v[2], v[3]);
+        *(float4 *)(h + o + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+    ss = warp_sum(ss);
+    if (lane == 0) red[wid] = ss;
+    __syncthreads();
+    if (wid == 0) {
+        float tt = lane < nw ? red[lane] : 0.f;
+        tt = warp_sum(tt);
+        if (lane == 0) red[0] = tt;
+    }
+    __syncthreads();
+    float inv = 1.f / sqrtf(red[0] / (float)n + eps);
+    float wv[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+    if (w != nullptr) {
+        float4 a = *(const float4 *)(w + 8 * i), b = *(const float4 *)(w + 8 * i + 4);
+        wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w; wv[4] = b.x; wv[5] = b.y; wv[6] = b.z; wv[7] = b.w;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        v[k] = w != nullptr ? v[k] * inv * wv[k] : v[k] * inv;
+        amax = fmaxf(amax, fabsf(v[k]));
+    }
+    *(float4 *)(y + o) = make_float4(v[0], v[1], v[2], v[3]);
+    *(float4 *)(y + o + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    float d = amax / 127.f;
+    int q[8], s = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        q[k] = amax == 0.f ? 0 : __float2int_rn(v[k] / d);
+        s += q[k];
+    }
+    int lo = (q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | ((q[3] & 0xFF) << 24);
+    int hi = (q[4] & 0xFF) | ((q[5] & 0xFF) << 8) | ((q[6] & 0xFF) << 16) | ((q[7] & 0xFF) << 24);
+    *(int2 *)(XQ + o) = make_int2(lo, hi);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if ((i & 3) == 0) {
+        long long u = o / 32;
+        XD[u] = d;
+        XS[u] = d * (float)s;
+    }
+}
+
 // RoPE of x (T, H, D): rotates the first 2*half dims of each head with cos/sin (T, half); pairs
 // (i, i + half) when neox, (2i, 2i + 1) otherwise; other dims are copied. One thread per pair.
 extern "C" __global__ void rope(const float *x, float *y, const float *cs, const float *sn, int T, int H, int D,
@@ -98,13 +166,14 @@ extern "C" __global__ void glu(const float *g, const float *u, float *out, long 
 #define ATT_WARPS 4
 template <typename KV>
 __device__ void attn_split_t(const float *q, const KV *K, const KV *V, float *part, const int *pos, int H, int Hkv,
-                             int D, int Dv, float scale, int window, float softcap) {
+                             int D, int Dv, float scale, int window, float softcap, int max_keys) {
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][256];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
     int hk = h / (H / Hkv);
     int p = pos[t];
     int start = window > 0 ? max(0, p - window + 1) : 0;
+    if (max_keys > 0 && p - start + 1 >= max_keys) return;  // attn_gqa takes this query
     int chunk = (p - start + S) / S;  // ceil(n_keys / S)
     int j0 = start + s * chunk, j1 = min(p + 1, j0 + chunk);
     const float *qh = q + ((long long)t * H + h) * D;
@@ -165,36 +234,298 @@ __device__ void attn_split_t(const float *q, const KV *K, const KV *V, float *pa
     }
 }
 
+// max_keys > 0: queries with at least that many keys are left to attn_gqa (nothing written for them)
 extern "C" __global__ void attn_decode(const float *q, const float *K, const float *V, float *part, const int *pos,
-                                       int H, int Hkv, int D, int Dv, float scale, int window, float softcap) {
-    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap);
+                                       int H, int Hkv, int D, int Dv, float scale, int window, float softcap,
+                                       int max_keys) {
+    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap, max_keys);
 }
 
 extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, const __half *V, float *part,
                                            const int *pos, int H, int Hkv, int D, int Dv, float scale, int window,
-                                           float softcap) {
-    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap);
+                                           float softcap, int max_keys) {
+    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap, max_keys);
 }
 
-// Merges the S partials of attn_decode: out[t, h*Dv + d] = sum_s o_s[d] e^(M_s - M) / sum_s L_s e^(M_s - M)
-// with M the largest M_s (runs without keys have M_s = -inf and are skipped). Grid (H, T).
-extern "C" __global__ void attn_combine(const float *part, float *out, int H, int S, int Dv) {
-    int h = blockIdx.x, t = blockIdx.y;
-    const float *pt = part + ((long long)t * H + h) * S * (Dv + 2);
-    float M = NEG_INF;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, pt[s * (Dv + 2)]);
-    float L = 0.f;
-    for (int s = 0; s < S; ++s) {
-        float ms = pt[s * (Dv + 2)];
-        if (ms != NEG_INF) L += pt[s * (Dv + 2) + 1] * __expf(ms - M);
+// Decode attention that reads each KV head once for its whole query group (grouped-query attention:
+// G = H / Hkv query heads share a KV head). Grid (Hkv, T, S), GQA_THREADS threads; the query's keys
+// go in runs of max(min_run, ceil(n_keys / S)) keys (gqa_run: from the position in device memory,
+// so a captured graph replays at any position; blocks past the last run return at once); block s
+// of (kv head hk, query t) takes run s for the G heads hk*G .. hk*G + G - 1, in chunks of
+// GQA_THREADS keys with an online softmax:
+//   1. scores: warp w takes keys w, w + 4, ... (four at a time, so that their loads overlap), lane
+//      l the DPL = D / 32 dims l*DPL .. of the key and of the G queries (held in registers): a K
+//      row is one coalesced read; a warp sum per head gives the score;
+//   2. per head, the chunk's max and exp-sum (a warp per head) rescale the running M, L and o;
+//   3. o[g][d] += sum_j p[g][j] V[j][d]: the same split of keys over warps and dims over lanes;
+//      the four warps' sums are added through shared memory at the end.
+// The partials (M, L, o) go to part (T, H, S, D + 2) as attn_decode writes them (attn_combine
+// merges them). Needs G <= GQA_MAX_G, D = Dv = 32 * DPL with DPL in {2, 4, 8} and G * DPL <= 64
+// (gqa_ok in cupy_backend.py): the queries and the sums of a lane fit in registers.
+#define GQA_THREADS 128
+#define GQA_MAX_G 16
+__device__ __forceinline__ void load8(const float *p, float *o) {
+    float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+__device__ __forceinline__ void load8(const __half *p, float *o) {
+    uint4 u = *(const uint4 *)p;
+    const __half2 *h = (const __half2 *)&u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x;
+        o[2 * i + 1] = f.y;
     }
-    for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
-        float o = 0.f;
-        for (int s = 0; s < S; ++s) {
-            float ms = pt[s * (Dv + 2)];
-            if (ms != NEG_INF) o += pt[s * (Dv + 2) + 2 + d] * __expf(ms - M);
+}
+// DPL consecutive elements (DPL = 2, 4, 8; aligned to DPL elements)
+template <int DPL> __device__ __forceinline__ void load_dpl(const float *p, float *o) {
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) {
+        float2 v = *(const float2 *)(p + i);
+        o[i] = v.x;
+        o[i + 1] = v.y;
+    }
+}
+template <int DPL> __device__ __forceinline__ void load_dpl(const __half *p, float *o) {
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) {
+        float2 v = __half22float2(*(const __half2 *)(p + i));
+        o[i] = v.x;
+        o[i + 1] = v.y;
+    }
+}
+
+// keys per run of a query with n_keys keys, S runs, at least min_run keys per run
+__device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
+    return max(min_run, (n_keys + S - 1) / S);
+}
+
+template <typename KV, int DPL>
+__device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part, const int *pos, int H, int Hkv,
+                           float scale, int window, float softcap, int run, int min_keys) {
+    constexpr int D = 32 * DPL;                                      // head size of K and V
+    constexpr int NG = 64 / DPL < GQA_MAX_G ? 64 / DPL : GQA_MAX_G;  // heads a lane can hold
+    constexpr int NW = GQA_THREADS / 32;
+    __shared__ float buf[2 * 64 * 32];  // the warps' sums of o at the end (G * D <= 2048 per half)
+    __shared__ float sc[GQA_MAX_G][GQA_THREADS];
+    __shared__ float sM[GQA_MAX_G], sL[GQA_MAX_G], sA[GQA_MAX_G];
+    int hk = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
+    int G = H / Hkv, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
+    int p = pos[t];
+    int start = window > 0 ? max(0, p - window + 1) : 0;
+    if (p - start + 1 < min_keys) return;  // attn_decode takes this query
+    run = gqa_run(p - start + 1, S, run);
+    int j0 = start + s * run, j1 = min(p + 1, j0 + run);
+    if (j0 >= j1) return;  // past the query's keys: attn_combine reads only the runs that hold keys
+    // lane l holds dims l*DPL .. of the G queries (the group's heads are contiguous in q)
+    float qr[NG][DPL], acc[NG][DPL];
+    const float *qh = q + ((long long)t * H + (long long)hk * G) * D + lane * DPL;
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[g][e] = 0.f;
+        if (g < G) load_dpl<DPL>(qh + g * D, qr[g]);
+    }
+    if (tid < GQA_MAX_G) {
+        sM[tid] = NEG_INF;
+        sL[tid] = 0.f;
+    }
+    __syncthreads();
+    long long ks = (long long)Hkv * D;
+    for (int c0 = j0; c0 < j1; c0 += GQA_THREADS) {
+        int n = min(GQA_THREADS, j1 - c0);
+        const KV *kc = K + ((long long)c0 * Hkv + hk) * D + lane * DPL;
+        const KV *vc = V + ((long long)c0 * Hkv + hk) * D + lane * DPL;
+        // 1. scores: warp wid takes keys wid, wid + 4, ... (four at a time: their loads overlap)
+        for (int i0 = wid; i0 < n; i0 += 4 * NW) {
+            float kv[4][DPL];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (i0 + u * NW < n) load_dpl<DPL>(kc + (i0 + u * NW) * ks, kv[u]);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                int i = i0 + u * NW;
+                if (i < n) {
+#pragma unroll
+                    for (int g = 0; g < NG; ++g)
+                        if (g < G) {
+                            float x = 0.f;
+#pragma unroll
+                            for (int e = 0; e < DPL; ++e) x += qr[g][e] * kv[u][e];
+                            x = warp_sum(x) * scale;
+                            if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+                            if (lane == 0) sc[g][i] = x;
+                        }
+                }
+            }
         }
-        out[((long long)t * H + h) * Dv + d] = o / L;
+        __syncthreads();
+        // 2. a warp per head: the chunk's max, p = e^(x - M), the running M and L
+        for (int g = wid; g < G; g += NW) {
+            float m = NEG_INF;
+            for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[g][i]);
+            m = warp_max(m);
+            float M = fmaxf(sM[g], m);
+            float sum = 0.f;
+            for (int i = lane; i < n; i += 32) {
+                float e = __expf(sc[g][i] - M);
+                sc[g][i] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                float a = sM[g] == NEG_INF ? 0.f : __expf(sM[g] - M);
+                sA[g] = a;
+                sL[g] = sL[g] * a + sum;
+                sM[g] = M;
+            }
+        }
+        __syncthreads();
+        // 3. o += p V: warp wid takes keys wid, wid + 4, ..., lane its DPL dims of every head
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < G) {
+                float a = sA[g];
+#pragma unroll
+                for (int e = 0; e < DPL; ++e) acc[g][e] *= a;
+            }
+        for (int i0 = wid; i0 < n; i0 += 4 * NW) {
+            float v[4][DPL];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (i0 + u * NW < n) load_dpl<DPL>(vc + (i0 + u * NW) * ks, v[u]);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                int i = i0 + u * NW;
+                if (i < n) {
+#pragma unroll
+                    for (int g = 0; g < NG; ++g)
+                        if (g < G) {
+                            float pr = sc[g][i];
+#pragma unroll
+                            for (int e = 0; e < DPL; ++e) acc[g][e] += pr * v[u][e];
+                        }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // the four warps' sums: warps 0 and 1 store theirs, 2 and 3 add theirs, then two halves remain
+    int half = G * D;
+    for (int round = 0; round < 2; ++round) {
+        if ((wid >> 1) == round) {
+            float *b = buf + (wid & 1) * half;
+#pragma unroll
+            for (int g = 0; g < NG; ++g)
+                if (g < G)
+#pragma unroll
+                    for (int e = 0; e < DPL; ++e) {
+                        float *x = b + g * D + lane * DPL + e;
+                        *x = round == 0 ? acc[g][e] : *x + acc[g][e];
+                    }
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < half; i += GQA_THREADS) {
+        int g = i / D, d = i % D;
+        float *ps = part + (((long long)t * H + (long long)hk * G + g) * S + s) * (D + 2);
+        ps[2 + d] = buf[i] + buf[half + i];
+        if (d == 0) {
+            ps[0] = sM[g];
+            ps[1] = sL[g];
+        }
+    }
+}
+
+#define GQA_KERNEL(NAME, KV, DPL)                                                                     \
+extern "C" __global__ void __launch_bounds__(GQA_THREADS) NAME(const float *q, const KV *K, const KV *V, \
+        float *part, const int *pos, int H, int Hkv, int D, int Dv, float scale, int window, float softcap, \
+        int run, int min_keys) {                                                                      \
+    attn_gqa_t<KV, DPL>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys);         \
+}
+GQA_KERNEL(attn_gqa_d2, float, 2)
+GQA_KERNEL(attn_gqa_d4, float, 4)
+GQA_KERNEL(attn_gqa_d8, float, 8)
+GQA_KERNEL(attn_gqa_d2_f16, __half, 2)
+GQA_KERNEL(attn_gqa_d4_f16, __half, 4)
+GQA_KERNEL(attn_gqa_d8_f16, __half, 8)
+
+// Merges the partials of attn_decode (part_a (T, H, S_a, Dv + 2)) or attn_gqa (part_b (T, H, S_b,
+// Dv + 2), may be null) of each query: out[t, h*Dv + d] = sum_s o_s[d] e^(M_s - M) / sum_s L_s
+// e^(M_s - M) with M the largest M_s. A query with at least min_keys keys (and part_b given) was
+// taken by attn_gqa: its runs of gqa_run(n_keys, S_b, min_run) keys, only those that hold keys
+// (the others were not written); else by attn_decode: all S_a runs, those without keys (M_s =
+// -inf) weigh 0. Grid (H, T), 128 threads: the weights are computed once, in parallel, into shared
+// memory; the gqa sum over runs is unrolled so that its loads overlap. When XQ is not null (Dv % 32
+// == 0), out is also rounded to 8 bits as quantize_q8 (mmvq.cu) rounds it: XQ (T, H*Dv), XD, XS.
+#define COMBINE_MAX_S 256
+extern "C" __global__ void attn_combine(const float *part_a, const float *part_b, float *out, int H, int S_a,
+                                        int S_b, int Dv, const int *pos, int window, int min_run, int min_keys,
+                                        signed char *XQ, float *XD, float *XS) {
+    __shared__ float w[COMBINE_MAX_S];
+    __shared__ float red[4];
+    int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
+    int p = pos[t];
+    int start = window > 0 ? max(0, p - window + 1) : 0;
+    int nk = p - start + 1;
+    bool gqa = part_b != nullptr && nk >= min_keys;
+    int S = gqa ? S_b : S_a, n = S;
+    const float *pt = (gqa ? part_b : part_a) + ((long long)t * H + h) * S * (Dv + 2);
+    if (gqa) {
+        int rl = gqa_run(nk, S, min_run);
+        n = min(S, (nk + rl - 1) / rl);  // runs that hold keys
+    }
+    float m = NEG_INF;
+    for (int s = tid; s < n; s += blockDim.x) m = fmaxf(m, pt[(long long)s * (Dv + 2)]);
+    m = warp_max(m);
+    if (lane == 0) red[wid] = m;
+    __syncthreads();
+    float M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
+    float l = 0.f;
+    for (int s = tid; s < n; s += blockDim.x) {
+        float ms = pt[(long long)s * (Dv + 2)];
+        float e = ms == NEG_INF ? 0.f : __expf(ms - M);
+        w[s] = e;
+        l += e == 0.f ? 0.f : e * pt[(long long)s * (Dv + 2) + 1];
+    }
+    l = warp_sum(l);
+    if (lane == 0) red[wid] = l;
+    __syncthreads();
+    float L = red[0] + red[1] + red[2] + red[3];
+    for (int d = tid; d < Dv; d += blockDim.x) {
+        float o = 0.f;
+        const float *pd = pt + 2 + d;
+        int s = 0;
+        if (gqa) {  // every run read holds keys: no test, 16 loads in flight
+            for (; s + 16 <= n; s += 16) {
+                float v[16];
+#pragma unroll
+                for (int u = 0; u < 16; ++u) v[u] = pd[(long long)(s + u) * (Dv + 2)];
+#pragma unroll
+                for (int u = 0; u < 16; ++u) o += v[u] * w[s + u];
+            }
+        }
+        for (; s < n; ++s)
+            if (w[s] != 0.f) o += pd[(long long)s * (Dv + 2)] * w[s];
+        long long at = ((long long)t * H + h) * Dv + d;
+        float val = o / L;
+        out[at] = val;
+        if (XQ != nullptr) {  // out's 8-bit rounding for the attn_output product (quantize_q8 of mmvq.cu);
+            // Dv % 32 == 0: a warp holds one whole unit
+            float amax = warp_max(fabsf(val));
+            float dq = amax / 127.f;
+            int qv = amax == 0.f ? 0 : __float2int_rn(val / dq);
+            XQ[at] = (signed char)qv;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) qv += __shfl_xor_sync(0xffffffffu, qv, off);
+            if (lane == 0) {
+                XD[at / 32] = dq;
+                XS[at / 32] = dq * (float)qv;
+            }
+        }
     }
 }
 
@@ -293,6 +624,81 @@ extern "C" __global__ void kv_store(const float *k, const float *v, float *K, fl
 extern "C" __global__ void kv_store_f16(const float *k, const float *v, __half *K, __half *V, const int *pos, int T,
                                         int row_k, int row_v) {
     kv_store_t(k, v, K, V, pos, row_k, row_v);
+}
+
+// The attention inputs of a block in one launch (ArrayOps.qk_rope_store): per-head RMSNorm of q and
+// k (when qw / kw are not null), RoPE of both (cos/sin (T, half), pairs as in rope), q written to
+// qo (T, H, D), k and v written into the KV cache at pos[t]. Grid (H + 2 Hkv, T), 128 threads:
+// block x < H is query head x, then the Hkv key heads, then the Hkv value heads (copied). Thread i
+// holds RoPE pair i (D <= 256).
+template <typename KV>
+__device__ void qk_rope_store_t(const float *q, const float *k, const float *v, const float *qw, const float *kw,
+                                float eps, const float *cs, const float *sn, int half, int neox, float *qo, KV *K,
+                                KV *V, const int *pos, int H, int Hkv, int D, int Dv) {
+    __shared__ float red[4];
+    int hi = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+    if (hi >= H + Hkv) {  // a value head: into the cache as it is
+        int hv = hi - H - Hkv;
+        const float *src = v + ((long long)t * Hkv + hv) * Dv;
+        KV *dst = V + ((long long)pos[t] * Hkv + hv) * Dv;
+        for (int i = tid; i < Dv; i += blockDim.x) kv_put(dst + i, src[i]);
+        return;
+    }
+    bool is_q = hi < H;
+    const float *x = is_q ? q + ((long long)t * H + hi) * D : k + ((long long)t * Hkv + (hi - H)) * D;
+    const float *w = is_q ? qw : kw;
+    bool act = tid < D / 2;
+    int a = 0, b = 0;
+    float xa = 0.f, xb = 0.f;
+    if (act) {
+        if (tid < half) {
+            a = neox ? tid : 2 * tid;
+            b = neox ? tid + half : 2 * tid + 1;
+        } else {  // the unrotated tail, two dims per thread
+            a = 2 * half + 2 * (tid - half);
+            b = a + 1;
+        }
+        xa = x[a];
+        xb = x[b];
+    }
+    if (w != nullptr) {  // uniform over the block
+        float ss = warp_sum(xa * xa + xb * xb);
+        if (tid % 32 == 0) red[tid / 32] = ss;
+        __syncthreads();
+        float inv = 1.f / sqrtf((red[0] + red[1] + red[2] + red[3]) / (float)D + eps);
+        xa = xa * inv * (act ? w[a] : 0.f);
+        xb = xb * inv * (act ? w[b] : 0.f);
+    }
+    if (!act) return;
+    float ya = xa, yb = xb;
+    if (tid < half) {
+        float c = cs[t * half + tid], s = sn[t * half + tid];
+        ya = xa * c - xb * s;
+        yb = xa * s + xb * c;
+    }
+    if (is_q) {
+        float *o = qo + ((long long)t * H + hi) * D;
+        o[a] = ya;
+        o[b] = yb;
+    } else {
+        KV *o = K + ((long long)pos[t] * Hkv + (hi - H)) * D;
+        kv_put(o + a, ya);
+        kv_put(o + b, yb);
+    }
+}
+
+extern "C" __global__ void qk_rope_store(const float *q, const float *k, const float *v, const float *qw,
+                                         const float *kw, float eps, const float *cs, const float *sn, int half,
+                                         int neox, float *qo, float *K, float *V, const int *pos, int H, int Hkv,
+                                         int D, int Dv) {
+    qk_rope_store_t(q, k, v, qw, kw, eps, cs, sn, half, neox, qo, K, V, pos, H, Hkv, D, Dv);
+}
+
+extern "C" __global__ void qk_rope_store_f16(const float *q, const float *k, const float *v, const float *qw,
+                                             const float *kw, float eps, const float *cs, const float *sn, int half,
+                                             int neox, float *qo, __half *K, __half *V, const int *pos, int H,
+                                             int Hkv, int D, int Dv) {
+    qk_rope_store_t(q, k, v, qw, kw, eps, cs, sn, half, neox, qo, K, V, pos, H, Hkv, D, Dv);
 }
 
 // Expert-cache misses of a decode ubatch staged in VRAM before the MoE kernels read them: for routed

@@ -19,11 +19,6 @@ __device__ __forceinline__ float f16_at(const unsigned char *p) {
     return __half2float(__ushort_as_half(h));
 }
 
-__device__ __forceinline__ float bf16_at(const unsigned char *p) {
-    unsigned int h = (unsigned int)p[0] | ((unsigned int)p[1] << 8);
-    return __uint_as_float(h << 16);
-}
-
 __device__ __forceinline__ unsigned int u32_at(const unsigned char *p) {
     return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24);
 }
@@ -34,19 +29,46 @@ __constant__ float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -
 
 // ---- one decoder per format: 32 weights of unit j ------------------------------------------------
 
+// float rows: a unit is 128 (F32) or 64 (F16, BF16) bytes at a multiple of its size from a row
+// start (rows of n_in % 32 == 0 elements, 16-byte aligned buffers), read as 16-byte words
 __device__ __forceinline__ void unit_f32(const unsigned char *b, int, float *y) {
+    const float4 *p = (const float4 *)b;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) y[i] = __uint_as_float(u32_at(b + 4 * i));
+    for (int i = 0; i < 8; ++i) {
+        float4 v = p[i];
+        y[4 * i] = v.x;
+        y[4 * i + 1] = v.y;
+        y[4 * i + 2] = v.z;
+        y[4 * i + 3] = v.w;
+    }
 }
 
 __device__ __forceinline__ void unit_f16(const unsigned char *b, int, float *y) {
+    const uint4 *p = (const uint4 *)b;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) y[i] = f16_at(b + 2 * i);
+    for (int i = 0; i < 4; ++i) {
+        uint4 v = p[i];
+        unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            y[8 * i + 2 * j] = __half2float(__ushort_as_half((unsigned short)(w[j] & 0xFFFF)));
+            y[8 * i + 2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(w[j] >> 16)));
+        }
+    }
 }
 
 __device__ __forceinline__ void unit_bf16(const unsigned char *b, int, float *y) {
+    const uint4 *p = (const uint4 *)b;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) y[i] = bf16_at(b + 2 * i);
+    for (int i = 0; i < 4; ++i) {
+        uint4 v = p[i];
+        unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            y[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
+            y[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+        }
+    }
 }
 
 __device__ __forceinline__ void unit_q8_0(const unsigned char *b, int, float *y) {

@@ -1,0 +1,115 @@
+"""Where a decode step's time goes on the GPU: kernels per token and microseconds per kernel class.
+
+Loads a model all on one GPU, evaluates a ``-d``-token prompt (the attention depth), then times
+``-n`` single-token decode steps (CUDA-graph replays, or op by op with ``--modes eager``) under PyTorch's profiler
+(CUPTI sees every kernel of the process, CuPy's included). Prints, per kernel name: launches per
+token, µs per token, µs per launch, share of the GPU time; then the step's wall time per token next
+to the sum of kernel time (the difference is launch gaps, copies and host work).
+
+Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
+
+    python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 -d 0 -n 32 [--modes graph,eager] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+
+def kernel_class(name: str) -> str:
+    """A kernel's name without its quant-format suffix and template arguments (one row per op)."""
+    base = name.split("(")[0].split("<")[0]
+    for fmt in ("_q4_k", "_q5_k", "_q6_k", "_q8_0", "_q4_0", "_q4_1", "_q5_0", "_q5_1", "_q2_k", "_q3_k",
+                "_iq4_nl", "_iq4_xs", "_mxfp4", "_f32", "_f16", "_bf16"):
+        if base.endswith(fmt):
+            return base[: -len(fmt)] + "_*"
+    return base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("-c", type=int, default=4096, help="context size (KV cache positions)")
+    ap.add_argument("-d", default="0", help="prompt tokens before the timed steps (attention depth); a comma list "
+                    "profiles each depth in turn on the same engine")
+    ap.add_argument("-n", type=int, default=32, help="decode steps profiled")
+    ap.add_argument("-ub", type=int, default=512)
+    ap.add_argument("--ctk", default="f16", help="KV cache type (f16, f32)")
+    ap.add_argument("--modes", default="graph", help="comma list: graph (CUDA-graph replays), eager (op by op)")
+    ap.add_argument("--by-name", action="store_true", help="one row per kernel name (formats apart)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        raise SystemExit("bench/decode_profile.py needs PyTorch (its profiler reads CUPTI)") from None
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+
+    torch.cuda.init()
+    rng = np.random.default_rng(0)
+    cfg = EngineConfig(n_ctx=a.c, n_ubatch=a.ub, n_batch=max(a.ub, 2048), cache_type=a.ctk)
+    with Engine(a.model, cfg, log=print, placement=PlacementOptions(n_gpu_layers=99), cuda_graph=True) as eng:
+        vocab = eng.gguf.config.n_vocab
+        results = []
+        graph = eng.model.decode_graph
+        for depth, mode in [(int(d), m) for d in a.d.split(",") for m in a.modes.split(",")]:
+            eng.model.decode_graph = graph if mode == "graph" else None
+            eng.reset()
+            if depth:
+                eng.eval(rng.integers(0, vocab, depth))
+            for _ in range(4):  # capture the graph, settle clocks
+                eng.eval([int(rng.integers(0, vocab))])
+            toks = rng.integers(0, vocab, a.n)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for t in toks:
+                    eng.eval([int(t)])
+                wall = time.perf_counter() - t0
+            # timed again without the profiler (CUPTI adds a little per kernel)
+            t0 = time.perf_counter()
+            for t in toks:
+                eng.eval([int(t)])
+            wall_plain = time.perf_counter() - t0
+            results.append(report(a, torch, prof, depth, mode, wall, wall_plain))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float) -> dict:
+    """Print and return the kernel table of one profiled run."""
+    per: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name if a.by_name else kernel_class(ev.name)
+            per[name].append(ev.time_range.elapsed_us())
+    total = sum(sum(v) for v in per.values())
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))
+    n = a.n
+    print(f"\n{a.model.name}: {n} decode steps at depth {depth}, -c {a.c}, {mode}")
+    print(f"wall {wall_plain / n * 1e6:.0f} µs/token ({n / wall_plain:.1f} t/s); under the profiler "
+          f"{wall / n * 1e6:.0f} µs/token; kernel time {total / n:.0f} µs/token; "
+          f"{sum(len(v) for v in per.values()) / n:.0f} kernels/token")
+    print(f"{'kernel':40s} {'per tok':>8s} {'µs/tok':>9s} {'µs each':>9s} {'share':>6s}")
+    out = []
+    for name, ts in rows:
+        s = sum(ts)
+        out.append({"kernel": name, "per_token": len(ts) / n, "us_per_token": s / n, "us_each": s / len(ts),
+                    "share": s / total})
+        print(f"{name[:40]:40s} {len(ts) / n:8.1f} {s / n:9.1f} {s / len(ts):9.2f} {100 * s / total:5.1f}%")
+    return {"model": a.model.name, "depth": depth, "n_ctx": a.c, "mode": mode,
+            "wall_us_per_token": wall_plain / n * 1e6, "kernel_us_per_token": total / n, "kernels": out}
+
+
+if __name__ == "__main__":
+    main()

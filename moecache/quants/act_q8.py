@@ -1,0 +1,40 @@
+"""8-bit activations of the GPU's decode products, and their CPU twin.
+
+For weights of the formats in :data:`Q8_ACT`, the CUDA kernels of ``moecache/quants/cuda/mmvq.cu``
+round a product's activations to int8 once per op (llama.cpp's MMVQ idea: integer dot products of
+weight and activation quants, float scales per block). Per 32 consecutive values of a row:
+``d = max|x| / 127`` (float32), ``q = rint(x / d)`` (float32 division, ties to even; 0 when
+``max|x|`` is 0); the product then sees ``q * d`` instead of x. :func:`q8_round` applies exactly
+that rounding on the host, so the CPU backend can run the GPU's arithmetic (``NumpyBackend(act_q8=
+True)``) and the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# format -> (pieces per block, weights per block) of the mmvq.cu kernels (VFORMAT's PPB, QK)
+Q8_ACT: dict[str, tuple[int, int]] = {"Q8_0": (1, 32), "Q4_0": (1, 32), "Q4_K": (4, 256), "Q5_K": (4, 256),
+                                      "Q6_K": (4, 256)}
+# products of ubatches up to this many tokens take the 8-bit kernels (GEMV_MAX_TOKENS of the GPU)
+Q8_MAX_TOKENS = 16
+
+
+def q8_round(x: Any) -> Any:
+    """float32 (..., n), n % 32 == 0 -> float32 (..., n): each value replaced by ``q * d`` of its
+    32-value unit (the module's rule). Works on numpy and CuPy arrays.
+
+    Raises:
+        ValueError: n is not a multiple of 32.
+    """
+    n = x.shape[-1]
+    if n % 32:
+        raise ValueError(f"q8_round: rows of {n} values are not a multiple of 32")
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    b = xp.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], n // 32, 32)
+    d = (xp.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    safe = xp.where(d > 0, d, np.float32(1))
+    q = xp.where(d > 0, xp.rint(b / safe), np.float32(0)).astype(np.float32)
+    return (q * d).reshape(x.shape)

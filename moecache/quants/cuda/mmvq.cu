@@ -1,0 +1,338 @@
+// Quantized matrix x few-token products with 8-bit activations: the decode GEMVs and the MoE expert
+// products for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights. Compiled together with dequant.cu (after
+// it: f16_at, scale_min_k4, warp_sum, activate and MAX_TOK come from there). Written for moecache;
+// the idea (activations rounded to int8 once per op, integer dot products of weight and activation
+// quants, float scales per block) is llama.cpp's MMVQ; the code is not.
+//
+// Activations: quantize_q8 turns X float32 (R, n) into XQ int8 (R, n), XD float (R, n/32) and
+// XS float (R, n/32): per 32 values d = max|x| / 127, q = rint(x / d) (0 when max|x| is 0),
+// XS = d * sum(q). Formulas of the weight blocks: dequant.cu's decoders (ggml's block layouts).
+//
+// Work split: a row's blocks are cut into pieces (VDOT_<fmt> handles one piece of one block: a
+// 32-weight unit, or two units that share their quant bytes); lpr lanes (a power of two <= 32)
+// share a row, lane s taking pieces s, s + lpr, ...; a warp takes 32 / lpr rows, a block of
+// MMVQ_WARPS warps 32 * MMVQ_WARPS / lpr rows. Weight quants are read as 16-byte words where
+// the block layout is 16-byte aligned (Q4_K, Q5_K), else as 16-bit words.
+
+#define MMVQ_WARPS 4
+#ifndef MMVQ_UNROLL
+#define MMVQ_UNROLL 1  // pieces of a lane's loop unrolled (their loads issued together)
+#endif
+#define MMVQ_PRAGMA_(x) _Pragma(#x)
+#define MMVQ_PRAGMA(x) MMVQ_PRAGMA_(x)
+
+// X (R, n) -> XQ, XD, XS for n_units = R * n / 32 units of 32 values; a warp per unit
+extern "C" __global__ void quantize_q8(const float *X, signed char *XQ, float *XD, float *XS, long long n_units) {
+    long long u = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (u >= n_units) return;  // uniform over the warp
+    float x = X[u * 32 + lane];
+    float amax = fabsf(x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.f;
+    int q = amax == 0.f ? 0 : __float2int_rn(x / d);
+    XQ[u * 32 + lane] = (signed char)q;
+    int s = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) {
+        XD[u] = d;
+        XS[u] = d * (float)s;
+    }
+}
+
+// 32 activation quants of token t at xq (16-byte aligned) as 8 ints
+__device__ __forceinline__ void load_x32(const signed char *xq, int *x) {
+    const int4 *p = (const int4 *)xq;
+    int4 a = p[0], b = p[1];
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+__device__ __forceinline__ int dot8(const int *w, const int *x) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s = __dp4a(w[i], x[i], s);
+    return s;
+}
+
+// 16 bytes at a 2-byte aligned address as 4 ints
+__device__ __forceinline__ void load16_u16(const unsigned char *p, int *v) {
+    const unsigned short *h = (const unsigned short *)p;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (int)((unsigned int)h[2 * i] | ((unsigned int)h[2 * i + 1] << 16));
+}
+
+// Every VDOT_<fmt>(blk, sub, xq, xd, xs, sq, sd, n_tok, acc): acc[t] += piece sub of block blk .
+// the block's activations of token t (xq + t * sq, xd + t * sd, xs + t * sd point at the block's
+// first activation and scale).
+
+// Q8_0: one piece per block (34 bytes: d, 32 int8)
+__device__ __forceinline__ void vdot_q8_0(const unsigned char *blk, int, const signed char *xq, const float *xd,
+                                          const float *, long long sq, long long sd, int n_tok, float *acc) {
+    float d = f16_at(blk);
+    int w[8];
+    load16_u16(blk + 2, w);
+    load16_u16(blk + 18, w + 4);
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+        if (t < n_tok) {
+            int x[8];
+            load_x32(xq + t * sq, x);
+            acc[t] += d * xd[t * sd] * (float)dot8(w, x);
+        }
+    }
+}
+
+// Q4_0: one piece per block (18 bytes: d, 16 bytes of nibbles; weight l < 16 low nibble of byte l,
+// weight 16 + l its high nibble); w = d (q - 8)
+__device__ __forceinline__ void vdot_q4_0(const unsigned char *blk, int, const signed char *xq, const float *xd,
+                                          const float *xs, long long sq, long long sd, int n_tok, float *acc) {
+    float d = f16_at(blk);
+    int v[4], w[8];
+    load16_u16(blk + 2, v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[i] = v[i] & 0x0F0F0F0F;
+        w[i + 4] = (v[i] >> 4) & 0x0F0F0F0F;
+    }
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+        if (t < n_tok) {
+            int x[8];
+            load_x32(xq + t * sq, x);
+            acc[t] += d * (xd[t * sd] * (float)dot8(w, x) - 8.f * xs[t * sd]);
+        }
+    }
+}
+
+// Q4_K: piece n < 4 = units 2n (low nibbles) and 2n + 1 (high nibbles) of qs[32n .. 32n + 32);
+// w = d * sc_j * q - dmin * m_j
+__device__ __forceinline__ void vdot_q4_k(const unsigned char *blk, int n, const signed char *xq, const float *xd,
+                                          const float *xs, long long sq, long long sd, int n_tok, float *acc) {
+    const uint4 *qp = (const uint4 *)(blk + 16 + 32 * n);
+    uint4 q0 = qp[0], q1 = qp[1];
+    unsigned int v[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    int wa[8], wb[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        wa[i] = (int)(v[i] & 0x0F0F0F0Fu);
+        wb[i] = (int)((v[i] >> 4) & 0x0F0F0F0Fu);
+    }
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * n, blk + 4, &sc0, &m0);
+    scale_min_k4(2 * n + 1, blk + 4, &sc1, &m1);
+    unsigned int dd = *(const unsigned int *)blk;
+    float d = __half2float(__ushort_as_half((unsigned short)(dd & 0xFFFF)));
+    float dmin = __half2float(__ushort_as_half((unsigned short)(dd >> 16)));
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+        if (t < n_tok) {
+            const signed char *x0 = xq + t * sq + 64 * n;
+            const float *dt = xd + t * sd + 2 * n, *st = xs + t * sd + 2 * n;
+            int xa[8], xb[8];
+            load_x32(x0, xa);
+            load_x32(x0 + 32, xb);
+            acc[t] += d * ((float)sc0 * dt[0] * (float)dot8(wa, xa) + (float)sc1 * dt[1] * (float)dot8(wb, xb)) -
+                      dmin * ((float)m0 * st[0] + (float)m1 * st[1]);
+        }
+    }
+}
+
+// Q5_K: as Q4_K with the 5th bit of weight l of unit j in bit j of qh[l] (qh @16, qs @48)
+__device__ __forceinline__ void vdot_q5_k(const unsigned char *blk, int n, const signed char *xq, const float *xd,
+                                          const float *xs, long long sq, long long sd, int n_tok, float *acc) {
+    const uint4 *qp = (const uint4 *)(blk + 48 + 32 * n), *hp = (const uint4 *)(blk + 16);
+    uint4 q0 = qp[0], q1 = qp[1], h0 = hp[0], h1 = hp[1];
+    unsigned int v[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    unsigned int h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    int wa[8], wb[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        wa[i] = (int)((v[i] & 0x0F0F0F0Fu) | (((h[i] >> (2 * n)) & 0x01010101u) << 4));
+        wb[i] = (int)(((v[i] >> 4) & 0x0F0F0F0Fu) | (((h[i] >> (2 * n + 1)) & 0x01010101u) << 4));
+    }
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * n, blk + 4, &sc0, &m0);
+    scale_min_k4(2 * n + 1, blk + 4, &sc1, &m1);
+    unsigned int dd = *(const unsigned int *)blk;
+    float d = __half2float(__ushort_as_half((unsigned short)(dd & 0xFFFF)));
+    float dmin = __half2float(__ushort_as_half((unsigned short)(dd >> 16)));
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+        if (t < n_tok) {
+            const signed char *x0 = xq + t * sq + 64 * n;
+            const float *dt = xd + t * sd + 2 * n, *st = xs + t * sd + 2 * n;
+            int xa[8], xb[8];
+            load_x32(x0, xa);
+            load_x32(x0 + 32, xb);
+            acc[t] += d * ((float)sc0 * dt[0] * (float)dot8(wa, xa) + (float)sc1 * dt[1] * (float)dot8(wb, xb)) -
+                      dmin * ((float)m0 * st[0] + (float)m1 * st[1]);
+        }
+    }
+}
+
+// Q6_K (210-byte blocks: 2-byte aligned): piece p = 2n + a (n, a < 2) = units 4n + a (low nibbles)
+// and 4n + a + 2 (high nibbles) of ql[64n + 32a .. + 32), with 2 high bits from qh[32n .. 32n + 32);
+// w = d * sc * (q - 32), a scale per 16 weights
+__device__ __forceinline__ void vdot_q6_k(const unsigned char *blk, int p, const signed char *xq, const float *xd,
+                                          const float *, long long sq, long long sd, int n_tok, float *acc) {
+    int n = p >> 1, a = p & 1;
+    int ql[8], qh[8];
+    load16_u16(blk + 64 * n + 32 * a, ql);
+    load16_u16(blk + 64 * n + 32 * a + 16, ql + 4);
+    load16_u16(blk + 128 + 32 * n, qh);
+    load16_u16(blk + 128 + 32 * n + 16, qh + 4);
+    int wa[8], wb[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        unsigned int l = (unsigned int)ql[i], h = (unsigned int)qh[i];
+        wa[i] = (int)__vsub4((l & 0x0F0F0F0Fu) | (((h >> (2 * a)) & 0x03030303u) << 4), 0x20202020u);
+        wb[i] = (int)__vsub4(((l >> 4) & 0x0F0F0F0Fu) | (((h >> (2 * a + 4)) & 0x03030303u) << 4), 0x20202020u);
+    }
+    const signed char *sc = (const signed char *)(blk + 192) + 8 * n;
+    float d = f16_at(blk + 208);
+    int ja = 4 * n + a, jb = ja + 2;  // unit indices in the block
+    float sa0 = (float)sc[2 * a], sa1 = (float)sc[2 * a + 1], sb0 = (float)sc[2 * a + 4], sb1 = (float)sc[2 * a + 5];
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+        if (t < n_tok) {
+            int xa[8], xb[8];
+            load_x32(xq + t * sq + 32 * ja, xa);
+            load_x32(xq + t * sq + 32 * jb, xb);
+            int a0 = 0, a1 = 0, b0 = 0, b1 = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                a0 = __dp4a(wa[i], xa[i], a0);
+                a1 = __dp4a(wa[i + 4], xa[i + 4], a1);
+                b0 = __dp4a(wb[i], xb[i], b0);
+                b1 = __dp4a(wb[i + 4], xb[i + 4], b1);
+            }
+            const float *dt = xd + t * sd;
+            acc[t] += d * (dt[ja] * (sa0 * (float)a0 + sa1 * (float)a1) + dt[jb] * (sb0 * (float)b0 + sb1 * (float)b1));
+        }
+    }
+}
+
+__device__ __forceinline__ float lanes_sum(float v, int lpr) {
+    for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+#define VFORMAT(SUFFIX, VDOT, PPB, QK, TSZ)                                                          \
+/* Y[t, r] = W[r, :] . X[t, :] for t < n_tok <= MAX_TOK, X given as quantize_q8's XQ, XD, XS     */ \
+extern "C" __global__ void gemvq_##SUFFIX(const unsigned char *W, const signed char *XQ,              \
+                                          const float *XD, const float *XS, float *Y,                 \
+                                          long long n_rows, long long row_bytes, long long n_in,      \
+                                          int n_tok, int lpr) {                                       \
+    int lane = threadIdx.x % 32;                                                                      \
+    long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                    \
+    long long r = warp * (32 / lpr) + lane / lpr;                                                     \
+    int sl = lane % lpr;                                                                              \
+    float acc[MAX_TOK];                                                                               \
+    _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.f;                                 \
+    long long npc = n_in / QK * PPB;                                                                  \
+    if (r < n_rows) {                                                                                 \
+        const unsigned char *row = W + r * row_bytes;                                                 \
+        MMVQ_PRAGMA(unroll MMVQ_UNROLL)                                                               \
+        for (long long pc = sl; pc < npc; pc += lpr) {                                                \
+            long long b = pc / PPB;                                                                   \
+            VDOT(row + b * TSZ, (int)(pc % PPB), XQ + b * QK, XD + b * (QK / 32), XS + b * (QK / 32), \
+                 n_in, n_in / 32, n_tok, acc);                                                        \
+        }                                                                                             \
+    }                                                                                                 \
+    _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) {                                             \
+        if (t < n_tok) {                                                                              \
+            float v = lanes_sum(acc[t], lpr);                                                         \
+            if (r < n_rows && sl == 0) Y[t * n_rows + r] = v;                                         \
+        }                                                                                             \
+    }                                                                                                 \
+}                                                                                                     \
+/* MoE gate/up of routed pair p (moe_glu_<fmt> of dequant.cu, 8-bit activations of X (T, n_in)) */  \
+extern "C" __global__ void moeq_glu_##SUFFIX(const unsigned char *Wg, const unsigned char *Wu,        \
+                                             const int *ids, const signed char *XQ, const float *XD,  \
+                                             const float *XS, float *A, int k_used, long long n_rows, \
+                                             long long row_bytes, long long expert_bytes,             \
+                                             long long n_in, int act, const int *slot_map,            \
+                                             const unsigned char *Hg, const unsigned char *Hu,        \
+                                             const unsigned char *Sg, const unsigned char *Su,        \
+                                             int lpr) {                                               \
+    int lane = threadIdx.x % 32;                                                                      \
+    long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                    \
+    long long r = warp * (32 / lpr) + lane / lpr;                                                     \
+    int sl = lane % lpr;                                                                              \
+    int p = blockIdx.y;                                                                               \
+    int e = ids[p];                                                                                   \
+    const unsigned char *G = Wg, *U = Wu;                                                             \
+    if (slot_map != nullptr) {                                                                        \
+        int s = slot_map[e];                                                                          \
+        if (s >= 0) { e = s; }                                                                        \
+        else if (Sg != nullptr) { e = p; G = Sg; U = Su; }                                            \
+        else { G = Hg; U = Hu; }                                                                      \
+    }                                                                                                 \
+    long long tok = p / k_used, nd = n_in / 32;                                                       \
+    const signed char *xq = XQ + tok * n_in;                                                          \
+    const float *xd = XD + tok * nd, *xs = XS + tok * nd;                                             \
+    float g[1] = {0.f}, u[1] = {0.f};                                                                 \
+    long long npc = n_in / QK * PPB;                                                                  \
+    if (r < n_rows) {                                                                                 \
+        long long off = (long long)e * expert_bytes + r * row_bytes;                                  \
+        for (long long pc = sl; pc < npc; pc += lpr) {                                                \
+            long long b = pc / PPB;                                                                   \
+            int sub = (int)(pc % PPB);                                                                \
+            VDOT(G + off + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), 0, 0, 1, g); \
+            VDOT(U + off + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), 0, 0, 1, u); \
+        }                                                                                             \
+    }                                                                                                 \
+    float gs = lanes_sum(g[0], lpr), us = lanes_sum(u[0], lpr);                                       \
+    if (r < n_rows && sl == 0) A[(long long)p * n_rows + r] = activate(gs, act) * us;                 \
+}                                                                                                     \
+/* MoE down and the weighted sum over a token's k experts (moe_down_<fmt> of dequant.cu), with   */ \
+/* the activations A (T * k, n_in) given as quantize_q8's AQ, AD, AS. The lpr lanes of a row     */ \
+/* take the pieces of all k experts' rows together (k * pieces: their loads overlap)             */ \
+extern "C" __global__ void moeq_down_##SUFFIX(const unsigned char *Wd, const int *ids, const float *w, \
+                                              const signed char *AQ, const float *AD,                 \
+                                              const float *AS, float *Y, int k_used,                  \
+                                              long long n_rows, long long row_bytes,                  \
+                                              long long expert_bytes, long long n_in,                 \
+                                              const int *slot_map, const unsigned char *Hd,           \
+                                              const unsigned char *Sd, int lpr) {                     \
+    int lane = threadIdx.x % 32;                                                                      \
+    long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                    \
+    long long r = warp * (32 / lpr) + lane / lpr;                                                     \
+    int sl = lane % lpr;                                                                              \
+    int t = blockIdx.y;                                                                               \
+    long long nd = n_in / 32, npc = n_in / QK * PPB;                                                  \
+    float acc = 0.f;                                                                                  \
+    if (r < n_rows) {                                                                                 \
+        MMVQ_PRAGMA(unroll MMVQ_UNROLL)                                                               \
+        for (long long i = sl; i < k_used * npc; i += lpr) {                                          \
+            int s = (int)(i / npc);                                                                   \
+            long long pc = i % npc;                                                                   \
+            int p = t * k_used + s;                                                                   \
+            int e = ids[p];                                                                           \
+            const unsigned char *D = Wd;                                                              \
+            if (slot_map != nullptr) {                                                                \
+                int sl2 = slot_map[e];                                                                \
+                if (sl2 >= 0) { e = sl2; }                                                            \
+                else if (Sd != nullptr) { e = p; D = Sd; }                                            \
+                else { D = Hd; }                                                                      \
+            }                                                                                         \
+            long long b = pc / PPB;                                                                   \
+            const unsigned char *blk = D + (long long)e * expert_bytes + r * row_bytes + b * TSZ;     \
+            float part[1] = {0.f};                                                                    \
+            VDOT(blk, (int)(pc % PPB), AQ + (long long)p * n_in + b * QK,                             \
+                 AD + (long long)p * nd + b * (QK / 32), AS + (long long)p * nd + b * (QK / 32),      \
+                 0, 0, 1, part);                                                                      \
+            acc += w[p] * part[0];                                                                    \
+        }                                                                                             \
+    }                                                                                                 \
+    acc = lanes_sum(acc, lpr);                                                                        \
+    if (r < n_rows && sl == 0) Y[(long long)t * n_rows + r] = acc;                                    \
+}
+
+VFORMAT(q8_0, vdot_q8_0, 1, 32, 34)
+VFORMAT(q4_0, vdot_q4_0, 1, 32, 18)
+VFORMAT(q4_k, vdot_q4_k, 4, 256, 144)
+VFORMAT(q5_k, vdot_q5_k, 4, 256, 176)
+VFORMAT(q6_k, vdot_q6_k, 4, 256, 210)
