@@ -289,6 +289,22 @@ __device__ __forceinline__ float activate(float g, int act) {
     return 0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
+// The first byte of the expert a routed pair p (expert e = ids[p]) reads, in the MoE decode kernels
+// here and in mmvq.cu: with a slot map (the expert cache), slot slot_map[e] of W when that is >= 0,
+// else its staged copy S + p (stage_misses of ops.cu) when S is given, else its page-locked host
+// copy H + e, read over PCIe (zero-copy); without one, W + e.
+__device__ __forceinline__ const unsigned char *expert_at(const unsigned char *W, const unsigned char *H,
+                                                          const unsigned char *S, const int *slot_map, int e,
+                                                          int p, long long expert_bytes) {
+    if (slot_map != nullptr) {
+        int s = slot_map[e];
+        if (s >= 0) return W + (long long)s * expert_bytes;
+        if (S != nullptr) return S + (long long)p * expert_bytes;
+        return H + (long long)e * expert_bytes;
+    }
+    return W + (long long)e * expert_bytes;
+}
+
 #define MAX_TOK 16  // tokens a GEMV launch takes (GEMV_MAX_TOKENS in cupy_backend.py)
 
 // The dequantize kernels: thread i of a block of DEQ_THREADS holds unit blockIdx.x * DEQ_THREADS + i
@@ -363,22 +379,16 @@ extern "C" __global__ void moe_glu_##SUFFIX(const unsigned char *Wg, const unsig
     int p = blockIdx.y;                                                                               \
     if (r >= n_rows) return;                                                                          \
     int e = ids[p];                                                                                   \
-    const unsigned char *G = Wg, *U = Wu;                                                             \
-    if (slot_map != nullptr) {                                                                        \
-        int s = slot_map[e];                                                                          \
-        if (s >= 0) { e = s; }                                                                        \
-        else if (Sg != nullptr) { e = p; G = Sg; U = Su; }                                            \
-        else { G = Hg; U = Hu; }                                                                      \
-    }                                                                                                 \
-    long long off = (long long)e * expert_bytes + r * row_bytes;                                      \
+    const unsigned char *G = expert_at(Wg, Hg, Sg, slot_map, e, p, expert_bytes) + r * row_bytes;     \
+    const unsigned char *U = expert_at(Wu, Hu, Su, slot_map, e, p, expert_bytes) + r * row_bytes;     \
     const float *x = X + (long long)(p / k_used) * n_in;                                              \
     float g = 0.f, u = 0.f;                                                                           \
     long long nu = n_in / 32;                                                                         \
     for (long long k = lane; k < nu; k += 32) {                                                       \
         float y[32];                                                                                  \
-        UNIT(UNIT_PTR(G + off, k, SUBS, TSZ), (int)(k % SUBS), y);                                    \
+        UNIT(UNIT_PTR(G, k, SUBS, TSZ), (int)(k % SUBS), y);                                          \
         g += dot32(y, x + k * 32);                                                                    \
-        UNIT(UNIT_PTR(U + off, k, SUBS, TSZ), (int)(k % SUBS), y);                                    \
+        UNIT(UNIT_PTR(U, k, SUBS, TSZ), (int)(k % SUBS), y);                                          \
         u += dot32(y, x + k * 32);                                                                    \
     }                                                                                                 \
     g = warp_sum(g);                                                                                  \
@@ -401,15 +411,7 @@ extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int 
     float acc = 0.f;                                                                                  \
     for (int s = 0; s < k_used; ++s) {                                                                \
         int p = t * k_used + s;                                                                       \
-        int e = ids[p];                                                                               \
-        const unsigned char *D = Wd;                                                                  \
-        if (slot_map != nullptr) {                                                                    \
-            int sl = slot_map[e];                                                                     \
-            if (sl >= 0) { e = sl; }                                                                  \
-            else if (Sd != nullptr) { e = p; D = Sd; }                                                \
-            else { D = Hd; }                                                                          \
-        }                                                                                             \
-        const unsigned char *row = D + (long long)e * expert_bytes + r * row_bytes;                   \
+        const unsigned char *row = expert_at(Wd, Hd, Sd, slot_map, ids[p], p, expert_bytes) + r * row_bytes; \
         const float *a = A + (long long)p * n_in;                                                     \
         float part = 0.f;                                                                             \
         for (long long k = lane; k < nu; k += 32) {                                                   \

@@ -106,19 +106,11 @@ __device__ __forceinline__ void vdot_q4_0(const unsigned char *blk, int, const s
     }
 }
 
-// Q4_K: piece n < 4 = units 2n (low nibbles) and 2n + 1 (high nibbles) of qs[32n .. 32n + 32);
-// w = d * sc_j * q - dmin * m_j
-__device__ __forceinline__ void vdot_q4_k(const unsigned char *blk, int n, const signed char *xq, const float *xd,
-                                          const float *xs, long long sq, long long sd, int n_tok, float *acc) {
-    const uint4 *qp = (const uint4 *)(blk + 16 + 32 * n);
-    uint4 q0 = qp[0], q1 = qp[1];
-    unsigned int v[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-    int wa[8], wb[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        wa[i] = (int)(v[i] & 0x0F0F0F0Fu);
-        wb[i] = (int)((v[i] >> 4) & 0x0F0F0F0Fu);
-    }
+// Q4_K and Q5_K once their quants are bytes: units 2n (wa) and 2n + 1 (wb) of a block whose d, dmin
+// (f16) and 12 bytes of 6-bit scales and mins start it; w = d * sc_j * q - dmin * m_j
+__device__ __forceinline__ void vdot_k4_units(const unsigned char *blk, int n, const int *wa, const int *wb,
+                                              const signed char *xq, const float *xd, const float *xs,
+                                              long long sq, long long sd, int n_tok, float *acc) {
     int sc0, m0, sc1, m1;
     scale_min_k4(2 * n, blk + 4, &sc0, &m0);
     scale_min_k4(2 * n + 1, blk + 4, &sc1, &m1);
@@ -139,6 +131,22 @@ __device__ __forceinline__ void vdot_q4_k(const unsigned char *blk, int n, const
     }
 }
 
+// Q4_K: piece n < 4 = units 2n (low nibbles) and 2n + 1 (high nibbles) of qs[32n .. 32n + 32);
+// w = d * sc_j * q - dmin * m_j
+__device__ __forceinline__ void vdot_q4_k(const unsigned char *blk, int n, const signed char *xq, const float *xd,
+                                          const float *xs, long long sq, long long sd, int n_tok, float *acc) {
+    const uint4 *qp = (const uint4 *)(blk + 16 + 32 * n);
+    uint4 q0 = qp[0], q1 = qp[1];
+    unsigned int v[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    int wa[8], wb[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        wa[i] = (int)(v[i] & 0x0F0F0F0Fu);
+        wb[i] = (int)((v[i] >> 4) & 0x0F0F0F0Fu);
+    }
+    vdot_k4_units(blk, n, wa, wb, xq, xd, xs, sq, sd, n_tok, acc);
+}
+
 // Q5_K: as Q4_K with the 5th bit of weight l of unit j in bit j of qh[l] (qh @16, qs @48)
 __device__ __forceinline__ void vdot_q5_k(const unsigned char *blk, int n, const signed char *xq, const float *xd,
                                           const float *xs, long long sq, long long sd, int n_tok, float *acc) {
@@ -152,24 +160,7 @@ __device__ __forceinline__ void vdot_q5_k(const unsigned char *blk, int n, const
         wa[i] = (int)((v[i] & 0x0F0F0F0Fu) | (((h[i] >> (2 * n)) & 0x01010101u) << 4));
         wb[i] = (int)(((v[i] >> 4) & 0x0F0F0F0Fu) | (((h[i] >> (2 * n + 1)) & 0x01010101u) << 4));
     }
-    int sc0, m0, sc1, m1;
-    scale_min_k4(2 * n, blk + 4, &sc0, &m0);
-    scale_min_k4(2 * n + 1, blk + 4, &sc1, &m1);
-    unsigned int dd = *(const unsigned int *)blk;
-    float d = __half2float(__ushort_as_half((unsigned short)(dd & 0xFFFF)));
-    float dmin = __half2float(__ushort_as_half((unsigned short)(dd >> 16)));
-#pragma unroll
-    for (int t = 0; t < MAX_TOK; ++t) {
-        if (t < n_tok) {
-            const signed char *x0 = xq + t * sq + 64 * n;
-            const float *dt = xd + t * sd + 2 * n, *st = xs + t * sd + 2 * n;
-            int xa[8], xb[8];
-            load_x32(x0, xa);
-            load_x32(x0 + 32, xb);
-            acc[t] += d * ((float)sc0 * dt[0] * (float)dot8(wa, xa) + (float)sc1 * dt[1] * (float)dot8(wb, xb)) -
-                      dmin * ((float)m0 * st[0] + (float)m1 * st[1]);
-        }
-    }
+    vdot_k4_units(blk, n, wa, wb, xq, xd, xs, sq, sd, n_tok, acc);
 }
 
 // Q6_K (210-byte blocks: 2-byte aligned): piece p = 2n + a (n, a < 2) = units 4n + a (low nibbles)
@@ -263,25 +254,19 @@ extern "C" __global__ void moeq_glu_##SUFFIX(const unsigned char *Wg, const unsi
     int sl = lane % lpr;                                                                              \
     int p = blockIdx.y;                                                                               \
     int e = ids[p];                                                                                   \
-    const unsigned char *G = Wg, *U = Wu;                                                             \
-    if (slot_map != nullptr) {                                                                        \
-        int s = slot_map[e];                                                                          \
-        if (s >= 0) { e = s; }                                                                        \
-        else if (Sg != nullptr) { e = p; G = Sg; U = Su; }                                            \
-        else { G = Hg; U = Hu; }                                                                      \
-    }                                                                                                 \
+    const unsigned char *G = expert_at(Wg, Hg, Sg, slot_map, e, p, expert_bytes) + r * row_bytes;     \
+    const unsigned char *U = expert_at(Wu, Hu, Su, slot_map, e, p, expert_bytes) + r * row_bytes;     \
     long long tok = p / k_used, nd = n_in / 32;                                                       \
     const signed char *xq = XQ + tok * n_in;                                                          \
     const float *xd = XD + tok * nd, *xs = XS + tok * nd;                                             \
     float g[1] = {0.f}, u[1] = {0.f};                                                                 \
     long long npc = n_in / QK * PPB;                                                                  \
     if (r < n_rows) {                                                                                 \
-        long long off = (long long)e * expert_bytes + r * row_bytes;                                  \
         for (long long pc = sl; pc < npc; pc += lpr) {                                                \
             long long b = pc / PPB;                                                                   \
             int sub = (int)(pc % PPB);                                                                \
-            VDOT(G + off + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), 0, 0, 1, g); \
-            VDOT(U + off + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), 0, 0, 1, u); \
+            VDOT(G + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), 0, 0, 1, g);  \
+            VDOT(U + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), 0, 0, 1, u);  \
         }                                                                                             \
     }                                                                                                 \
     float gs = lanes_sum(g[0], lpr), us = lanes_sum(u[0], lpr);                                       \
@@ -310,16 +295,9 @@ extern "C" __global__ void moeq_down_##SUFFIX(const unsigned char *Wd, const int
             int s = (int)(i / npc);                                                                   \
             long long pc = i % npc;                                                                   \
             int p = t * k_used + s;                                                                   \
-            int e = ids[p];                                                                           \
-            const unsigned char *D = Wd;                                                              \
-            if (slot_map != nullptr) {                                                                \
-                int sl2 = slot_map[e];                                                                \
-                if (sl2 >= 0) { e = sl2; }                                                            \
-                else if (Sd != nullptr) { e = p; D = Sd; }                                            \
-                else { D = Hd; }                                                                      \
-            }                                                                                         \
             long long b = pc / PPB;                                                                   \
-            const unsigned char *blk = D + (long long)e * expert_bytes + r * row_bytes + b * TSZ;     \
+            const unsigned char *blk = expert_at(Wd, Hd, Sd, slot_map, ids[p], p, expert_bytes) +     \
+                                       r * row_bytes + b * TSZ;                                       \
             float part[1] = {0.f};                                                                    \
             VDOT(blk, (int)(pc % PPB), AQ + (long long)p * n_in + b * QK,                             \
                  AD + (long long)p * nd + b * (QK / 32), AS + (long long)p * nd + b * (QK / 32),      \
