@@ -54,7 +54,8 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
                                       ("--vram-budget", bool(placement.vram_budget)),
                                       ("--moe-cache-window", settings.moe_cache_window is not None),
                                       ("--moe-cache-stats", bool(settings.moe_cache_stats)),
-                                      ("--deterministic", bool(settings.deterministic))) if given]
+                                      ("--deterministic", bool(settings.deterministic)),
+                                      ("--moe-profile", settings.moe_profile is not None)) if given]
     moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
                                     ("--n-cpu-moe", bool(placement.n_cpu_moe))) if given]
     pl = eng.placement
@@ -85,14 +86,22 @@ class LLM:
         probe: the machine as the startup probe saw it.
     """
 
-    def __init__(self, engine, resolved: Resolved, probe):
+    def __init__(self, engine, resolved: Resolved, probe, hot_set=None, log: Log | None = None):
         self.engine = engine
         self.resolved = resolved
         self.probe = probe
+        self.hot_set = hot_set  # moecache.moe.profile.HotSet: the expert usage saved at close
+        self._log = log or (lambda s: None)
 
     def close(self) -> None:
-        """Release the model file and the expert caches' threads (idempotent)."""
-        self.engine.close()
+        """Save the expert usage (``run``/``serve`` with an expert cache), release the model file and
+        the expert caches' threads (idempotent)."""
+        hs, self.hot_set = self.hot_set, None
+        try:
+            if hs is not None:
+                hs.save(self.engine, self._log)
+        finally:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -261,7 +270,16 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         log(f"note: --routing {res.routing}: the router runs but its choice is replaced: the output text is "
             f"meaningless (for speed, hit-rate and upload measurements)")
     log(model_line(eng, res))
-    return LLM(eng, res, probe)
+    hot = None
+    if command in ("run", "serve") and not settings.no_moe_profile:  # not bench / perplexity: their numbers
+        from moecache.moe.profile import HotSet  # must not depend on an earlier run's saved usage
+
+        try:
+            hot = HotSet.start(eng, settings.moe_profile, once)
+        except BaseException:
+            eng.close()
+            raise
+    return LLM(eng, res, probe, hot, once)
 
 
 def model_line(eng, res: Resolved) -> str:

@@ -78,6 +78,10 @@ class Settings:
         moe_cache_stats: ``--moe-cache-stats`` N (the caller prints; kept here as the flag's home).
         routing: ``--routing`` process name or trace file (benchmarks: replaces the router's choice).
         deterministic: ``--deterministic`` cache decisions from fixed costs.
+        moe_profile: ``--moe-profile FILE``: the saved expert usage that ``run`` and ``serve`` preload
+            into the expert cache at start and add to at exit (None: the model's file under
+            ``~/.cache/moecache/profiles/``).
+        no_moe_profile: ``--no-moe-profile``: neither load nor save one.
     """
 
     n_ctx: int | None = None
@@ -101,6 +105,8 @@ class Settings:
     moe_cache_stats: int | None = None
     routing: str | None = None
     deterministic: bool | None = None
+    moe_profile: str | None = None
+    no_moe_profile: bool = False
 
     def check(self) -> None:
         """Every check that needs neither the model nor the machine.
@@ -121,6 +127,8 @@ class Settings:
             bad.append(f"-ub must be >= 1, got {self.n_ubatch}")
         if self.n_threads is not None and self.n_threads < 0:
             bad.append(f"-t must be >= 0 (0 = physical cores), got {self.n_threads}")
+        if self.moe_profile is not None and self.no_moe_profile:
+            bad.append("--moe-profile and --no-moe-profile exclude each other")
         if bad:
             raise ValueError("; ".join(bad))
         if self.moe_cache_window is not None and self.moe_cache_window < 1:

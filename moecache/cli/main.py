@@ -87,6 +87,10 @@ RoutingOpt = Annotated[Optional[str], typer.Option("--routing", help="Benchmarks
                                                    "recorded trace (.npz); the text becomes meaningless.")]
 DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache decisions from fixed costs, not "
                                                 "measured timings (also MOECACHE_DETERMINISTIC=1).")]
+MoeProfileOpt = Annotated[Optional[Path], typer.Option("--moe-profile", help="Saved expert usage to preload into the "
+                                                       "expert cache at start and add to at exit (default: the "
+                                                       "model's file under ~/.cache/moecache/profiles/).")]
+NoMoeProfileOpt = Annotated[bool, typer.Option("--no-moe-profile", help="Neither preload nor save the expert usage.")]
 
 
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", min=-1, max=INT32_MAX, help="Layers on the GPU, counted from the "
@@ -163,6 +167,8 @@ def run(
     moe_cache_stats: MoeStatsOpt = 0,
     routing: RoutingOpt = None,
     deterministic: DeterministicOpt = False,
+    moe_profile: MoeProfileOpt = None,
+    no_moe_profile: NoMoeProfileOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -199,7 +205,8 @@ def run(
                             tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
                             cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                             flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
-                            routing=routing, deterministic=deterministic)
+                            routing=routing, deterministic=deterministic,
+                            moe_profile=None if moe_profile is None else str(moe_profile), no_moe_profile=no_moe_profile)
         settings.check()
         opts = RunOptions(model=model, prompt=prompt, file=file, n_predict=n_predict, conversation=conversation,
                           system=system, chat_template=chat_template, as_json=as_json, escape=escape, special=special,
@@ -291,6 +298,8 @@ def serve(
     moe_cache_stats: MoeStatsOpt = 0,
     routing: RoutingOpt = None,
     deterministic: DeterministicOpt = False,
+    moe_profile: MoeProfileOpt = None,
+    no_moe_profile: NoMoeProfileOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -319,7 +328,8 @@ def serve(
                             tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
                             cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                             flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
-                            routing=routing, deterministic=deterministic)
+                            routing=routing, deterministic=deterministic,
+                            moe_profile=None if moe_profile is None else str(moe_profile), no_moe_profile=no_moe_profile)
         settings.check()
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose),

@@ -224,6 +224,36 @@ class CachedExperts:
             self.stats.uploads += 1
             self.stats.uploaded_bytes += self._expert_bytes(e)
 
+    def preload(self, usage: np.ndarray, timeout_s: float = 120.0) -> int:
+        """Fill the empty slots with the most used experts of this cache's layers before the first
+        token (a saved profile: float (n_layer, n_expert) uses per token), wait for their copies and
+        publish them; the usage becomes the policy's starting statistics. Returns the experts
+        loaded. Rows of layers this cache does not hold are ignored."""
+        if self.pool is None:
+            return 0
+        t_end = time.perf_counter() + timeout_s
+        self._settle(t_end)  # the warm-up token's admissions: their slots are emptied for the profile's
+        for slot, own in enumerate(self.pool.owner):
+            if own is not None:
+                self.slot_of[own] = -1
+                self.pool.owner[slot] = None
+        self._map_dirty = True
+        self.policy.clear_residents()
+        mine = np.zeros_like(self.policy.usage)
+        rows = sorted(il for il in self.cached_layers if il < usage.shape[0])
+        mine[rows] = usage[rows, :mine.shape[1]]
+        adm = self.policy.preload(mine)
+        self._apply(adm)
+        self._settle(t_end)
+        return len(adm)
+
+    def _settle(self, t_end: float) -> None:
+        """Poll until every upload in flight is published (or ``t_end``, perf_counter seconds)."""
+        while (self._pending or self._retired) and time.perf_counter() < t_end:
+            self.poll()
+            if self._pending or self._retired:
+                time.sleep(0.001)
+
     # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
     def begin_pass(self, n_tokens: int) -> None:
         """Before a forward pass is queued: publish completed uploads and bring the device map up to

@@ -91,6 +91,7 @@ class CachePolicy:
         self.n_slots = n_slots
         self.beta = 1.0 - 1.0 / config.window
         self.usage = np.zeros((n_layer, n_expert))
+        self.counts = np.zeros((n_layer, n_expert), np.int64)  # routed pairs seen per expert (saved profiles)
         self.resident = np.zeros((n_layer, n_expert), bool)  # in a slot, or its copy in flight
         self.admitted_at = np.full((n_layer, n_expert), -(1 << 60), np.int64)
         self.clock = np.zeros(n_layer, np.int64)  # tokens seen per layer
@@ -116,6 +117,7 @@ class CachePolicy:
         t = ids.shape[0]
         used = np.zeros(self.usage.shape[1])
         np.add.at(used, ids.reshape(-1), 1.0)
+        self.counts[layer] += used.astype(np.int64)
         self.usage[layer] = self._decayed(self.usage[layer], used, t)
         self.clock[layer] += t
         self._vc = False
@@ -131,6 +133,7 @@ class CachePolicy:
         n_e = self.usage.shape[1]
         used = np.zeros((n_l, n_e))
         np.add.at(used, (np.repeat(np.arange(n_l), ids[0].size), ids.reshape(-1)), 1.0)
+        self.counts[layers] += used.astype(np.int64)
         self.usage[layers] = self._decayed(self.usage[layers], used, t)
         self.clock[layers] += t
         self._vc = False
@@ -189,6 +192,13 @@ class CachePolicy:
         flat = int(np.argmin(masked))
         self._vc = divmod(flat, self.usage.shape[1])
         return self._vc
+
+    def clear_residents(self) -> None:
+        """Forget every resident expert (their slots are being emptied: a preload replaces what the
+        warm-up token admitted)."""
+        self.resident[...] = False
+        self.n_resident = 0
+        self._vc = False
 
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)

@@ -344,3 +344,90 @@ class UsageProfile:
         if self.counts.shape != shape:
             return f"its counts are {self.counts.shape}, the model's layers x experts are {shape}"
         return None
+
+
+@dataclass
+class HotSet:
+    """A run's saved expert usage (``run``/``serve`` with an expert cache): loaded and preloaded into
+    the slots at start (:meth:`start`), this run's counts added and written back at exit (:meth:`save`).
+
+    Attributes:
+        path: the profile file (default ``profiles_dir()/<model_key>.npz``).
+        key: :func:`model_key` of the model.
+        moe_layers: the model's layers with routed experts, in order (the profile's rows).
+        base: the profile loaded at start (None: none, or refused).
+        counts0: the caches' policy counts at start (the warm-up token is not the user's).
+    """
+
+    path: Path
+    key: str
+    moe_layers: list[int]
+    base: UsageProfile | None
+    counts0: list[np.ndarray]
+
+    @classmethod
+    def start(cls, eng: Any, path: str | Path | None, log: Any) -> HotSet | None:
+        """Load ``path`` (or the model's default profile) into ``eng``'s expert caches; None when the
+        engine has no expert cache. A missing default file is not an error (the first run writes
+        it); an unreadable file or another model's profile is refused with a note."""
+        caches = eng.caches
+        if not caches:
+            return None
+        gguf = eng.gguf
+        c = gguf.config
+        moe_layers = [il for il in range(c.n_layer) if f"blk.{il}.ffn_gate_exps.weight" in gguf.tensors]
+        key = model_key(gguf)
+        p = Path(path) if path is not None else profiles_dir() / f"{key}.npz"
+        hs = cls(p, key, moe_layers, None, [cache.policy.counts.copy() for cache in caches])
+        if not p.exists():
+            if path is not None:
+                log(f"note: --moe-profile {p}: no such file yet; this run's expert usage is written there at exit")
+            return hs
+        try:
+            prof = UsageProfile.load(p)
+        except ValueError as e:
+            log(f"note: expert profile not loaded: {e}")
+            return hs
+        why = prof.check_model(key, (len(moe_layers), c.n_expert))
+        if why:
+            log(f"note: expert profile {p} not loaded: {why}")
+            return hs
+        hs.base = prof
+        usage = np.zeros((c.n_layer, c.n_expert))
+        usage[moe_layers] = prof.counts / max(1, prof.tokens)  # uses per token: the policy's statistic
+        n = sum(cache.preload(usage) for cache in caches)
+        for cache in caches:
+            cache.reset_stats()
+        log(f"note: expert cache: {n} experts preloaded from {p} ({prof.tokens} tokens of saved usage)")
+        return hs
+
+    def counts(self, eng: Any) -> tuple[np.ndarray, int]:
+        """This run's routed pairs per expert (MoE layers x experts) and tokens, from the caches'
+        policies (every token a cached layer routed)."""
+        c = eng.gguf.config
+        total = np.zeros((c.n_layer, c.n_expert), np.int64)
+        for cache, c0 in zip(eng.caches, self.counts0):
+            n = cache.policy.counts - c0
+            total[:n.shape[0], :n.shape[1]] += n
+        rows = total[self.moe_layers]
+        k = max(1, c.n_expert_used)
+        tokens = int(rows.sum(axis=1).max() // k) if rows.size else 0
+        return rows, tokens
+
+    def save(self, eng: Any, log: Any) -> Path | None:
+        """Add this run's counts to the loaded profile's and write the file; None when the run routed
+        no tokens through a cache (nothing is written). An unwritable path is noted, not raised."""
+        for cache in eng.caches:
+            cache.flush()  # the last zero-copy pass is accounted at the next launch otherwise
+        rows, tokens = self.counts(eng)
+        if tokens == 0:
+            return None
+        if self.base is not None:
+            rows, tokens = rows + self.base.counts, tokens + self.base.tokens
+        try:
+            p = UsageProfile(self.key, rows, tokens).save(self.path)
+        except OSError as e:
+            log(f"note: expert usage not saved: {self.path}: {e.strerror or e}")
+            return None
+        log(f"note: expert usage of {tokens} tokens saved to {p} (preloaded at the next start)")
+        return p

@@ -6,7 +6,9 @@ weight and activation quants, float scales per block). Per 32 consecutive values
 ``d = max|x| / 127`` (float32), ``q = rint(x / d)`` (float32 division, ties to even; 0 when
 ``max|x|`` is 0); the product then sees ``q * d`` instead of x. :func:`q8_round` applies exactly
 that rounding on the host, so the CPU backend can run the GPU's arithmetic (``NumpyBackend(act_q8=
-True)``) and the tests compare the two.
+True)``) and the tests compare the two. (llama.cpp's CPU backend rounds differently: per 256
+values for the K-quants, scales stored as f16; ``moecache.testing.llamacpp_numerics`` emulates
+that rule to compare with its recorded numbers.)
 """
 
 from __future__ import annotations
