@@ -99,9 +99,18 @@ class LLM:
         hs, self.hot_set = self.hot_set, None
         try:
             if hs is not None:
-                hs.save(self.engine, self._log)
+                try:
+                    hs.save(self.engine, self._log)
+                except Exception as e:  # noqa: BLE001 - closing must not replace the error being unwound
+                    self._log(f"note: expert usage not saved: {type(e).__name__}: {e}")
         finally:
             self.engine.close()
+
+    def drop_hot_set(self, why: str) -> None:
+        """Do not save the expert usage at :meth:`close` (a note says why)."""
+        if self.hot_set is not None:
+            self._log(f"note: expert usage not saved: {why}")
+            self.hot_set = None
 
     def __enter__(self) -> LLM:
         return self
@@ -271,8 +280,10 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
             f"meaningless (for speed, hit-rate and upload measurements)")
     log(model_line(eng, res))
     hot = None
-    if command in ("run", "serve") and not settings.no_moe_profile:  # not bench / perplexity: their numbers
-        from moecache.moe.profile import HotSet  # must not depend on an earlier run's saved usage
+    # run and serve keep the hot set; bench and perplexity never (their numbers must not depend on an
+    # earlier run), nor a --routing run (its synthetic routes are not the model's usage)
+    if command in ("run", "serve") and not settings.no_moe_profile and not res.routing:
+        from moecache.moe.profile import HotSet
 
         try:
             hot = HotSet.start(eng, settings.moe_profile, once)

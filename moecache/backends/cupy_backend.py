@@ -349,7 +349,10 @@ class CupyBackend(ArrayOps):
         """``quantize_q8`` of mmvq.cu: x float32 (R, n), n % 32 == 0 -> (int8 (R, n), scales float32
         (R, n / 32), scale * quant sums float32 (R, n / 32)). The last input's quants are kept: q, k
         and v (and an MoE layer's router and experts) read the same normed activations, quantized
-        once. The kept input is referenced, so its memory cannot be reused for another array."""
+        once. The kept input is referenced, so its memory cannot be reused for another array.
+        The key is the array's identity: this relies on activations never being written in place
+        after a product read them (true of every model here: each op returns a new array), and on a
+        captured decode step starting from arrays made inside the capture."""
         if self._xq is not None and self._xq[0] is x:
             return self._xq[1]
         r, n = x.shape
@@ -449,8 +452,7 @@ class CupyBackend(ArrayOps):
         n_kv, dv = v.shape[1], v.shape[2]
         if d > 256 or d % 2 or (pos is not None and not isinstance(pos, cp.ndarray)):
             return super().qk_rope_store(q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos)
-        c = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)  # noqa: E731
-        q, k, v = c(q), c(k), c(v)
+        q, k, v = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v))
         qo = cp.empty_like(q)
         self._fn("qk_rope_store" + _kv_suffix(k_all))(
             (n_head + 2 * n_kv, t), (128,),
@@ -474,7 +476,7 @@ class CupyBackend(ArrayOps):
         cap, n_kv = k_all.shape[0], k_all.shape[1]
         args = (q, k_all, v_all, pos, np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(dv),
                 np.float32(scale), np.int32(window or 0), np.float32(softcap or 0.0))
-        use_gqa = gqa_ok(n_head, n_kv, d, dv) and cap >= GQA_MIN_KEYS
+        use_gqa = gqa_ok(n_head, n_kv, d, dv) and cap >= GQA_MIN_KEYS and (not window or window >= GQA_MIN_KEYS)
         s_a = att_splits(cap)
         part_a = cp.empty((t, n_head, s_a, dv + 2), cp.float32)
         self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t, s_a), (32 * ATT_WARPS,),

@@ -89,7 +89,8 @@ DeterministicOpt = Annotated[bool, typer.Option("--deterministic", help="Cache d
                                                 "measured timings (also MOECACHE_DETERMINISTIC=1).")]
 MoeProfileOpt = Annotated[Optional[Path], typer.Option("--moe-profile", help="Saved expert usage to preload into the "
                                                        "expert cache at start and add to at exit (default: the "
-                                                       "model's file under ~/.cache/moecache/profiles/).")]
+                                                       "model's file under $XDG_CACHE_HOME or ~/.cache, "
+                                                       "moecache/profiles/).")]
 NoMoeProfileOpt = Annotated[bool, typer.Option("--no-moe-profile", help="Neither preload nor save the expert usage.")]
 
 

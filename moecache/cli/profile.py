@@ -7,6 +7,8 @@ stdout (heatmap, skew lines, what-if table); notes and the files written go to s
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,7 +109,9 @@ def profile_command(o: ProfileOptions, settings) -> None:
     shape: tuple[int, int] | None = None  # the model's MoE layers x experts
     probe = None
     if texts:
-        llm = load_engine(resolve_model(o.model), settings, "run", o.verbose)
+        # the hot set of run/serve is neither loaded nor saved here: the recorded usage is its own
+        llm = load_engine(resolve_model(o.model), dataclasses.replace(settings, moe_profile=None, no_moe_profile=True),
+                          "run", o.verbose)
         try:
             c = llm.engine.gguf.config
             if not c.n_expert:

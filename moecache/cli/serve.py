@@ -94,6 +94,8 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
             state.worker.stop()
         loader.join(timeout=1.0)
         if state.llm is not None:
+            if state.worker is not None and state.worker.alive():
+                state.llm.drop_hot_set("a generation was still running at shutdown")
             state.llm.close()
     if failed:
         raise failed[0]

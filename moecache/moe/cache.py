@@ -59,6 +59,7 @@ from moecache.quants import cpu
 
 PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time
 MAX_DIRECT_TOKENS = 16  # the fused decode kernels' token limit (GEMV_MAX_TOKENS of the CUDA backend)
+PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
 
 
 @dataclass
@@ -233,6 +234,10 @@ class CachedExperts:
             return 0
         t_end = time.perf_counter() + timeout_s
         self._settle(t_end)  # the warm-up token's admissions: their slots are emptied for the profile's
+        # copies still in flight are retired (kept alive, never published): the preload's copies into
+        # the same slots queue after them
+        self._retired += [p[0] for p in self._pending]
+        self._pending = []
         for slot, own in enumerate(self.pool.owner):
             if own is not None:
                 self.slot_of[own] = -1
@@ -243,8 +248,9 @@ class CachedExperts:
         rows = sorted(il for il in self.cached_layers if il < usage.shape[0])
         mine[rows] = usage[rows, :mine.shape[1]]
         adm = self.policy.preload(mine)
-        self._apply(adm)
-        self._settle(t_end)
+        for i in range(0, len(adm), PRELOAD_BATCH):  # bounded page-locked staging at a time
+            self._apply(adm[i:i + PRELOAD_BATCH])
+            self._settle(t_end)
         return len(adm)
 
     def _settle(self, t_end: float) -> None:
@@ -278,10 +284,11 @@ class CachedExperts:
         the policy and starts the admitted uploads while the device is busy."""
         self.flush()
 
-    def flush(self) -> None:
+    def flush(self, admit: bool = True) -> None:
         """Account the routing of finished zero-copy passes: hits and misses against the map each pass
-        used, the policy's observe/decide, the admitted uploads. Counters read after a run call this
-        first (the last pass is otherwise accounted at the next launch)."""
+        used, the policy's observe/decide, the admitted uploads (none with ``admit`` False: at exit).
+        Counters read after a run call this first (the last pass is otherwise accounted at the next
+        launch)."""
         pending, self._pending_routes = self._pending_routes, []
         for ids, live, t in pending:
             self.policy.new_tokens(t)
@@ -296,7 +303,7 @@ class CachedExperts:
             self.stats.misses += hit.size - n_hit
             self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
             for i, il in enumerate(layers.tolist()):
-                if not hit[i].all():
+                if admit and not hit[i].all():
                     self._apply(self.policy.decide(il, lids[i][~hit[i]]))
 
     def end_pass(self) -> None:

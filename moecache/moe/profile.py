@@ -357,6 +357,8 @@ class HotSet:
         moe_layers: the model's layers with routed experts, in order (the profile's rows).
         base: the profile loaded at start (None: none, or refused).
         counts0: the caches' policy counts at start (the warm-up token is not the user's).
+        refused: why the file at ``path`` was not loaded (another model's, unreadable); such a file
+            is left as it is at exit (nothing is saved).
     """
 
     path: Path
@@ -364,6 +366,7 @@ class HotSet:
     moe_layers: list[int]
     base: UsageProfile | None
     counts0: list[np.ndarray]
+    refused: str | None = None
 
     @classmethod
     def start(cls, eng: Any, path: str | Path | None, log: Any) -> HotSet | None:
@@ -386,11 +389,13 @@ class HotSet:
         try:
             prof = UsageProfile.load(p)
         except ValueError as e:
-            log(f"note: expert profile not loaded: {e}")
+            hs.refused = str(e)
+            log(f"note: expert profile not loaded: {e}; it is left as it is (this run's usage is not saved)")
             return hs
         why = prof.check_model(key, (len(moe_layers), c.n_expert))
         if why:
-            log(f"note: expert profile {p} not loaded: {why}")
+            hs.refused = why
+            log(f"note: expert profile {p} not loaded: {why}; it is left as it is (this run's usage is not saved)")
             return hs
         hs.base = prof
         usage = np.zeros((c.n_layer, c.n_expert))
@@ -416,9 +421,12 @@ class HotSet:
 
     def save(self, eng: Any, log: Any) -> Path | None:
         """Add this run's counts to the loaded profile's and write the file; None when the run routed
-        no tokens through a cache (nothing is written). An unwritable path is noted, not raised."""
+        no tokens through a cache or the file was refused at start (nothing is written). An
+        unwritable path is noted, not raised."""
+        if self.refused is not None:
+            return None
         for cache in eng.caches:
-            cache.flush()  # the last zero-copy pass is accounted at the next launch otherwise
+            cache.flush(admit=False)  # the last zero-copy pass is accounted at the next launch otherwise
         rows, tokens = self.counts(eng)
         if tokens == 0:
             return None

@@ -34,7 +34,10 @@ def q8_round(x: Any) -> Any:
     n = x.shape[-1]
     if n % 32:
         raise ValueError(f"q8_round: rows of {n} values are not a multiple of 32")
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    if isinstance(x, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
     b = xp.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], n // 32, 32)
     d = (xp.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
     safe = xp.where(d > 0, d, np.float32(1))

@@ -109,6 +109,10 @@ class Worker:
         self._q.put(None)
         self._thread.join(timeout)
 
+    def alive(self) -> bool:
+        """Whether the engine's thread is still running (a :meth:`stop` that timed out)."""
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             job = self._q.get()
