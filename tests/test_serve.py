@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import require_module
@@ -157,6 +158,49 @@ def test_stop_strings_end_the_text(server):
         assert (text, reason) == (cut, "stop")
 
 
+def test_logprobs_are_the_models_log_softmax(server, code_moe_tiny):
+    """``logprobs`` of /v1/completions and /v1/chat/completions: each generated token's log-probability
+    and its most likely alternatives. The first token's against the library's own logits of the same
+    prompt, log-softmax computed here in float64; greedy: the chosen token is the first alternative."""
+    import moecache
+
+    client = _client(server)
+    out = client.completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0
+    with moecache.load(code_moe_tiny, n_ctx=256, n_threads=2) as llm:
+        logits = llm.engine.eval(llm.tokenize(PROMPT))[-1].astype(np.float64)
+        tok = llm.engine.tokenizer
+        m = logits.max()
+        ref = logits - (m + np.log(np.exp(logits - m).sum()))
+        best = np.argsort(-ref, kind="stable")[:3]
+        first = tok.token_bytes(int(best[0])).decode("utf-8", errors="replace")
+    assert lp.tokens[0] == first and abs(lp.token_logprobs[0] - ref[best[0]]) < 1e-4
+    alts = lp.top_logprobs[0]
+    assert list(alts) == [tok.token_bytes(int(i)).decode("utf-8", errors="replace") for i in best]
+    np.testing.assert_allclose(list(alts.values()), ref[best], atol=1e-4)
+    for lps, chosen in zip(lp.top_logprobs, lp.token_logprobs):  # greedy: the chosen is the most likely
+        vals = list(lps.values())
+        assert vals == sorted(vals, reverse=True) and abs(vals[0] - chosen) < 1e-9 and chosen <= 0
+
+    msgs = [{"role": "user", "content": "add two numbers"}]
+    chat = client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert bytes(c.bytes).decode("utf-8", errors="replace") == c.token and len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+    streamed = [ch for ch in client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0,
+                                                            logprobs=True, stream=True)]
+    got = [c for ch in streamed if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 6)) for c in got] == [(c.token, round(c.logprob, 6)) for c in content]
+    plain = client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_concurrent_clients_all_complete(server):
     client = _client(server)
     results, errors = [], []
@@ -185,8 +229,13 @@ def test_concurrent_clients_all_complete(server):
      "max_tokens"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', KEY, 400,
      "JSON"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', KEY, 400,
-     "not supported yet"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}', KEY, 400,
+     "boolean"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', KEY, 400,
+     "needs 'logprobs': true"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+     b'"top_logprobs": 21}', KEY, 400, "top_logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": true}', KEY, 400, "integer"),
     ("/v1/completions", b'{"prompt": 5}', KEY, 400, "prompt"),
     ("/v1/completions", b'{"prompt": [1, 99999999]}', KEY, 400, "token ids"),
     ("/v1/completions", json.dumps({"prompt": "word " * 400}).encode(), KEY, 400, "context"),

@@ -56,6 +56,35 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
 
+def logprobs_object(lps: Any, chat: bool, tok: Any) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice from the worker's :class:`TokenLogprob` list (None: not
+    asked for). Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions:
+    ``{tokens, token_logprobs, top_logprobs, text_offset}``. A token's text is its bytes decoded
+    as UTF-8 (a partial character shows as U+FFFD; ``bytes`` has the exact bytes)."""
+    if lps is None:
+        return None
+
+    def piece(i: int) -> tuple[str, list[int]]:
+        b = tok.token_bytes(i)
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    if chat:
+        content = []
+        for lp in lps:
+            text, raw = piece(lp.token)
+            top = [{"token": piece(i)[0], "logprob": v, "bytes": piece(i)[1]} for i, v in lp.top]
+            content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+    tokens, offsets, at = [], [], 0
+    for lp in lps:
+        text = piece(lp.token)[0]
+        tokens.append(text)
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{piece(i)[0]: v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -197,7 +226,7 @@ def build_app(state: ServerState) -> Starlette:
             messages, prompt = parse_messages(d), None
         else:
             messages, prompt = None, parse_prompt(d, eng.tokenizer.n_vocab)
-        gen = parse_gen(d, state.defaults, state.max_tokens)
+        gen = parse_gen(d, state.defaults, state.max_tokens, chat)
         ids = await run_in_threadpool(prepare, prompt, messages)
         room = eng.n_ctx - len(ids)
         if gen.max_tokens < 0 or gen.max_tokens > room:
@@ -227,7 +256,8 @@ def build_app(state: ServerState) -> Starlette:
         if ev[0] == "error":
             raise ev[1]
         res: Result = ev[1]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason,
+                                  "logprobs": logprobs_object(res.logprobs, chat, eng.tokenizer)}
         if chat:
             choice["message"] = {"role": "assistant", "content": res.text}
         else:
@@ -240,14 +270,15 @@ def build_app(state: ServerState) -> Starlette:
     async def _stream(job: Job, request: Request, first, chat: bool, ident: str, created: int, gen: GenRequest):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, extra: dict | None = None, role: bool = False) -> bytes:
+        def chunk(text: str | None, finish: str | None, extra: dict | None = None, role: bool = False,
+                  logprobs: Any = None) -> bytes:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             body = {"id": ident, "object": obj, "created": created, "model": state.model_id, "choices": [choice],
                     **(extra or {})}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
@@ -267,7 +298,10 @@ def build_app(state: ServerState) -> Starlette:
                      **({"moe_cache": res.cache} if res.cache else {})}
             if gen.include_usage:
                 extra["usage"] = _usage(len(job.ids), res)
-            yield chunk(None, res.finish_reason, extra)
+            # the tokens' log-probabilities come whole with the last chunk (stop strings hold text
+            # back, so text chunks and tokens do not line up)
+            yield chunk(None, res.finish_reason, extra,
+                        logprobs=logprobs_object(res.logprobs, chat, state.llm.engine.tokenizer))
             yield b"data: [DONE]\n\n"
         finally:
             job.cancel()  # a client that left stops its generation at the next token

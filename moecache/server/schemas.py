@@ -117,6 +117,9 @@ class GenRequest:
         stream: answer as server-sent events.
         include_usage: ``stream_options.include_usage``: a last chunk carries ``usage``.
         ignore_eos: llama-server's ``ignore_eos``: end-of-generation tokens are never sampled.
+        logprobs: None (off), or how many most likely alternatives to return with each generated
+            token's log-probability (chat: ``logprobs: true`` + ``top_logprobs`` 0-20;
+            completions: ``logprobs`` 0-20).
     """
 
     max_tokens: int
@@ -125,15 +128,37 @@ class GenRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    logprobs: int | None = None
 
 
-def parse_gen(d: dict, defaults: Any, default_max_tokens: int) -> GenRequest:
-    """The generation fields common to chat and completions (OpenAI's names, plus llama-server's
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit of top_logprobs
+
+
+def parse_logprobs(d: dict, chat: bool) -> int | None:
+    """``logprobs`` / ``top_logprobs`` as OpenAI defines them for chat (a boolean, then 0-20
+    alternatives) and for completions (0-20 alternatives); None when not asked for."""
+    lp, top = d.get("logprobs"), d.get("top_logprobs")
+    if chat:
+        if lp is None or lp is False:
+            if top not in (None, 0):
+                raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        if lp is not True:
+            raise bad("'logprobs' must be a boolean", "logprobs")
+        return get_int(d, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if lp is None or lp is False:
+        return None
+    if isinstance(lp, bool):
+        raise bad(f"'logprobs' must be an integer 0-{MAX_TOP_LOGPROBS}", "logprobs")
+    return get_int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
+def parse_gen(d: dict, defaults: Any, default_max_tokens: int, chat: bool = True) -> GenRequest:
+    """The generation fields of chat (``chat``) and completions (OpenAI's names, plus llama-server's
     ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``n_predict``, ``ignore_eos``)."""
     from moecache.sampling import DEFAULT_SEED
 
-    if d.get("logprobs") not in (None, False) or d.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs are not supported yet", "logprobs")
+    logprobs = parse_logprobs(d, chat)
     if get_int(d, "n", 1, 1) != 1:
         raise bad("'n' must be 1: one choice per request", "n")
     max_tokens = get_int(d, "max_completion_tokens", None, -1)
@@ -170,7 +195,7 @@ def parse_gen(d: dict, defaults: Any, default_max_tokens: int) -> GenRequest:
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     return GenRequest(max_tokens, sp, stops, get_bool(d, "stream", False),
-                      get_bool(opts or {}, "include_usage", False), get_bool(d, "ignore_eos", False))
+                      get_bool(opts or {}, "include_usage", False), get_bool(d, "ignore_eos", False), logprobs)
 
 
 def parse_messages(d: dict) -> list[dict[str, str]]:

@@ -33,6 +33,34 @@ class Result:
     timings: Any
     predicted_s: float
     cache: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's natural-log probability under the model (its logits' log-softmax, before
+    the sampler's temperature, penalties and truncations) and the ``top`` most likely tokens of that
+    step as (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: Any, token: int, n_top: int) -> TokenLogprob:
+    """:class:`TokenLogprob` of ``token`` from one step's float (n_vocab,) logits (float64 math)."""
+    import numpy as np
+
+    x = np.asarray(logits, np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top:
+        k = min(n_top, x.shape[0])
+        idx = np.argpartition(-x, k - 1)[:k]
+        idx = idx[np.lexsort((idx, -x[idx]))]  # most likely first, ties by id
+        top = tuple((int(i), float(x[i] - lse)) for i in idx)
+    return TokenLogprob(int(token), float(x[token] - lse), top)
 
 
 class Job:
@@ -157,6 +185,15 @@ class Worker:
         sampler = Sampler(job.gen.sampling, eng.n_ctx)
         if job.gen.ignore_eos and eng.tokenizer.eog_ids:
             sampler.sample = _without(sampler.sample, sorted(eng.tokenizer.eog_ids))
+        logprobs: list[TokenLogprob] | None = None
+        if job.gen.logprobs is not None:
+            logprobs, n_top, pick = [], job.gen.logprobs, sampler.sample
+
+            def sample_and_score(logits):  # the model's distribution: the raw logits of the step
+                tok = pick(logits)
+                logprobs.append(token_logprob(logits, tok, n_top))
+                return tok
+            sampler.sample = sample_and_score
         stream = eng.tokenizer.streamer(skip_special=True)
         stops = StopMatcher(job.gen.stop)
         parts: list[str] = []
@@ -190,7 +227,9 @@ class Worker:
         for c, (h, m, u) in zip(eng.caches, before):
             c.flush()
             cache.append({"hits": c.stats.hits - h, "misses": c.stats.misses - m, "uploads": c.stats.uploads - u})
-        return Result("".join(parts), res.timings.n_gen, reason, res.timings, predicted_s, cache)
+        if logprobs is not None:
+            del logprobs[len(res.tokens):]  # an end-of-generation token was sampled but not kept
+        return Result("".join(parts), res.timings.n_gen, reason, res.timings, predicted_s, cache, logprobs)
 
 
 def _without(sample: Callable[[Any], int], ids: list[int]) -> Callable[[Any], int]:
