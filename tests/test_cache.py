@@ -129,7 +129,7 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
 
 def _direct_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig(), stage=False):
     return CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(n_layer, n_expert, n_slots, cfg), 32,
-                         direct=True, top_k=4, stage_misses=stage)
+                         zero_copy=True, top_k=4, stage_misses=stage)
 
 
 @pytest.mark.parametrize("seed,stage", [(s, False) for s in range(4)] + [(s, True) for s in range(3)])
@@ -148,7 +148,7 @@ def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, s
         ew = expert_weights(m, "silu")
         n_slots = int(rng.integers(2, c.n_layer * c.n_expert - 1))
         cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER, stage)
-        assert cache.direct and cache.direct_why is None and (cache.scratch is not None) == stage
+        assert cache.zero_copy and cache.zero_copy_why is None and (cache.scratch is not None) == stage
         if stage:
             for arr in cache.scratch:
                 arr[...] = rng.integers(0, 256, arr.shape, dtype=np.uint8)  # garbage, finite or not
@@ -236,7 +236,7 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
         lm.pass_hooks = [cache]
         # expected hits: each zero-copy pass's routing against the device map at its begin_pass
         want = {"hits": 0, "map": None}
-        begin, direct = cache.begin_pass, cache._direct
+        begin, zero_copy = cache.begin_pass, cache._zero_copy
 
         def spy_begin(n):
             begin(n)
@@ -244,9 +244,9 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
 
         def spy_direct(il, e, h, r, t):
             want["hits"] += int((want["map"][il][r.ids] >= 0).sum())
-            return direct(il, e, h, r, t)
+            return zero_copy(il, e, h, r, t)
 
-        cache.begin_pass, cache._direct = spy_begin, spy_direct
+        cache.begin_pass, cache._zero_copy = spy_begin, spy_direct
         kv_ref, kv = ref_lm.new_kv_cache(160), lm.new_kv_cache(160)
         prompt = rng.integers(0, c.n_vocab, 40)
         np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
@@ -375,3 +375,29 @@ def test_add_rows_sums_repeated_rows_in_order(rng):
     np.add.at(want, rows, y.astype(np.float64))
     _add_rows(NumpyBackend(), out, rows, y)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_executors_say_whether_a_decode_step_can_be_captured(model_path):
+    """The CUDA graph asks the experts' executor (``graph_capturable``), not its class: host experts
+    and an expert cache that computes misses on the CPU cannot be captured; resident experts and a
+    zero-copy cache can; a layer map answers with its first reason."""
+    from moecache.moe.executor import DeviceExperts, ExpertsByLayer
+
+    with open_gguf(model_path) as m:
+        ew = expert_weights(m, "silu")
+        c = m.config
+        n_slots = 5
+        host = CPUExperts(ew, NumpyBackend())
+        resident = DeviceExperts(ew, NumpyBackend())
+        assert host.graph_capturable() == "routed experts in host RAM" and resident.graph_capturable() is None
+        cpu_cache = _cache(ew, c.n_layer, c.n_expert, n_slots)  # a NumpyBackend: no device, misses on the CPU
+        assert "computes its misses on the CPU" in cpu_cache.graph_capturable()
+        twin = CachedExperts(ew, Twin(), n_slots, CachePolicy(c.n_layer, c.n_expert, n_slots), 32, top_k=c.n_expert_used)
+        assert twin.zero_copy and twin.graph_capturable() is None
+        layers = list(ew)
+        mixed = ExpertsByLayer({layers[0]: resident, **{il: host for il in layers[1:]}})
+        assert mixed.graph_capturable() == "routed experts in host RAM"
+        assert ExpertsByLayer({il: resident for il in layers}).graph_capturable() is None
+        assert ExpertsByLayer({}).graph_capturable() is None  # a dense model
+        cpu_cache.close()
+        twin.close()

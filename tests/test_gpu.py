@@ -667,7 +667,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
                             3 * cache._expert_bytes(next(iter(cache.layers.values()))))
         assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
-        assert cache.direct == (load_mode == "pin")
+        assert cache.zero_copy == (load_mode == "pin")
         assert (eng.model.decode_graph is not None) == (load_mode == "pin")
         toks = rng.integers(0, 200, 40)
         np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-4)

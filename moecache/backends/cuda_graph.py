@@ -180,23 +180,11 @@ def moe_layers(model: Any) -> list[int]:
 
 
 def eligible(model: Any) -> str | None:
-    """None if ``model`` can replay decode steps as a graph, else the reason it cannot."""
-    from moecache.moe.executor import DeviceExperts, ExpertsByLayer
-
+    """None if ``model`` can replay decode steps as a graph, else the reason it cannot (the
+    experts' executor says for itself: ``graph_capturable``)."""
     be = model.output_be
     if getattr(be, "name", "") != "cuda":
         return "output not on a GPU"
     if any(b is not be for b in model.layer_be):
         return "layers on more than one device"
-    from moecache.moe.cache import CachedExperts
-
-    ex = model.experts
-    if isinstance(ex, ExpertsByLayer):
-        for e in ex.executors.values():
-            if isinstance(e, CachedExperts) and not e.direct:
-                return f"the expert cache computes its misses on the CPU ({e.direct_why or 'not a GPU'})"
-            if isinstance(e, CachedExperts) and (e.cached_layers != set(e.layers) or not e.takes_direct(1)):
-                return "the expert cache has layers of another expert signature (computed on the CPU)"
-            if not isinstance(e, (DeviceExperts, CachedExperts)):
-                return "routed experts in host RAM"
-    return None
+    return model.experts.graph_capturable()

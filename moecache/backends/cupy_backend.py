@@ -25,8 +25,8 @@ import numpy as np
 
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
-from moecache.backends.ops import MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs, moe_prompt_chunks
-from moecache.moe.cache import MAX_DIRECT_TOKENS
+from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs,
+                                   moe_prompt_chunks)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT  # formats with 8-bit-activation kernels in mmvq.cu
@@ -39,7 +39,7 @@ OPS_SRC = Path(__file__).resolve().parent / "cuda" / "ops.cu"
 SUFFIX = {name: name.lower() for name in FORMATS}
 THREADS = 256  # DEQ_THREADS of dequant.cu (the dequantize kernels rely on it)
 MMVQ_WARPS = 4  # MMVQ_WARPS of mmvq.cu
-GEMV_MAX_TOKENS = MAX_DIRECT_TOKENS  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
+GEMV_MAX_TOKENS = DECODE_MAX_TOKENS  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
 WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
 ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
 ATT_MAX_HEAD_DIM = 256

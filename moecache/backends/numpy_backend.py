@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from moecache.backends.ops import ArrayOps
+from moecache.backends.ops import DECODE_MAX_TOKENS, ArrayOps
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing, softmax, topk_routing
 from moecache.quants import cpu
-from moecache.quants.act_q8 import Q8_ACT, Q8_MAX_TOKENS, q8_round
+from moecache.quants.act_q8 import Q8_ACT, q8_round
 from moecache.quants.formats import format_for
 
 # From this many tokens on, a quantized matmul dequantizes row tiles of W to float32 and calls BLAS
@@ -56,7 +56,7 @@ class NumpyBackend(ArrayOps):
 
     Args:
         act_q8: run the GPU's default arithmetic: the products of ubatches of up to
-            :data:`Q8_MAX_TOKENS` tokens with weights of a :data:`Q8_ACT` format see their
+            :data:`DECODE_MAX_TOKENS` tokens with weights of a :data:`Q8_ACT` format see their
             activations rounded by :func:`q8_round` (the CPU twin of ``CupyBackend(act_q8=True)``);
             default False: float32 activations.
     """
@@ -70,7 +70,7 @@ class NumpyBackend(ArrayOps):
         self.act_q8 = act_q8
 
     def _q8(self, ggml_type: int, name: str | None, n_tok: int) -> bool:
-        return self.act_q8 and n_tok <= Q8_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
+        return self.act_q8 and n_tok <= DECODE_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
 
     def activate(self) -> None:
         """Make this backend's device current (nothing to do on the CPU)."""

@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+# decode ubatches: up to this many tokens the GPU's fused kernels run a product or an MoE layer in
+# one launch (their MAX_TOK; the 8-bit activation path, the expert cache's zero-copy path and its
+# routing log are sized by it too); more tokens take the prompt path
+DECODE_MAX_TOKENS = 16
 # prompt attention computes its float32 scores (n_head x queries x keys) for at most this many bytes
 # of them at a time: the queries go in chunks, so the transient stays bounded at any context length
 ATTENTION_SCORE_BYTES = 256 << 20

@@ -130,9 +130,9 @@ def cache_stats_lines(eng) -> list[str]:
         per = max(1, s.tokens)
         out.append(f"expert cache {i}: hit rate {100 * s.hit_rate:.1f}% ({s.hits} hits, {s.misses} misses) | "
                    f"{s.uploads / per:.2f} uploads, {s.uploaded_bytes / per / 2**20:.1f} MiB per token over {s.tokens} tokens | "
-                   + ("decode misses read zero-copy by the GPU " if c.direct else "")
+                   + ("decode misses read zero-copy by the GPU " if c.zero_copy else "")
                    + (f"CPU misses {1e3 * c.cpu_s.sum() / per:.2f} ms/token, waited {1e3 * c.wait_s.sum() / per:.2f} ms/token "
-                      if not c.direct or c.cpu_s.any() else "")
+                      if not c.zero_copy or c.cpu_s.any() else "")
                    + f"(upload budget {c.policy.uploads_per_token:.1f}/token)")
     return out
 

@@ -127,7 +127,7 @@ def _complete(llm, sampler, opts: RunOptions, prompt: str, every: int) -> None:
                                "predicted_per_second": t.tg_tps},
                    **({"moe_cache": [{"hit_rate": c.stats.hit_rate, "uploads": c.stats.uploads,
                                       "uploaded_bytes": c.stats.uploaded_bytes,
-                                      "misses": "zero-copy" if c.direct else "cpu"} for c in eng.caches]}
+                                      "misses": "zero-copy" if c.zero_copy else "cpu"} for c in eng.caches]}
                       if eng.caches else {})}, out, ensure_ascii=False)
         out.write("\n")
     else:

@@ -8,7 +8,7 @@ the map only after its upload completed, and leaves it before its slot is overwr
 
 Decode ubatches take one of two miss paths:
 
-**Zero-copy** (``direct``: the host experts are page-locked, ``--load-mode pin``). The map also lives
+**Zero-copy** (``zero_copy``: the host experts are page-locked, ``--load-mode pin``). The map also lives
 on the device; one ``moe_ffn_cached`` launch pair computes every routed pair, reading a hit from
 its slot in VRAM and a miss straight from host RAM over PCIe. Nothing waits for the host, so a
 decode step stays one CUDA graph (:mod:`moecache.backends.cuda_graph`). The layer's expert ids are
@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from moecache.backends.ops import DECODE_MAX_TOKENS
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.routing import Routing
@@ -58,7 +59,7 @@ from moecache.quants import cpu
 
 
 PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time
-MAX_DIRECT_TOKENS = 16  # the fused decode kernels' token limit (GEMV_MAX_TOKENS of the CUDA backend)
+MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit: the fused decode kernels'
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
 
 
@@ -115,8 +116,8 @@ class CachedExperts:
         n_slots: slots per signature pool (the budget divided by the bytes of one expert).
         policy: decides admissions (its pool size must equal the total slots).
         offload_min_batch: prompt ubatches of this many tokens go the op-offload way.
-        direct: the zero-copy miss path; None: when the backend is a GPU that can read the host
-            experts in place (``zero_copy_ok``). ``direct_why`` says why not, when not.
+        zero_copy: the zero-copy miss path; None: when the backend is a GPU that can read the host
+            experts in place (``zero_copy_ok``). ``zero_copy_why`` says why not, when not.
         top_k: experts per token (the routing log's width), the model's ``expert_used_count``;
             required for the zero-copy path (ValueError without it).
         stage_misses: on the zero-copy path, copy a decode ubatch's missed experts into a VRAM
@@ -126,7 +127,7 @@ class CachedExperts:
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any, n_slots: int, policy: CachePolicy,
-                 offload_min_batch: int | None = 32, direct: bool | None = None, top_k: int | None = None,
+                 offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
                  stage_misses: bool = False):
         self.layers = layers
         self.be = backend
@@ -161,20 +162,20 @@ class CachedExperts:
         self._cached_order = np.array(sorted(self.cached_layers), np.int64)
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecache-miss")
         # the zero-copy path: device map, routing log, pending routings of finished passes
-        self.direct_why = self._direct_why(backend, main)
-        self.direct = (self.direct_why is None and backend.device is not None) if direct is None \
-            else bool(direct and self.direct_why is None)
-        if self.direct and top_k is None:
+        self.zero_copy_why = self._zero_copy_why(backend, main)
+        self.zero_copy = (self.zero_copy_why is None and backend.device is not None) if zero_copy is None \
+            else bool(zero_copy and self.zero_copy_why is None)
+        if self.zero_copy and top_k is None:
             raise ValueError("CachedExperts: the zero-copy path needs top_k (the model's expert_used_count)")
-        self._map_dev = backend.asarray(self.slot_of.copy()) if self.direct else None
+        self._map_dev = backend.asarray(self.slot_of.copy()) if self.zero_copy else None
         self._map_live = self.slot_of.copy()  # what the device map holds now
         self._map_dirty = False
-        self._ids_log = backend.asarray(np.zeros((n_layer, MAX_DIRECT_TOKENS, top_k), np.int32)) \
-            if self.direct else None
+        self._ids_log = backend.asarray(np.zeros((n_layer, MAX_ZERO_COPY_TOKENS, top_k), np.int32)) \
+            if self.zero_copy else None
         self._expect = 0  # tokens of this pass whose routing the device logs (0: not a zero-copy pass)
         self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
-        if stage_misses and self.direct:
+        if stage_misses and self.zero_copy:
             g, u, d, _ = main
             host = [a for il in self.cached_layers for a in (layers[il].gate, layers[il].up, layers[il].down)]
             # the copy kernel moves 16-byte words: every matrix a multiple of 16 bytes, every host
@@ -182,7 +183,7 @@ class CachedExperts:
             if all(int(np.prod(sh)) % 16 == 0 for sh in (g, u, d)) and all(a.ctypes.data % 16 == 0 for a in host):
                 self.scratch = tuple(backend.zeros_u8((2 * top_k, *sh)) for sh in (g, u, d))
 
-    def _direct_why(self, backend: Any, main: Any) -> str | None:
+    def _zero_copy_why(self, backend: Any, main: Any) -> str | None:
         if main is None:
             return "no cached layers"
         if main[3][0] != main[3][1]:
@@ -265,9 +266,9 @@ class CachedExperts:
         """Before a forward pass is queued: publish completed uploads and bring the device map up to
         date (on the current stream, so the pass reads it). A pass that will not take the zero-copy
         path accounts the earlier passes first (it feeds the policy itself, in order)."""
-        if not self.direct:
+        if not self.zero_copy:
             return
-        self._expect = n_tokens if self.takes_direct(n_tokens) else 0
+        self._expect = n_tokens if self.takes_zero_copy(n_tokens) else 0
         if not self._expect:
             self.flush()
         self.poll()
@@ -311,7 +312,7 @@ class CachedExperts:
         next :meth:`launched`) and time the pass for the adaptive upload budget (the whole pass here;
         the hybrid path times its MoE stretch, first to last cached layer)."""
         t = self._expect
-        if not self.direct or not t:
+        if not self.zero_copy or not t:
             return
         self._pending_routes.append((np.array(self.be.to_host(self._ids_log[:, :t])), self._map_live, t))
         self._expect = 0
@@ -325,8 +326,8 @@ class CachedExperts:
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
         t = routing.ids.shape[0]
-        if il in self.cached_layers and self.takes_direct(t):
-            return self._direct(il, e, h, routing, t)
+        if il in self.cached_layers and self.takes_zero_copy(t):
+            return self._zero_copy(il, e, h, routing, t)
         r = routing.host()
         if il == self._first:
             self._pass_start = time.perf_counter()
@@ -377,7 +378,7 @@ class CachedExperts:
             self._pass_start = None
         return out
 
-    def _direct(self, il: int, e: ExpertWeights, h: Any, routing: Routing, t: int) -> Any:
+    def _zero_copy(self, il: int, e: ExpertWeights, h: Any, routing: Routing, t: int) -> Any:
         """A decode ubatch on the zero-copy path: no host sync (CUDA-graph capturable)."""
         pool = self.pool
         scratch = self.scratch if self.scratch is not None and routing.ids.size <= self.scratch[0].shape[0] else None
@@ -386,9 +387,18 @@ class CachedExperts:
         self._ids_log[il, :t] = self.be.asarray(routing.ids)
         return out
 
-    def takes_direct(self, t: int) -> bool:
+    def graph_capturable(self) -> str | None:
+        """None when its one-token decode steps take the zero-copy path on every layer (no host
+        synchronisation: CUDA-graph capturable), else the reason."""
+        if not self.zero_copy:
+            return f"the expert cache computes its misses on the CPU ({self.zero_copy_why or 'not a GPU'})"
+        if self.cached_layers != set(self.layers) or not self.takes_zero_copy(1):
+            return "the expert cache has layers of another expert signature (computed on the CPU)"
+        return None
+
+    def takes_zero_copy(self, t: int) -> bool:
         """Whether a ubatch of ``t`` tokens runs on the zero-copy path."""
-        return self.direct and t <= MAX_DIRECT_TOKENS and (self.offload_min_batch is None or t < self.offload_min_batch)
+        return self.zero_copy and t <= MAX_ZERO_COPY_TOKENS and (self.offload_min_batch is None or t < self.offload_min_batch)
 
     def reset_stats(self) -> None:
         """Zero the counters and the per-layer CPU / wait times (after a warm-up); routings of

@@ -43,6 +43,11 @@ class ExpertExecutor(Protocol):
         """``h``: float32 (T, n_embd) backend array -> float32 (T, n_embd) backend array."""
         ...
 
+    def graph_capturable(self) -> str | None:
+        """None if a one-token decode step through this executor can be captured in a CUDA graph
+        (no host synchronisation, no host-side work per step), else the reason it cannot."""
+        ...
+
 
 class CPUExperts:
     """Routed experts kept in host RAM, computed on the CPU (Numba) from the host copy of the weights.
@@ -97,6 +102,10 @@ class CPUExperts:
         return out
 
 
+    def graph_capturable(self) -> str | None:
+        return "routed experts in host RAM"  # computed by the CPU (host synchronisation every step)
+
+
 class DeviceExperts:
     """Routed experts resident on a backend (all of them, for the layers given): the full-GPU path.
 
@@ -114,6 +123,9 @@ class DeviceExperts:
         g, u, d, types, act = self.layers[il]
         return self.backend.moe_ffn(g, u, d, types, routing, h, act)
 
+    def graph_capturable(self) -> str | None:
+        return None  # one backend call per layer, routing read on the device
+
 
 class ExpertsByLayer:
     """One executor per layer (the placement: host experts on some layers, resident on others).
@@ -127,6 +139,14 @@ class ExpertsByLayer:
 
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         return self.executors[il](il, h, routing)
+
+    def graph_capturable(self) -> str | None:
+        """The first layer executor's reason, if any has one."""
+        for e in self.executors.values():
+            why = e.graph_capturable()
+            if why is not None:
+                return why
+        return None
 
 
 def placed_experts(layers: dict[int, ExpertWeights], on_device: list[bool] | tuple[bool, ...],

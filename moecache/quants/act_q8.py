@@ -20,8 +20,6 @@ import numpy as np
 # format -> (pieces per block, weights per block) of the mmvq.cu kernels (VFORMAT's PPB, QK)
 Q8_ACT: dict[str, tuple[int, int]] = {"Q8_0": (1, 32), "Q4_0": (1, 32), "Q4_K": (4, 256), "Q5_K": (4, 256),
                                       "Q6_K": (4, 256)}
-# products of ubatches up to this many tokens take the 8-bit kernels (GEMV_MAX_TOKENS of the GPU)
-Q8_MAX_TOKENS = 16
 
 
 def q8_round(x: Any) -> Any:
