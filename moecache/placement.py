@@ -214,6 +214,13 @@ def _split(layers: list[int], gpus: list[int], weights: list[float], n_total: in
     return out
 
 
+
+def budgeted_free(gpu_free: list[int] | tuple[int, ...], vram_budget: int) -> list[int]:
+    """Free bytes per GPU as a run may use them: ``--vram-budget`` (bytes, 0 = none) caps each GPU's
+    free memory (an emulated smaller GPU). The one place the budget is applied: the placement and
+    the resolution of defaults both read it."""
+    return [min(int(f), vram_budget) if vram_budget else int(f) for f in gpu_free]
+
 def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Placement:
     """Place the model (see the module docstring for the rules).
 
@@ -238,7 +245,7 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     elif opts.tensor_split:
         keep = [i for i, w in enumerate(weights) if w > 0]
         gpus, weights = [gpus[i] for i in keep], [weights[i] for i in keep]
-    free = [min(f, opts.vram_budget) if opts.vram_budget else f for f in gpu_free]
+    free = budgeted_free(gpu_free, opts.vram_budget)
     if opts.vram_budget:
         notes.append(f"--vram-budget {opts.vram_budget / 2**30:.1f} GiB per GPU")
     budget = {g: int(free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}

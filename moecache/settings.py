@@ -315,7 +315,10 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     placement = settings.placement_options()
     gpus = () if placement.n_gpu_layers == 0 else probe.gpus
     if placement.vram_budget:
-        gpus = tuple(replace(g, vram_free=min(g.vram_free, placement.vram_budget)) for g in gpus)
+        from moecache.placement import budgeted_free
+
+        free = budgeted_free([g.vram_free for g in gpus], placement.vram_budget)
+        gpus = tuple(replace(g, vram_free=f) for g, f in zip(gpus, free))
     free_total = sum(g.vram_free for g in gpus)
     big = bool(gpus) and model.is_moe and model.n_bytes > free_total
     host = probe.host

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moecache.arch import ModelConfig
+from moecache.backends.contract import ArrayBackend
 from moecache.errors import MoecacheError
 from moecache.gguf_file import GGUFModel
 from moecache.kv_cache import KVCache, KVShape
@@ -100,8 +101,8 @@ class DecoderLM:
     attn_softcap: ClassVar[bool] = False
     final_softcap: ClassVar[bool] = False
 
-    def __init__(self, model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None,
-                 layer_backends: list[Any] | None = None, output_backend: Any = None):
+    def __init__(self, model: GGUFModel, backend: ArrayBackend, experts: ExpertExecutor | None = None,
+                 layer_backends: list[ArrayBackend] | None = None, output_backend: ArrayBackend | None = None):
         self.cfg: ModelConfig = model.config
         self.gguf = model
         c = self.cfg
