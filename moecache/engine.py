@@ -293,9 +293,7 @@ class Engine:
             self.caches.append(cache)
             for il in layers:
                 experts.executors[il] = cache
-        model = build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device])
-        model.pass_hooks = list(self.caches)
-        return model
+        return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device], pass_hooks=self.caches)
 
     def _decode_graph(self, wanted: bool) -> None:
         if getattr(self.model.output_be, "name", "") != "cuda":

@@ -40,9 +40,11 @@ def model_class(model: GGUFModel) -> type[DecoderLM]:
 
 
 def build_model(model: GGUFModel, backend: Any, experts: ExpertExecutor | None = None,
-                layer_backends: list[Any] | None = None, output_backend: Any = None) -> DecoderLM:
+                layer_backends: list[Any] | None = None, output_backend: Any = None, *, pass_hooks: Any = (),
+                routing_override: Any = None) -> DecoderLM:
     """The forward pass of ``model`` on ``backend`` (see :class:`DecoderLM` for the arguments)."""
-    return model_class(model)(model, backend, experts, layer_backends, output_backend)
+    return model_class(model)(model, backend, experts, layer_backends, output_backend, pass_hooks=pass_hooks,
+                              routing_override=routing_override)
 
 
 __all__ = ["CLASSES", "DecoderLM", "build_model", "model_class"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -57,6 +57,23 @@ class RopeSpec:
         return self.freq_scale * inv
 
 
+@dataclass
+class ForwardPass:
+    """What one forward pass shares between its layers, passed down to every block (nothing of a
+    pass is kept on the model).
+
+    Attributes:
+        pos: int (T,) host positions of the pass's tokens.
+        pos_inputs: ``id(backend)`` -> that backend's int32 (T,) positions (uploaded once per
+            backend; a CUDA graph passes its own persistent buffers).
+        rope: (backend id, n_rot, base, freq_scale) -> that RoPE's cos/sin tables of this pass.
+    """
+
+    pos: np.ndarray
+    pos_inputs: dict[int, Any] = field(default_factory=dict)
+    rope: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
+
+
 def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
     """The routed experts of every MoE layer as host views of the file (no copy), keyed by layer:
     what an expert executor is built from (before or without the model object)."""
@@ -82,6 +99,9 @@ class DecoderLM:
             offload, several GPUs); the hidden state moves between backends where they change.
             Token embeddings live on layer 0's backend.
         output_backend: backend of the output norm and matrix; default ``backend``.
+        pass_hooks: objects told of every forward pass (``begin_pass``, ``launched``, ``end_pass``):
+            the expert caches.
+        routing_override: a routing process replacing the router's choice (``--routing``).
 
     Attributes:
         cfg: the :class:`ModelConfig`.
@@ -102,7 +122,8 @@ class DecoderLM:
     final_softcap: ClassVar[bool] = False
 
     def __init__(self, model: GGUFModel, backend: ArrayBackend, experts: ExpertExecutor | None = None,
-                 layer_backends: list[ArrayBackend] | None = None, output_backend: ArrayBackend | None = None):
+                 layer_backends: list[ArrayBackend] | None = None, output_backend: ArrayBackend | None = None,
+                 *, pass_hooks: Any = (), routing_override: Any = None):
         self.cfg: ModelConfig = model.config
         self.gguf = model
         c = self.cfg
@@ -141,14 +162,15 @@ class DecoderLM:
             ew = expert_weights(model, self.act)
             experts = ExpertsByLayer({il: CPUExperts({il: e}, self.layer_be[il]) for il, e in ew.items()})
         self.experts = experts
-        self.decode_graph: Any = None  # set to a moecache.backends.cuda_graph.DecodeGraph to replay decode steps
-        self.routing_override: Any = None  # benchmarks: a routing process replacing the router's choice
+        # a moecache.backends.cuda_graph.DecodeGraph replaying decode steps: it is made from the built
+        # model, so it is attached after construction (Engine._decode_graph)
+        self.decode_graph: Any = None
+        self.routing_override: Any = routing_override  # benchmarks: a routing process replacing the router's choice
         self.route_observers: list[RouteObserver] = []
         # told of every forward pass: begin_pass(n_tokens) before it is queued, launched() once it is
         # (the device may still be running it), end_pass() after its output reached the host
         # (the expert caches' zero-copy path, moecache.moe.cache)
-        self.pass_hooks: list[Any] = []
-        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}
+        self.pass_hooks: list[Any] = list(pass_hooks)
 
     @staticmethod
     def _cpu_vector(t: Any) -> np.ndarray:
@@ -156,8 +178,9 @@ class DecoderLM:
         return NumpyBackend().vector(t)
 
     # ---- the pieces an architecture file may override ------------------------------------------
-    def block(self, il: int, x: Any, pos: np.ndarray, kv: KVCache) -> Any:
-        """One transformer block: float32 (T, n_embd) -> (T, n_embd). Subclasses write it."""
+    def block(self, il: int, x: Any, fp: ForwardPass, kv: KVCache) -> Any:
+        """One transformer block: float32 (T, n_embd) -> (T, n_embd) of the pass ``fp``. Subclasses
+        write it."""
         raise NotImplementedError
 
     def embed_scale(self) -> float | None:
@@ -236,9 +259,7 @@ class DecoderLM:
         ``pos`` -> hidden states float32 (T, n_embd) on the output backend, KV cache written.
         ``pos_inputs`` maps ``id(backend)`` to that backend's positions array; missing ones are
         uploaded once (a CUDA graph passes its own persistent buffers)."""
-        self._pos_host = pos
-        self._pos_inputs = pos_inputs
-        self._rope_cache: dict[tuple, tuple[Any, Any]] = {}  # this pass's cos/sin (see _rope_tables)
+        fp = ForwardPass(pos, pos_inputs)
         self._use(self.layer_be[0])
         x = self.be.embed(self.token_embd, tokens)
         s = self.embed_scale()
@@ -248,18 +269,18 @@ class DecoderLM:
             if self.layer_be[il] is not self.be:
                 self._use(self.layer_be[il])
                 x = self.be.adopt(x)
-            x = self.block(il, x, pos, kv)
+            x = self.block(il, x, fp, kv)
         if self.output_be is not self.be:
             self._use(self.output_be)
             x = self.be.adopt(x)
         return x
 
-    def positions(self) -> Any:
-        """This pass's positions on the current backend, int32 (T,) (uploaded once per backend)."""
+    def positions(self, fp: ForwardPass) -> Any:
+        """The pass's positions on the current backend, int32 (T,) (uploaded once per backend)."""
         key = id(self.be)
-        p = self._pos_inputs.get(key)
+        p = fp.pos_inputs.get(key)
         if p is None:
-            p = self._pos_inputs[key] = self.be.positions(self._pos_host)
+            p = fp.pos_inputs[key] = self.be.positions(fp.pos)
         return p
 
     def _use(self, be: Any) -> None:
@@ -286,7 +307,7 @@ class DecoderLM:
         (T, n_embd) (one launch on the GPU)."""
         return self.be.add_rms_norm(x, r, w, self.cfg.norm_eps)
 
-    def attention(self, il: int, x: Any, pos: np.ndarray, kv: KVCache, *, qk_norm: str | None = None,
+    def attention(self, il: int, x: Any, fp: ForwardPass, kv: KVCache, *, qk_norm: str | None = None,
                   scale: float | None = None) -> Any:
         """Self-attention of block ``il`` on the normed input; returns the ``attn_output`` projection.
 
@@ -311,21 +332,21 @@ class DecoderLM:
         v = v.reshape(t, c.n_head_kv, c.head_dim_v)
         per_head = qk_norm == "head"
         rope = self.rope_spec(il)
-        cos, sin = self._rope_tables(rope)
-        p = self.positions()
+        cos, sin = self._rope_tables(rope, fp)
+        p = self.positions(fp)
         q = be.qk_rope_store(q, k, v, L["attn_q_norm"] if per_head else None, L["attn_k_norm"] if per_head else None,
                              c.norm_eps, cos, sin, rope.neox, kv.k[il], kv.v[il], p)
         o = be.attention(q, kv.k[il], kv.v[il], p, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
                          window=self.window(il), softcap=c.attn_logit_softcapping if self.attn_softcap else None)
         return self._proj(L, "attn_output", o)
 
-    def _rope_tables(self, rope: RopeSpec) -> tuple[Any, Any]:
-        """cos/sin of ``rope`` at this pass's positions on the backend, computed once per forward pass
+    def _rope_tables(self, rope: RopeSpec, fp: ForwardPass) -> tuple[Any, Any]:
+        """cos/sin of ``rope`` at the pass's positions on the backend, computed once per forward pass
         for each distinct RoPE (gemma3 has two; the others one) instead of once per layer."""
         key = (id(self.be), rope.n_rot, rope.base, rope.freq_scale)
-        tables = self._rope_cache.get(key)
+        tables = fp.rope.get(key)
         if tables is None:
-            tables = self._rope_cache[key] = self.be.rope_tables(rope.inv_freq(), self.positions())
+            tables = fp.rope[key] = self.be.rope_tables(rope.inv_freq(), self.positions(fp))
         return tables
 
     def _proj(self, L: dict[str, Any], name: str, x: Any) -> Any:

@@ -51,10 +51,10 @@ class Gemma3(DecoderLM):
     def embed_scale(self):
         return math.sqrt(self.cfg.n_embd)
 
-    def block(self, il, x, pos, kv):
+    def block(self, il, x, fp, kv):
         L = self.layers[il]
         scale = attention_scale(self.cfg)
-        a = self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head", scale=scale)
+        a = self.attention(il, self.norm(x, L["attn_norm"]), fp, kv, qk_norm="head", scale=scale)
         h = x + self.norm(a, L["post_attention_norm"])
         f = self.dense_ffn(il, self.norm(h, L["ffn_norm"]))
         return h + self.norm(f, L["post_ffw_norm"])

@@ -12,7 +12,7 @@ from moecache.models.base import DecoderLM
 class Llama(DecoderLM):
     arch = "llama"
 
-    def block(self, il, x, pos, kv):
+    def block(self, il, x, fp, kv):
         L = self.layers[il]
-        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), pos, kv), L["ffn_norm"])
+        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), fp, kv), L["ffn_norm"])
         return h + self.dense_ffn(il, y)

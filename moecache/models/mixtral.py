@@ -13,7 +13,7 @@ class Mixtral(DecoderLM):
     arch = "llama"
     renorm_topk = True
 
-    def block(self, il, x, pos, kv):
+    def block(self, il, x, fp, kv):
         L = self.layers[il]
-        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), pos, kv), L["ffn_norm"])
+        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), fp, kv), L["ffn_norm"])
         return h + (self.moe(il, y) if "ffn_gate_inp" in L else self.dense_ffn(il, y))

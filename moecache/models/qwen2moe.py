@@ -15,9 +15,9 @@ class Qwen2Moe(DecoderLM):
     arch = "qwen2moe"
     renorm_topk = False
 
-    def block(self, il, x, pos, kv):
+    def block(self, il, x, fp, kv):
         L = self.layers[il]
-        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), pos, kv), L["ffn_norm"])
+        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), fp, kv), L["ffn_norm"])
         out = self.moe(il, y)
         if "ffn_gate_shexp" in L:
             # ffn_gate_inp_shexp is one float row (n_embd,): a plain dot product, (T, 1), written with

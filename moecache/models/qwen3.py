@@ -11,8 +11,8 @@ from moecache.models.base import DecoderLM
 class Qwen3(DecoderLM):
     arch = "qwen3"
 
-    def block(self, il, x, pos, kv):
+    def block(self, il, x, fp, kv):
         L = self.layers[il]
-        a = self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head")
+        a = self.attention(il, self.norm(x, L["attn_norm"]), fp, kv, qk_norm="head")
         h, y = self.add_norm(x, a, L["ffn_norm"])
         return h + self.dense_ffn(il, y)

@@ -13,8 +13,8 @@ class Qwen3Moe(DecoderLM):
     arch = "qwen3moe"
     renorm_topk = True  # norm_topk_prob
 
-    def block(self, il, x, pos, kv):
+    def block(self, il, x, fp, kv):
         L = self.layers[il]
-        a = self.attention(il, self.norm(x, L["attn_norm"]), pos, kv, qk_norm="head")
+        a = self.attention(il, self.norm(x, L["attn_norm"]), fp, kv, qk_norm="head")
         h, y = self.add_norm(x, a, L["ffn_norm"])
         return h + self.moe(il, y)
