@@ -214,12 +214,12 @@ def _split(layers: list[int], gpus: list[int], weights: list[float], n_total: in
     return out
 
 
-
 def budgeted_free(gpu_free: list[int] | tuple[int, ...], vram_budget: int) -> list[int]:
     """Free bytes per GPU as a run may use them: ``--vram-budget`` (bytes, 0 = none) caps each GPU's
     free memory (an emulated smaller GPU). The one place the budget is applied: the placement and
     the resolution of defaults both read it."""
     return [min(int(f), vram_budget) if vram_budget else int(f) for f in gpu_free]
+
 
 def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Placement:
     """Place the model (see the module docstring for the rules).

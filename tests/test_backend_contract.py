@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 from moecache.backends import NumpyBackend
-from moecache.backends.contract import ArrayBackend, SlotBackend, members
+from moecache.backends.contract import ArrayBackend, CacheBackend, SlotBackend, members
 from moecache.backends.ops import ArrayOps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_cpu_backend_implements_both_protocols():
     be = NumpyBackend()
-    assert isinstance(be, ArrayBackend) and isinstance(be, SlotBackend)
+    assert isinstance(be, ArrayBackend) and isinstance(be, SlotBackend) and isinstance(be, CacheBackend)
     assert {"matmul", "attention", "qk_rope_store"} <= members(ArrayBackend)
     assert {"start_slot_copy", "moe_ffn_cached"} <= members(SlotBackend)
 
@@ -31,3 +31,17 @@ def test_the_gpu_backend_defines_every_member():
     inherited = {n for n in dir(ArrayOps) if not n.startswith("__")}
     missing = (members(ArrayBackend) | members(SlotBackend)) - own - inherited
     assert not missing, f"CupyBackend lacks {sorted(missing)}"
+
+
+def test_the_cuda_token_limit_is_the_python_one():
+    """dequant.cu's MAX_TOK (the decode kernels' token loops) defaults to DECODE_MAX_TOKENS, and the
+    GPU backend compiles it with -DMAX_TOK from that constant (read from the sources: no CuPy here)."""
+    import re
+
+    from moecache.backends.ops import DECODE_MAX_TOKENS
+
+    cu = (ROOT / "moecache" / "quants" / "cuda" / "dequant.cu").read_text()
+    assert int(re.search(r"#define MAX_TOK (\d+)", cu).group(1)) == DECODE_MAX_TOKENS
+    assert "#ifndef MAX_TOK" in cu
+    py = (ROOT / "moecache" / "backends" / "cupy_backend.py").read_text()
+    assert 'f"-DMAX_TOK={DECODE_MAX_TOKENS}"' in py

@@ -127,7 +127,7 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
         cache.close()
 
 
-def _direct_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig(), stage=False):
+def _zero_copy_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig(), stage=False):
     return CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(n_layer, n_expert, n_slots, cfg), 32,
                          zero_copy=True, top_k=4, stage_misses=stage)
 
@@ -147,7 +147,7 @@ def test_zero_copy_path_reads_hits_from_slots_and_misses_from_host(model_path, s
         c = m.config
         ew = expert_weights(m, "silu")
         n_slots = int(rng.integers(2, c.n_layer * c.n_expert - 1))
-        cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER, stage)
+        cache = _zero_copy_cache(ew, c.n_layer, c.n_expert, n_slots, NEVER, stage)
         assert cache.zero_copy and cache.zero_copy_why is None and (cache.scratch is not None) == stage
         if stage:
             for arr in cache.scratch:
@@ -191,7 +191,7 @@ def test_zero_copy_device_map_never_shows_a_slot_in_flight(model_path):
     with open_gguf(model_path) as m:
         c = m.config
         ew = expert_weights(m, "silu")
-        cache = _direct_cache(ew, c.n_layer, c.n_expert, 2, PolicyConfig(min_residency=0, hysteresis=0.0))
+        cache = _zero_copy_cache(ew, c.n_layer, c.n_expert, 2, PolicyConfig(min_residency=0, hysteresis=0.0))
         h = np.ones((1, c.n_embd), np.float32)
         k = c.n_expert_used
 
@@ -230,10 +230,9 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
         c = m.config
         ew = expert_weights(m, "silu")
         n_slots = c.n_layer * c.n_expert // 4
-        cache = _direct_cache(ew, c.n_layer, c.n_expert, n_slots, PolicyConfig(window=8, min_residency=1, hysteresis=0.1))
+        cache = _zero_copy_cache(ew, c.n_layer, c.n_expert, n_slots, PolicyConfig(window=8, min_residency=1, hysteresis=0.1))
         ref_lm = build_model(m, NumpyBackend())
-        lm = build_model(m, NumpyBackend(), experts=cache)
-        lm.pass_hooks = [cache]
+        lm = build_model(m, NumpyBackend(), experts=cache, pass_hooks=[cache])
         # expected hits: each zero-copy pass's routing against the device map at its begin_pass
         want = {"hits": 0, "map": None}
         begin, zero_copy = cache.begin_pass, cache._zero_copy
@@ -242,11 +241,11 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
             begin(n)
             want["map"] = cache._map_dev.copy()
 
-        def spy_direct(il, e, h, r, t):
+        def spy_zero_copy(il, e, h, r, t):
             want["hits"] += int((want["map"][il][r.ids] >= 0).sum())
             return zero_copy(il, e, h, r, t)
 
-        cache.begin_pass, cache._zero_copy = spy_begin, spy_direct
+        cache.begin_pass, cache._zero_copy = spy_begin, spy_zero_copy
         kv_ref, kv = ref_lm.new_kv_cache(160), lm.new_kv_cache(160)
         prompt = rng.integers(0, c.n_vocab, 40)
         np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)

@@ -199,6 +199,17 @@ def test_logprobs_are_the_models_log_softmax(server, code_moe_tiny):
     assert [(c.token, round(c.logprob, 6)) for c in got] == [(c.token, round(c.logprob, 6)) for c in content]
     plain = client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None
+    # a stop string: only the tokens whose text the client gets (the one that straddles the cut stays)
+    full = client.completions.create(model="x", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1)
+    stop = full.choices[0].text[3:6]
+    cut = client.completions.create(model="x", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1, stop=stop)
+    text, lpc = cut.choices[0].text, cut.choices[0].logprobs
+    assert text == full.choices[0].text[:full.choices[0].text.index(stop)]
+    assert lpc.text_offset == full.choices[0].logprobs.text_offset[:len(lpc.text_offset)]
+    assert all(o < len(text) for o in lpc.text_offset) and "".join(lpc.tokens).startswith(text)
+    assert len(lpc.tokens) < len(full.choices[0].logprobs.tokens)
+    for alts, chosen in zip(lpc.top_logprobs, lpc.tokens):  # the sampled token is among its alternatives
+        assert chosen in alts
 
 
 def test_concurrent_clients_all_complete(server):

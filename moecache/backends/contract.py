@@ -68,6 +68,12 @@ class SlotBackend(Protocol):
                        act: str, slot_map: Any, host: tuple[Any, Any, Any], scratch: Any = None) -> Any: ...
 
 
+@runtime_checkable
+class CacheBackend(ArrayBackend, SlotBackend, Protocol):
+    """What an expert cache's backend is: both of the above (it computes hits, moves arrays and
+    fills slots)."""
+
+
 def members(proto: type) -> set[str]:
     """The names a class must define to implement ``proto`` (its methods and attributes)."""
     return {n for n in vars(proto) if not n.startswith("_")} | set(getattr(proto, "__annotations__", {}))

@@ -187,4 +187,5 @@ def eligible(model: Any) -> str | None:
         return "output not on a GPU"
     if any(b is not be for b in model.layer_be):
         return "layers on more than one device"
-    return model.experts.graph_capturable()
+    says = getattr(model.experts, "graph_capturable", None)
+    return says() if says is not None else f"{type(model.experts).__name__} does not say whether it can be captured"

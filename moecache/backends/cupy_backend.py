@@ -179,7 +179,8 @@ class CupyBackend(ArrayOps):
     @cached_property
     def _modules(self) -> tuple[cp.RawModule, cp.RawModule]:
         with cp.cuda.Device(self.device):
-            return (cp.RawModule(code=QUANT_SRC.read_text() + "\n" + MMVQ_SRC.read_text(), options=("-std=c++17",)),
+            return (cp.RawModule(code=QUANT_SRC.read_text() + "\n" + MMVQ_SRC.read_text(),
+                                 options=("-std=c++17", f"-DMAX_TOK={DECODE_MAX_TOKENS}")),
                     cp.RawModule(code=OPS_SRC.read_text(), options=("-std=c++17",)))
 
     def _fn(self, name: str) -> Any:

@@ -59,8 +59,8 @@ class RopeSpec:
 
 @dataclass
 class ForwardPass:
-    """What one forward pass shares between its layers, passed down to every block (nothing of a
-    pass is kept on the model).
+    """What one forward pass shares between its layers, passed down to every block (the model keeps
+    only the backend of the layer being run, ``be``, switched as the pass moves between devices).
 
     Attributes:
         pos: int (T,) host positions of the pass's tokens.
@@ -101,7 +101,9 @@ class DecoderLM:
         output_backend: backend of the output norm and matrix; default ``backend``.
         pass_hooks: objects told of every forward pass (``begin_pass``, ``launched``, ``end_pass``):
             the expert caches.
-        routing_override: a routing process replacing the router's choice (``--routing``).
+        routing_override: a routing process replacing the router's choice (``--routing``); also a
+            settable attribute (the library sets it after the engine is built, benchmarks swap it,
+            and a CUDA-graph capture replaces it while it records).
 
     Attributes:
         cfg: the :class:`ModelConfig`.

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from moecache.backends.contract import SlotBackend
+from moecache.backends.contract import CacheBackend
 from moecache.backends.ops import DECODE_MAX_TOKENS
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
@@ -60,7 +60,7 @@ from moecache.quants import cpu
 
 
 PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time
-MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit: the fused decode kernels'
+MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit (the fused decode kernels')
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
 
 
@@ -113,7 +113,7 @@ class CachedExperts:
     Args:
         layers: layer index -> that layer's experts (host views; pinned with ``--load-mode pin``).
         backend: where the slots live and hits are computed (a CupyBackend; NumpyBackend as the
-            CPU twin): :class:`~moecache.backends.contract.SlotBackend` and ``ArrayBackend``.
+            CPU twin): a :class:`~moecache.backends.contract.CacheBackend`.
         n_slots: slots per signature pool (the budget divided by the bytes of one expert).
         policy: decides admissions (its pool size must equal the total slots).
         offload_min_batch: prompt ubatches of this many tokens go the op-offload way.
@@ -127,7 +127,7 @@ class CachedExperts:
             of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
     """
 
-    def __init__(self, layers: dict[int, ExpertWeights], backend: SlotBackend, n_slots: int, policy: CachePolicy,
+    def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
                  stage_misses: bool = False):
         self.layers = layers

@@ -101,7 +101,6 @@ class CPUExperts:
             out = self.backend.adopt(out)
         return out
 
-
     def graph_capturable(self) -> str | None:
         return "routed experts in host RAM"  # computed by the CPU (host synchronisation every step)
 

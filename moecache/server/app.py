@@ -59,8 +59,9 @@ class ServerState:
 def logprobs_object(lps: Any, chat: bool, tok: Any) -> dict | None:
     """OpenAI's ``logprobs`` of a choice from the worker's :class:`TokenLogprob` list (None: not
     asked for). Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions:
-    ``{tokens, token_logprobs, top_logprobs, text_offset}``. A token's text is its bytes decoded
-    as UTF-8 (a partial character shows as U+FFFD; ``bytes`` has the exact bytes)."""
+    ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``text_offset`` counts characters of
+    the completion's text, from 0). A token's text is its bytes decoded as UTF-8 (a partial
+    character shows as U+FFFD; ``bytes`` has the exact bytes)."""
     if lps is None:
         return None
 
@@ -75,14 +76,16 @@ def logprobs_object(lps: Any, chat: bool, tok: Any) -> dict | None:
             top = [{"token": piece(i)[0], "logprob": v, "bytes": piece(i)[1]} for i, v in lp.top]
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
-    tokens, offsets, at = [], [], 0
+    tops = []
     for lp in lps:
-        text = piece(lp.token)[0]
-        tokens.append(text)
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{piece(i)[0]: v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+        top: dict[str, float] = {}
+        for i, v in lp.top:  # most likely first: a text two ids share keeps the likelier's value
+            top.setdefault(piece(i)[0], v)
+        if lp.top:
+            top.setdefault(piece(lp.token)[0], lp.logprob)  # the sampled token is always there (OpenAI)
+        tops.append(top)
+    return {"tokens": [piece(lp.token)[0] for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": tops, "text_offset": [lp.offset for lp in lps]}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -226,7 +229,7 @@ def build_app(state: ServerState) -> Starlette:
             messages, prompt = parse_messages(d), None
         else:
             messages, prompt = None, parse_prompt(d, eng.tokenizer.n_vocab)
-        gen = parse_gen(d, state.defaults, state.max_tokens, chat)
+        gen = parse_gen(d, state.defaults, state.max_tokens, chat=chat)
         ids = await run_in_threadpool(prepare, prompt, messages)
         room = eng.n_ctx - len(ids)
         if gen.max_tokens < 0 or gen.max_tokens > room:

@@ -153,7 +153,7 @@ def parse_logprobs(d: dict, chat: bool) -> int | None:
     return get_int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS)
 
 
-def parse_gen(d: dict, defaults: Any, default_max_tokens: int, chat: bool = True) -> GenRequest:
+def parse_gen(d: dict, defaults: Any, default_max_tokens: int, *, chat: bool) -> GenRequest:
     """The generation fields of chat (``chat``) and completions (OpenAI's names, plus llama-server's
     ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``n_predict``, ``ignore_eos``)."""
     from moecache.sampling import DEFAULT_SEED

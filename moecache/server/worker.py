@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moecache.server.schemas import ApiError, GenRequest
@@ -39,28 +39,31 @@ class Result:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's natural-log probability under the model (its logits' log-softmax, before
-    the sampler's temperature, penalties and truncations) and the ``top`` most likely tokens of that
-    step as (id, log-probability), most likely first."""
+    the sampler's temperature, penalties and truncations, and before ``ignore_eos``'s mask) and the
+    ``top`` most likely tokens of that step as (id, log-probability), most likely first; ``offset``:
+    where the token's text starts in the completion's text (characters)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    offset: int = 0
 
 
 def token_logprob(logits: Any, token: int, n_top: int) -> TokenLogprob:
-    """:class:`TokenLogprob` of ``token`` from one step's float (n_vocab,) logits (float64 math)."""
+    """:class:`TokenLogprob` of ``token`` from one step's float (n_vocab,) logits (float32 values,
+    the exponentials summed in float64)."""
     import numpy as np
 
-    x = np.asarray(logits, np.float64)
+    x = np.asarray(logits, np.float32)
     m = float(x.max())
-    lse = m + float(np.log(np.exp(x - m).sum()))
+    lse = m + float(np.log(np.exp(x - np.float32(m)).sum(dtype=np.float64)))
     top: tuple[tuple[int, float], ...] = ()
     if n_top:
         k = min(n_top, x.shape[0])
         idx = np.argpartition(-x, k - 1)[:k]
         idx = idx[np.lexsort((idx, -x[idx]))]  # most likely first, ties by id
-        top = tuple((int(i), float(x[i] - lse)) for i in idx)
-    return TokenLogprob(int(token), float(x[token] - lse), top)
+        top = tuple((int(i), float(x[i]) - lse) for i in idx)
+    return TokenLogprob(int(token), float(x[token]) - lse, top)
 
 
 class Job:
@@ -197,12 +200,17 @@ class Worker:
         stream = eng.tokenizer.streamer(skip_special=True)
         stops = StopMatcher(job.gen.stop)
         parts: list[str] = []
+        offsets: list[int] = []  # per kept token: characters of decoded text before it
+        decoded = [0]
 
         def on_token(t: int) -> str | None:
             job.n_decoded += 1
             if job.cancelled.is_set() or self.stopping.is_set():
                 return "cancelled"
-            piece = stops.push(stream.push(t))
+            raw = stream.push(t)
+            offsets.append(decoded[0])
+            decoded[0] += len(raw)
+            piece = stops.push(raw)
             if piece:
                 parts.append(piece)
                 job.emit("text", piece)
@@ -227,9 +235,13 @@ class Worker:
         for c, (h, m, u) in zip(eng.caches, before):
             c.flush()
             cache.append({"hits": c.stats.hits - h, "misses": c.stats.misses - m, "uploads": c.stats.uploads - u})
+        text = "".join(parts)
         if logprobs is not None:
             del logprobs[len(res.tokens):]  # an end-of-generation token was sampled but not kept
-        return Result("".join(parts), res.timings.n_gen, reason, res.timings, predicted_s, cache, logprobs)
+            logprobs = [replace(lp, offset=o) for lp, o in zip(logprobs, offsets)]
+            if stops.hit is not None:  # the tokens of the stop string are not the client's text
+                logprobs = [lp for lp in logprobs if lp.offset < len(text)]
+        return Result(text, res.timings.n_gen, reason, res.timings, predicted_s, cache, logprobs)
 
 
 def _without(sample: Callable[[Any], int], ids: list[int]) -> Callable[[Any], int]:

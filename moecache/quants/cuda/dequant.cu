@@ -305,7 +305,9 @@ __device__ __forceinline__ const unsigned char *expert_at(const unsigned char *W
     return W + (long long)e * expert_bytes;
 }
 
-#define MAX_TOK 16  // tokens a GEMV launch takes (GEMV_MAX_TOKENS in cupy_backend.py)
+#ifndef MAX_TOK
+#define MAX_TOK 16  // tokens a GEMV launch takes: DECODE_MAX_TOKENS of moecache/backends/ops.py, which
+#endif              // the backend passes as -DMAX_TOK when it compiles this file
 
 // The dequantize kernels: thread i of a block of DEQ_THREADS holds unit blockIdx.x * DEQ_THREADS + i
 // in y; the block's units are one contiguous stretch of out (unit u at out + 32u), written through
