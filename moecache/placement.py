@@ -222,7 +222,9 @@ def budgeted_free(gpu_free: list[int] | tuple[int, ...], vram_budget: int) -> li
 
 
 def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Placement:
-    """Place the model (see the module docstring for the rules).
+    """Place the model (see the module docstring for the rules), in three steps: the dense layers
+    (:func:`_fit_dense`), the routed experts (:func:`_place_experts`), the expert caches
+    (:func:`_cache_slots`).
 
     Args:
         opts: the flags.
@@ -237,6 +239,27 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     notes: list[str] = []
     if not gpu_free or opts.n_gpu_layers == 0:
         return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
+    gpus, weights = _split_gpus(opts, gpu_free)
+    free = budgeted_free(gpu_free, opts.vram_budget)
+    if opts.vram_budget:
+        notes.append(f"--vram-budget {opts.vram_budget / 2**30:.1f} GiB per GPU")
+    budget = {g: int(free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
+    fit = _fit_dense(opts, sizes, gpus, weights, budget, notes)
+    if fit is None:
+        return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
+    dev, out_dev, use = fit
+    explicit = bool(opts.cpu_moe or opts.n_cpu_moe)
+    on_dev, fits = _place_experts(opts, sizes, dev, use, budget, gpus, explicit, notes)
+    layer_device = tuple(dev.get(il, CPU) for il in range(n))
+    cache = _cache_slots(opts, sizes, dev, on_dev, use, budget, gpus, explicit, fits, notes)
+    used = {d for d in layer_device if d != CPU}
+    prompt = opts.prompt_gpu if opts.prompt_gpu in used and len(used) > 1 else None
+    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache)
+
+
+def _split_gpus(opts: PlacementOptions, gpu_free: list[int]) -> tuple[list[int], list[float]]:
+    """The GPUs the layers go to and their shares (``-sm none``: the main GPU; ``-ts``: its
+    proportions, GPUs of share 0 left out; else each GPU's free memory)."""
     gpus = [opts.main_gpu] if opts.split_mode == "none" else list(range(len(gpu_free)))
     weights = list(opts.tensor_split) + [0.0] * (len(gpu_free) - len(opts.tensor_split)) if opts.tensor_split \
         else [float(f) for f in gpu_free]
@@ -245,10 +268,16 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     elif opts.tensor_split:
         keep = [i for i, w in enumerate(weights) if w > 0]
         gpus, weights = [gpus[i] for i in keep], [weights[i] for i in keep]
-    free = budgeted_free(gpu_free, opts.vram_budget)
-    if opts.vram_budget:
-        notes.append(f"--vram-budget {opts.vram_budget / 2**30:.1f} GiB per GPU")
-    budget = {g: int(free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
+    return gpus, weights
+
+
+def _fit_dense(opts: PlacementOptions, sizes: ModelSizes, gpus: list[int], weights: list[float],
+               budget: dict[int, int], notes: list[str]) -> tuple[dict[int, int], int, dict[int, int]] | None:
+    """The dense layers on the GPUs: the last ``-ngl`` layers (all that fit with ``-ngl -1``), their
+    KV cache, the token embeddings with layer 0 and the output with the last GPU when ``-ngl``
+    exceeds the layers. Returns (layer -> GPU, output device, bytes used per GPU), or None when no
+    layer fits (a note says so). Raises PlacementError for an explicit ``-ngl`` that does not fit."""
+    n = sizes.n_layer
 
     def layout(n_gl: int) -> tuple[dict[int, int], int]:
         gl = list(range(n - min(n_gl, n), n))
@@ -280,28 +309,38 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
         n_gl -= 1
         if n_gl == 0:
             notes.append("no layer fits in GPU memory: running on the CPU")
-            return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
+            return None
     if auto_ngl and n_gl <= n:
         notes.append(f"-ngl auto: {n_gl} of {n} layers fit in GPU memory (dense weights + KV cache)")
+    return dev, out_dev, use
 
+
+def _place_experts(opts: PlacementOptions, sizes: ModelSizes, dev: dict[int, int], use: dict[int, int],
+                   budget: dict[int, int], gpus: list[int], explicit: bool,
+                   notes: list[str]) -> tuple[list[bool], bool]:
+    """Which GPU layers keep their routed experts in VRAM. ``--cpu-moe`` / ``--n-cpu-moe`` decide
+    (explicit: PlacementError when what they leave on a GPU does not fit); otherwise all of them
+    when they fit, none when they do not and an expert cache can take their place, else the first
+    layers' experts go to host RAM until every GPU fits. Returns (per layer: experts on the GPU,
+    whether all experts fitted)."""
+    n = sizes.n_layer
     on_dev = [il in dev and not opts.cpu_moe and il >= opts.n_cpu_moe and sizes.experts[il] > 0 for il in range(n)]
-    explicit = opts.cpu_moe or opts.n_cpu_moe
-    all_use = dict(use)
-    for j, g in dev.items():
-        if on_dev[j]:
-            all_use[g] += sizes.experts[j]
-    fits = all(all_use[g] <= budget[g] for g in gpus)
+
+    def expert_use() -> dict[int, int]:
+        u = dict(use)
+        for j, g in dev.items():
+            if on_dev[j]:
+                u[g] += sizes.experts[j]
+        return u
+
+    fits = all(v <= budget[g] for g, v in expert_use().items())
     if not explicit and not fits and opts.moe_cache != 0 and sizes.expert_each:
         # the model does not fit: every routed expert in host RAM, free VRAM becomes the cache
         on_dev = [False] * n
     elif not explicit:
         moved = 0
         for il in range(n):  # first layers' experts to host until every GPU fits
-            exp_use = dict(use)
-            for j, g in dev.items():
-                if on_dev[j]:
-                    exp_use[g] += sizes.experts[j]
-            over = [g for g in gpus if exp_use[g] > budget[g]]
+            over = [g for g, v in expert_use().items() if v > budget[g]]
             if not over:
                 break
             if on_dev[il] and dev[il] in over:
@@ -311,20 +350,13 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
             notes.append(f"routed experts of {moved} layer(s) do not fit in GPU memory: they stay in host RAM and "
                          f"run on the CPU (as --n-cpu-moe {moved}; --moe-cache 0)")
     else:
-        exp_use = dict(use)
-        for j, g in dev.items():
-            if on_dev[j]:
-                exp_use[g] += sizes.experts[j]
-        over = [g for g in gpus if exp_use[g] > budget[g]]
+        u = expert_use()
+        over = [g for g in gpus if u[g] > budget[g]]
         if over:
             g = over[0]
-            raise PlacementError(f"the experts placed on GPU {g} need {exp_use[g] / 2**30:.2f} GiB with the dense "
+            raise PlacementError(f"the experts placed on GPU {g} need {u[g] / 2**30:.2f} GiB with the dense "
                                  f"weights, {max(budget[g], 0) / 2**30:.2f} GiB usable: raise --n-cpu-moe")
-    layer_device = tuple(dev.get(il, CPU) for il in range(n))
-    cache = _cache_slots(opts, sizes, dev, on_dev, use, budget, gpus, explicit, fits, notes)
-    used = {d for d in layer_device if d != CPU}
-    prompt = opts.prompt_gpu if opts.prompt_gpu in used and len(used) > 1 else None
-    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache)
+    return on_dev, fits
 
 
 def _cache_slots(opts: PlacementOptions, sizes: ModelSizes, dev: dict[int, int], on_dev: list[bool],
