@@ -296,6 +296,15 @@ template <int DPL> __device__ __forceinline__ void load_dpl(const __half *p, flo
     }
 }
 
+// A lane's DPL elements of the rows i0, i0 + NW, i0 + 2 NW, i0 + 3 NW (those below n) of a chunk
+// (rows ``stride`` elements apart): four loads issued before any is used
+template <int DPL, int NW, typename KV>
+__device__ __forceinline__ void load_rows4(const KV *base, int i0, int n, long long stride, float (*out)[DPL]) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+        if (i0 + u * NW < n) load_dpl<DPL>(base + (i0 + u * NW) * stride, out[u]);
+}
+
 // keys per run of a query with n_keys keys, S runs, at least min_run keys per run
 __device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
     return max(min_run, (n_keys + S - 1) / S);
@@ -340,9 +349,7 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
         // 1. scores: warp wid takes keys wid, wid + 4, ... (four at a time: their loads overlap)
         for (int i0 = wid; i0 < n; i0 += 4 * NW) {
             float kv[4][DPL];
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (i0 + u * NW < n) load_dpl<DPL>(kc + (i0 + u * NW) * ks, kv[u]);
+            load_rows4<DPL, NW>(kc, i0, n, ks, kv);
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 int i = i0 + u * NW;
@@ -393,9 +400,7 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
             }
         for (int i0 = wid; i0 < n; i0 += 4 * NW) {
             float v[4][DPL];
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (i0 + u * NW < n) load_dpl<DPL>(vc + (i0 + u * NW) * ks, v[u]);
+            load_rows4<DPL, NW>(vc, i0, n, ks, v);
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 int i = i0 + u * NW;
