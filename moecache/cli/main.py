@@ -142,6 +142,24 @@ def out_of_memory(e: MemoryError) -> str:
             f"(a smaller -c, -ub or -b needs less)")
 
 
+def _settings(*, ctx_size, batch_size, ubatch_size, threads, ngl, moe_profile: Path | None = None, **same):
+    """The requested settings of run / perplexity / serve from their flags (the flags named as in
+    :class:`moecache.settings.Settings` pass through), checked."""
+    from moecache.settings import Settings
+
+    s = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads, n_gpu_layers=ngl,
+                 moe_profile=None if moe_profile is None else str(moe_profile), **same)
+    s.check()
+    return s
+
+
+def _sampling(*, seed: int, **same):
+    """llama.cpp's sampler settings from the sampling flags (``--seed -1``: a random seed)."""
+    from moecache.sampling import DEFAULT_SEED, SamplingParams
+
+    return SamplingParams(seed=DEFAULT_SEED if seed == -1 else seed, **same)
+
+
 @app.command()
 def run(
     model: ModelOpt = None,
@@ -195,20 +213,17 @@ def run(
     """Generate text like llama-cli: one-shot with -p/-f, else an interactive chat."""
     def body() -> None:
         from moecache.cli.run import RunOptions, run_command
-        from moecache.sampling import DEFAULT_SEED, SamplingParams
-        from moecache.settings import Settings
 
-        sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                            repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
-        settings = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads,
-                            n_gpu_layers=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
-                            tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
-                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
-                            flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
-                            routing=routing, deterministic=deterministic,
-                            moe_profile=None if moe_profile is None else str(moe_profile), no_moe_profile=no_moe_profile)
-        settings.check()
+        sp = _sampling(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                       repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                       presence_penalty=presence_penalty, seed=seed)
+        settings = _settings(ctx_size=ctx_size, batch_size=batch_size, ubatch_size=ubatch_size, threads=threads,
+                             ngl=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
+                             tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
+                             cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
+                             flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
+                             routing=routing, deterministic=deterministic, moe_profile=moe_profile,
+                             no_moe_profile=no_moe_profile)
         opts = RunOptions(model=model, prompt=prompt, file=file, n_predict=n_predict, conversation=conversation,
                           system=system, chat_template=chat_template, as_json=as_json, escape=escape, special=special,
                           verbose=verbose, display_prompt=not no_display_prompt)
@@ -250,17 +265,15 @@ def perplexity(
     def body() -> None:
         from moecache.cli.common import UserError
         from moecache.cli.perplexity import perplexity_command
-        from moecache.settings import Settings
 
         if file is None:
             raise UserError("perplexity needs a text file: -f FILE")
-        settings = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads,
-                            n_gpu_layers=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
-                            tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
-                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
-                            flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
-                            deterministic=deterministic)
-        settings.check()
+        settings = _settings(ctx_size=ctx_size, batch_size=batch_size, ubatch_size=ubatch_size, threads=threads,
+                             ngl=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
+                             tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
+                             cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
+                             flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
+                             deterministic=deterministic)
         perplexity_command(model, file, settings, chunks, escape, verbose)
     _user_errors(body)
 
@@ -318,20 +331,17 @@ def serve(
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""
     def body() -> None:
         from moecache.cli.serve import ServeOptions, serve_command
-        from moecache.sampling import DEFAULT_SEED, SamplingParams
-        from moecache.settings import Settings
 
-        sp = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                            repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, seed=DEFAULT_SEED if seed == -1 else seed)
-        settings = Settings(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads,
-                            n_gpu_layers=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
-                            tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
-                            cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
-                            flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
-                            routing=routing, deterministic=deterministic,
-                            moe_profile=None if moe_profile is None else str(moe_profile), no_moe_profile=no_moe_profile)
-        settings.check()
+        sp = _sampling(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                       repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                       presence_penalty=presence_penalty, seed=seed)
+        settings = _settings(ctx_size=ctx_size, batch_size=batch_size, ubatch_size=ubatch_size, threads=threads,
+                             ngl=ngl, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, split_mode=split_mode,
+                             tensor_split=tensor_split, main_gpu=main_gpu, moe_cache=moe_cache, vram_budget=vram_budget,
+                             cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
+                             flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
+                             routing=routing, deterministic=deterministic, moe_profile=moe_profile,
+                             no_moe_profile=no_moe_profile)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose),
                       settings, sp)
