@@ -47,9 +47,9 @@ FLASH_ATTN = ("on", "off", "auto")
 DEFAULT_N_BATCH = 2048  # llama.cpp's -b
 DEFAULT_N_UBATCH = 512  # llama.cpp's -ub
 DEFAULT_CACHE_TYPE = "f16"  # llama.cpp's -ctk/-ctv
-# Numba expert kernel throughput per physical core (Q4_K, bench/results/kernels-h200-cpu.md: ~20 GB/s
-# on 16 cores): the policy's estimate of a miss's CPU time
-CPU_EXPERT_BYTES_PER_CORE_S = 1.3e9
+# Numba expert kernel throughput per physical core (Q4_K, one token, bench/results/kernels-h200-cpu-dots.md:
+# 35.6 GB/s on 16 cores): the policy's estimate of a miss's CPU time
+CPU_EXPERT_BYTES_PER_CORE_S = 2.2e9
 DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
 GPU_EXPERT_BYTES_S = 1e12  # the policy's estimate of a hit's GPU time (VRAM read rate)
 DEFAULT_WINDOW = 64  # --moe-cache-window when not given

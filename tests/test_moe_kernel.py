@@ -58,6 +58,7 @@ def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act):
     (("Q8_0", "Q8_0", "Q8_0"), 5, cpu.ACT_SILU),
     (("Q4_K", "Q4_K", "Q4_K"), 12, cpu.ACT_GELU),
     (("MXFP4", "MXFP4", "BF16"), 3, cpu.ACT_SILU),
+    (("Q5_K", "Q4_0", "Q8_0"), 1, cpu.ACT_SILU),  # one token: every fused dot of moecache/quants/dots.py
 ])
 def test_moe_ffn_matches_reference(types, n_tok, act, rng):
     n_expert, n_embd, n_ff, top_k = 8, 256, 256 if types[2] in ("Q4_K", "Q6_K") else 96, 3
@@ -141,3 +142,26 @@ def test_moe_prompt_chunks_bound_padding_and_cover_every_expert(rng):
     chunks = moe_prompt_chunks(counts, 40, row, 64 << 20)
     assert [len(ch) for ch in chunks] == [1, 40, 40, 40, 7] and chunks[0].tolist() == [60]
     assert sum(len(ch) * int(counts[ch].max()) for ch in chunks) == counts.sum()  # no padding at all
+
+
+def test_host_experts_compute_host_adds_the_layer_to_out(rng):
+    """CPUExperts.compute_host (what a cut CUDA-graph decode step runs between segments, on host
+    arrays) adds the routed experts' sum to ``out``: against the float64 reference above."""
+    from moecache.moe.executor import CPUExperts, ExpertWeights
+    from moecache.moe.routing import Routing
+
+    n_expert, n_embd, n_ff, top_k = 8, 256, 256, 2
+    Wg, tg, Rg = _experts("Q4_K", n_expert, n_ff, n_embd, rng)
+    Wu, tu, Ru = _experts("Q4_K", n_expert, n_ff, n_embd, rng)
+    Wd, td, Rd = _experts("Q6_K", n_expert, n_embd, n_ff, rng)
+    ex = CPUExperts({3: ExpertWeights(Wg, Wu, Wd, (tg, tu, td))})
+    h = rng.standard_normal((1, n_embd)).astype(np.float32)
+    ids = np.array([[5, 1]], np.int32)
+    w = np.array([[0.7, 0.3]], np.float32)
+    base = rng.standard_normal((1, n_embd)).astype(np.float32)
+    out = base.copy()
+    got = ex.compute_host(3, h, Routing(ids, w), out)
+    assert got is out
+    ref = base + _reference(Rg, Ru, Rd, np.array([1, 5]), np.array([0, 1, 2]), np.array([0, 0]),
+                            np.array([0.3, 0.7]), h, cpu.ACT_SILU)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref - base) < 1e-5

@@ -113,12 +113,14 @@ def test_kernels_run_from_two_threads_at_once(rng):
 
 
 @pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.block_size < 256 or f.float_elems])
-def test_row_tail_shorter_than_a_step(name, rng):
-    """Rows whose length is not a multiple of 256 end with a block-by-block tail."""
+@pytest.mark.parametrize("n_tokens", [1, 4])
+def test_row_tail_shorter_than_a_step(name, n_tokens, rng):
+    """Rows whose length is not a multiple of 256 end with a block-by-block tail (after the fused
+    one-token steps, or the dequantized steps of several tokens)."""
     fmt = FORMATS[name]
     n_in = 256 + 32 * 3
     W = random_rows(fmt, 37, n_in, rng, std=0.02)
-    x = rng.standard_normal((4, n_in)).astype(np.float32)
+    x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
     ref = x.astype(np.float64) @ gguf_dequantize(W, fmt.ggml_type).astype(np.float64).T
     assert rel_err(cpu.matmul(W, fmt.ggml_type, x), ref) < REL_TOL
 
@@ -191,8 +193,9 @@ def _assert_same_nonfinite(got, ref, labels):
         assert np.isfinite(got[..., r][fin]).all(), label
 
 
+@pytest.mark.parametrize("n_tokens", [1, 3])  # 1: the fused one-token dots (moecache/quants/dots.py)
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_extreme_scales(name, rng):
+def test_extreme_scales(name, n_tokens, rng):
     """Blocks whose f16 scale fields (d, and m or dmin where the format has one) are subnormal,
     +-inf, NaN, -0 or the largest finite f16; MXFP4 exponents 0, 1, 254, 255; F32/F16/BF16
     elements with the same values. Reference: gguf-py's dequantization, products in float64.
@@ -227,7 +230,7 @@ def test_extreme_scales(name, rng):
             assert np.count_nonzero(got[r]) > n_in // 2, label  # no flush to zero
             np.testing.assert_array_equal(got[r], ref32[r], err_msg=label)  # exact
 
-    x = rng.standard_normal((3, n_in)).astype(np.float32)
+    x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         y_ref = x.astype(np.float64) @ ref.T
         # float32 rounding of n_in products and their sum; float32 subnormal products (F32

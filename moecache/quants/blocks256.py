@@ -117,9 +117,9 @@ def deq_q4_k(blk, out, outu):
         o = 64 * p
         q0 = 16 + 32 * p
         for l in range(n32):
-            q = np.int32(blk[q0 + l])
-            out[o + l] = d0 * np.float32(q & 0xF) - m0
-            out[o + 32 + l] = d1 * np.float32(q >> 4) - m1
+            q = blk[q0 + l]
+            out[o + l] = d0 * np.float32(np.int32(q & 0xF)) - m0
+            out[o + 32 + l] = d1 * np.float32(np.int32(q >> 4)) - m1
 
 
 @njit(**INLINE)
@@ -141,10 +141,10 @@ def deq_q5_k(blk, out, outu):
         s0 = 2 * p
         s1 = 2 * p + 1
         for l in range(n32):
-            q = np.int32(blk[q0 + l])
-            qh = np.int32(blk[16 + l])
-            out[o + l] = d0 * np.float32((q & 0xF) | (((qh >> s0) & 1) << 4)) - m0
-            out[o + 32 + l] = d1 * np.float32((q >> 4) | (((qh >> s1) & 1) << 4)) - m1
+            q = blk[q0 + l]
+            qh = blk[16 + l]
+            out[o + l] = d0 * np.float32(np.int32((q & 0xF) | (((qh >> s0) & 1) << 4))) - m0
+            out[o + 32 + l] = d1 * np.float32(np.int32((q >> 4) | (((qh >> s1) & 1) << 4))) - m1
 
 
 @njit(**INLINE)
@@ -172,13 +172,13 @@ def deq_q6_k(blk, out, outu):
             a = n * 64 + h * 16
             b = 128 + n * 32 + h * 16
             for l in range(n32 >> 1):
-                la = np.int32(blk[a + l])
-                lb = np.int32(blk[a + 32 + l])
-                qh = np.int32(blk[b + l])
-                out[o + l] = d0 * np.float32(((la & 0xF) | ((qh & 3) << 4)) - 32)
-                out[o + 32 + l] = d1 * np.float32(((lb & 0xF) | ((qh & 0xC) << 2)) - 32)
-                out[o + 64 + l] = d2 * np.float32(((la >> 4) | (qh & 0x30)) - 32)
-                out[o + 96 + l] = d3 * np.float32(((lb >> 4) | ((qh & 0xC0) >> 2)) - 32)
+                la = blk[a + l]
+                lb = blk[a + 32 + l]
+                qh = blk[b + l]
+                out[o + l] = d0 * np.float32(np.int32(((la & 0xF) | ((qh & 3) << 4)) - 32))
+                out[o + 32 + l] = d1 * np.float32(np.int32(((lb & 0xF) | ((qh & 0xC) << 2)) - 32))
+                out[o + 64 + l] = d2 * np.float32(np.int32(((la >> 4) | (qh & 0x30)) - 32))
+                out[o + 96 + l] = d3 * np.float32(np.int32(((lb >> 4) | ((qh & 0xC0) >> 2)) - 32))
 
 @njit(**INLINE)
 def deq_iq4_xs(blk, out, outu):

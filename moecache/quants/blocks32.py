@@ -48,8 +48,7 @@ def deq_q8_0(blk, out, outu, ob):
     n32 = trip32(out)
     d = f16_at(blk, 0)
     for i in range(n32):
-        q = np.int32(blk[2 + i])
-        out[ob + i] = d * np.float32(q - ((q & 0x80) << 1))
+        out[ob + i] = d * np.float32(np.int32(np.int8(blk[2 + i])))
 
 
 @njit(**INLINE)
@@ -57,9 +56,9 @@ def deq_q4_0(blk, out, outu, ob):
     n32 = trip32(out)
     d = f16_at(blk, 0)
     for i in range(n32 >> 1):
-        q = np.int32(blk[2 + i])
-        out[ob + i] = d * np.float32((q & 0xF) - 8)
-        out[ob + i + 16] = d * np.float32((q >> 4) - 8)
+        q = blk[2 + i]
+        out[ob + i] = d * np.float32(np.int32((q & 0xF) - 8))
+        out[ob + i + 16] = d * np.float32(np.int32((q >> 4) - 8))
 
 
 @njit(**INLINE)
@@ -68,9 +67,9 @@ def deq_q4_1(blk, out, outu, ob):
     d = f16_at(blk, 0)
     m = f16_at(blk, 2)
     for i in range(n32 >> 1):
-        q = np.int32(blk[4 + i])
-        out[ob + i] = d * np.float32(q & 0xF) + m
-        out[ob + i + 16] = d * np.float32(q >> 4) + m
+        q = blk[4 + i]
+        out[ob + i] = d * np.float32(np.int32(q & 0xF)) + m
+        out[ob + i + 16] = d * np.float32(np.int32(q >> 4)) + m
 
 
 @njit(**INLINE)

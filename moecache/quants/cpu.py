@@ -5,6 +5,11 @@ Structure (the pattern that compiled well in Numba, ../shared/style.md): a ``pra
 chunks of output rows calls a serial row-range kernel; the row-range kernel dequantizes one block of
 one row into a small float32 scratch (``deq_block``, inlined per format) and dots it with every
 token's slice of X, so each weight byte is read once per call whatever the number of tokens.
+One token (decode) takes another road for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K: the fused block dots of
+:mod:`moecache.quants.dots` multiply the quantized bytes into x with no scratch round trip
+(``dot_step``); a row with an infinite or NaN scale field falls back to the dequantize path, whose
+NaN/inf pattern is gguf-py's. Several tokens dequantize a row's full steps into a row scratch and
+dot it with four tokens per pass.
 All kernels are ``nogil`` (the hybrid executor runs them beside the GPU) and cached on disk.
 
 Shapes and dtypes:
@@ -27,6 +32,7 @@ from numba.extending import overload
 from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, deq_mxfp4, deq_q4_0,
                                       deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0)
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
+from moecache.quants.dots import DOTS
 from moecache.quants.formats import BY_TYPE, FORMATS, BlockFormat, format_for
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
@@ -73,6 +79,37 @@ def _deq_block_impl(fmt, blk, out, outu, ob):
     return lambda fmt, blk, out, outu, ob: deq(blk, out, outu, ob)
 
 
+def dot_step(fmt, row, o, x, xb, xs, sb, n32):
+    """``x[xb:xb + 256] · dequantize(row)`` for the 256 weights (one step) whose blocks start at byte
+    ``o`` of ``row``, with the fused dot of GGML type id ``fmt`` (a compile-time constant; see
+    :mod:`moecache.quants.dots`); 0 for a format without one. Callable from Numba code only."""
+    raise NotImplementedError("dot_step is only callable from Numba code")
+
+
+@overload(dot_step, inline="always")
+def _dot_step_impl(fmt, row, o, x, xb, xs, sb, n32):
+    f = _literal_format(fmt)
+    if f.name not in DOTS:  # typed but never run: the row kernel only calls it for DOTS formats
+        return lambda fmt, row, o, x, xb, xs, sb, n32: np.float32(0.0)
+    dot = DOTS[f.name][0]
+    return lambda fmt, row, o, x, xb, xs, sb, n32: dot(row, o, x, xb, xs, sb, n32)
+
+
+def step_nonfinite(fmt, row, o):
+    """1 if a scale field of the step at byte ``o`` of ``row`` is infinite or NaN, else 0 (formats
+    with a fused dot; 0 for the others). Callable from Numba code only."""
+    raise NotImplementedError("step_nonfinite is only callable from Numba code")
+
+
+@overload(step_nonfinite, inline="always")
+def _step_nonfinite_impl(fmt, row, o):
+    f = _literal_format(fmt)
+    if f.name not in DOTS:
+        return lambda fmt, row, o: np.int32(0)
+    test = DOTS[f.name][1]
+    return lambda fmt, row, o: test(row, o)
+
+
 def kernel_block(fmt: BlockFormat) -> tuple[int, int]:
     """(weights, bytes) of the block the kernels decode at a time: the format's block, or 32
     elements for the plain float formats."""
@@ -83,12 +120,31 @@ def kernel_block(fmt: BlockFormat) -> tuple[int, int]:
 
 @njit(**_INLINE)
 def _dot_tokens(buf, n, X, t0, base, acc):
-    """``acc[t] += buf[:n] @ X[t0 + t, base:base + n]`` for every token t of ``acc``."""
-    for t in range(acc.shape[0]):
+    """``acc[t] += buf[:n] @ X[t0 + t, base:base + n]`` for every token t of ``acc``: four tokens
+    per pass over ``buf`` (one load of buf feeds four products)."""
+    nt = acc.shape[0]
+    t = 0
+    while t + 4 <= nt:
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for i in range(n):
+            w = buf[i]
+            s0 += w * X[t0 + t, base + i]
+            s1 += w * X[t0 + t + 1, base + i]
+            s2 += w * X[t0 + t + 2, base + i]
+            s3 += w * X[t0 + t + 3, base + i]
+        acc[t] += s0
+        acc[t + 1] += s1
+        acc[t + 2] += s2
+        acc[t + 3] += s3
+        t += 4
+    for u in range(t, nt):
         s = np.float32(0.0)
         for i in range(n):
-            s += buf[i] * X[t0 + t, base + i]
-        acc[t] += s
+            s += buf[i] * X[t0 + u, base + i]
+        acc[u] += s
 
 
 def _make_rows_kernel(fmt: BlockFormat):
@@ -103,22 +159,43 @@ def _make_rows_kernel(fmt: BlockFormat):
     FMT = fmt.ggml_type
     BS, TSZ = kernel_block(fmt)
     G = STEP // BS
+    FUSED = fmt.name in DOTS
 
-    def rows_kernel(W, X, Y, r0, r1, t0, t1, nbuf):
+    def rows_kernel(W, X, XS, Y, r0, r1, t0, t1, nbuf):
         buf = np.empty(nbuf, np.float32)  # nbuf == STEP, passed at run time (see _common.trip32)
         bufu = buf.view(np.uint32)
         n_tok = t1 - t0
         n_full = X.shape[1] // STEP
         n_tail = (X.shape[1] - n_full * STEP) // BS
+        fused = FUSED and n_tok == 1
+        n32 = nbuf >> 3
         acc = np.empty(n_tok, np.float32)
+        # several tokens: the row's full steps are dequantized into rbuf, then dotted with each
+        # token in one pass (one reduction per row and token)
+        rbuf = np.empty(n_full * nbuf, np.float32)
+        rbufu = rbuf.view(np.uint32)
         for r in range(r0, r1):
             row = W[r]
             acc[:] = 0.0
-            for b in range(n_full):
-                o = b * G * TSZ
-                for k in range(G):
-                    deq_block(FMT, row[o + k * TSZ:o + (k + 1) * TSZ], buf, bufu, k * BS)
-                _dot_tokens(buf, STEP, X, t0, b * STEP, acc)
+            slow = not fused
+            if fused:
+                a = np.float32(0.0)
+                bad = np.int32(0)
+                for b in range(n_full):
+                    a += dot_step(FMT, row, b * G * TSZ, X[t0], b * STEP, XS[t0], b * (STEP // 32), n32)
+                    bad |= step_nonfinite(FMT, row, b * G * TSZ)
+                # an infinite or NaN scale: the row takes the per-weight path (see dots.DOTS)
+                slow = bad != 0
+                if not slow:
+                    acc[0] = a
+            if slow:
+                for b in range(n_full):
+                    o = b * G * TSZ
+                    rb = rbuf[b * STEP:(b + 1) * STEP]
+                    rbu = rbufu[b * STEP:(b + 1) * STEP]
+                    for k in range(G):
+                        deq_block(FMT, row[o + k * TSZ:o + (k + 1) * TSZ], rb, rbu, k * BS)
+                _dot_tokens(rbuf, n_full * STEP, X, t0, 0, acc)
             for b in range(n_tail):
                 o = (n_full * G + b) * TSZ
                 deq_block(FMT, row[o:o + TSZ], buf, bufu, 0)
@@ -139,16 +216,33 @@ def _jit(fn, name: str, parallel: bool = False):
 _ROWS = {name: _make_rows_kernel(f) for name, f in FORMATS.items()}
 
 
-def rows_for(fmt, W, X, Y, r0, r1, t0, t1, nbuf):
+def rows_for(fmt, W, X, XS, Y, r0, r1, t0, t1, nbuf):
     """``Y[t, r] = X[t] @ W[r]`` for r in [r0, r1), t in [t0, t1) with the row kernel of GGML type
-    ``fmt`` (a compile-time constant); ``nbuf`` must be STEP. Callable from Numba code only."""
+    ``fmt`` (a compile-time constant); ``XS`` = :func:`block_sums` of X; ``nbuf`` must be STEP.
+    Callable from Numba code only."""
     raise NotImplementedError("rows_for is only callable from Numba code")
 
 
 @overload(rows_for)
-def _rows_for_impl(fmt, W, X, Y, r0, r1, t0, t1, nbuf):
+def _rows_for_impl(fmt, W, X, XS, Y, r0, r1, t0, t1, nbuf):
     kernel = _ROWS[_literal_format(fmt).name]
-    return lambda fmt, W, X, Y, r0, r1, t0, t1, nbuf: kernel(W, X, Y, r0, r1, t0, t1, nbuf)
+    return lambda fmt, W, X, XS, Y, r0, r1, t0, t1, nbuf: kernel(W, X, XS, Y, r0, r1, t0, t1, nbuf)
+
+
+@njit(**_KERNEL)
+def block_sums(X):
+    """float32 (n_tok, n_in // 32): the sums of X's (n_tok, n_in) rows per 32 values (the fused
+    dots' ``xs``: the min term of Q4_K/Q5_K weights is multiplied by them)."""
+    n_tok, n_in = X.shape
+    nb = n_in // 32
+    XS = np.empty((n_tok, nb), np.float32)
+    for t in range(n_tok):
+        for b in range(nb):
+            a = np.float32(0.0)
+            for i in range(32):
+                a += X[t, b * 32 + i]
+            XS[t, b] = a
+    return XS
 
 
 @functools.cache
@@ -158,8 +252,9 @@ def _matmul_kernel(ggml_type: int):
     def matmul_kernel(W, X, Y, chunk, nbuf):
         n = W.shape[0]
         n_chunks = (n + chunk - 1) // chunk
+        XS = block_sums(X)
         for c in prange(n_chunks):
-            rows_for(FMT, W, X, Y, c * chunk, min(n, (c + 1) * chunk), 0, X.shape[0], nbuf)
+            rows_for(FMT, W, X, XS, Y, c * chunk, min(n, (c + 1) * chunk), 0, X.shape[0], nbuf)
 
     return _jit(matmul_kernel, f"matmul_{BY_TYPE[FMT].name.lower()}", parallel=True)
 
@@ -275,6 +370,7 @@ def _moe_kernel(fg: int, fu: int, fd: int):
     def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk, nbuf):
         n_groups = eids.shape[0]
         n_ff = Wg.shape[1]
+        HS = block_sums(Hg)
         n_fc = (n_ff + f_chunk - 1) // f_chunk
         # phase 1: each (expert, ff-row chunk) job: gate and up rows for that expert's tokens
         # (Hg holds h gathered in pair order, so an expert's tokens are contiguous), then act(gate)*up
@@ -285,20 +381,21 @@ def _moe_kernel(fg: int, fu: int, fd: int):
             e = eids[g]
             p0 = offs[g]
             p1 = offs[g + 1]
-            rows_for(FG, Wg[e], Hg, Gt, f0, f1, p0, p1, nbuf)
-            rows_for(FU, Wu[e], Hg, Ut, f0, f1, p0, p1, nbuf)
+            rows_for(FG, Wg[e], Hg, HS, Gt, f0, f1, p0, p1, nbuf)
+            rows_for(FU, Wu[e], Hg, HS, Ut, f0, f1, p0, p1, nbuf)
             for p in range(p0, p1):
                 for f in range(f0, f1):
                     Gt[p, f] = _activate(act, Gt[p, f], Ut[p, f])
         # phase 2: each output-row chunk: every expert's down rows, then the weighted sum into Out
         # (a chunk owns its output columns: no races)
         n_out = Wd.shape[1]
+        GS = block_sums(Gt)
         n_rc = (n_out + r_chunk - 1) // r_chunk
         for c in prange(n_rc):
             r0 = c * r_chunk
             r1 = min(n_out, r0 + r_chunk)
             for g in range(n_groups):
-                rows_for(FD, Wd[eids[g]], Gt, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
+                rows_for(FD, Wd[eids[g]], Gt, GS, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
             for p in range(rows.shape[0]):
                 t = rows[p]
                 w = wts[p]
