@@ -588,6 +588,36 @@ def test_cuda_graph_decode_equals_op_by_op(gpu, tmp_path):
             assert b.model.decode_graph.failed is None and b.model.decode_graph.replays >= 50
 
 
+@pytest.mark.parametrize("placement", [dict(cpu_moe=True), dict(n_cpu_moe=1)])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-olmoe"])
+def test_cuda_graph_decode_with_cpu_experts_equals_op_by_op(gpu, tmp_path, preset, placement):
+    """--cpu-moe / -ncmoe: the decode graph is cut at every CPU-expert layer (segments replayed
+    around the Numba kernel) and gives the op-by-op logits at every position, after a reset too."""
+    from moecache.backends.cuda_graph import host_expert_layers
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / f"{preset}.gguf"
+    write_model(path, P[preset], seed=11)
+    tokens = np.random.default_rng(5).integers(0, 200, 24)
+    opts = PlacementOptions(n_gpu_layers=99, moe_cache=0, **placement)
+    with Engine(path, EngineConfig(n_ctx=64), placement=opts, cuda_graph=False) as a, \
+            Engine(path, EngineConfig(n_ctx=64), placement=opts) as b:
+        host = host_expert_layers(b.model)
+        assert a.model.decode_graph is None and b.model.decode_graph is not None and host
+        for rep in range(2):
+            a.reset()
+            b.reset()
+            ref = np.vstack([a.eval(tokens[:4])] + [a.eval(tokens[i:i + 1]) for i in range(4, 24)])
+            got = np.vstack([b.eval(tokens[:4])] + [b.eval(tokens[i:i + 1]) for i in range(4, 24)])
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=preset)
+        g = b.model.decode_graph
+        assert g.failed is None and g.replays >= 38
+        assert len(g._cap.cuts) == len(g._cap.segments) == len(host)
+
+
 @pytest.mark.parametrize("preset,n_ctx,n_prompt", [("tiny", 600, 280), ("tiny-llama", 2200, 2036)])
 def test_cuda_graph_decode_across_key_runs(gpu, tmp_path, preset, n_ctx, n_prompt):
     """Decode attention splits the keys into runs (att_splits > 1): a prompt, then decode steps

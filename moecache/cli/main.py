@@ -15,9 +15,9 @@ from typing import Annotated, Optional
 import typer
 
 from moecache.cli.flags import INT32_MAX, SEED_MAX, OneLineErrorsGroup, frange, minus_one_or_at_least, version_option
-from moecache.threads import short_openmp_spin
+from moecache.threads import openmp_wait_for_args
 
-short_openmp_spin()  # before any OpenMP runtime loads (see moecache/threads.py)
+openmp_wait_for_args(sys.argv[1:])  # before any OpenMP runtime loads (see moecache/threads.py)
 # GPU ordinals in PCI bus order (CUDA's default is fastest first): -sm layer keeps layers in bus
 # order and -mg / -ts index GPUs as nvidia-smi lists them. A user's own setting wins.
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")

@@ -85,6 +85,18 @@ class CPUExperts:
         out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, act=act)
         return be.asarray(out) if be is not None else out
 
+    def compute_host(self, il: int, h: np.ndarray, routing: Routing, out: np.ndarray) -> np.ndarray:
+        """Layer ``il``'s routed experts on host arrays, accumulated into ``out`` (what a CUDA-graph
+        decode step runs between its segments: :mod:`moecache.backends.cuda_graph`).
+
+        Args:
+            h: float32 (T, n_embd); routing: host arrays; out: float32 (T, n_embd), added to.
+        Returns ``out``."""
+        e = self.layers[il]
+        eids, offs, rows, wts = routing.host().groups()
+        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
+        return cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h, out=out, act=act)
+
     def _offload(self, e: ExpertWeights, h: Any, r: Routing) -> Any:
         ob = self.offload_backend
         used = np.unique(r.ids)

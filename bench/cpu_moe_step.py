@@ -1,0 +1,129 @@
+"""Where a decode step's wall time goes when the routed experts are computed on the CPU (``--cpu-moe``).
+
+Loads a model with every layer on the GPU and every routed expert in host RAM (the
+``cpu-moe-tg64`` case of bench/vs_llamacpp.py), runs ``-n`` single-token decode steps and splits
+each step's wall time, per MoE layer, into: waiting for the routing (the GPU runs the layer's
+attention and router, then the ids and weights come to the host), the hidden state's copy to the
+host, the Numba kernel (:func:`moecache.quants.cpu.moe_ffn`), the result's copy back, and the rest
+(Python and kernel launches of the dense ops, sampling). Host clocks only: every piece ends in a
+host synchronisation already, so timing it adds nothing. OpenMP threads wait actively, as the
+``moecache`` command sets them up for ``--cpu-moe`` (``OMP_WAIT_POLICY=PASSIVE`` or a
+``GOMP_SPINCOUNT`` in the environment wins, to compare).
+
+    python bench/cpu_moe_step.py -m /tmp/q30.gguf -n 32 [--load-mode pin] [-t 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("-n", type=int, default=32, help="decode steps timed")
+    ap.add_argument("-c", type=int, default=4096)
+    ap.add_argument("-t", type=int, default=0, help="CPU threads (0 = physical cores minus one, as the moecache "
+                    "command resolves -t with one GPU; active waiting needs that free core)")
+    ap.add_argument("--load-mode", default="pin", choices=("pin", "mmap"))
+    ap.add_argument("--no-graph", action="store_true", help="decode op by op (no CUDA-graph segments)")
+    a = ap.parse_args()
+    from moecache.threads import openmp_wait_for_args
+
+    import psutil
+
+    if not a.t:
+        a.t = max(1, (psutil.cpu_count(logical=False) or 2) - 1)
+    print("OpenMP wait:", openmp_wait_for_args(["--cpu-moe", "-t", str(a.t)]))  # as the moecache command
+    import numba
+
+    try:
+        from moecache.backends import cuda_graph
+    except ImportError:  # no CuPy: a CPU run (op by op), for trying the script out
+        cuda_graph = None
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe import executor as ex
+    from moecache.placement import PlacementOptions
+    from moecache.quants import cpu
+
+    if a.t:
+        numba.set_num_threads(a.t)
+    acc: dict[str, float] = defaultdict(float)
+    calls = [0]
+
+    def timed_call(self, il, h, routing):  # CPUExperts.__call__ with clocks (same steps)
+        t0 = time.perf_counter()
+        e = self.layers[il]
+        r = routing.host()
+        t1 = time.perf_counter()
+        eids, offs, rows, wts = r.groups()
+        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
+        be = self.backend
+        hh = be.to_host(h)
+        t2 = time.perf_counter()
+        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, act=act)
+        t3 = time.perf_counter()
+        res = be.asarray(out)
+        t4 = time.perf_counter()
+        acc["routing to host (waits for the GPU)"] += t1 - t0
+        acc["groups + h to host"] += t2 - t1
+        acc["moe_ffn (Numba)"] += t3 - t2
+        acc["result to GPU"] += t4 - t3
+        calls[0] += 1
+        return res
+
+    def timed_compute_host(self, il, h, routing, out, _orig=ex.CPUExperts.compute_host):
+        t0 = time.perf_counter()
+        r = _orig(self, il, h, routing, out)
+        acc["moe_ffn (Numba)"] += time.perf_counter() - t0
+        calls[0] += 1
+        return r
+
+    def timed_cut(self, stream):  # graph segments: the whole host part of a cut
+        t0 = time.perf_counter()
+        orig_cut(self, stream)
+        acc["cut: sync + copies (graph)"] += time.perf_counter() - t0
+
+    orig_cut = cuda_graph._Cut.run if cuda_graph is not None else None
+
+    cfg = EngineConfig(n_ctx=a.c, n_ubatch=512, cache_type="f16", n_threads=a.t)
+    rng = np.random.default_rng(0)
+    with Engine(a.model, cfg, log=print, load_mode=a.load_mode, cuda_graph=not a.no_graph,
+                placement=PlacementOptions(n_gpu_layers=99, cpu_moe=True, moe_cache=0)) as eng:
+        vocab = eng.gguf.config.n_vocab
+        for _ in range(4):
+            eng.eval([int(rng.integers(0, vocab))])
+        ex.CPUExperts.__call__ = timed_call
+        ex.CPUExperts.compute_host = timed_compute_host
+        if cuda_graph is not None:
+            cuda_graph._Cut.run = timed_cut
+        toks = rng.integers(0, vocab, a.n)
+        t0 = time.perf_counter()
+        for t in toks:
+            eng.eval([int(t)])
+        wall = time.perf_counter() - t0
+        mode = "CUDA-graph segments" if eng.model.decode_graph is not None else "op by op"
+    n = a.n
+    layers = calls[0] / n
+    print(f"\n{a.model.name}: {n} decode steps, {layers:.0f} CPU-expert layers per step, {numba.get_num_threads()} "
+          f"threads, load mode {a.load_mode}, {mode}")
+    if "cut: sync + copies (graph)" in acc:  # the kernel's time is inside the cut's
+        acc["cut: sync + copies (graph)"] -= acc["moe_ffn (Numba)"]
+    print(f"wall {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} t/s)")
+    rest = wall - sum(acc.values())
+    for k, v in [*acc.items(), ("rest (dense ops, launches, sampling)", rest)]:
+        if not calls[0]:
+            break
+        print(f"  {k:40s} {v / n * 1e3:7.2f} ms/token {v / calls[0] * 1e6:8.1f} µs/layer {100 * v / wall:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The OpenMP wait policy a command line gets (moecache/threads.py): active waiting exactly when
+routed experts run on the CPU every decode step, a user's own setting always wins."""
+
+from __future__ import annotations
+
+import pytest
+
+from moecache import threads
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["run", "-m", "x.gguf", "--cpu-moe"], True),
+    (["bench", "-cmoe"], True),
+    (["bench", "-ncmoe", "999"], True),
+    (["bench", "--n-cpu-moe=4"], True),
+    (["bench", "-ncmoe", "0"], False),
+    (["bench", "--n-cpu-moe=0"], False),
+    (["run", "-m", "x.gguf", "-p", "--cpu-moe is a flag"], False),  # a value, not a flag
+    (["run", "-m", "x.gguf"], False),
+    (["bench", "-ncmoe"], False),  # no value: the command itself reports the usage error
+])
+def test_experts_on_cpu(argv, want):
+    assert threads.experts_on_cpu(argv) is want
+
+
+def test_wait_policy_follows_the_flags(monkeypatch):
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert threads.openmp_wait_for_args(["bench", "-ncmoe", "48"], n_cpus=16) == "active"
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert threads.openmp_wait_for_args(["bench"]) == "short spin"
+    assert threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
+    assert "OMP_WAIT_POLICY" not in threads.os.environ
+
+
+def test_users_setting_wins(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert threads.openmp_wait_for_args(["bench", "--cpu-moe"]) == "user's"
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "GOMP_SPINCOUNT" not in threads.os.environ
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["bench", "-ncmoe", "48", "-t", "15"], "active"),
+    (["bench", "-ncmoe", "48", "-t", "16"], "short spin"),  # no core left for the main thread
+    (["bench", "-ncmoe", "48", "--threads=32"], "short spin"),
+    (["bench", "-ncmoe", "48", "-t", "0"], "short spin"),  # 0 = physical cores: all of them
+])
+def test_active_waiting_leaves_a_core_free(monkeypatch, argv, want):
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert threads.openmp_wait_for_args(argv, n_cpus=16) == want
