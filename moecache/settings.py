@@ -11,7 +11,8 @@ free VRAM of all GPUs (everything else keeps llama.cpp's defaults):
 - ``-c`` 32768 (at most the trained context), halved (not below 4096) while its KV cache would take
   more than a quarter of the VRAM left after the dense weights and the reserve: the rest is the
   expert cache's;
-- ``-t`` physical cores minus one per GPU (a core feeds each GPU);
+- ``-t`` physical cores minus one per GPU (a core feeds each GPU); also with ``--cpu-moe`` /
+  ``--n-cpu-moe`` on a GPU;
 - routed experts in host RAM, the VRAM left after dense weights and KV cache as the expert budget;
 - prompt processing on the GPU with the fastest measured host link;
 - ``--load-mode auto``: pin when the model fits in available RAM with headroom and either its
@@ -359,7 +360,9 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     # -t
     if settings.n_threads not in (None, 0):  # 0 = "physical cores"
         threads, reasons["n_threads"] = settings.n_threads, "-t given"
-    elif big:
+    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe)):
+        # a core feeds each GPU: with experts on the CPU the Numba threads wait actively between
+        # layers (moecache/threads.py), and need a core left for the thread that drives the GPU
         threads = max(1, host.physical_cores - len(gpus))
         reasons["n_threads"] = f"{host.physical_cores} physical cores - 1 per GPU"
     else:

@@ -11,8 +11,8 @@ first).
 
 :func:`openmp_wait_for_args` chooses between that and active waiting from a command line: with
 ``--cpu-moe`` / ``--n-cpu-moe`` (``-cmoe`` / ``-ncmoe``) every decode step calls the CPU expert
-kernel once per MoE layer, between two GPU stretches of ~0.4 ms, and threads that went to sleep in
-between cost ~0.3 ms per layer to wake (H200 machine, 16 threads, Qwen3-30B-A3B-shaped model,
+kernel once per MoE layer, between two GPU stretches, and threads that went to sleep in between
+cost ~0.3 ms per layer to wake (H200 machine, 16 threads, Qwen3-30B-A3B-shaped model, op by op,
 ``bench/cpu_moe_step.py``: the kernel 1046 -> 748 µs per layer, decode 80.3 -> 64.0 ms per token
 with ``OMP_WAIT_POLICY=ACTIVE``).
 """
@@ -34,51 +34,79 @@ def short_openmp_spin() -> None:
 CPU_EXPERT_FLAGS = ("--cpu-moe", "-cmoe", "--n-cpu-moe", "-ncmoe")
 
 
-def experts_on_cpu(argv: list[str]) -> bool:
-    """True if ``argv`` asks for routed experts on the CPU: ``--cpu-moe``/``-cmoe``, or
-    ``--n-cpu-moe``/``-ncmoe`` with a value other than 0 (``-ncmoe N`` or ``-ncmoe=N``)."""
+def _values(argv: list[str], names: tuple[str, ...], attached: str | None = None) -> list[str]:
+    """The values given to the flags ``names`` (``-x V``, ``-x=V``; ``attached``: also ``-xV`` with V
+    digits and commas), in command-line order."""
+    out = []
     for i, a in enumerate(argv):
         name, eq, val = a.partition("=")
-        if name in ("--cpu-moe", "-cmoe"):
-            return True
-        if name in ("--n-cpu-moe", "-ncmoe"):
-            v = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-            if v.strip() not in ("", "0"):
-                return True
-    return False
+        if name in names:
+            out.append(val if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+        elif attached is not None and a.startswith(attached) and len(a) > len(attached) \
+                and all(c.isdigit() or c == "," for c in a[len(attached):]):
+            out.append(a[len(attached):])
+    return out
+
+
+def _ints(v: str) -> list[int] | None:
+    """A value or comma list (``bench``'s ``-t 8,16``) as ints; None if any part is not one."""
+    try:
+        return [int(p) for p in v.split(",")]
+    except ValueError:
+        return None
+
+
+def experts_on_cpu(argv: list[str]) -> bool:
+    """True if ``argv`` asks for routed experts on the CPU: ``--cpu-moe``/``-cmoe``, or
+    ``--n-cpu-moe``/``-ncmoe`` with a value other than 0 (the last one given; a list: any of it)."""
+    if any(a in ("--cpu-moe", "-cmoe") for a in argv):
+        return True
+    vals = _values(argv, ("--n-cpu-moe", "-ncmoe"))
+    n = _ints(vals[-1]) if vals else None
+    return bool(n) and any(v != 0 for v in n)
 
 
 def threads_flag(argv: list[str]) -> int | None:
-    """The value of ``-t``/``--threads`` in ``argv`` (``-t N``, ``-t=N``), None if absent or not a
-    number (the command reports a bad value itself)."""
-    for i, a in enumerate(argv):
-        name, eq, val = a.partition("=")
-        if name in ("-t", "--threads"):
-            v = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-            try:
-                return int(v)
-            except ValueError:
-                return None
-    return None
+    """The largest ``-t``/``--threads`` of ``argv`` (the last one given; ``-t N``, ``-t=N``, ``-tN``,
+    a list ``8,16``: its largest); None if absent, 0 (physical cores) or not numbers (the command
+    reports a bad value itself)."""
+    vals = _values(argv, ("-t", "--threads"), attached="-t")
+    n = _ints(vals[-1]) if vals else None
+    if not n or 0 in n:
+        return None
+    return max(n)
 
 
-def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None) -> str:
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None, gpu_stack: bool | None = None) -> str:
     """Set the OpenMP wait policy a command line needs (a user's own ``OMP_WAIT_POLICY`` or
-    ``GOMP_SPINCOUNT`` wins): active waiting when :func:`experts_on_cpu` and a core stays free of
-    Numba's threads, else the short spin of :func:`short_openmp_spin`.
+    ``GOMP_SPINCOUNT`` wins): active waiting when :func:`experts_on_cpu`, the GPU stack is installed
+    (``gpu_stack``; default: CuPy importable) and Numba's threads leave a core free, else the short
+    spin of :func:`short_openmp_spin`.
 
-    Active waiting needs that free core: the main thread busy-waits on the GPU between two CPU
-    kernels while the workers spin, and one thread more than there are cores made every MoE layer
-    wait out a scheduler time slice (H200 machine, 16 threads on 16 cores: 4.7 ms per layer instead
-    of ~0.75). The commands resolve ``-t`` to the physical cores minus one per GPU
-    (moecache/settings.py); an explicit ``-t`` of ``n_cpus`` (default ``os.cpu_count()``) or more
-    keeps the short spin.
+    A free core: without ``-t`` the commands resolve it to the physical cores minus one per GPU
+    when experts run on the CPU (moecache/settings.py); an explicit ``-t`` must be below ``n_cpus``
+    (default: the CPUs this process may run on). On the H200 machine, 16 threads on 16 cores with
+    active waiting and the cut decode graph took 234 ms/token, against 58 with ``-t 15`` (run
+    ``h200-20261201c``) and 64 op by op at 16 threads; the cause was not isolated, so active
+    waiting is only chosen where a core stays free. Without a GPU the flags change nothing and
+    spinning workers would starve OpenBLAS (above).
 
     Returns what the process now has, for the log: "active", "short spin" or "user's"."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return "user's"
+    if gpu_stack is None:
+        import importlib.util
+
+        gpu_stack = importlib.util.find_spec("cupy") is not None
     t = threads_flag(argv)
-    if experts_on_cpu(argv) and (t is None or 0 < t < (n_cpus or os.cpu_count() or 1)):
+    if experts_on_cpu(argv) and gpu_stack and (t is None or t < (n_cpus or _cpus())):
         os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
         return "active"
     short_openmp_spin()

@@ -58,7 +58,8 @@ def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act):
     (("Q8_0", "Q8_0", "Q8_0"), 5, cpu.ACT_SILU),
     (("Q4_K", "Q4_K", "Q4_K"), 12, cpu.ACT_GELU),
     (("MXFP4", "MXFP4", "BF16"), 3, cpu.ACT_SILU),
-    (("Q5_K", "Q4_0", "Q8_0"), 1, cpu.ACT_SILU),  # one token: every fused dot of moecache/quants/dots.py
+    (("Q5_K", "Q4_0", "Q8_0"), 1, cpu.ACT_SILU),  # one token: the fused Q5_K and Q4_0 dots (Q8_0's rows of 96
+    # are all tail; the other fused dots over full steps: tests/test_quants.py, 1 token)
 ])
 def test_moe_ffn_matches_reference(types, n_tok, act, rng):
     n_expert, n_embd, n_ff, top_k = 8, 256, 256 if types[2] in ("Q4_K", "Q6_K") else 96, 3

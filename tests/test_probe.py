@@ -41,6 +41,10 @@ CASES = [
     ("serve pins a model that fits VRAM", MOE_SMALL, [gpu(0, 24)], ("serve", Settings()), (512, 0, 16, "pin", False, 0)),
     ("serve without a GPU maps (pinning needs CUDA)", MOE_SMALL, [], ("serve", Settings()),
      (512, 0, 16, "mmap", False, None)),
+    # experts on the CPU beside a GPU: a core left for the thread that drives it (moecache/threads.py)
+    ("--cpu-moe on a GPU leaves a core", MOE_SMALL, [gpu(0, 24)], Settings(cpu_moe=True), (512, 0, 15, "mmap", False, 0)),
+    ("-ncmoe on a GPU leaves a core", MOE_SMALL, [gpu(0, 24)], Settings(n_cpu_moe=4), (512, 0, 15, "mmap", False, 0)),
+    ("--cpu-moe without a GPU: every core", MOE_SMALL, [], Settings(cpu_moe=True), (512, 0, 16, "mmap", False, None)),
 ]
 
 

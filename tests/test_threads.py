@@ -18,6 +18,9 @@ from moecache import threads
     (["run", "-m", "x.gguf", "-p", "--cpu-moe is a flag"], False),  # a value, not a flag
     (["run", "-m", "x.gguf"], False),
     (["bench", "-ncmoe"], False),  # no value: the command itself reports the usage error
+    (["bench", "-ncmoe", "0,0"], False),
+    (["bench", "-ncmoe", "0,8"], True),
+    (["bench", "-ncmoe", "8", "-ncmoe", "0"], False),  # the last one given wins, as in click
 ])
 def test_experts_on_cpu(argv, want):
     assert threads.experts_on_cpu(argv) is want
@@ -26,10 +29,10 @@ def test_experts_on_cpu(argv, want):
 def test_wait_policy_follows_the_flags(monkeypatch):
     for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(k, raising=False)
-    assert threads.openmp_wait_for_args(["bench", "-ncmoe", "48"], n_cpus=16) == "active"
+    assert threads.openmp_wait_for_args(["bench", "-ncmoe", "48"], n_cpus=16, gpu_stack=True) == "active"
     assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    assert threads.openmp_wait_for_args(["bench"]) == "short spin"
+    assert threads.openmp_wait_for_args(["bench"], gpu_stack=True) == "short spin"
     assert threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
     assert "OMP_WAIT_POLICY" not in threads.os.environ
 
@@ -37,18 +40,29 @@ def test_wait_policy_follows_the_flags(monkeypatch):
 def test_users_setting_wins(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert threads.openmp_wait_for_args(["bench", "--cpu-moe"]) == "user's"
+    assert threads.openmp_wait_for_args(["bench", "--cpu-moe"], gpu_stack=True) == "user's"
     assert threads.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "GOMP_SPINCOUNT" not in threads.os.environ
 
 
 @pytest.mark.parametrize("argv, want", [
     (["bench", "-ncmoe", "48", "-t", "15"], "active"),
-    (["bench", "-ncmoe", "48", "-t", "16"], "short spin"),  # no core left for the main thread
+    (["bench", "-ncmoe", "48"], "active"),  # the resolved -t leaves a core per GPU (settings.py)
+    (["bench", "-ncmoe", "48", "-t", "0"], "active"),  # 0 = the resolved default too
+    (["bench", "-ncmoe", "48", "-t", "16"], "short spin"),  # no core left
+    (["bench", "-ncmoe", "48", "-t16"], "short spin"),
+    (["bench", "-ncmoe", "48", "-t", "8,16"], "short spin"),  # a bench list: its largest
+    (["bench", "-ncmoe", "48", "-t", "16", "-t", "8"], "active"),  # the last one given wins
     (["bench", "-ncmoe", "48", "--threads=32"], "short spin"),
-    (["bench", "-ncmoe", "48", "-t", "0"], "short spin"),  # 0 = physical cores: all of them
+    (["bench", "-ncmoe", "48", "-ts", "3,1"], "active"),  # -ts is not -t
 ])
 def test_active_waiting_leaves_a_core_free(monkeypatch, argv, want):
     for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(k, raising=False)
-    assert threads.openmp_wait_for_args(argv, n_cpus=16) == want
+    assert threads.openmp_wait_for_args(argv, n_cpus=16, gpu_stack=True) == want
+
+
+def test_no_active_waiting_without_the_gpu_stack(monkeypatch):
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert threads.openmp_wait_for_args(["run", "--cpu-moe", "-t", "2"], n_cpus=16, gpu_stack=False) == "short spin"

@@ -242,7 +242,9 @@ class DecodeGraph:
                     out = step()
                 finally:
                     model.experts = experts
-                    graph = stream.end_capture()
+                    # a failure between two segments' captures leaves none open: ending it again
+                    # would replace the real error with "not capturing"
+                    graph = stream.end_capture() if _capturing(stream) else None
         except Exception as e:  # noqa: BLE001 - any failure means: run op by op
             self.failed = f"{type(e).__name__}: {e}"
             self.log(f"note: CUDA graph capture of the decode step failed ({self.failed}); decoding op by op")
@@ -259,6 +261,15 @@ def moe_layers(model: Any) -> list[int]:
     """The layers whose routing a routing process draws (those with routed experts), ascending."""
     ex = getattr(model.experts, "executors", None)
     return sorted(ex) if ex is not None else list(range(model.cfg.n_layer))
+
+
+def _capturing(stream: cp.cuda.Stream) -> bool:
+    """Whether ``stream`` is capturing (True where CuPy cannot say: ending the capture is then tried
+    as before)."""
+    try:
+        return bool(stream.is_capturing())
+    except AttributeError:
+        return True
 
 
 def host_expert_layers(model: Any) -> dict[int, Any]:
