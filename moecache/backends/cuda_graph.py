@@ -296,12 +296,9 @@ def eligible(model: Any) -> str | None:
             return "a routing process with routed experts on the CPU"
         if model.pass_hooks:
             return "pass hooks with routed experts on the CPU"
-        ex = model.experts.executors
-        for il, e in ex.items():
-            if il not in host:
-                why = e.graph_capturable()
-                if why is not None:
-                    return why
-        return None
+        from moecache.moe.executor import ExpertsByLayer
+
+        rest = {il: e for il, e in model.experts.executors.items() if il not in host}
+        return ExpertsByLayer(rest).graph_capturable()
     says = getattr(model.experts, "graph_capturable", None)
     return says() if says is not None else f"{type(model.experts).__name__} does not say whether it can be captured"

@@ -79,10 +79,8 @@ class CPUExperts:
         be = self.backend
         if be is not None and self.offload_min_batch is not None and r.ids.shape[0] >= self.offload_min_batch:
             return self._offload(e, h, r)
-        eids, offs, rows, wts = r.groups()
-        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-        hh = be.to_host(h) if be is not None else h
-        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, act=act)
+        hh = np.ascontiguousarray(be.to_host(h) if be is not None else h, dtype=np.float32)
+        out = self.compute_host(il, hh, r, np.zeros((hh.shape[0], e.down.shape[1]), np.float32))
         return be.asarray(out) if be is not None else out
 
     def compute_host(self, il: int, h: np.ndarray, routing: Routing, out: np.ndarray) -> np.ndarray:
