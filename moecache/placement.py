@@ -21,7 +21,7 @@ GPU; :func:`model_sizes` measures a GGUF.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -114,6 +114,10 @@ class ModelSizes:
     @property
     def n_layer(self) -> int:
         return len(self.dense)
+
+    def with_context(self, n_ctx: int) -> ModelSizes:
+        """These sizes with the KV cache of ``n_ctx`` positions, from sizes measured at one position."""
+        return replace(self, kv=self.kv * n_ctx)
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,19 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     used = {d for d in layer_device if d != CPU}
     prompt = opts.prompt_gpu if opts.prompt_gpu in used and len(used) > 1 else None
     return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache)
+
+
+def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> bool:
+    """The plan's verdict on whether the whole model fits: with ``-ngl`` auto and no ``--cpu-moe`` /
+    ``--n-cpu-moe`` / expert cache, :func:`plan` puts every layer, the output and every routed expert
+    on the GPUs (``opts``' split, main GPU and ``--vram-budget`` kept). The resolution of defaults
+    (:func:`moecache.settings.resolve`) reads this instead of comparing sizes itself, so "experts in
+    host RAM" is always what the placement then does. False without a GPU."""
+    if not gpu_free:
+        return False
+    whole = plan(replace(opts, n_gpu_layers=-1, cpu_moe=False, n_cpu_moe=0, moe_cache=0), sizes, gpu_free)
+    return (whole.output_device != CPU and whole.n_gpu_layers == sizes.n_layer
+            and all(on or not e for on, e in zip(whole.experts_on_device, sizes.experts)))
 
 
 def _split_gpus(opts: PlacementOptions, gpu_free: list[int]) -> tuple[list[int], list[float]]:

@@ -4,8 +4,12 @@
 ``serve`` under its llama.cpp name (``common_params``), None where not given. The CLI fills it from
 its flags, :func:`moecache.load` from keyword arguments. :func:`resolve` is a pure function of
 (settings, :class:`ModelFacts`, :class:`moecache.probe.Probe`) that gives every value the engine
-runs with and the reason for each (:class:`Resolved`). The rules, for MoE models larger than the
-free VRAM of all GPUs (everything else keeps llama.cpp's defaults):
+runs with and the reason for each (:class:`Resolved`). Whether a model fits in VRAM is the
+placement's verdict (:func:`moecache.placement.fits_whole`, on the ``--vram-budget``-capped free
+memory, with the KV cache of the context the run would use), never a comparison of its own. A MoE
+model whose whole placement does not fit at its trained context but does at ``-c`` 32768 runs at
+32768 with every expert on the GPUs (a note says so). The rules, for MoE models that do not fit
+(everything else keeps llama.cpp's defaults):
 
 - ``-ub`` 2048 / 1024 / 512 when the largest GPU has >= 20 GiB / >= 10 GiB / less free VRAM;
 - ``-c`` 32768 (at most the trained context), halved (not below 4096) while its KV cache would take
@@ -37,7 +41,7 @@ from moecache.sizes import parse_moe_cache, parse_size
 
 if TYPE_CHECKING:
     from moecache.moe.policy import PolicyConfig
-    from moecache.placement import PlacementOptions
+    from moecache.placement import ModelSizes, PlacementOptions
     from moecache.probe import Probe
 
 GiB = 1 << 30
@@ -196,6 +200,9 @@ class ModelFacts:
         kv_bytes_per_token: the KV cache of one position, all layers (K and V at the resolved type).
         expert_each: bytes of one expert's three matrices (a cache slot; 0: a dense model).
         n_expert: routed experts per layer (0: a dense model).
+        sizes: the placement's per-layer sizes (:func:`moecache.placement.model_sizes`) with the KV
+            cache of one position; the resolution asks the placement whether the model fits with
+            them. Required for a MoE model on a GPU.
     """
 
     n_bytes: int
@@ -204,6 +211,7 @@ class ModelFacts:
     kv_bytes_per_token: int = 0
     expert_each: int = 0
     n_expert: int = 0
+    sizes: ModelSizes | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -221,7 +229,7 @@ def model_facts(gguf, cache_type: str) -> ModelFacts:
     experts = sum(t.n_bytes for n, t in gguf.tensors.items() if n.endswith("_exps.weight"))
     sizes1 = model_sizes(gguf, 1, np.dtype(KV_TYPES[cache_type]).itemsize)
     return ModelFacts(gguf.n_bytes, experts, gguf.config.context_length, sizes1.kv * sizes1.n_layer,
-                      sizes1.expert_each, gguf.config.n_expert or 0)
+                      sizes1.expert_each, gguf.config.n_expert or 0, sizes1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,6 +305,37 @@ def policy_config(expert_bytes: int, probe: Probe, *, window: int | None, determ
                         t_gpu=expert_bytes / GPU_EXPERT_BYTES_S, t_upload=expert_bytes / link, adaptive=not deterministic)
 
 
+def _big_moe_ctx(model: ModelFacts) -> int:
+    """-c for a MoE model that does not fit, before the quarter-of-the-VRAM halving: 32768, at most
+    the trained context."""
+    return min(32768, model.context_length) if model.context_length else 32768
+
+
+def _experts_in_ram(settings: Settings, model: ModelFacts, placement: PlacementOptions,
+                    gpu_free: list[int]) -> tuple[bool, int]:
+    """(routed experts go to host RAM, a -c lowered so that the whole model fits or 0), from the
+    placement's verdict (:func:`moecache.placement.fits_whole`) at the context the run would use:
+    ``-c`` when given, else the trained context, else (a MoE model that does not fit there)
+    :func:`_big_moe_ctx`'s. Only a MoE model on a GPU can be "big"."""
+    if not gpu_free or not model.is_moe:
+        return False, 0
+    if model.sizes is None:
+        raise ValueError("ModelFacts.sizes is needed to place a MoE model on a GPU (model_facts reads it)")
+    from moecache.placement import fits_whole
+
+    def fits(n_ctx: int) -> bool:
+        return fits_whole(placement, model.sizes.with_context(n_ctx), gpu_free)
+
+    if settings.n_ctx is not None:  # -c given (0 = the trained context)
+        return not fits(settings.n_ctx or model.context_length), 0
+    if fits(model.context_length):
+        return False, 0
+    lower = _big_moe_ctx(model)
+    if model.context_length and lower < model.context_length and fits(lower):
+        return False, lower
+    return True, 0
+
+
 def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str = "run",
             environ: Mapping[str, str] | None = None) -> Resolved:
     """The values a command runs with, each with its reason (the module docstring gives the rules).
@@ -321,7 +360,7 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         free = budgeted_free([g.vram_free for g in gpus], placement.vram_budget)
         gpus = tuple(replace(g, vram_free=f) for g, f in zip(gpus, free))
     free_total = sum(g.vram_free for g in gpus)
-    big = bool(gpus) and model.is_moe and model.n_bytes > free_total
+    big, lowered_ctx = _experts_in_ram(settings, model, placement, [g.vram_free for g in gpus])
     host = probe.host
     # -ub
     if settings.n_ubatch is not None:
@@ -341,8 +380,12 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     # -c
     if settings.n_ctx is not None:
         ctx, reasons["n_ctx"] = settings.n_ctx, "-c given"
+    elif lowered_ctx:
+        ctx = lowered_ctx
+        reasons["n_ctx"] = (f"lowered from the trained {model.context_length} so that the whole model and its KV "
+                            f"cache fit in VRAM (the placement's verdict)")
     elif big:
-        ctx = min(32768, model.context_length) if model.context_length else 32768
+        ctx = _big_moe_ctx(model)
         reasons["n_ctx"] = "32768 for MoE models larger than VRAM" + (
             f" (capped at the trained {model.context_length})" if ctx < 32768 else "")
         from moecache.placement import RESERVE_BYTES
@@ -386,10 +429,11 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
             mode, reasons["load_mode"] = "mmap", f"{command} maps the file"
     # experts and prompt GPU
     if big:
-        reasons["experts"] = (f"model {model.n_bytes / GiB:.1f} GiB > {free_total / GiB:.1f} GiB free VRAM: "
+        reasons["experts"] = (f"the placement: model {model.n_bytes / GiB:.1f} GiB and its KV cache do not fit in "
+                              f"{free_total / GiB:.1f} GiB free VRAM (less the reserve and the prompt scratch): "
                               f"routed experts in host RAM, VRAM left over for experts")
     elif model.is_moe and gpus:
-        reasons["experts"] = "the model fits in VRAM"
+        reasons["experts"] = "the placement: the model fits in VRAM"
     prompt_gpu = None
     if gpus:
         best = max(gpus, key=lambda g: (g.h2d_pinned, -g.index))

@@ -14,6 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import moecache
+from facts import moe_facts
+
 from moecache.probe import GiB, GpuInfo, HostInfo, Probe
 from moecache.settings import ModelFacts, Settings, resolve
 
@@ -134,7 +136,7 @@ def test_sampling_through_the_library_follows_the_seed(tiny):
 
 # ---- the pure resolution: n_batch follows the resolved -ub, and says so -------------------------------
 HOST = HostInfo("test cpu", 16, 32, 128 * GiB, 120 * GiB)
-BIG = ModelFacts(60 * GiB, 55 * GiB, 40960, expert_each=3 << 20, n_expert=128)
+BIG = moe_facts(60 * GiB, 55 * GiB, 40960)
 
 
 def _gpu(free_gib):
@@ -155,7 +157,7 @@ def test_policy_costs_and_budget_come_from_the_resolution():
     policy's costs use the measured link unless --deterministic (or MOECACHE_DETERMINISTIC=1)."""
     r = resolve(Settings(vram_budget="8GiB", moe_cache_window=16), BIG, Probe(HOST, (_gpu(24),)))
     assert r.n_ubatch == 512 and r.placement.vram_budget == 8 * GiB and r.placement.prompt_gpu == 0
-    assert r.policy.window == 16 and r.policy.adaptive and r.policy.t_upload == pytest.approx((3 << 20) / 50e9)
+    assert r.policy.window == 16 and r.policy.adaptive and r.policy.t_upload == pytest.approx(BIG.expert_each / 50e9)
     det = resolve(Settings(), BIG, Probe(HOST, (_gpu(24),)), environ={"MOECACHE_DETERMINISTIC": "1"})
-    assert not det.policy.adaptive and det.policy.t_upload == pytest.approx((3 << 20) / 25e9)
+    assert not det.policy.adaptive and det.policy.t_upload == pytest.approx(BIG.expert_each / 25e9)
     assert resolve(Settings(), ModelFacts(GiB, 0, 4096), Probe(HOST)).policy is None  # a dense model: no cache

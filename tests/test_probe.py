@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from facts import moe_facts
+
 from moecache.probe import GiB, GpuInfo, HostInfo, Probe
-from moecache.settings import ModelFacts, Settings, resolve
+from moecache.settings import Settings, resolve
 
 HOST = HostInfo("test cpu", 16, 32, 128 * GiB, 120 * GiB)
 
@@ -17,10 +19,10 @@ def gpu(i, free_gib, h2d=50e9):
     return GpuInfo(i, f"gpu{i}", "9.0", int(free_gib * GiB), int(free_gib * GiB) + GiB, 5, 16, "test", h2d)
 
 
-MOE_BIG = ModelFacts(60 * GiB, 55 * GiB, 40960)
-MOE_SMALL = ModelFacts(10 * GiB, 8 * GiB, 40960)
-DENSE_BIG = ModelFacts(60 * GiB, 0, 8192)
-MOE_SHORT_CTX = ModelFacts(60 * GiB, 55 * GiB, 8192)
+MOE_BIG = moe_facts(60 * GiB, 55 * GiB, 40960)
+MOE_SMALL = moe_facts(10 * GiB, 8 * GiB, 40960)
+DENSE_BIG = moe_facts(60 * GiB, 0, 8192)
+MOE_SHORT_CTX = moe_facts(60 * GiB, 55 * GiB, 8192)
 
 CASES = [
     # (name, model, gpus, flags, expected (ub, ctx, threads, mode, experts_in_ram, prompt_gpu))
@@ -166,10 +168,53 @@ def test_default_context_leaves_the_expert_cache_most_of_the_vram(model_gib, vra
     """Qwen3-30B-A3B-shaped KV (192 KiB of float32 K and V per position), 1 GiB of dense weights: -c
     32768 would put 6 GiB of KV cache on an 8 GiB card; the default halves it until the KV cache takes
     at most a quarter of the VRAM left after the dense weights and the 1 GiB reserve."""
-    model = ModelFacts(int(model_gib * GiB), int((model_gib - 1) * GiB), 40960, 48 * 4 * 256 * 4)
+    model = moe_facts(int(model_gib * GiB), int((model_gib - 1) * GiB), 40960, 48 * 4 * 256 * 4)
     r = resolve(Settings(), model, Probe(HOST, (gpu(0, vram_gib),)))
     assert r.experts_in_ram and r.n_ctx == want
     assert ("halved to" in r.reasons["n_ctx"]) == (want < 32768)
     assert want * model.kv_bytes_per_token <= (vram_gib * GiB - GiB - GiB) / 4
     given = resolve(Settings(n_ctx=32768), model, Probe(HOST, (gpu(0, 8),)))
     assert given.n_ctx == 32768 and given.reasons["n_ctx"] == "-c given"
+
+
+# ---- one authority on what fits: the resolution reads the placement's verdict -------------------------
+def test_a_model_just_under_the_free_vram_does_not_fit_by_the_placement():
+    """23 GiB of weights on a card with 24 GiB free: a size comparison would say "fits", but the
+    placement keeps 5% of the free memory, the 1 GiB reserve and the float32 prompt scratch, so the
+    experts go to host RAM with the expert cache, and the resolution says so (the 32768 default -c)."""
+    model = moe_facts(23 * GiB, 21 * GiB, 40960, 48 * 4 * 128 * 2 * 2)
+    r = resolve(Settings(), model, Probe(HOST, (gpu(0, 24),)))
+    assert r.experts_in_ram and r.n_ctx <= 32768 and "the placement" in r.reasons["experts"]
+
+
+def test_a_long_trained_context_is_lowered_when_the_model_then_fits():
+    """A 10 GiB MoE with a 262144-token trained context: its 24 GiB KV cache does not fit beside it,
+    but at -c 32768 (3 GiB) everything does, so the experts stay on the GPU at that context."""
+    model = moe_facts(10 * GiB, 8 * GiB, 262144, 96 * 1024)
+    r = resolve(Settings(), model, Probe(HOST, (gpu(0, 24),)))
+    assert not r.experts_in_ram and r.n_ctx == 32768 and "lowered from the trained 262144" in r.reasons["n_ctx"]
+    given = resolve(Settings(n_ctx=262144), model, Probe(HOST, (gpu(0, 24),)))
+    assert given.experts_in_ram and given.n_ctx == 262144  # an explicit -c is kept: the experts move instead
+
+
+@pytest.mark.parametrize("vram_gib", [8, 12, 24, 48, 80])
+@pytest.mark.parametrize("budget", [None, "10GiB"])
+def test_experts_in_ram_is_what_the_placement_then_does(vram_gib, budget):
+    """Over a grid of model sizes, trained contexts and -c: "experts in host RAM" is exactly the plan
+    the engine then makes at the resolved context (every routed expert off the GPU with the
+    expert cache), and "fits" is a plan with every expert on the GPU."""
+    from moecache.placement import plan
+
+    checked = 0
+    for model_gib in (4, 9, 15, 20, 23, 30, 45, 70):
+        for trained, ctx in ((40960, None), (262144, None), (8192, None), (40960, 4096), (40960, 0)):
+            model = moe_facts(model_gib * GiB, (model_gib - 1) * GiB, trained, 96 * 1024)
+            r = resolve(Settings(n_ctx=ctx, vram_budget=budget), model, Probe(HOST, (gpu(0, vram_gib),)))
+            placed = plan(r.placement, model.sizes.with_context(r.n_ctx or trained), [vram_gib * GiB])
+            on = placed.experts_on_device
+            if r.experts_in_ram:
+                assert not any(on) and placed.cache_slots, (model_gib, trained, ctx, r.reasons)
+            else:
+                assert all(on) and placed.n_gpu_layers == 48, (model_gib, trained, ctx, r.reasons)
+            checked += 1
+    assert checked == 40
