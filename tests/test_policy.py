@@ -228,3 +228,24 @@ def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
             ids_b, w_b = np.stack([r.ids for r in got]), np.stack([r.weights for r in got])
         assert np.array_equal(np.stack([r.ids for r in rs]), ids_b), step
         assert np.array_equal(np.stack([r.weights for r in rs]), w_b), step
+
+
+def test_restart_routes_the_same_request_whatever_came_before():
+    """RoutingProcess.restart(seed): two processes of one model that routed different histories (and
+    one with a pass drawn ahead) route the same tokens after restarting with the same seed; the
+    model's popularity stays (another model's seed routes differently)."""
+    a = RoutingProcess(PRESETS["qwen3-moe"], 4, 32, 4, seed=0)
+    b = RoutingProcess(PRESETS["qwen3-moe"], 4, 32, 4, seed=0)
+    for _ in range(37):
+        a.next_token()
+    b.new_prompt()
+    b.next_token()
+    b.draw_ahead()
+    a.restart(99)
+    b.restart(99)
+    for _ in range(5):
+        assert np.array_equal(a.next_token()[0], b.next_token()[0])
+    a.restart(99)
+    other = RoutingProcess(PRESETS["qwen3-moe"], 4, 32, 4, seed=1)
+    other.restart(99)
+    assert not np.array_equal(a.next_token()[0], other.next_token()[0])

@@ -100,16 +100,16 @@ def test_skew_summary_extremes():
 
 def test_what_if_equals_the_replay_module_and_is_monotonic(real_trace, tmp_path):
     eb = 300 * 1024
-    cost = CostModel(0.01, 25e9, eb)
+    cost = CostModel.from_link(0.01, 25e9, eb)
     budgets = [eb * n for n in (4, 8, 16, 32, 64, 96, 128)]
-    rows = what_if(real_trace, budgets, cost)
+    rows = what_if(real_trace, budgets, cost, expert_bytes=eb)
     cfg = PolicyConfig()
     for r, b in zip(rows, budgets):
         assert r.n_slots == b // eb
         ours = replay_policy(ArrayRouting(real_trace), 8, 16, real_trace.n_tokens, r.n_slots, cfg)
         lru = replay_lru(ArrayRouting(real_trace), 8, real_trace.n_tokens, r.n_slots, cfg)
         assert r.ours == ours and r.lru == lru
-        assert r.tokens_per_s == pytest.approx(1 / (0.01 + ours.misses / ours.tokens * eb / 25e9))
+        assert r.tokens_per_s == pytest.approx(1 / (0.01 + (ours.misses + ours.uploads) / ours.tokens * eb / 25e9))
         counts = usage_counts(real_trace.routes, 16)
         best = sorted(counts.reshape(-1), reverse=True)[:r.n_slots]
         assert r.static_hit_rate == pytest.approx(sum(best) / counts.sum())
@@ -122,15 +122,84 @@ def test_what_if_equals_the_replay_module_and_is_monotonic(real_trace, tmp_path)
     path = tmp_path / "real.npz"
     real_trace.save(path)
     assert replay_policy(TraceRouting(path), 8, 16, real_trace.n_tokens, 32, cfg) == rows[3].ours
-    # the CLI prints the same numbers, and says the speed is uncalibrated
+    # the CLI prints the library's numbers under the policy costs a run here resolves, and says the
+    # speed is uncalibrated
+    from moecache.cli.profile import ProfileOptions, what_if_policy
+
+    machine, _ = what_if_policy(real_trace_of(real_trace, eb), ProfileOptions(link_gbps=25.0), None)
+    first = what_if(real_trace_of(real_trace, eb), budgets[:1], cost, machine)[0]
     r = _profile("--trace-in", str(path), "--what-if", "1200KiB,2400KiB", "--expert-mib", str(eb / 2**20),
                  "--link-gbps", "25", "--step-ms", "10")
     assert r.exit_code == 0, r.output
     assert "UNCALIBRATED" in r.stdout
     table = [ln for ln in r.stdout.splitlines() if ln.startswith("| 1")]
-    assert len(table) == 1 and (f"| {100 * rows[0].ours.hit_rate:.1f}% | {100 * rows[0].lru.hit_rate:.1f}% | "
-                                f"{100 * rows[0].static_hit_rate:.1f}% |") in table[0]
-    assert f"| {rows[0].tokens_per_s:.1f} |" in table[0]
+    assert len(table) == 1 and (f"| {100 * first.ours.hit_rate:.1f}% | {100 * first.lru.hit_rate:.1f}% | "
+                                f"{100 * first.static_hit_rate:.1f}% |") in table[0]
+    assert f"| {first.tokens_per_s:.1f} |" in table[0]
+
+
+def real_trace_of(trace: Trace, expert_bytes: int) -> Trace:
+    return Trace(trace.routes, trace.weights, trace.n_expert, expert_bytes, trace.tokens)
+
+
+def test_calibration_recovers_a_known_cost_model():
+    """Runs made by a known model (step 4 ms, a miss 60 us, an upload 50 us) are fitted back exactly
+    from two or more rows; one row takes the miss at the link rate; rows that are not decode runs
+    with a cache are skipped; an unphysical fit is refused."""
+    from moecache.moe.profile import CalibrationPoint, calibrate, calibration_points
+
+    eb, link = 2_650_000, 53e9  # upload: 50 us
+    truth = CostModel(4e-3, 60e-6, eb / link)
+    rows = [{"n_prompt": 0, "n_gen": 128, "n_depth": 0, "hit_rate": h, "uploads_per_token": u,
+             "moe_cache_mib_granted": 5000, "avg_ts": 1 / truth.seconds_per_token((1 - h) * 48 * 8, u)}
+            for h, u in ((0.70, 9.0), (0.85, 7.5), (0.95, 3.0))]
+    rows += [{"n_prompt": 512, "n_gen": 0, "hit_rate": 0.5, "avg_ts": 900.0},  # prefill: skipped
+             {"n_prompt": 0, "n_gen": 128, "n_depth": 0, "hit_rate": None, "avg_ts": 250.0}]  # no cache: skipped
+    pts = calibration_points(rows, 48, 8)
+    assert len(pts) == 3 and pts[0].misses_per_token == pytest.approx(0.3 * 384)
+    fit = calibrate(pts, eb, link)
+    assert (fit.step_s, fit.miss_s, fit.upload_s) == pytest.approx((4e-3, 60e-6, eb / link), rel=1e-9)
+    one = calibrate(pts[:1], eb, link)
+    assert one.miss_s == pytest.approx(eb / link)
+    assert one.seconds_per_token(pts[0].misses_per_token, 9.0) == pytest.approx(pts[0].seconds_per_token)
+    with pytest.raises(ValueError, match="not physical"):  # faster with more misses
+        calibrate([CalibrationPoint(0.010, 10, 0, 0), CalibrationPoint(0.005, 50, 0, 0)], eb, link)
+    with pytest.raises(ValueError, match="no decode run"):
+        calibrate([], eb, link)
+
+
+def test_what_if_warmup_replays_then_counts(real_trace):
+    """--n-gen-warmup: the first tokens run through the policy but are not counted."""
+    eb = 300 * 1024
+    cost = CostModel.from_link(0.01, 25e9, eb)
+    r = what_if(real_trace, [32 * eb], cost, expert_bytes=eb, warmup=100)[0]
+    want = replay_policy(ArrayRouting(real_trace), 8, 16, real_trace.n_tokens - 100, 32, PolicyConfig(), 100)
+    assert r.ours == want and r.ours.tokens == real_trace.n_tokens - 100
+    with pytest.raises(ValueError, match="nothing is left"):
+        what_if(real_trace, [32 * eb], cost, expert_bytes=eb, warmup=real_trace.n_tokens)
+
+
+def test_cli_calibrate(real_trace, tmp_path):
+    """--calibrate fits the table's speed to bench rows; a bad file is one error line."""
+    import json
+
+    eb = 300 * 1024
+    path = tmp_path / "real.npz"
+    real_trace.save(path)
+    rows = [{"n_prompt": 0, "n_gen": 64, "n_depth": 0, "hit_rate": h, "uploads_per_token": 1.0, "avg_ts": t}
+            for h, t in ((0.5, 100.0), (0.9, 150.0))]
+    cal = tmp_path / "bench.jsonl"
+    cal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ("--trace-in", str(path), "--what-if", "2400KiB", "--expert-mib", str(eb / 2**20), "--link-gbps", "25")
+    r = _profile(*args, "--calibrate", str(cal), "--n-gen-warmup", "64")
+    assert r.exit_code == 0, r.output
+    assert "fitted to 2 measured runs" in r.stdout and "UNCALIBRATED" not in r.stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    r = _profile(*args, "--calibrate", str(bad))
+    assert r.exit_code == 1 and "line 1 is not a JSON object" in r.output
+    r = _profile(*args, "--n-gen-warmup", "384")
+    assert r.exit_code == 1 and "none would be counted" in r.output
 
 
 def test_plot_png_is_written(real_trace, tmp_path):

@@ -424,8 +424,13 @@ def profile(
     routing: RoutingOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: usage heatmap and hit rate against cache "
                                                  "size (needs matplotlib: the plot extra).")] = None,
-    what_if: Annotated[Optional[str], typer.Option("--what-if", help="Cache budgets, e.g. 4GiB,8GiB: predicted hit rate "
-                                                   "and (uncalibrated) decode t/s each.")] = None,
+    what_if: Annotated[Optional[str], typer.Option("--what-if", help="Expert-cache sizes, e.g. 4GiB,8GiB: predicted hit "
+                                                   "rate and decode t/s each.")] = None,
+    calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="What-if: fit the step and miss times to "
+                                                      "decode runs of this machine (moecache bench -o jsonl with "
+                                                      "an expert cache, -p 0 -n N).")] = None,
+    n_gen_warmup: Annotated[int, typer.Option("--n-gen-warmup", min=0, max=INT32_MAX, help="What-if: the trace's "
+                                              "first N tokens fill the cache and are not counted (as bench's).")] = 0,
     step_ms: Annotated[Optional[float], typer.Option("--step-ms", parser=frange(0.0), help="What-if: GPU time of one "
                                                      "decode step with every expert a hit, ms (default: a placeholder, 10).")] = None,
     link_gbps: Annotated[Optional[float], typer.Option("--link-gbps", parser=frange(1e-6), help="What-if: host->GPU "
@@ -453,7 +458,8 @@ def profile(
         profile_command(ProfileOptions(model=model, prompts=prompt or [], files=file or [], n_predict=n_predict,
                                        temp=temp, trace_out=trace, trace_in=trace_in, plot=plot, what_if=what_if,
                                        save=save, load_profile=load_profile, step_ms=step_ms, link_gbps=link_gbps,
-                                       expert_mib=expert_mib, max_tokens=max_tokens, escape=escape,
+                                       expert_mib=expert_mib, max_tokens=max_tokens, calibrate=calibrate,
+                                       n_gen_warmup=n_gen_warmup, escape=escape,
                                        verbose=verbose), settings)
     _user_errors(body)
 

@@ -41,6 +41,8 @@ class ProfileOptions:
     link_gbps: float | None = None
     expert_mib: float | None = None
     max_tokens: int | None = None
+    calibrate: Path | None = None
+    n_gen_warmup: int = 0
     escape: bool = True
     verbose: bool = False
 
@@ -244,31 +246,99 @@ def _link_rate(o: ProfileOptions, probe) -> tuple[float, str]:
     return DEFAULT_LINK_GBPS * 1e9, "a placeholder: no GPU was probed (set --link-gbps)"
 
 
+def read_calibration(path: Path) -> list[dict]:
+    """The records of a ``moecache bench -o jsonl`` file (``--calibrate``); UserError naming the
+    flag for an unreadable file or a line that is not a JSON object."""
+    import json
+
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--calibrate {path}: {getattr(e, 'strerror', None) or e}") from None
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if not isinstance(r, dict):
+            raise UserError(f"--calibrate {path}: line {i} is not a JSON object (expected moecache bench -o jsonl)")
+        rows.append(r)
+    return rows
+
+
+def what_if_cost(trace, o: ProfileOptions, probe):
+    """The what-if's :class:`moecache.moe.profile.CostModel`: fitted to ``--calibrate`` runs, or
+    ``--step-ms`` / the placeholder step with misses and uploads at the link rate; and the line
+    that says which."""
+    from moecache.moe.profile import DEFAULT_STEP_MS, CostModel, calibrate, calibration_points
+
+    link, src = _link_rate(o, probe)
+    mib = trace.expert_bytes / 2**20
+    if o.calibrate is not None:
+        pts = calibration_points(read_calibration(o.calibrate), trace.n_layer, trace.routes.shape[2])
+        try:
+            cost = calibrate(pts, trace.expert_bytes, link)
+        except ValueError as e:
+            raise UserError(f"--calibrate {o.calibrate}: {e}") from None
+        line = (f"cost model: s/token = {cost.step_s * 1e3:.3f} ms step + misses/token x {cost.miss_s * 1e6:.1f} us + "
+                f"uploads/token x {cost.upload_s * 1e6:.1f} us ({mib:.2f} MiB at {link / 1e9:.1f} GB/s, link: {src}); "
+                f"{cost.source} of --calibrate {o.calibrate}")
+        return cost, line
+    step_ms = o.step_ms if o.step_ms is not None else DEFAULT_STEP_MS
+    cost = CostModel.from_link(step_ms / 1e3, link, trace.expert_bytes)
+    step_src = "--step-ms" if o.step_ms is not None else "a placeholder: calibrate with --calibrate BENCH.jsonl"
+    line = (f"cost model: s/token = {step_ms:g} ms step ({step_src}) + (misses + uploads)/token x {mib:.2f} MiB / "
+            f"{link / 1e9:.1f} GB/s (link: {src}); predicted t/s UNCALIBRATED")
+    return cost, line
+
+
+def what_if_policy(trace, o: ProfileOptions, probe):
+    """The policy costs a run on this machine resolves (:func:`moecache.settings.policy_config`: the
+    expert size, physical cores less one per GPU, the link), fixed budget (a replay has no token
+    times); the link of ``--link-gbps`` when given."""
+    import dataclasses as dc
+
+    from moecache.probe import startup_probe
+    from moecache.settings import policy_config
+
+    probe = probe or startup_probe()
+    threads = max(1, probe.host.physical_cores - len(probe.gpus))
+    cfg = policy_config(trace.expert_bytes, probe, window=None, deterministic=False, n_threads=threads, prompt_gpu=0)
+    cfg = dc.replace(cfg, adaptive=False)
+    if o.link_gbps is not None:
+        cfg = dc.replace(cfg, t_upload=trace.expert_bytes / (o.link_gbps * 1e9))
+    return cfg, probe
+
+
 def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe) -> None:
-    """The what-if table: per budget, slots, hit rates (ours, LRU, best static) and the uncalibrated t/s."""
-    from moecache.moe.profile import DEFAULT_STEP_MS, CostModel, what_if
+    """The what-if table: per expert-cache budget, slots, hit rates (ours, LRU, best static) and the
+    predicted t/s (calibrated with ``--calibrate``)."""
+    from moecache.moe.profile import what_if
 
     if trace is None:
         raise UserError("--what-if needs a trace: prompts (-p/-f) or --trace-in FILE")
     if not trace.expert_bytes:
         raise UserError("--what-if: the expert size is unknown: give -m MODEL or --expert-mib N")
-    link, src = _link_rate(o, probe)
-    step_ms = o.step_ms if o.step_ms is not None else DEFAULT_STEP_MS
-    cost = CostModel(step_ms / 1e3, link, trace.expert_bytes)
-    step_src = "--step-ms" if o.step_ms is not None else "a placeholder until calibrated on the H200"
+    if o.n_gen_warmup >= trace.n_tokens:
+        raise UserError(f"--n-gen-warmup {o.n_gen_warmup}: the trace has {trace.n_tokens} tokens, none would be counted")
+    cfg, probe = what_if_policy(trace, o, probe)
+    cost, line = what_if_cost(trace, o, probe)
+    warm = f", the first {o.n_gen_warmup} only fill the cache" if o.n_gen_warmup else ""
     print(f"what-if on {trace.n_tokens} tokens ({trace.n_layer} layers x {trace.n_expert} experts, "
-          f"{trace.expert_bytes / 2**20:.2f} MiB each); every token replayed as one decode step")
-    print(f"cost model: s/token = {step_ms:g} ms GPU step ({step_src}) + misses/token x "
-          f"{trace.expert_bytes / 2**20:.2f} MiB / {link / 1e9:.1f} GB/s (link: {src})")
-    print("predicted t/s is UNCALIBRATED: not yet validated against measured runs (the H200 validation is next)")
-    print("| budget | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | misses/token "
-          "| predicted t/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in what_if(trace, budgets, cost):
+          f"{trace.expert_bytes / 2**20:.2f} MiB each); every token replayed as one decode step{warm}")
+    print(line)
+    print("| cache | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | misses/token "
+          "| uploads/token | predicted t/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in what_if(trace, budgets, cost, cfg, warmup=o.n_gen_warmup):
         total = trace.n_layer * trace.n_expert
+        per = max(1, r.ours.tokens)
         print(f"| {_size(r.budget_bytes)} | {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
               f"{100 * r.ours.hit_rate:.1f}% | {100 * r.lru.hit_rate:.1f}% | {100 * r.static_hit_rate:.1f}% | "
-              f"{r.ours.misses / max(1, r.ours.tokens):.2f} | {r.tokens_per_s:.1f} |")
+              f"{r.ours.misses / per:.2f} | {r.ours.uploads / per:.2f} | {r.tokens_per_s:.1f} |")
 
 
 def _size(b: int) -> str:

@@ -12,8 +12,9 @@ had N GiB?" by replaying the policy on the recorded trace.
 - :class:`UsageProfile`: usage counts saved per model (``profile --save``), keyed by
   :func:`model_key`; a profile of another model is refused when loaded.
 
-The speed prediction is **uncalibrated**: the GPU step time is a placeholder until it is measured on
-the H200 (issue 22's validation step).
+The speed prediction is uncalibrated (a placeholder step time) unless :func:`calibrate` fits the
+:class:`CostModel` to ``moecache bench`` runs of this machine (``profile --calibrate FILE``); the
+validation on the H200 is ``bench/results/what-if-h200.md``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from moecache.moe.policy import PolicyConfig
 from moecache.moe.replay import ReplayStats, replay_lru, replay_policy
 from moecache.moe.routing import Routing
 
-DEFAULT_STEP_MS = 10.0  # placeholder GPU step time per decode token (not calibrated; see CostModel)
+DEFAULT_STEP_MS = 10.0  # placeholder GPU step time per decode token without --calibrate (see CostModel)
 DEFAULT_LINK_GBPS = 25.0  # placeholder host->GPU link rate when no GPU was probed (PCIe 4.0 x16 pinned, roughly)
 
 
@@ -194,22 +195,94 @@ class ArrayRouting:
 
 @dataclass(frozen=True)
 class CostModel:
-    """The what-if's decode-speed model (uncalibrated):
-    ``seconds per token = step_s + misses per token x expert_bytes / link_bytes_per_s``.
+    """The what-if's decode-speed model:
+    ``seconds per token = step_s + misses/token x miss_s + uploads/token x upload_s``.
+
+    A miss is an expert the GPU reads from page-locked host RAM over the link (zero-copy), an upload
+    is the policy copying an expert into a slot over the same link; both are counted at the link,
+    not overlapped with the step (they share it). :meth:`from_link` is the uncalibrated model (a
+    placeholder step time, misses and uploads at the probe's pinned copy rate); :func:`calibrate`
+    fits ``step_s`` and ``miss_s`` to measured ``moecache bench`` runs on this machine.
 
     Attributes:
-        step_s: GPU time of one decode step with every expert a hit (a placeholder, default
-            :data:`DEFAULT_STEP_MS`, until calibrated on the H200).
-        link_bytes_per_s: host->GPU copy rate in bytes/s (the startup probe's pinned rate, or a flag).
-        expert_bytes: bytes of one expert (gate + up + down of one layer).
+        step_s: seconds of a decode step whose experts are all hits.
+        miss_s: seconds each miss adds; upload_s: seconds each upload adds.
+        source: where the numbers come from (printed with the table).
     """
 
     step_s: float
-    link_bytes_per_s: float
-    expert_bytes: int
+    miss_s: float
+    upload_s: float
+    source: str = "uncalibrated"
 
-    def seconds_per_token(self, misses_per_token: float) -> float:
-        return self.step_s + misses_per_token * self.expert_bytes / self.link_bytes_per_s
+    @classmethod
+    def from_link(cls, step_s: float, link_bytes_per_s: float, expert_bytes: int,
+                  source: str = "uncalibrated") -> CostModel:
+        """Misses and uploads each cost one expert's bytes at ``link_bytes_per_s`` (bytes/s)."""
+        per = expert_bytes / link_bytes_per_s
+        return cls(step_s, per, per, source)
+
+    def seconds_per_token(self, misses_per_token: float, uploads_per_token: float = 0.0) -> float:
+        return self.step_s + misses_per_token * self.miss_s + uploads_per_token * self.upload_s
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """One measured decode run with an expert cache (a ``moecache bench -o jsonl`` tg row).
+
+    Attributes:
+        seconds_per_token: 1 / avg_ts.
+        misses_per_token: (1 - hit_rate) x MoE layers x experts per token.
+        uploads_per_token: the row's ``uploads_per_token``.
+        cache_bytes: the row's granted expert cache (``moe_cache_mib_granted``), bytes.
+    """
+
+    seconds_per_token: float
+    misses_per_token: float
+    uploads_per_token: float
+    cache_bytes: int
+
+
+def calibration_points(rows: list[dict], n_moe_layers: int, k: int) -> list[CalibrationPoint]:
+    """The decode rows of ``moecache bench -o jsonl`` records that ran with an expert cache
+    (``n_prompt`` 0, ``n_gen`` > 0, no depth, a ``hit_rate``); others are skipped."""
+    out = []
+    for r in rows:
+        if r.get("n_prompt") or not r.get("n_gen") or r.get("n_depth") or r.get("hit_rate") is None:
+            continue
+        out.append(CalibrationPoint(1.0 / float(r["avg_ts"]), (1.0 - float(r["hit_rate"])) * n_moe_layers * k,
+                                    float(r.get("uploads_per_token") or 0.0),
+                                    int(float(r.get("moe_cache_mib_granted") or 0) * 2**20)))
+    return out
+
+
+def calibrate(points: list[CalibrationPoint], expert_bytes: int, link_bytes_per_s: float) -> CostModel:
+    """A :class:`CostModel` fitted to measured runs: ``upload_s`` is one expert at the link rate;
+    with one point ``miss_s`` is too and ``step_s`` is what the run leaves; with two or more,
+    ``step_s`` and ``miss_s`` are the least-squares line of (seconds per token less the uploads)
+    against misses per token.
+
+    Raises:
+        ValueError: no point, or a fit that is not physical (a step or a miss cost <= 0: the runs'
+            miss counts are too close to tell them apart).
+    """
+    if not points:
+        raise ValueError("no decode run with an expert cache to calibrate from (moecache bench -o jsonl rows with "
+                         "-p 0 -n N and a hit_rate)")
+    upload_s = expert_bytes / link_bytes_per_s
+    y = np.array([p.seconds_per_token - p.uploads_per_token * upload_s for p in points])
+    m = np.array([p.misses_per_token for p in points])
+    if len(points) == 1 or np.ptp(m) == 0:
+        miss_s = upload_s
+        step_s = float(np.mean(y - m * miss_s))
+        how = f"step time from {len(points)} measured run(s), misses at the link rate"
+    else:
+        miss_s, step_s = (float(v) for v in np.polyfit(m, y, 1))
+        how = f"step and miss times fitted to {len(points)} measured runs"
+    if step_s <= 0 or miss_s <= 0:
+        raise ValueError(f"calibration is not physical (step {step_s * 1e3:.3f} ms, miss {miss_s * 1e6:.1f} us): "
+                         f"give runs whose hit rates differ more")
+    return CostModel(step_s, miss_s, upload_s, how)
 
 
 @dataclass(frozen=True)
@@ -222,6 +295,7 @@ class WhatIfRow:
         ours, lru: the replay's counts for our policy and per-layer LRU.
         static_hit_rate: hit rate of the best static placement for this trace (:func:`static_hit_rate`).
         tokens_per_s: predicted decode tokens/s of our policy by the :class:`CostModel`.
+        cost: the model that predicted it.
     """
 
     budget_bytes: int
@@ -230,6 +304,7 @@ class WhatIfRow:
     lru: ReplayStats
     static_hit_rate: float
     tokens_per_s: float
+    cost: CostModel | None = None
 
 
 def slots_for(budget_bytes: int, expert_bytes: int, n_layer: int, n_expert: int) -> int:
@@ -239,11 +314,15 @@ def slots_for(budget_bytes: int, expert_bytes: int, n_layer: int, n_expert: int)
     return int(min(budget_bytes // expert_bytes, n_layer * n_expert))
 
 
-def replay_at(trace: Trace, n_slots: int, cfg: PolicyConfig = PolicyConfig()) -> tuple[ReplayStats, ReplayStats]:
-    """Our policy and per-layer LRU over every token of ``trace`` (each replayed as one decode
-    step) with ``n_slots`` slots in all."""
-    ours = replay_policy(ArrayRouting(trace), trace.n_layer, trace.n_expert, trace.n_tokens, n_slots, cfg)
-    lru = replay_lru(ArrayRouting(trace), trace.n_layer, trace.n_tokens, n_slots, cfg)
+def replay_at(trace: Trace, n_slots: int, cfg: PolicyConfig = PolicyConfig(),
+              warmup: int = 0) -> tuple[ReplayStats, ReplayStats]:
+    """Our policy and per-layer LRU over the tokens of ``trace`` (each replayed as one decode step)
+    with ``n_slots`` slots in all; the first ``warmup`` tokens fill the cache and are not counted."""
+    n = trace.n_tokens - warmup
+    if n <= 0:
+        raise ValueError(f"the trace has {trace.n_tokens} tokens: nothing is left after a warm-up of {warmup}")
+    ours = replay_policy(ArrayRouting(trace), trace.n_layer, trace.n_expert, n, n_slots, cfg, warmup)
+    lru = replay_lru(ArrayRouting(trace), trace.n_layer, n, n_slots, cfg, warmup)
     return ours, lru
 
 
@@ -255,14 +334,19 @@ def static_hit_rate(counts: np.ndarray, n_slots: int) -> float:
     return float(flat[:max(0, n_slots)].sum() / max(1, flat.sum()))
 
 
-def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig = PolicyConfig()) -> list[WhatIfRow]:
-    """Hit rates and predicted decode t/s for each cache budget (bytes), in the order given."""
+def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig = PolicyConfig(),
+            expert_bytes: int | None = None, warmup: int = 0) -> list[WhatIfRow]:
+    """Hit rates and predicted decode t/s for each expert-cache budget (bytes), in the order given;
+    ``warmup`` tokens of the trace fill the cache first (not counted, as ``bench --n-gen-warmup``)."""
+    eb = expert_bytes or trace.expert_bytes
     rows = []
     for b in budgets:
-        n = slots_for(b, cost.expert_bytes, trace.n_layer, trace.n_expert)
-        ours, lru = replay_at(trace, n, cfg)
-        tps = 1.0 / cost.seconds_per_token(ours.misses / max(1, ours.tokens))
-        rows.append(WhatIfRow(b, n, ours, lru, static_hit_rate(usage_counts(trace.routes, trace.n_expert), n), tps))
+        n = slots_for(b, eb, trace.n_layer, trace.n_expert)
+        ours, lru = replay_at(trace, n, cfg, warmup)
+        per = max(1, ours.tokens)
+        tps = 1.0 / cost.seconds_per_token(ours.misses / per, ours.uploads / per)
+        rows.append(WhatIfRow(b, n, ours, lru, static_hit_rate(usage_counts(trace.routes, trace.n_expert), n), tps,
+                              cost))
     return rows
 
 

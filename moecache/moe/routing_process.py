@@ -79,6 +79,15 @@ class RoutingProcess:
         v = self.rng.standard_normal((self.n_layer, self.n_expert))
         self.w = math.sqrt(1 - lam) * self.topic + math.sqrt(lam) * v
 
+    def restart(self, seed: int) -> None:
+        """A new request drawn from ``seed``: the model's popularity and topic stay, the prompt's hot
+        set, the token state and every later draw come from ``seed`` (two processes restarted with
+        the same seed route the same tokens, whatever each routed before)."""
+        self._drop_ahead()
+        self.rng = np.random.default_rng(seed)
+        self.x = self.rng.standard_normal((self.n_layer, self.n_expert))
+        self.new_prompt()
+
     def route(self, layer: int, n_tokens: int) -> Routing:
         """The next ``n_tokens`` tokens' choices at ``layer``: ids int32 (T, k) best first, weights
         float32 (T, k) (softmax over the chosen logits).
