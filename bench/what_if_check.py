@@ -5,9 +5,10 @@
 2. The routing process's own trace is written: the tokens those runs route (the load's warm-up
    token, llama-bench's warm-up token, the ``--n-gen-warmup`` tokens, then the timed ones), all
    single-token passes of :class:`moecache.moe.routing_process.RoutingProcess` seed 0.
-3. ``moecache profile --trace-in TRACE --what-if CACHES --calibrate CAL --n-gen-warmup N`` predicts
-   each run's speed at the expert cache it was granted, calibrated on the ``--calibrate-at`` runs
-   only; the others are the check.
+3. ``moecache profile --trace-in TRACE -m MODEL -c C --what-if-vram BUDGETS --calibrate CAL
+   --n-gen-warmup N`` places each VRAM size as ``run --vram-budget`` would (at the runs' context
+   ``C``: the mapped cache is checked against the one each run was granted) and predicts its
+   speed, calibrated on the ``--calibrate-at`` runs only; the others are the check.
 
     python bench/what_if_check.py -m /tmp/q30.gguf --budgets 4,6,8,12,16 --calibrate-at 4,16 \\
         --out bench/results/what-if-h200
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     from moecache.gguf_file import open_gguf
     from moecache.moe.profile import expert_bytes_of
+    from moecache.sizes import parse_size
 
     with open_gguf(a.model) as g:
         c = g.config
@@ -81,31 +83,34 @@ def main(argv: list[str] | None = None) -> None:
         trace, cal = Path(tmp) / "trace.npz", Path(tmp) / "cal.jsonl"
         warm = write_trace(a, trace, n_moe, n_expert, k, eb)
         cal.write_text("".join(json.dumps(r) + "\n" for r in rows if r["vram_budget_gib"] in cal_at))
-        caches = ",".join(f"{r['moe_cache_mib_granted']:.1f}MiB" for r in rows)
+        ctx = a.n_gen + a.n_gen_warmup + 8  # what bench resolves for -p 0 -n N --n-gen-warmup W
         cmd = [sys.executable, "-m", "moecache.cli.main", "profile", "--trace-in", str(trace), "-m", a.model,
-               "--what-if", caches, "--calibrate", str(cal), "--n-gen-warmup", str(warm)]
+               "-c", str(ctx), "--what-if-vram", ",".join(f"{b:g}GiB" for b in budgets), "--calibrate", str(cal),
+               "--n-gen-warmup", str(warm)]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
             sys.exit(f"profile failed:\n{p.stderr[-2000:]}")
-    table = [ln for ln in p.stdout.splitlines() if ln.startswith("| ") and re.match(r"\| [\d.]+[GMK]iB \|", ln)]
+    table = [ln for ln in p.stdout.splitlines() if re.match(r"\| [\d.]+[GMK]iB \| \d+ \|", ln)]
     what = [ln for ln in p.stdout.splitlines() if ln.startswith(("what-if on", "cost model"))]
     lines = ["# what-if against measured decode speed\n",
              f"`python bench/what_if_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n",
              *[f"    {ln}" for ln in what], "",
-             "| --vram-budget | cache MiB | role | measured t/s | predicted t/s | error | measured hit rate | "
-             "predicted hit rate | measured uploads/token | predicted uploads/token |",
+             "| --vram-budget | cache MiB granted / placed by the what-if | role | measured t/s | predicted t/s | error | "
+             "measured hit rate | predicted hit rate | measured uploads/token | predicted uploads/token |",
              "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     out = []
     for r, ln in zip(rows, table):
         cells = [x.strip() for x in ln.strip("|").split("|")]
-        pred_ts, pred_hit, pred_up = float(cells[-1]), float(cells[3].rstrip("%")) / 100, float(cells[-2])
+        pred_ts, pred_hit, pred_up = float(cells[-1]), float(cells[5].rstrip("%")) / 100, float(cells[-2])
+        placed = parse_size(cells[2], "cache") / 2**20 if cells[2][:1].isdigit() else float("nan")
         err = pred_ts / r["avg_ts"] - 1
         role = "calibration" if r["vram_budget_gib"] in cal_at else "check"
-        lines.append(f"| {r['vram_budget_gib']:g} GiB | {r['moe_cache_mib_granted']:.0f} | {role} | {r['avg_ts']:.1f} | "
+        lines.append(f"| {r['vram_budget_gib']:g} GiB | {r['moe_cache_mib_granted']:.1f} / {placed:.1f} | {role} | "
+                     f"{r['avg_ts']:.1f} | "
                      f"{pred_ts:.1f} | {100 * err:+.1f}% | {r['hit_rate']:.4f} | {pred_hit:.4f} | "
                      f"{r['uploads_per_token']:.2f} | {pred_up:.2f} |")
-        out.append({**r, "role": role, "predicted_ts": pred_ts, "predicted_hit_rate": pred_hit,
-                    "predicted_uploads_per_token": pred_up, "error": err})
+        out.append({**r, "role": role, "placed_cache_mib": placed, "predicted_ts": pred_ts,
+                    "predicted_hit_rate": pred_hit, "predicted_uploads_per_token": pred_up, "error": err})
     text = "\n".join(lines) + "\n\nprofile's output:\n\n" + "\n".join(f"    {ln}" for ln in p.stdout.splitlines()) + "\n"
     print(text)
     if a.out:

@@ -132,7 +132,7 @@ def test_what_if_equals_the_replay_module_and_is_monotonic(real_trace, tmp_path)
                  "--link-gbps", "25", "--step-ms", "10")
     assert r.exit_code == 0, r.output
     assert "UNCALIBRATED" in r.stdout
-    table = [ln for ln in r.stdout.splitlines() if ln.startswith("| 1")]
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("| | | 1")]
     assert len(table) == 1 and (f"| {100 * first.ours.hit_rate:.1f}% | {100 * first.lru.hit_rate:.1f}% | "
                                 f"{100 * first.static_hit_rate:.1f}% |") in table[0]
     assert f"| {first.tokens_per_s:.1f} |" in table[0]
@@ -251,3 +251,40 @@ def test_bad_input_is_one_error_line(args, msg):
     assert r.exit_code == 1, r.output
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], r.stderr
+
+
+def test_cache_at_vram_is_what_the_placement_grants():
+    """--what-if-vram: a VRAM size becomes the cache the placement grants a run at that budget: the
+    VRAM the placement uses (95% of it less the 1 GiB reserve and the float32 prompt scratch) less
+    the dense weights, KV cache and output, in whole experts (the rule of moecache/placement.py,
+    worked by hand here); a model that fits whole caches every expert; more VRAM, more cache."""
+    from facts import LARGEST_F32, OUTPUT, moe_facts
+
+    from moecache.moe.profile import cache_at_vram
+    from moecache.probe import HostInfo
+    from moecache.settings import Settings
+
+    GiB = 1 << 30
+    host = HostInfo("test cpu", 16, 32, 128 * GiB, 120 * GiB)
+    f = moe_facts(17 * GiB, 16 * GiB, 40960, 96 * 1024)
+    c = cache_at_vram(f, 8 * GiB, Settings(n_ctx=512), host)
+    usable = int(8 * GiB * 0.95) - GiB - LARGEST_F32
+    dense = (17 * GiB - 16 * GiB - OUTPUT) // 48 * 48 + OUTPUT + 512 * (96 * 1024 // 48) * 48
+    assert not c.fits and c.n_ctx == 512
+    assert c.cache_bytes == (usable - dense) // f.expert_each * f.expert_each
+    sizes = [cache_at_vram(f, v * GiB, Settings(n_ctx=512), host).cache_bytes for v in (4, 8, 12, 16)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    whole = cache_at_vram(f, 40 * GiB, Settings(), host)
+    assert whole.fits and whole.cache_bytes == f.expert_bytes and whole.n_ctx == 40960
+
+
+def test_cli_what_if_vram(tiny, real_trace, tmp_path):
+    """--what-if-vram needs -m, and prints each size's context and cache (all experts when it fits)."""
+    path = tmp_path / "real.npz"
+    real_trace.save(path)
+    r = _profile("--trace-in", str(path), "--what-if-vram", "8GiB", "--expert-mib", "0.3")
+    assert r.exit_code == 1 and "--what-if-vram needs the model" in r.output
+    r = _profile("-m", str(tiny), "-p", PROMPT, "-n", "4", "--what-if-vram", "40GiB", "--link-gbps", "25")
+    assert r.exit_code == 0, r.output
+    row = [ln for ln in r.stdout.splitlines() if ln.startswith("| 40GiB |")]
+    assert len(row) == 1 and "| all experts fit |" in row[0] and "| 100.0% |" in row[0]

@@ -426,6 +426,9 @@ def profile(
                                                  "size (needs matplotlib: the plot extra).")] = None,
     what_if: Annotated[Optional[str], typer.Option("--what-if", help="Expert-cache sizes, e.g. 4GiB,8GiB: predicted hit "
                                                    "rate and decode t/s each.")] = None,
+    what_if_vram: Annotated[Optional[str], typer.Option("--what-if-vram", help="VRAM sizes, e.g. 8GiB,12GiB: each "
+                                                        "placed as run --vram-budget SIZE would (needs -m), then "
+                                                        "the what-if of the expert cache it gets.")] = None,
     calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="What-if: fit the step and miss times to "
                                                       "decode runs of this machine (moecache bench -o jsonl with "
                                                       "an expert cache, -p 0 -n N).")] = None,
@@ -459,7 +462,7 @@ def profile(
                                        temp=temp, trace_out=trace, trace_in=trace_in, plot=plot, what_if=what_if,
                                        save=save, load_profile=load_profile, step_ms=step_ms, link_gbps=link_gbps,
                                        expert_mib=expert_mib, max_tokens=max_tokens, calibrate=calibrate,
-                                       n_gen_warmup=n_gen_warmup, escape=escape,
+                                       n_gen_warmup=n_gen_warmup, what_if_vram=what_if_vram, escape=escape,
                                        verbose=verbose), settings)
     _user_errors(body)
 

@@ -43,19 +43,20 @@ class ProfileOptions:
     max_tokens: int | None = None
     calibrate: Path | None = None
     n_gen_warmup: int = 0
+    what_if_vram: str | None = None
     escape: bool = True
     verbose: bool = False
 
 
-def parse_budgets(text: str) -> list[int]:
-    """``4GiB,8GiB,...`` -> bytes each (MiB when unitless); ValueError naming --what-if."""
+def parse_budgets(text: str, flag: str = "--what-if") -> list[int]:
+    """``4GiB,8GiB,...`` -> bytes each (MiB when unitless); ValueError naming ``flag``."""
     from moecache.sizes import parse_size
 
     out = []
     for part in text.split(","):
-        b = parse_size(part, "--what-if")
+        b = parse_size(part, flag)
         if b <= 0:
-            raise ValueError(f"--what-if {text!r}: each budget must be a size > 0, e.g. 4GiB,8GiB")
+            raise ValueError(f"{flag} {text!r}: each size must be > 0, e.g. 4GiB,8GiB")
         out.append(b)
     return out
 
@@ -102,6 +103,9 @@ def profile_command(o: ProfileOptions, settings) -> None:
     if o.trace_in is not None and settings.routing:
         raise UserError("--routing profiles a model run; with --trace-in the trace is the routing")
     budgets = parse_budgets(o.what_if) if o.what_if else []
+    vram = parse_budgets(o.what_if_vram, "--what-if-vram") if o.what_if_vram else []
+    if vram and o.model is None:
+        raise UserError("--what-if-vram needs the model to place: give -m MODEL")
     plt = _need_matplotlib() if o.plot is not None else None
     if o.n_predict < 0:
         raise UserError(f"-n/--n-predict must be >= 0 for profile, got {o.n_predict}")
@@ -135,7 +139,7 @@ def profile_command(o: ProfileOptions, settings) -> None:
     if trace is not None and o.expert_mib is not None:
         trace = Trace(trace.routes, trace.weights, trace.n_expert, int(o.expert_mib * 2**20), trace.tokens)
 
-    if budgets and trace is None:
+    if (budgets or vram) and trace is None:
         raise UserError("--what-if needs a trace: prompts (-p/-f) or --trace-in FILE")
     counts = usage_counts(trace.routes, trace.n_expert) if trace is not None else None
     n_tokens = trace.n_tokens if trace is not None else 0
@@ -155,8 +159,9 @@ def profile_command(o: ProfileOptions, settings) -> None:
 
     print_heatmap(counts, n_tokens)
     print_skew(counts)
-    if budgets:
-        print_what_if(trace, budgets, o, probe)
+    if budgets or vram:
+        placed = vram_caches(o.model, vram, settings, probe) if vram else []
+        print_what_if(trace, budgets + [v.cache_bytes for v in placed], o, probe, placed)
     if o.trace_out is not None and trace is not None:
         trace.save(o.trace_out)
         note(f"trace: {trace.n_layer} layers x {trace.n_tokens} tokens x top-{trace.routes.shape[2]} written to "
@@ -313,9 +318,29 @@ def what_if_policy(trace, o: ProfileOptions, probe):
     return cfg, probe
 
 
-def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe) -> None:
-    """The what-if table: per expert-cache budget, slots, hit rates (ours, LRU, best static) and the
-    predicted t/s (calibrated with ``--calibrate``)."""
+def vram_caches(model: Path, vram: list[int], settings, probe) -> list:
+    """Per VRAM size, the expert cache ``run --vram-budget SIZE`` would get on this host
+    (:func:`moecache.moe.profile.cache_at_vram`: the resolution and the placement)."""
+    from moecache.gguf_file import open_gguf
+    from moecache.moe.profile import cache_at_vram
+    from moecache.probe import host_info
+    from moecache.settings import model_facts
+
+    host = probe.host if probe is not None else host_info()
+    with open_gguf(resolve_model(model)) as g:
+        facts = model_facts(g, settings.kv_type())
+    if not facts.expert_each:
+        raise UserError(f"--what-if-vram: {Path(model).name} has no routed experts")
+    try:
+        return [cache_at_vram(facts, v, settings, host) for v in vram]
+    except ValueError as e:
+        raise UserError(f"--what-if-vram: {e}") from None
+
+
+def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe, placed: list | None = None) -> None:
+    """The what-if table: per expert-cache size (``--what-if``, then the caches of ``placed``, the
+    :class:`moecache.moe.profile.VramCache` of each ``--what-if-vram`` size), slots, hit rates
+    (ours, LRU, best static) and the predicted t/s (calibrated with ``--calibrate``)."""
     from moecache.moe.profile import what_if
 
     if trace is None:
@@ -330,13 +355,21 @@ def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe) -> None:
     print(f"what-if on {trace.n_tokens} tokens ({trace.n_layer} layers x {trace.n_expert} experts, "
           f"{trace.expert_bytes / 2**20:.2f} MiB each); every token replayed as one decode step{warm}")
     print(line)
-    print("| cache | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | misses/token "
-          "| uploads/token | predicted t/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in what_if(trace, budgets, cost, cfg, warmup=o.n_gen_warmup):
+    placed = placed or []
+    n_given = len(budgets) - len(placed)
+    if placed:
+        print("VRAM: the expert cache run --vram-budget SIZE gets (the resolution and the placement, with the KV "
+              "cache of the context it resolves; -c sets it)")
+    print("| VRAM | -c | cache | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | "
+          "misses/token | uploads/token | predicted t/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for i, r in enumerate(what_if(trace, budgets, cost, cfg, warmup=o.n_gen_warmup)):
         total = trace.n_layer * trace.n_expert
         per = max(1, r.ours.tokens)
-        print(f"| {_size(r.budget_bytes)} | {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
+        v = placed[i - n_given] if i >= n_given else None
+        where = (f"| {_size(v.vram_bytes)} | {v.n_ctx} " + ("| all experts fit " if v.fits else "")) if v else "| | "
+        cache = "" if v is not None and v.fits else f"| {_size(r.budget_bytes)} "
+        print(f"{where}{cache}| {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
               f"{100 * r.ours.hit_rate:.1f}% | {100 * r.lru.hit_rate:.1f}% | {100 * r.static_hit_rate:.1f}% | "
               f"{r.ours.misses / per:.2f} | {r.ours.uploads / per:.2f} | {r.tokens_per_s:.1f} |")
 

@@ -350,6 +350,46 @@ def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig
     return rows
 
 
+@dataclass(frozen=True)
+class VramCache:
+    """The expert cache a GPU of ``vram_bytes`` gives a model (:func:`cache_at_vram`).
+
+    Attributes:
+        vram_bytes: the GPU's usable memory (as ``--vram-budget``).
+        cache_bytes: the expert cache's slots x bytes of one expert; every expert's bytes when the
+            whole model fits (then every routed pair is a hit).
+        n_ctx: the context the run resolves to (its KV cache is counted).
+        fits: the whole model fits on the GPU (no cache: every expert resident).
+    """
+
+    vram_bytes: int
+    cache_bytes: int
+    n_ctx: int
+    fits: bool
+
+
+def cache_at_vram(facts: Any, vram_bytes: int, settings: Any, host: Any) -> VramCache:
+    """What ``run --vram-budget VRAM`` would place: :func:`moecache.settings.resolve` and
+    :func:`moecache.placement.plan` (the one authority on what fits) for a GPU of ``vram_bytes``
+    free, with ``settings`` (``-c`` and the KV type) and ``host`` (a
+    :class:`moecache.probe.HostInfo`). ``facts``: the model's :class:`moecache.settings.ModelFacts`."""
+    from dataclasses import replace
+
+    from moecache.placement import plan
+    from moecache.probe import GpuInfo, Probe
+    from moecache.settings import resolve
+
+    gpu = GpuInfo(0, "what-if", "", int(vram_bytes), int(vram_bytes))
+    res = resolve(replace(settings, vram_budget=int(vram_bytes)), facts, Probe(host, (gpu,)))
+    ctx = res.n_ctx or facts.context_length
+    pl = plan(res.placement, facts.sizes.with_context(ctx), [int(vram_bytes)])
+    on = [e for e, d in zip(pl.experts_on_device, facts.sizes.experts) if d]
+    if on and all(on):
+        return VramCache(int(vram_bytes), facts.expert_bytes, ctx, True)
+    slots = sum(n for _, n in pl.cache_slots)
+    return VramCache(int(vram_bytes), slots * facts.expert_each, ctx, False)
+
+
 def hit_rate_curve(trace: Trace, fractions: list[float],
                    cfg: PolicyConfig = PolicyConfig()) -> list[tuple[float, float, float]]:
     """(fraction of all experts cached, our hit rate, LRU hit rate) at each fraction."""
