@@ -44,8 +44,14 @@ WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA 
 ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
 ATT_MAX_HEAD_DIM = 256
 ATT_WARPS = 4  # ATT_WARPS of ops.cu: warps per (head, query, key run) block of attn_decode
-ATT_KEYS_PER_SPLIT = 256  # attn_decode: one key run per this many positions of the KV cache ...
-ATT_MAX_SPLITS = 64  # ... at most this many runs (a 16k context: 64 runs of <= 256 keys)
+# attn_decode: one key run per this many positions of the KV cache, at least ATT_MIN_SPLITS and at
+# most ATT_MAX_SPLITS runs (a 16k context: 64 runs of <= 256 keys). A block's keys are a serial chain
+# of loads, so a short cache needs several runs too: tg128 of Qwen3-30B-A3B at -c 137 went 206 -> 280
+# t/s from 1 run to 8; more runs cost the merge at early positions (-c 4096: 278 t/s with 16, 257 with
+# 64) (H200, bench/results/decode-attn-splits-h200.md)
+ATT_KEYS_PER_SPLIT = 256
+ATT_MIN_SPLITS = 8
+ATT_MAX_SPLITS = 64
 GQA_THREADS = 128  # GQA_THREADS of ops.cu: threads (and keys per chunk) of an attn_gqa block
 GQA_MAX_G = 16  # GQA_MAX_G of ops.cu: most query heads per KV head attn_gqa takes
 GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_MAX_S of ops.cu) ...
@@ -72,8 +78,8 @@ def _gather_rows(src, idx, dst):  # dst[i] = src[idx[i]], rows split over the CP
 
 def att_splits(n_ctx: int) -> int:
     """Key runs per (head, query) of decode attention for a KV cache of ``n_ctx`` positions: one per
-    :data:`ATT_KEYS_PER_SPLIT` positions, 1 .. :data:`ATT_MAX_SPLITS`."""
-    return max(1, min(ATT_MAX_SPLITS, -(-n_ctx // ATT_KEYS_PER_SPLIT)))
+    :data:`ATT_KEYS_PER_SPLIT` positions, :data:`ATT_MIN_SPLITS` .. :data:`ATT_MAX_SPLITS`."""
+    return max(ATT_MIN_SPLITS, min(ATT_MAX_SPLITS, -(-n_ctx // ATT_KEYS_PER_SPLIT)))
 
 
 def gqa_splits(n_ctx: int) -> tuple[int, int]:
