@@ -265,8 +265,10 @@ def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -
     """The plan's verdict on whether the whole model fits: with ``-ngl`` auto and no ``--cpu-moe`` /
     ``--n-cpu-moe`` / expert cache, :func:`plan` puts every layer, the output and every routed expert
     on the GPUs (``opts``' split, main GPU and ``--vram-budget`` kept). The resolution of defaults
-    (:func:`moecache.settings.resolve`) reads this instead of comparing sizes itself, so "experts in
-    host RAM" is always what the placement then does. False without a GPU."""
+    (:func:`moecache.settings.resolve`) reads this instead of comparing sizes itself, so with the
+    default flags "experts in host RAM" is what the placement then does (``-ngl N``,
+    ``--moe-cache 0`` and ``--cpu-moe``/``-ncmoe`` place experts their own way). False without a
+    GPU."""
     if not gpu_free:
         return False
     whole = plan(replace(opts, n_gpu_layers=-1, cpu_moe=False, n_cpu_moe=0, moe_cache=0), sizes, gpu_free)

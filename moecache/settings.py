@@ -6,9 +6,11 @@ its flags, :func:`moecache.load` from keyword arguments. :func:`resolve` is a pu
 (settings, :class:`ModelFacts`, :class:`moecache.probe.Probe`) that gives every value the engine
 runs with and the reason for each (:class:`Resolved`). Whether a model fits in VRAM is the
 placement's verdict (:func:`moecache.placement.fits_whole`, on the ``--vram-budget``-capped free
-memory, with the KV cache of the context the run would use), never a comparison of its own. A MoE
-model whose whole placement does not fit at its trained context but does at ``-c`` 32768 runs at
-32768 with every expert on the GPUs (a note says so). The rules, for MoE models that do not fit
+memory, with the KV cache of the context the run would use), never a comparison of its own: with
+the default placement flags (``-ngl`` auto, no ``--cpu-moe``/``-ncmoe``, the expert cache on)
+"experts in host RAM" is then what the placement does. A MoE model that does not fit at its trained
+context but does at ``-c`` 32768 runs at 32768 with every expert on the GPUs (the ``-v`` reason
+says so). The rules, for MoE models that do not fit
 (everything else keeps llama.cpp's defaults):
 
 - ``-ub`` 2048 / 1024 / 512 when the largest GPU has >= 20 GiB / >= 10 GiB / less free VRAM;
@@ -239,8 +241,8 @@ class Resolved:
     Attributes:
         n_ctx: ``-c`` tokens (0 = the model's trained context); n_batch, n_ubatch: ``-b``, ``-ub``;
         n_threads: ``-t``; cache_type: the KV cache type; load_mode: "mmap" or "pin".
-        experts_in_ram: routed experts stay in host RAM (a MoE model larger than the free VRAM of all
-            GPUs: the automatic rules applied).
+        experts_in_ram: routed experts stay in host RAM (a MoE model that does not fit in the free
+            VRAM of its GPUs by the placement's verdict: the automatic rules applied).
         prompt_gpu: the GPU prompt ubatches of host experts go to (fastest link), None without GPU.
         placement: the placement flags with the prompt GPU.
         policy: the expert cache's policy costs (None for a dense model).
@@ -360,7 +362,10 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         free = budgeted_free([g.vram_free for g in gpus], placement.vram_budget)
         gpus = tuple(replace(g, vram_free=f) for g, f in zip(gpus, free))
     free_total = sum(g.vram_free for g in gpus)
-    big, lowered_ctx = _experts_in_ram(settings, model, placement, [g.vram_free for g in gpus])
+    # the raw free memory: the plan caps it by --vram-budget itself and splits layers by it, as the
+    # engine's plan does
+    raw_free = [g.vram_free for g in (() if placement.n_gpu_layers == 0 else probe.gpus)]
+    big, lowered_ctx = _experts_in_ram(settings, model, placement, raw_free)
     host = probe.host
     # -ub
     if settings.n_ubatch is not None:
@@ -386,7 +391,7 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
                             f"cache fit in VRAM (the placement's verdict)")
     elif big:
         ctx = _big_moe_ctx(model)
-        reasons["n_ctx"] = "32768 for MoE models larger than VRAM" + (
+        reasons["n_ctx"] = "32768 for MoE models that do not fit in VRAM" + (
             f" (capped at the trained {model.context_length})" if ctx < 32768 else "")
         from moecache.placement import RESERVE_BYTES
 

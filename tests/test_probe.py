@@ -197,24 +197,24 @@ def test_a_long_trained_context_is_lowered_when_the_model_then_fits():
     assert given.experts_in_ram and given.n_ctx == 262144  # an explicit -c is kept: the experts move instead
 
 
-@pytest.mark.parametrize("vram_gib", [8, 12, 24, 48, 80])
-@pytest.mark.parametrize("budget", [None, "10GiB"])
-def test_experts_in_ram_is_what_the_placement_then_does(vram_gib, budget):
-    """Over a grid of model sizes, trained contexts and -c: "experts in host RAM" is exactly the plan
-    the engine then makes at the resolved context (every routed expert off the GPU with the
-    expert cache), and "fits" is a plan with every expert on the GPU."""
+@pytest.mark.parametrize("gpus_gib", [(8,), (12,), (24,), (48,), (80,), (12, 12), (24, 16)])
+@pytest.mark.parametrize("flags", [{}, {"vram_budget": "10GiB"}, {"split_mode": "none"}])
+def test_experts_in_ram_is_what_the_placement_then_does(gpus_gib, flags):
+    """Over a grid of model sizes, trained contexts, -c, GPUs (one, two even, two uneven), a
+    --vram-budget and -sm none: "experts in host RAM" is exactly the plan the engine then makes at
+    the resolved context (every routed expert off the GPUs with an expert cache), and "fits" is a
+    plan with every layer and expert on the GPUs."""
     from moecache.placement import plan
 
-    checked = 0
+    free = [g * GiB for g in gpus_gib]
     for model_gib in (4, 9, 15, 20, 23, 30, 45, 70):
         for trained, ctx in ((40960, None), (262144, None), (8192, None), (40960, 4096), (40960, 0)):
             model = moe_facts(model_gib * GiB, (model_gib - 1) * GiB, trained, 96 * 1024)
-            r = resolve(Settings(n_ctx=ctx, vram_budget=budget), model, Probe(HOST, (gpu(0, vram_gib),)))
-            placed = plan(r.placement, model.sizes.with_context(r.n_ctx or trained), [vram_gib * GiB])
+            r = resolve(Settings(n_ctx=ctx, **flags), model, Probe(HOST, tuple(gpu(i, g) for i, g in enumerate(gpus_gib))))
+            placed = plan(r.placement, model.sizes.with_context(r.n_ctx or trained), free)
             on = placed.experts_on_device
+            case = (model_gib, trained, ctx, r.reasons)
             if r.experts_in_ram:
-                assert not any(on) and placed.cache_slots, (model_gib, trained, ctx, r.reasons)
+                assert not any(on) and placed.cache_slots, case
             else:
-                assert all(on) and placed.n_gpu_layers == 48, (model_gib, trained, ctx, r.reasons)
-            checked += 1
-    assert checked == 40
+                assert all(on) and placed.n_gpu_layers == 48, case

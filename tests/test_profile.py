@@ -163,9 +163,15 @@ def test_calibration_recovers_a_known_cost_model():
     assert one.miss_s == pytest.approx(eb / link)
     assert one.seconds_per_token(pts[0].misses_per_token, 9.0) == pytest.approx(pts[0].seconds_per_token)
     with pytest.raises(ValueError, match="not physical"):  # faster with more misses
-        calibrate([CalibrationPoint(0.010, 10, 0, 0), CalibrationPoint(0.005, 50, 0, 0)], eb, link)
+        calibrate([CalibrationPoint(0.010, 10, 0), CalibrationPoint(0.005, 50, 0)], eb, link)
     with pytest.raises(ValueError, match="no decode run"):
         calibrate([], eb, link)
+    good = rows[0]
+    for bad, msg in (({"avg_ts": 0}, "avg_ts must be a number > 0"), ({"avg_ts": None}, "avg_ts must be"),
+                     ({"avg_ts": "x"}, "avg_ts must be"), ({"hit_rate": 1.5}, "hit_rate must be between 0 and 1"),
+                     ({"uploads_per_token": -1}, "uploads_per_token must be")):
+        with pytest.raises(ValueError, match=f"record 2: {msg}"):
+            calibration_points([good, {**good, **bad}], 48, 8)
 
 
 def test_what_if_warmup_replays_then_counts(real_trace):
@@ -194,6 +200,22 @@ def test_cli_calibrate(real_trace, tmp_path):
     r = _profile(*args, "--calibrate", str(cal), "--n-gen-warmup", "64")
     assert r.exit_code == 0, r.output
     assert "fitted to 2 measured runs" in r.stdout and "UNCALIBRATED" not in r.stdout
+    # the table's t/s is the library's what-if under the fitted model
+    from moecache.cli.profile import ProfileOptions, what_if_policy
+    from moecache.moe.profile import calibrate, calibration_points
+
+    tr = real_trace_of(real_trace, eb)
+    fit = calibrate(calibration_points(rows, tr.n_layer, tr.routes.shape[2]), eb, 25e9)
+    machine, _ = what_if_policy(tr, ProfileOptions(link_gbps=25.0), None)
+    want = what_if(tr, [2400 * 1024], fit, machine, warmup=64)[0]
+    assert f"| {want.tokens_per_s:.1f} |" in r.stdout
+    zero = tmp_path / "zero.jsonl"
+    zero.write_text(json.dumps({**rows[0], "avg_ts": 0}) + "\n")
+    r = _profile(*args, "--calibrate", str(zero))
+    assert r.exit_code == 1 and "record 1: avg_ts must be a number > 0" in r.output
+    assert r.output.count("error:") == 1 and "Traceback" not in r.output
+    r = _profile("--trace-in", str(path), "--expert-mib", "0.3", "--calibrate", str(cal))
+    assert r.exit_code == 0 and "--calibrate ignored" in r.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
     r = _profile(*args, "--calibrate", str(bad))
@@ -287,4 +309,8 @@ def test_cli_what_if_vram(tiny, real_trace, tmp_path):
     r = _profile("-m", str(tiny), "-p", PROMPT, "-n", "4", "--what-if-vram", "40GiB", "--link-gbps", "25")
     assert r.exit_code == 0, r.output
     row = [ln for ln in r.stdout.splitlines() if ln.startswith("| 40GiB |")]
-    assert len(row) == 1 and "| all experts fit |" in row[0] and "| 100.0% |" in row[0]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[2] == "all experts fit" and cells[5] == "100.0%" and cells[8:10] == ["0.00", "0.00"]
+    r = _profile("-m", str(tiny), "-p", PROMPT, "-n", "4", "--what-if-vram", "1MiB", "--link-gbps", "25")
+    assert r.exit_code == 0, r.output
+    assert "| 1MiB |" in r.stdout and "no layer fits: runs on the CPU" in r.stdout

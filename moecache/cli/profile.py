@@ -106,6 +106,11 @@ def profile_command(o: ProfileOptions, settings) -> None:
     vram = parse_budgets(o.what_if_vram, "--what-if-vram") if o.what_if_vram else []
     if vram and o.model is None:
         raise UserError("--what-if-vram needs the model to place: give -m MODEL")
+    calibration = read_calibration(o.calibrate) if o.calibrate is not None else None  # before a long recording
+    if not (budgets or vram):
+        for flag, given in (("--calibrate", o.calibrate is not None), ("--n-gen-warmup", o.n_gen_warmup > 0)):
+            if given:
+                note(f"note: {flag} ignored: it sets up the what-if (--what-if or --what-if-vram)")
     plt = _need_matplotlib() if o.plot is not None else None
     if o.n_predict < 0:
         raise UserError(f"-n/--n-predict must be >= 0 for profile, got {o.n_predict}")
@@ -140,7 +145,7 @@ def profile_command(o: ProfileOptions, settings) -> None:
         trace = Trace(trace.routes, trace.weights, trace.n_expert, int(o.expert_mib * 2**20), trace.tokens)
 
     if (budgets or vram) and trace is None:
-        raise UserError("--what-if needs a trace: prompts (-p/-f) or --trace-in FILE")
+        raise UserError("--what-if/--what-if-vram need a trace: prompts (-p/-f) or --trace-in FILE")
     counts = usage_counts(trace.routes, trace.n_expert) if trace is not None else None
     n_tokens = trace.n_tokens if trace is not None else 0
     if o.load_profile is not None:
@@ -157,15 +162,15 @@ def profile_command(o: ProfileOptions, settings) -> None:
             n_tokens += prof.tokens
             note(f"note: --load-profile {o.load_profile}: {prof.tokens} tokens of usage added")
 
+    if o.trace_out is not None and trace is not None:  # first: a failing what-if keeps the recording
+        trace.save(o.trace_out)
+        note(f"trace: {trace.n_layer} layers x {trace.n_tokens} tokens x top-{trace.routes.shape[2]} written to "
+             f"{o.trace_out} (replay it with --routing {o.trace_out})")
     print_heatmap(counts, n_tokens)
     print_skew(counts)
     if budgets or vram:
         placed = vram_caches(o.model, vram, settings, probe) if vram else []
-        print_what_if(trace, budgets + [v.cache_bytes for v in placed], o, probe, placed)
-    if o.trace_out is not None and trace is not None:
-        trace.save(o.trace_out)
-        note(f"trace: {trace.n_layer} layers x {trace.n_tokens} tokens x top-{trace.routes.shape[2]} written to "
-             f"{o.trace_out} (replay it with --routing {o.trace_out})")
+        print_what_if(trace, budgets + [v.cache_bytes for v in placed], o, probe, placed, calibration)
     if o.save:
         if key is None:
             raise UserError("--save needs the model: give -m MODEL")
@@ -274,7 +279,7 @@ def read_calibration(path: Path) -> list[dict]:
     return rows
 
 
-def what_if_cost(trace, o: ProfileOptions, probe):
+def what_if_cost(trace, o: ProfileOptions, probe, calibration: list[dict] | None = None):
     """The what-if's :class:`moecache.moe.profile.CostModel`: fitted to ``--calibrate`` runs, or
     ``--step-ms`` / the placeholder step with misses and uploads at the link rate; and the line
     that says which."""
@@ -283,9 +288,9 @@ def what_if_cost(trace, o: ProfileOptions, probe):
     link, src = _link_rate(o, probe)
     mib = trace.expert_bytes / 2**20
     if o.calibrate is not None:
-        pts = calibration_points(read_calibration(o.calibrate), trace.n_layer, trace.routes.shape[2])
+        rows = calibration if calibration is not None else read_calibration(o.calibrate)
         try:
-            cost = calibrate(pts, trace.expert_bytes, link)
+            cost = calibrate(calibration_points(rows, trace.n_layer, trace.routes.shape[2]), trace.expert_bytes, link)
         except ValueError as e:
             raise UserError(f"--calibrate {o.calibrate}: {e}") from None
         line = (f"cost model: s/token = {cost.step_s * 1e3:.3f} ms step + misses/token x {cost.miss_s * 1e6:.1f} us + "
@@ -302,16 +307,20 @@ def what_if_cost(trace, o: ProfileOptions, probe):
 
 def what_if_policy(trace, o: ProfileOptions, probe):
     """The policy costs a run on this machine resolves (:func:`moecache.settings.policy_config`: the
-    expert size, physical cores less one per GPU, the link), fixed budget (a replay has no token
-    times); the link of ``--link-gbps`` when given."""
+    expert size, physical cores less one per GPU, the link; fixed values under
+    ``MOECACHE_DETERMINISTIC=1``), fixed budget (a replay has no token times); the link of
+    ``--link-gbps`` when given (no GPU is probed then)."""
     import dataclasses as dc
+    import os
 
-    from moecache.probe import startup_probe
+    from moecache.probe import Probe, host_info, startup_probe
     from moecache.settings import policy_config
 
-    probe = probe or startup_probe()
+    if probe is None:  # --link-gbps gives the link: the GPUs are not probed for it
+        probe = Probe(host_info()) if o.link_gbps is not None else startup_probe()
     threads = max(1, probe.host.physical_cores - len(probe.gpus))
-    cfg = policy_config(trace.expert_bytes, probe, window=None, deterministic=False, n_threads=threads, prompt_gpu=0)
+    det = os.environ.get("MOECACHE_DETERMINISTIC") == "1"
+    cfg = policy_config(trace.expert_bytes, probe, window=None, deterministic=det, n_threads=threads, prompt_gpu=0)
     cfg = dc.replace(cfg, adaptive=False)
     if o.link_gbps is not None:
         cfg = dc.replace(cfg, t_upload=trace.expert_bytes / (o.link_gbps * 1e9))
@@ -337,7 +346,8 @@ def vram_caches(model: Path, vram: list[int], settings, probe) -> list:
         raise UserError(f"--what-if-vram: {e}") from None
 
 
-def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe, placed: list | None = None) -> None:
+def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe, placed: list | None = None,
+                  calibration: list[dict] | None = None) -> None:
     """The what-if table: per expert-cache size (``--what-if``, then the caches of ``placed``, the
     :class:`moecache.moe.profile.VramCache` of each ``--what-if-vram`` size), slots, hit rates
     (ours, LRU, best static) and the predicted t/s (calibrated with ``--calibrate``)."""
@@ -350,7 +360,7 @@ def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe, placed: l
     if o.n_gen_warmup >= trace.n_tokens:
         raise UserError(f"--n-gen-warmup {o.n_gen_warmup}: the trace has {trace.n_tokens} tokens, none would be counted")
     cfg, probe = what_if_policy(trace, o, probe)
-    cost, line = what_if_cost(trace, o, probe)
+    cost, line = what_if_cost(trace, o, probe, calibration)
     warm = f", the first {o.n_gen_warmup} only fill the cache" if o.n_gen_warmup else ""
     print(f"what-if on {trace.n_tokens} tokens ({trace.n_layer} layers x {trace.n_expert} experts, "
           f"{trace.expert_bytes / 2**20:.2f} MiB each); every token replayed as one decode step{warm}")
@@ -363,13 +373,19 @@ def print_what_if(trace, budgets: list[int], o: ProfileOptions, probe, placed: l
     print("| VRAM | -c | cache | slots | % of experts | hit rate (ours) | hit rate (LRU) | hit rate (best static) | "
           "misses/token | uploads/token | predicted t/s |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    total = trace.n_layer * trace.n_expert
     for i, r in enumerate(what_if(trace, budgets, cost, cfg, warmup=o.n_gen_warmup)):
-        total = trace.n_layer * trace.n_expert
-        per = max(1, r.ours.tokens)
         v = placed[i - n_given] if i >= n_given else None
-        where = (f"| {_size(v.vram_bytes)} | {v.n_ctx} " + ("| all experts fit " if v.fits else "")) if v else "| | "
-        cache = "" if v is not None and v.fits else f"| {_size(r.budget_bytes)} "
-        print(f"{where}{cache}| {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
+        if v is not None and not v.on_gpu:
+            print(f"| {_size(v.vram_bytes)} | {v.n_ctx} | no layer fits: runs on the CPU | | | | | | | | |")
+            continue
+        if v is not None and v.fits:  # every expert resident: no misses, no uploads
+            print(f"| {_size(v.vram_bytes)} | {v.n_ctx} | all experts fit | {total} | 100.0% | 100.0% | 100.0% | "
+                  f"100.0% | 0.00 | 0.00 | {1.0 / cost.step_s:.1f} |")
+            continue
+        per = max(1, r.ours.tokens)
+        where = f"| {_size(v.vram_bytes)} | {v.n_ctx} " if v is not None else "| | "
+        print(f"{where}| {_size(r.budget_bytes)} | {r.n_slots} | {100 * r.n_slots / total:.1f}% | "
               f"{100 * r.ours.hit_rate:.1f}% | {100 * r.lru.hit_rate:.1f}% | {100 * r.static_hit_rate:.1f}% | "
               f"{r.ours.misses / per:.2f} | {r.ours.uploads / per:.2f} | {r.tokens_per_s:.1f} |")
 

@@ -234,25 +234,36 @@ class CalibrationPoint:
         seconds_per_token: 1 / avg_ts.
         misses_per_token: (1 - hit_rate) x MoE layers x experts per token.
         uploads_per_token: the row's ``uploads_per_token``.
-        cache_bytes: the row's granted expert cache (``moe_cache_mib_granted``), bytes.
     """
 
     seconds_per_token: float
     misses_per_token: float
     uploads_per_token: float
-    cache_bytes: int
 
 
 def calibration_points(rows: list[dict], n_moe_layers: int, k: int) -> list[CalibrationPoint]:
     """The decode rows of ``moecache bench -o jsonl`` records that ran with an expert cache
-    (``n_prompt`` 0, ``n_gen`` > 0, no depth, a ``hit_rate``); others are skipped."""
+    (``n_prompt`` 0, ``n_gen`` > 0, no depth, a ``hit_rate``); others are skipped.
+
+    Raises:
+        ValueError: such a row whose ``avg_ts`` is not a finite number > 0, whose ``hit_rate`` is
+            not in [0, 1] or whose ``uploads_per_token`` is not a number >= 0 (it names the row).
+    """
+    def number(r: dict, key: str, i: int, ok: Any, what: str) -> float:
+        v = r.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"record {i}: {key} must be {what}, got {v!r}")
+        return float(v)
+
     out = []
-    for r in rows:
+    for i, r in enumerate(rows, 1):
         if r.get("n_prompt") or not r.get("n_gen") or r.get("n_depth") or r.get("hit_rate") is None:
             continue
-        out.append(CalibrationPoint(1.0 / float(r["avg_ts"]), (1.0 - float(r["hit_rate"])) * n_moe_layers * k,
-                                    float(r.get("uploads_per_token") or 0.0),
-                                    int(float(r.get("moe_cache_mib_granted") or 0) * 2**20)))
+        ts = number(r, "avg_ts", i, lambda v: v > 0, "a number > 0")
+        hit = number(r, "hit_rate", i, lambda v: 0 <= v <= 1, "between 0 and 1")
+        up = number({"uploads_per_token": r.get("uploads_per_token") or 0.0}, "uploads_per_token", i,
+                    lambda v: v >= 0, "a number >= 0")
+        out.append(CalibrationPoint(1.0 / ts, (1.0 - hit) * n_moe_layers * k, up))
     return out
 
 
@@ -276,6 +287,9 @@ def calibrate(points: list[CalibrationPoint], expert_bytes: int, link_bytes_per_
         miss_s = upload_s
         step_s = float(np.mean(y - m * miss_s))
         how = f"step time from {len(points)} measured run(s), misses at the link rate"
+        if step_s <= 0:
+            raise ValueError(f"calibration is not physical: the run(s) leave {step_s * 1e3:.3f} ms for the step once "
+                             f"their misses and uploads are paid at the link rate (is the link rate right?)")
     else:
         miss_s, step_s = (float(v) for v in np.polyfit(m, y, 1))
         how = f"step and miss times fitted to {len(points)} measured runs"
@@ -345,8 +359,8 @@ def what_if(trace: Trace, budgets: list[int], cost: CostModel, cfg: PolicyConfig
         ours, lru = replay_at(trace, n, cfg, warmup)
         per = max(1, ours.tokens)
         tps = 1.0 / cost.seconds_per_token(ours.misses / per, ours.uploads / per)
-        rows.append(WhatIfRow(b, n, ours, lru, static_hit_rate(usage_counts(trace.routes, trace.n_expert), n), tps,
-                              cost))
+        counted = usage_counts(trace.routes[:, warmup:], trace.n_expert)  # the tokens the hit rates count
+        rows.append(WhatIfRow(b, n, ours, lru, static_hit_rate(counted, n), tps, cost))
     return rows
 
 
@@ -360,12 +374,14 @@ class VramCache:
             whole model fits (then every routed pair is a hit).
         n_ctx: the context the run resolves to (its KV cache is counted).
         fits: the whole model fits on the GPU (no cache: every expert resident).
+        on_gpu: any layer is on the GPU (False: the run is on the CPU, no cache).
     """
 
     vram_bytes: int
     cache_bytes: int
     n_ctx: int
     fits: bool
+    on_gpu: bool = True
 
 
 def cache_at_vram(facts: Any, vram_bytes: int, settings: Any, host: Any) -> VramCache:
@@ -383,6 +399,8 @@ def cache_at_vram(facts: Any, vram_bytes: int, settings: Any, host: Any) -> Vram
     res = resolve(replace(settings, vram_budget=int(vram_bytes)), facts, Probe(host, (gpu,)))
     ctx = res.n_ctx or facts.context_length
     pl = plan(res.placement, facts.sizes.with_context(ctx), [int(vram_bytes)])
+    if not pl.n_gpu_layers:
+        return VramCache(int(vram_bytes), 0, ctx, False, on_gpu=False)
     on = [e for e, d in zip(pl.experts_on_device, facts.sizes.experts) if d]
     if on and all(on):
         return VramCache(int(vram_bytes), facts.expert_bytes, ctx, True)
