@@ -21,7 +21,7 @@ import psutil
 from moecache.backends import NumpyBackend
 from moecache.errors import InsufficientMemoryError, NonFiniteError
 from moecache.gguf_file import GGUFModel, open_gguf
-from moecache.kv_cache import ContextFullError
+from moecache.kv_cache import ContextFullError, KVCache
 from moecache.devices import gpu_free_bytes, make_backends
 from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
@@ -337,8 +337,48 @@ class Engine:
         """Empty the KV cache (start a new sequence)."""
         self.kv.clear()
 
-    def eval(self, tokens: list[int] | np.ndarray, logits: str | np.ndarray = "last") -> np.ndarray:
-        """Append ``tokens`` to the sequence, ``n_ubatch`` at a time.
+    def sequences(self, n: int) -> list[KVCache]:
+        """``n`` sequences that share this engine's KV cache memory, as llama-server's slots share
+        ``-c``: sequence i holds positions ``i*m .. (i+1)*m - 1`` of it, ``m = n_ctx // n``
+        (:meth:`KVCache.slice`); ``n`` = 1 is the engine's own cache. Give them to :meth:`eval`
+        (``kv=``) and :meth:`decode` one at a time or together; do not use the engine's own
+        sequence (:meth:`generate`, :meth:`eval` without ``kv``) meanwhile.
+
+        Raises:
+            ValueError: ``n`` < 1 or more sequences than positions.
+        """
+        if n < 1 or n > self.n_ctx:
+            raise ValueError(f"sequences({n}): between 1 and n_ctx {self.n_ctx}")
+        if n == 1:
+            return [self.kv]
+        m = self.n_ctx // n
+        return [self.kv.slice(i * m, m) for i in range(n)]
+
+    def decode(self, tokens: list[int] | np.ndarray, kvs: list[KVCache]) -> np.ndarray:
+        """One decode step of several sequences: token i appended to ``kvs[i]`` (from
+        :meth:`sequences`), all in one forward pass (continuous batching; one sequence runs as
+        :meth:`eval` does, through the CUDA graph where there is one).
+
+        Returns:
+            float32 (N, n_vocab): each token's logits.
+
+        Raises:
+            ContextFullError: a sequence is full (nothing is evaluated then).
+            ValueError: a count mismatch or an id outside the vocabulary.
+            NonFiniteError: a row of the logits holds NaN or inf.
+        """
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(kvs) == 1 and toks.size == 1:
+            return self.eval(toks, kv=kvs[0])
+        lg = self.model.forward_seqs(toks, list(kvs))
+        for i, k in enumerate(kvs):
+            self._check_logits(lg[i:i + 1], k.n_past - 1)
+        return lg
+
+    def eval(self, tokens: list[int] | np.ndarray, logits: str | np.ndarray = "last",
+             kv: KVCache | None = None) -> np.ndarray:
+        """Append ``tokens`` to the sequence (``kv``: one of :meth:`sequences`; default the engine's
+        own), ``n_ubatch`` at a time.
 
         Args:
             tokens: int ids.
@@ -350,10 +390,11 @@ class Engine:
             ValueError: empty input or an id outside the vocabulary.
             NonFiniteError: a forward pass's last logits row holds NaN or inf.
         """
+        kv = self.kv if kv is None else kv
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if toks.size == 0:
             raise ValueError("no tokens to evaluate")
-        self.kv.check_room(toks.size)
+        kv.check_room(toks.size)
         if isinstance(logits, str):
             rows = np.arange(toks.size) if logits == "all" else np.array([toks.size - 1])
         else:
@@ -362,8 +403,8 @@ class Engine:
         for i in range(0, toks.size, self.n_ubatch):
             part = toks[i:i + self.n_ubatch]
             want = rows[(rows >= i) & (rows < i + part.size)] - i
-            lg = self.model.forward(part, self.kv, logits=want)
-            self._check_logits(lg, self.kv.n_past - part.size + (int(want[-1]) if want.size else 0))
+            lg = self.model.forward(part, kv, logits=want)
+            self._check_logits(lg, kv.n_past - part.size + (int(want[-1]) if want.size else 0))
             if want.size:
                 out.append(lg)
         if not out:

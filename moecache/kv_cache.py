@@ -66,6 +66,20 @@ class KVCache:
     def n_ctx(self) -> int:
         return self.shape.n_ctx
 
+    def slice(self, start: int, n_ctx: int) -> KVCache:
+        """A cache of its own bookkeeping over positions ``start .. start + n_ctx - 1`` of this
+        one's buffers (views, no copy): the sequences of a server's slots share one allocation as
+        llama-server's do (``-c`` split over ``-np``). ValueError when the range is not inside."""
+        if not (0 <= start and 1 <= n_ctx and start + n_ctx <= self.n_ctx):
+            raise ValueError(f"slice({start}, {n_ctx}): outside a cache of {self.n_ctx} positions")
+        out = object.__new__(KVCache)
+        out.shape = KVShape(self.shape.n_layer, n_ctx, self.shape.n_head_kv, self.shape.head_dim, self.shape.head_dim_v)
+        out.xp = self.xp
+        out.k = [a[start:start + n_ctx] for a in self.k]
+        out.v = [a[start:start + n_ctx] for a in self.v]
+        out.n_past = 0
+        return out
+
     def check_room(self, n_tokens: int) -> None:
         """Raise ContextFullError unless ``n_tokens`` more positions fit."""
         if self.n_past + n_tokens > self.n_ctx:

@@ -810,3 +810,36 @@ def test_f16_kv_cache_on_the_gpu_matches_the_cpu_twin(gpu, tmp_path):
         got = np.vstack([g.eval(toks[:20], logits="all")] + [g.eval([int(t)]) for t in toks[20:]])
         assert g.model.decode_graph.failed is None and g.model.decode_graph.replays >= 9
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("preset,placement", [("tiny", {}), ("tiny-gemma3", {}), ("tiny", {"cpu_moe": True}),
+                                              ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 1})])
+def test_batched_decode_on_the_gpu_equals_each_sequence_alone(gpu, tmp_path, preset, placement):
+    """Continuous batching on the GPU (Engine.sequences/decode, as serve's slots run): three slot
+    sequences decoded together give each one's logits alone; a lone slot goes through the CUDA
+    graph (captured for that slot's cache); with every expert on the GPU, on the CPU, and behind an
+    expert cache (-ngl 99 --cpu-moe --moe-cache 1 MiB: the cache's decode kernels with 3 tokens)."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / f"{preset}.gguf"
+    write_model(path, P[preset], seed=7)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 200, n) for n in (5, 9, 3)]
+    steps = rng.integers(0, 200, (6, 3))
+    with Engine(path, EngineConfig(n_ctx=96), placement=PlacementOptions(**placement), gpu_act_q8=False) as eng:
+        kvs = eng.sequences(3)
+        ref = []
+        for i, p in enumerate(prompts):
+            rows = [eng.eval(p, kv=kvs[i])[-1]] + [eng.decode([t], [kvs[i]])[0] for t in steps[:, i]]
+            ref.append(np.array(rows))
+            kvs[i].clear()
+        got = [[eng.eval(p, kv=k)[-1]] for p, k in zip(prompts, kvs)]
+        for step in steps:
+            lg = eng.decode(step, kvs)
+            for i in range(3):
+                got[i].append(lg[i])
+    for i in range(3):
+        np.testing.assert_allclose(np.array(got[i]), ref[i], rtol=0, atol=1e-3 * np.abs(ref[i]).max())

@@ -95,9 +95,10 @@ def test_the_info_endpoints(server):
     models = _http(server, "GET", "/v1/models").json()
     assert models["data"][0]["id"] == "code-moe-tiny.gguf" and models["data"][0]["meta"]["n_ctx"] == 256
     props = _http(server, "GET", "/props").json()
-    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 256
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 64  # per slot
     slots = _http(server, "GET", "/slots").json()
-    assert slots[0]["n_ctx"] == 256 and slots[0]["is_processing"] is False
+    assert [s["id"] for s in slots] == [0, 1, 2, 3]  # -c 256 over -np 4, as llama-server splits it
+    assert slots[0]["n_ctx"] == 64 and slots[0]["is_processing"] is False
     toks = _http(server, "POST", "/tokenize", json={"content": PROMPT}).json()["tokens"]
     assert toks and _http(server, "POST", "/detokenize", json={"tokens": toks}).json()["content"] == PROMPT
     metrics = _http(server, "GET", "/metrics")
@@ -370,3 +371,28 @@ def test_stop_matcher_holds_back_what_may_start_a_stop_string():
     m = StopMatcher(["END"])
     assert m.push("E") == "" and m.push("gg") == "Egg" and m.push("EN") == "" and m.flush() == "EN"
     assert StopMatcher().push("any") == "any"
+
+
+def test_concurrent_clients_are_decoded_together_with_the_same_text(server):
+    """8 clients at once on 4 slots (4 run, 4 wait): each gets the greedy text it gets alone, and
+    the decode steps carried several sequences each (continuous batching)."""
+    client = _client(server)
+    prompts = [PROMPT, "class Stack:", "import os\n", "def add(a, b):", "# sort a list", "x = [", "for i in",
+               "print("]
+    alone = [client.completions.create(model="x", prompt=p, max_tokens=10, temperature=0).choices[0].text
+             for p in prompts]
+    steps0 = _metric(server, "moecache:decode_steps_total")
+    tokens0 = _metric(server, "moecache:decode_step_tokens_total")
+    out: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        out[i] = client.completions.create(model="x", prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [out.get(i) for i in range(len(prompts))] == alone
+    steps = _metric(server, "moecache:decode_steps_total") - steps0
+    tokens = _metric(server, "moecache:decode_step_tokens_total") - tokens0
+    assert steps > 0 and tokens / steps > 1.5, (steps, tokens)

@@ -285,8 +285,9 @@ def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8080,
-    n_parallel: Annotated[int, typer.Option("-np", "--parallel", min=1, max=4096, help="Requests that may wait while "
-                                            "one runs (more: 503). Requests run one at a time in this version.")] = 4,
+    n_parallel: Annotated[int, typer.Option("-np", "--parallel", min=1, max=4096, help="Slots: requests decoded "
+                                            "together, each with -c / -np positions (llama-server's split); as many "
+                                            "more may wait (beyond: 503).")] = 4,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="MOECACHE_API_KEY", help="Require "
                                                    "'Authorization: Bearer KEY' (also MOECACHE_API_KEY).")] = None,
     alias: Annotated[Optional[str], typer.Option("-a", "--alias", help="Model name in the API (default: the file name).")] = None,

@@ -74,8 +74,10 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
                                    res.finish_reason == "cancelled")
             state.llm, state.template = llm, tmpl
             state.worker = Worker(llm, opts.n_parallel, done, note)
-            note(f"server: ready: model {state.model_id}, requests one at a time, up to {opts.n_parallel} waiting "
-                 f"(-np){', API key required' if opts.api_key else ''}")
+            w = state.worker
+            note(f"server: ready: model {state.model_id}, {opts.n_parallel} slot(s) of {w.n_ctx_slot} positions "
+                 f"decoded together (-np, -c {llm.engine.n_ctx}), up to {opts.n_parallel} more waiting"
+                 f"{', API key required' if opts.api_key else ''}")
         except BaseException as e:
             failed.append(e)
             server.should_exit = True
@@ -109,9 +111,6 @@ def make_server(config, state):
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if state.worker is not None:
-                state.worker.stopping.set()
-                cur = state.worker.current
-                if cur is not None:
-                    cur.cancel()
+                state.worker.cancel_all()
             super().handle_exit(sig, frame)
     return Server(config)

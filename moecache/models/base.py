@@ -67,11 +67,15 @@ class ForwardPass:
         pos_inputs: ``id(backend)`` -> that backend's int32 (T,) positions (uploaded once per
             backend; a CUDA graph passes its own persistent buffers).
         rope: (backend id, n_rot, base, freq_scale) -> that RoPE's cos/sin tables of this pass.
+        seqs: several sequences in one pass (a batched decode step): per sequence, its tokens'
+            rows ``(start, stop)`` and its :class:`KVCache`; empty = every token belongs to the
+            one cache the blocks are given.
     """
 
     pos: np.ndarray
     pos_inputs: dict[int, Any] = field(default_factory=dict)
     rope: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
+    seqs: tuple[tuple[int, int, KVCache], ...] = ()
 
 
 def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
@@ -256,12 +260,55 @@ class DecoderLM:
             hk.end_pass()
         return out
 
-    def body(self, tokens: Any, pos: np.ndarray, kv: KVCache, pos_inputs: dict[int, Any]) -> Any:
+    def forward_seqs(self, tokens: np.ndarray, kvs: list[KVCache]) -> np.ndarray:
+        """One decode step of several sequences in one pass: token ``i`` is appended to ``kvs[i]``
+        at its position ``kvs[i].n_past`` (continuous batching: the matrix products and the routed
+        experts run once for all of them; attention reads each sequence's own cache).
+
+        Args:
+            tokens: int (N,) one token id per sequence.
+            kvs: N distinct caches.
+
+        Returns:
+            float32 host array (N, n_vocab): each token's logits.
+
+        Raises:
+            ValueError: a count mismatch, a cache given twice or an id outside the vocabulary.
+            ContextFullError: a sequence is full (before any change).
+        """
+        c = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size != len(kvs) or tokens.size == 0:
+            raise ValueError(f"forward_seqs: {tokens.size} tokens for {len(kvs)} sequences")
+        if len({id(k) for k in kvs}) != len(kvs):
+            raise ValueError("forward_seqs: a sequence's cache is given twice")
+        if tokens.min() < 0 or tokens.max() >= c.n_vocab:
+            bad = tokens[(tokens < 0) | (tokens >= c.n_vocab)][0]
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
+        for k in kvs:
+            k.check_room(1)
+        pos = np.array([k.n_past for k in kvs], np.int64)
+        for hk in self.pass_hooks:
+            hk.begin_pass(tokens.size)
+        x = self.body(tokens, pos, None, {}, seqs=tuple((i, i + 1, k) for i, k in enumerate(kvs)))
+        for k in kvs:
+            k.advance(1)
+        y = self.head(x)
+        for hk in self.pass_hooks:
+            hk.launched()
+        out = self.be.to_host(y)
+        for hk in self.pass_hooks:
+            hk.end_pass()
+        return out
+
+    def body(self, tokens: Any, pos: np.ndarray, kv: KVCache | None, pos_inputs: dict[int, Any],
+             seqs: tuple[tuple[int, int, KVCache], ...] = ()) -> Any:
         """Embedding and every block: int (T,) tokens (host, or on layer 0's backend) at host positions
         ``pos`` -> hidden states float32 (T, n_embd) on the output backend, KV cache written.
         ``pos_inputs`` maps ``id(backend)`` to that backend's positions array; missing ones are
-        uploaded once (a CUDA graph passes its own persistent buffers)."""
-        fp = ForwardPass(pos, pos_inputs)
+        uploaded once (a CUDA graph passes its own persistent buffers). ``seqs``: the tokens of
+        several sequences (:attr:`ForwardPass.seqs`; ``kv`` is None then)."""
+        fp = ForwardPass(pos, pos_inputs, seqs=seqs)
         self._use(self.layer_be[0])
         x = self.be.embed(self.token_embd, tokens)
         s = self.embed_scale()
@@ -336,10 +383,18 @@ class DecoderLM:
         rope = self.rope_spec(il)
         cos, sin = self._rope_tables(rope, fp)
         p = self.positions(fp)
-        q = be.qk_rope_store(q, k, v, L["attn_q_norm"] if per_head else None, L["attn_k_norm"] if per_head else None,
-                             c.norm_eps, cos, sin, rope.neox, kv.k[il], kv.v[il], p)
-        o = be.attention(q, kv.k[il], kv.v[il], p, scale if scale is not None else 1.0 / math.sqrt(c.head_dim),
-                         window=self.window(il), softcap=c.attn_logit_softcapping if self.attn_softcap else None)
+        qn, kn = (L["attn_q_norm"], L["attn_k_norm"]) if per_head else (None, None)
+        scale = scale if scale is not None else 1.0 / math.sqrt(c.head_dim)
+        softcap = c.attn_logit_softcapping if self.attn_softcap else None
+        outs = []
+        for a, b, cache in fp.seqs or ((0, t, kv),):  # a batched step: each sequence reads its own cache
+            def rows(arr: Any) -> Any:
+                return arr if (a, b) == (0, t) else arr[a:b]
+            qs = be.qk_rope_store(rows(q), rows(k), rows(v), qn, kn, c.norm_eps, rows(cos), rows(sin), rope.neox,
+                                  cache.k[il], cache.v[il], rows(p))
+            outs.append(be.attention(qs, cache.k[il], cache.v[il], rows(p), scale, window=self.window(il),
+                                     softcap=softcap))
+        o = outs[0] if len(outs) == 1 else be.xp.concatenate(outs)
         return self._proj(L, "attn_output", o)
 
     def _rope_tables(self, rope: RopeSpec, fp: ForwardPass) -> tuple[Any, Any]:

@@ -38,7 +38,8 @@ class ServerState:
     Attributes:
         model_id: the name /v1/models and responses give (``--alias`` or the file name).
         api_key: ``--api-key`` (None: no key needed).
-        n_parallel: ``-np``: requests that may wait beyond the running one.
+        n_parallel: ``-np``: slots (requests decoded together, each with ``-c / -np`` positions); as
+            many more may wait for one.
         defaults: the server's :class:`moecache.sampling.SamplingParams` (the sampling flags).
         max_tokens: the default ``max_tokens`` (``-n``; -1 = until the end or a full context).
     """
@@ -151,24 +152,23 @@ def build_app(state: ServerState) -> Starlette:
     async def props(request: Request) -> Response:
         ready()
         eng = state.llm.engine
-        return _json({"default_generation_settings": {**asdict(state.defaults), "n_ctx": eng.n_ctx,
+        return _json({"default_generation_settings": {**asdict(state.defaults), "n_ctx": state.worker.n_ctx_slot,
                                                       "n_predict": state.max_tokens},
                       "total_slots": state.n_parallel, "model_path": str(eng.gguf.path), "model_alias": state.model_id,
                       "chat_template": state.template.name, "chat_template_source": state.template.source,
-                      "build_info": "moecache", "batching": "none: requests run one at a time"})
+                      "build_info": "moecache",
+                      "batching": "continuous: the slots' decode steps run as one forward pass"})
 
     async def slots(request: Request) -> Response:
         ready()
         w = state.worker
-        cur = w.current
-        return _json([{"id": 0, "n_ctx": state.llm.engine.n_ctx, "is_processing": cur is not None,
-                       "n_decoded": cur.n_decoded if cur is not None else 0,
-                       "n_prompt_tokens": len(cur.ids) if cur is not None else 0, "queued": w.n_waiting}])
+        return _json([{**slot, "queued": w.n_waiting} for slot in w.slots()])
 
     async def metrics(request: Request) -> Response:
         ready()
         w = state.worker
-        text = state.metrics.render(int(w.current is not None), w.n_waiting, state.llm.engine.caches)
+        text = state.metrics.render(w.n_processing, w.n_waiting, state.llm.engine.caches,
+                                    (w.decode_steps, w.decode_tokens))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:
@@ -206,9 +206,10 @@ def build_app(state: ServerState) -> Starlette:
             ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad("the prompt is empty", "prompt")
-        if len(ids) >= eng.n_ctx:
-            raise bad(f"the prompt is {len(ids)} tokens, the context is {eng.n_ctx} (-c): nothing left to "
-                      f"generate into", "prompt")
+        n_slot = state.worker.n_ctx_slot
+        if len(ids) >= n_slot:
+            raise bad(f"the prompt is {len(ids)} tokens, a slot's context is {n_slot} (-c {eng.n_ctx} over "
+                      f"-np {state.n_parallel}): nothing left to generate into", "prompt")
         return ids
 
     async def next_event(job: Job, request: Request) -> tuple[str, Any]:
@@ -231,7 +232,7 @@ def build_app(state: ServerState) -> Starlette:
             messages, prompt = None, parse_prompt(d, eng.tokenizer.n_vocab)
         gen = parse_gen(d, state.defaults, state.max_tokens, chat=chat)
         ids = await run_in_threadpool(prepare, prompt, messages)
-        room = eng.n_ctx - len(ids)
+        room = state.worker.n_ctx_slot - len(ids)
         if gen.max_tokens < 0 or gen.max_tokens > room:
             gen = replace(gen, max_tokens=room)
         job = Job(ids, gen, asyncio.get_running_loop())

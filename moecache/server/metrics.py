@@ -31,8 +31,9 @@ class Metrics:
         with self._lock:
             self.requests[outcome] += 1
 
-    def render(self, processing: int, waiting: int, caches: list[Any]) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
+    def render(self, processing: int, waiting: int, caches: list[Any], decode: tuple[int, int] = (0, 0)) -> str:
+        """Prometheus text exposition format (version 0.0.4); ``decode``: the worker's (decode
+        steps, tokens they decoded)."""
         rows: list[tuple[str, str, str, Any]] = [
             ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
             ("prompt_seconds_total", "counter", "Prompt processing time.", self.prompt_seconds),
@@ -44,6 +45,9 @@ class Metrics:
              self.predicted_tokens / self.predicted_seconds if self.predicted_seconds else 0.0),
             ("requests_processing", "gauge", "Requests being processed.", processing),
             ("requests_deferred", "gauge", "Requests waiting in the queue.", waiting),
+            ("decode_steps_total", "counter", "Decode forward passes (every generating slot in one).", decode[0]),
+            ("decode_step_tokens_total", "counter", "Tokens those passes decoded (per pass: the batch size).",
+             decode[1]),
         ]
         out = []
         for name, kind, help, value in rows:

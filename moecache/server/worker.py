@@ -1,10 +1,18 @@
-"""The one thread that owns the engine: requests wait in a bounded queue and run one at a time.
+"""The one thread that owns the engine: up to ``-np`` requests run at once in slots, more wait.
 
 The engine is not thread-safe, so only :class:`Worker`'s thread touches it. A request is a
 :class:`Job`; the worker sends its events (text pieces, then the end or an error) to the asyncio
-loop that serves the client. A job's ``cancelled`` flag (the client left, the server stops) is
-checked before it starts and at every generated token. Decode batching across requests is not
-built yet: this is the one-at-a-time version.
+loop that serves the client. Each of the ``-np`` slots is a sequence with its own part of the KV
+cache (``-c`` split evenly, as llama-server splits it: :meth:`moecache.engine.Engine.sequences`).
+
+Continuous batching: the thread loops over steps. A step takes waiting jobs into free slots,
+evaluates one prompt chunk (at most ``-ub`` tokens) of one slot still reading its prompt (slots
+take turns), then runs one decode step for every slot that is generating, all of them in one
+forward pass (:meth:`moecache.engine.Engine.decode`: one token per sequence, the matrix products
+and the routed experts shared, attention per sequence). A request joins or leaves between steps,
+and a long prompt costs the others one chunk per step, not the whole prompt. A job's
+``cancelled`` flag (the client left, the server stops) is checked before it starts and at every
+step; a cancelled job frees its slot at once.
 """
 
 from __future__ import annotations
@@ -93,12 +101,38 @@ class Job:
         self.cancelled.set()
 
 
+@dataclass
+class _Run:
+    """A job in a slot: its sequence, sampler, text stream and counters (the worker thread's own)."""
+
+    job: Job
+    slot: int
+    kv: Any
+    sampler: Any
+    stream: Any
+    stops: StopMatcher
+    left: list[int]  # prompt ids not evaluated yet
+    before: list[tuple[int, int, int]]  # the caches' (hits, misses, uploads) when it started
+    logprobs: list[TokenLogprob] | None
+    n_top: int = 0
+    parts: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # per kept token: characters of decoded text before it
+    decoded: int = 0
+    tokens: list[int] = field(default_factory=list)
+    next_tok: int | None = None  # sampled, to be evaluated at the next decode step
+    t_prompt: float = 0.0
+    predicted_s: float = 0.0
+    n_eval: int = 0
+
+
 class Worker:
-    """Runs jobs on ``llm`` (a :class:`moecache.llm.LLM`) one at a time, in its own thread.
+    """Runs jobs on ``llm`` (a :class:`moecache.llm.LLM`) in ``n_parallel`` slots, in its own thread
+    (the module docstring says how steps are made).
 
     Args:
         llm: the loaded model.
-        n_parallel: most jobs waiting beyond the running one; :meth:`submit` refuses more (503).
+        n_parallel: ``-np``: slots, each with ``n_ctx // n_parallel`` positions of the KV cache; as
+            many more jobs may wait for a slot, :meth:`submit` refuses beyond (503).
         on_done: called in the worker thread with (job, Result) after each finished job (metrics).
         log: one line per unexpected error (stderr).
     """
@@ -109,34 +143,65 @@ class Worker:
         self.on_done = on_done
         self.log = log
         self.stopping = threading.Event()
-        self.current: Job | None = None
+        if n_parallel > llm.engine.n_ctx:
+            raise ValueError(f"-np {n_parallel}: more slots than the context's {llm.engine.n_ctx} positions (-c)")
+        self.seqs = llm.engine.sequences(n_parallel)
+        self.runs: list[_Run | None] = [None] * n_parallel
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
+        self._turn = 0  # the slot whose prompt goes next (slots take turns)
+        self.decode_steps = 0  # decode forward passes, and the tokens they decoded (batch size = ratio)
+        self.decode_tokens = 0
         self._thread = threading.Thread(target=self._run, name="moecache-engine", daemon=True)
         self._thread.start()
 
     @property
+    def n_ctx_slot(self) -> int:
+        """Positions of each slot's sequence."""
+        return self.seqs[0].n_ctx
+
+    @property
     def n_waiting(self) -> int:
-        """Jobs admitted and not started."""
+        """Jobs admitted and not in a slot yet."""
         return self._waiting
+
+    @property
+    def n_processing(self) -> int:
+        """Jobs in slots."""
+        return sum(r is not None for r in self.runs)
+
+    def slots(self) -> list[dict[str, Any]]:
+        """llama-server's ``/slots``: per slot its id, context, whether it is busy, its tokens so far."""
+        out = []
+        for i, r in enumerate(list(self.runs)):
+            out.append({"id": i, "n_ctx": self.n_ctx_slot, "is_processing": r is not None,
+                        "n_decoded": r.job.n_decoded if r is not None else 0,
+                        "n_prompt_tokens": len(r.job.ids) if r is not None else 0})
+        return out
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ApiError 503 when the server stops or the queue is full."""
         with self._lock:
             if self.stopping.is_set():
                 raise ApiError(503, "the server is shutting down")
-            if self._waiting >= self.n_parallel:
-                raise ApiError(503, f"the server is busy: {self._waiting} requests already wait (-np {self.n_parallel})")
+            if self._waiting + self.n_processing >= 2 * self.n_parallel:  # the slots, and as many waiting
+                raise ApiError(503, f"the server is busy: {self.n_processing} requests run and {self._waiting} "
+                                    f"wait for a slot (-np {self.n_parallel})")
             self._waiting += 1
         self._q.put(job)
 
+    def cancel_all(self) -> None:
+        """Stop taking jobs and cancel the running ones at their next step (a shutdown's first move:
+        their clients get what was generated)."""
+        self.stopping.set()
+        for r in list(self.runs):
+            if r is not None:
+                r.job.cancel()
+
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel every job (running and waiting) and end the thread."""
-        self.stopping.set()
-        cur = self.current
-        if cur is not None:
-            cur.cancel()
+        self.cancel_all()
         self._q.put(None)
         self._thread.join(timeout)
 
@@ -144,104 +209,188 @@ class Worker:
         """Whether the engine's thread is still running (a :meth:`stop` that timed out)."""
         return self._thread.is_alive()
 
+    # ---- the engine's thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            job = self._q.get()
+        try:
+            while not self.stopping.is_set():
+                if not self._admit():
+                    break
+                self._step()
+        finally:
+            for r in self.runs:
+                if r is not None:
+                    self._finish(r, "cancelled")
+            while True:  # shutting down: say so to whoever still waits
+                try:
+                    job = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.emit("error", ApiError(503, "the server is shutting down"))
+
+    def _admit(self) -> bool:
+        """Move waiting jobs into free slots (waiting for one when every slot is idle); False when
+        the thread must end."""
+        while None in self.runs:
+            idle = all(r is None for r in self.runs)
+            try:
+                job = self._q.get() if idle else self._q.get_nowait()
+            except queue.Empty:
+                return True
             if job is None:
-                break
+                return False
             with self._lock:
                 self._waiting -= 1
             if job.cancelled.is_set() or self.stopping.is_set():
                 job.emit("error", ApiError(503, "the request was cancelled before it started"))
                 continue
-            self.current = job
+            slot = self.runs.index(None)  # the lowest free slot: a lone request keeps slot 0 (its CUDA graph)
             try:
-                res = self._generate(job)
+                self.runs[slot] = self._start(job, slot)
             except ApiError as e:
                 job.emit("error", e)
-                continue
-            except Exception as e:  # a request's failure must not end the server
-                self.log(f"error: request failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-                job.emit("error", ApiError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}"))
-                continue
-            finally:
-                self.current = None
-            try:
-                self.on_done(job, res)
-            except Exception as e:  # pragma: no cover - metrics must never break serving
-                self.log(f"error: metrics: {e}")
-            job.emit("done", res)
-        while True:  # shutting down: say so to whoever still waits
-            try:
-                job = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", ApiError(503, "the server is shutting down"))
+        return True
 
-    def _generate(self, job: Job) -> Result:
-        from moecache.kv_cache import ContextFullError
+    def _start(self, job: Job, slot: int) -> _Run:
         from moecache.sampling import Sampler
 
         eng = self.llm.engine
-        before = [(c.stats.hits, c.stats.misses, c.stats.uploads) for c in eng.caches]
-        sampler = Sampler(job.gen.sampling, eng.n_ctx)
+        kv = self.seqs[slot]
+        if len(job.ids) >= kv.n_ctx:
+            raise ApiError(400, f"the prompt is {len(job.ids)} tokens, a slot holds {kv.n_ctx} (-c {eng.n_ctx} over "
+                                f"-np {self.n_parallel}): nothing left to generate into")
+        kv.clear()
+        sampler = Sampler(job.gen.sampling, kv.n_ctx)
         if job.gen.ignore_eos and eng.tokenizer.eog_ids:
             sampler.sample = _without(sampler.sample, sorted(eng.tokenizer.eog_ids))
-        logprobs: list[TokenLogprob] | None = None
-        if job.gen.logprobs is not None:
-            logprobs, n_top, pick = [], job.gen.logprobs, sampler.sample
+        before = [(c.stats.hits, c.stats.misses, c.stats.uploads) for c in eng.caches]
+        lps = [] if job.gen.logprobs is not None else None
+        return _Run(job, slot, kv, sampler, eng.tokenizer.streamer(skip_special=True), StopMatcher(job.gen.stop),
+                    list(job.ids), before, lps, job.gen.logprobs or 0)
 
-            def sample_and_score(logits):  # the model's distribution: the raw logits of the step
-                tok = pick(logits)
-                logprobs.append(token_logprob(logits, tok, n_top))
-                return tok
-            sampler.sample = sample_and_score
-        stream = eng.tokenizer.streamer(skip_special=True)
-        stops = StopMatcher(job.gen.stop)
-        parts: list[str] = []
-        offsets: list[int] = []  # per kept token: characters of decoded text before it
-        decoded = [0]
+    def _step(self) -> None:
+        """One prompt chunk of one slot, then one decode step of every generating slot."""
+        for r in self.runs:
+            if r is not None and (r.job.cancelled.is_set() or self.stopping.is_set()):
+                self._finish(r, "cancelled")
+        prompting = [r for r in self.runs if r is not None and r.left]
+        if prompting:
+            r = min(prompting, key=lambda x: (x.slot - self._turn) % self.n_parallel)
+            self._turn = (r.slot + 1) % self.n_parallel
+            self._guarded([r], lambda: self._prompt_chunk(r))
+        ready = [r for r in self.runs if r is not None and r.next_tok is not None]
+        if ready:
+            self._guarded(ready, lambda: self._decode(ready))
 
-        def on_token(t: int) -> str | None:
-            job.n_decoded += 1
-            if job.cancelled.is_set() or self.stopping.is_set():
-                return "cancelled"
-            raw = stream.push(t)
-            offsets.append(decoded[0])
-            decoded[0] += len(raw)
-            piece = stops.push(raw)
-            if piece:
-                parts.append(piece)
-                job.emit("text", piece)
-            return "stop" if stops.hit is not None else None
+    def _guarded(self, runs: list[_Run], work: Callable[[], None]) -> None:
+        """Run ``work``; a failure ends ``runs`` with an error (the server goes on)."""
+        from moecache.kv_cache import ContextFullError
 
-        eng.reset()
-        t0 = time.perf_counter()
         try:
-            res = eng.generate(job.ids, sampler, job.gen.max_tokens, stop=on_token)
+            work()
         except ContextFullError as e:
-            raise ApiError(400, str(e)) from None
-        finally:
-            eng.reset()
-        predicted_s = time.perf_counter() - t0 - res.timings.t_prompt
-        if res.stop != "cancelled":
-            tail = stops.push(stream.flush()) + stops.flush()
+            for r in runs:
+                self._fail(r, ApiError(400, str(e)))
+        except ApiError as e:
+            for r in runs:
+                self._fail(r, e)
+        except Exception as e:  # a request's failure must not end the server
+            self.log(f"error: request failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            for r in runs:
+                self._fail(r, ApiError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}"))
+
+    def _prompt_chunk(self, r: _Run) -> None:
+        eng = self.llm.engine
+        part, r.left = r.left[:eng.n_ubatch], r.left[eng.n_ubatch:]
+        t0 = time.perf_counter()
+        lg = eng.eval(part, kv=r.kv)[-1]
+        r.t_prompt += time.perf_counter() - t0
+        if not r.left:  # the whole prompt is in: the first token
+            for tok in r.job.ids:
+                r.sampler.accept(tok)
+            self._take(r, lg)
+
+    def _decode(self, ready: list[_Run]) -> None:
+        t0 = time.perf_counter()
+        lg = self.llm.engine.decode([r.next_tok for r in ready], [r.kv for r in ready])
+        dt = time.perf_counter() - t0
+        self.decode_steps += 1
+        self.decode_tokens += len(ready)
+        for i, r in enumerate(ready):
+            r.predicted_s += dt
+            r.n_eval += 1
+            r.next_tok = None
+            self._take(r, lg[i])
+
+    def _take(self, r: _Run, logits: Any) -> None:
+        """Sample the next token from ``logits``, stream its text, and end the run or queue the
+        token for the next decode step (the rules of :meth:`moecache.engine.Engine.generate`)."""
+        tok = r.sampler.sample(logits)
+        r.sampler.accept(tok)
+        if r.logprobs is not None:
+            r.logprobs.append(token_logprob(logits, tok, r.n_top))
+        if self.llm.engine.tokenizer.is_eog(tok):
+            return self._finish(r, "eog")
+        r.tokens.append(tok)
+        r.job.n_decoded += 1
+        if r.job.cancelled.is_set() or self.stopping.is_set():
+            return self._finish(r, "cancelled")
+        raw = r.stream.push(tok)
+        r.offsets.append(r.decoded)
+        r.decoded += len(raw)
+        piece = r.stops.push(raw)
+        if piece:
+            r.parts.append(piece)
+            r.job.emit("text", piece)
+        if r.stops.hit is not None:
+            return self._finish(r, "stop")
+        n = r.job.gen.max_tokens
+        if n >= 0 and len(r.tokens) >= n:
+            return self._finish(r, "length")
+        if r.kv.n_past >= r.kv.n_ctx:
+            return self._finish(r, "context")
+        r.next_tok = tok
+
+    def _free(self, r: _Run) -> None:
+        if self.runs[r.slot] is r:
+            self.runs[r.slot] = None
+        r.kv.clear()
+
+    def _fail(self, r: _Run, e: ApiError) -> None:
+        self._free(r)
+        r.job.emit("error", e)
+
+    def _finish(self, r: _Run, stop: str) -> None:
+        """End ``r`` (its slot freed at once) and send its :class:`Result`."""
+        from moecache.engine import Timings
+
+        self._free(r)
+        if stop != "cancelled":
+            tail = r.stops.push(r.stream.flush()) + r.stops.flush()
             if tail:
-                parts.append(tail)
-                job.emit("text", tail)
-        reason = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}.get(res.stop, "cancelled")
+                r.parts.append(tail)
+                r.job.emit("text", tail)
+        reason = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}.get(stop, "cancelled")
+        eng = self.llm.engine
         cache = []
-        for c, (h, m, u) in zip(eng.caches, before):
+        for c, (h, m, u) in zip(eng.caches, r.before):
             c.flush()
             cache.append({"hits": c.stats.hits - h, "misses": c.stats.misses - m, "uploads": c.stats.uploads - u})
-        text = "".join(parts)
+        text = "".join(r.parts)
+        logprobs = r.logprobs
         if logprobs is not None:
-            del logprobs[len(res.tokens):]  # an end-of-generation token was sampled but not kept
-            logprobs = [replace(lp, offset=o) for lp, o in zip(logprobs, offsets)]
-            if stops.hit is not None:  # the tokens of the stop string are not the client's text
+            del logprobs[len(r.tokens):]  # an end-of-generation token was sampled but not kept
+            logprobs = [replace(lp, offset=o) for lp, o in zip(logprobs, r.offsets)]
+            if r.stops.hit is not None:  # the tokens of the stop string are not the client's text
                 logprobs = [lp for lp in logprobs if lp.offset < len(text)]
-        return Result(text, res.timings.n_gen, reason, res.timings, predicted_s, cache, logprobs)
+        timings = Timings(n_prompt=len(r.job.ids), t_prompt=r.t_prompt, n_gen=len(r.tokens), n_eval=r.n_eval,
+                          t_eval=r.predicted_s)
+        res = Result(text, len(r.tokens), reason, timings, r.predicted_s, cache, logprobs)
+        try:
+            self.on_done(r.job, res)
+        except Exception as e:  # pragma: no cover - metrics must never break serving
+            self.log(f"error: metrics: {e}")
+        r.job.emit("done", res)
 
 
 def _without(sample: Callable[[Any], int], ids: list[int]) -> Callable[[Any], int]:
