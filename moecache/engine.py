@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 
 from moecache.backends import NumpyBackend
+from moecache.backends.ops import DECODE_MAX_TOKENS
 from moecache.errors import InsufficientMemoryError, NonFiniteError
 from moecache.gguf_file import GGUFModel, open_gguf
 from moecache.kv_cache import ContextFullError, KVCache
@@ -356,7 +357,8 @@ class Engine:
 
     def decode(self, tokens: list[int] | np.ndarray, kvs: list[KVCache]) -> np.ndarray:
         """One decode step of several sequences: token i appended to ``kvs[i]`` (from
-        :meth:`sequences`), all in one forward pass (continuous batching; one sequence runs as
+        :meth:`sequences`), in forward passes of at most ``DECODE_MAX_TOKENS`` (16) sequences
+        (continuous batching: the GPU's decode kernels take up to 16 tokens; one sequence runs as
         :meth:`eval` does, through the CUDA graph where there is one).
 
         Returns:
@@ -364,15 +366,30 @@ class Engine:
 
         Raises:
             ContextFullError: a sequence is full (nothing is evaluated then).
-            ValueError: a count mismatch or an id outside the vocabulary.
-            NonFiniteError: a row of the logits holds NaN or inf.
+            ValueError: a count mismatch, a cache given twice or an id outside the vocabulary.
+            NonFiniteError: rows of the logits hold NaN or inf; its ``rows`` lists them and its
+                ``logits`` holds the whole step's (the other sequences' rows are good and their
+                tokens are in their caches).
         """
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if len(kvs) == 1 and toks.size == 1:
             return self.eval(toks, kv=kvs[0])
-        lg = self.model.forward_seqs(toks, list(kvs))
-        for i, k in enumerate(kvs):
-            self._check_logits(lg[i:i + 1], k.n_past - 1)
+        if toks.size != len(kvs):
+            raise ValueError(f"decode: {toks.size} tokens for {len(kvs)} sequences")
+        if len({id(k) for k in kvs}) != len(kvs):
+            raise ValueError("decode: a sequence's cache is given twice")
+        for k in kvs:
+            k.check_room(1)
+        step = DECODE_MAX_TOKENS
+        parts = [self.model.forward_seqs(toks[i:i + step], list(kvs[i:i + step])) for i in range(0, len(kvs), step)]
+        lg = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        bad = [i for i in range(lg.shape[0]) if not np.isfinite(lg[i]).all()]
+        if bad:
+            err = NonFiniteError(
+                f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) for {len(bad)} of the "
+                f"{len(kvs)} sequences decoded together: its weights hold NaN/inf values or overflow float32")
+            err.rows, err.logits = bad, lg
+            raise err
         return lg
 
     def eval(self, tokens: list[int] | np.ndarray, logits: str | np.ndarray = "last",

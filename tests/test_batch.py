@@ -67,3 +67,23 @@ def test_sequences_share_the_cache_and_keep_their_own_room(engine):
         engine.sequences(0)
     for k in kvs:
         k.clear()
+
+
+def test_a_non_finite_sequence_is_named_by_its_row(engine, monkeypatch):
+    """Engine.decode names the rows whose logits are not finite and keeps the others' (serve fails
+    only those requests)."""
+    from moecache.errors import NonFiniteError
+
+    kvs = engine.sequences(3)
+    real = engine.model.forward_seqs
+
+    def one_nan(tokens, caches):
+        lg = real(tokens, caches)
+        lg[1, 0] = np.nan
+        return lg
+    monkeypatch.setattr(engine.model, "forward_seqs", one_nan)
+    with pytest.raises(NonFiniteError) as e:
+        engine.decode([1, 2, 3], kvs)
+    assert e.value.rows == [1] and np.isfinite(e.value.logits[[0, 2]]).all()
+    for k in kvs:
+        k.clear()

@@ -75,6 +75,10 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
             state.llm, state.template = llm, tmpl
             state.worker = Worker(llm, opts.n_parallel, done, note)
             w = state.worker
+            if opts.n_parallel > 1:
+                note(f"note: -c {llm.engine.n_ctx} is split over -np {opts.n_parallel} slots: a request holds up to "
+                     f"{w.n_ctx_slot} positions (llama-server's split without a unified KV cache; -np 1 gives one "
+                     f"request all of it)")
             note(f"server: ready: model {state.model_id}, {opts.n_parallel} slot(s) of {w.n_ctx_slot} positions "
                  f"decoded together (-np, -c {llm.engine.n_ctx}), up to {opts.n_parallel} more waiting"
                  f"{', API key required' if opts.api_key else ''}")

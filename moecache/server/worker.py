@@ -6,8 +6,9 @@ loop that serves the client. Each of the ``-np`` slots is a sequence with its ow
 cache (``-c`` split evenly, as llama-server splits it: :meth:`moecache.engine.Engine.sequences`).
 
 Continuous batching: the thread loops over steps. A step takes waiting jobs into free slots,
-evaluates one prompt chunk (at most ``-ub`` tokens) of one slot still reading its prompt (slots
-take turns), then runs one decode step for every slot that is generating, all of them in one
+evaluates prompt chunks of the slots still reading their prompts (slots take turns; at most ``-ub``
+prompt tokens per step, so several short prompts go in one step and a long one is cut), then runs
+one decode step for every slot that is generating, all of them in one
 forward pass (:meth:`moecache.engine.Engine.decode`: one token per sequence, the matrix products
 and the routed experts shared, attention per sequence). A request joins or leaves between steps,
 and a long prompt costs the others one chunk per step, not the whole prompt. A job's
@@ -121,7 +122,8 @@ class _Run:
     tokens: list[int] = field(default_factory=list)
     next_tok: int | None = None  # sampled, to be evaluated at the next decode step
     t_prompt: float = 0.0
-    predicted_s: float = 0.0
+    t_gen: float = 0.0  # perf_counter when the prompt was in (the generation's wall time starts)
+    t_eval: float = 0.0  # the decode forward passes it took part in
     n_eval: int = 0
 
 
@@ -182,14 +184,14 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ApiError 503 when the server stops or the queue is full."""
-        with self._lock:
-            if self.stopping.is_set():
+        with self._lock:  # the worker admits and drains under it too: a job is counted exactly once
+            if self.stopping.is_set() or not self._thread.is_alive():
                 raise ApiError(503, "the server is shutting down")
             if self._waiting + self.n_processing >= 2 * self.n_parallel:  # the slots, and as many waiting
                 raise ApiError(503, f"the server is busy: {self.n_processing} requests run and {self._waiting} "
                                     f"wait for a slot (-np {self.n_parallel})")
             self._waiting += 1
-        self._q.put(job)
+            self._q.put(job)
 
     def cancel_all(self) -> None:
         """Stop taking jobs and cancel the running ones at their next step (a shutdown's first move:
@@ -216,10 +218,17 @@ class Worker:
                 if not self._admit():
                     break
                 self._step()
+        except Exception as e:  # a bug of the scheduler itself: stop serving, answer everyone
+            self.log(f"error: the engine's thread failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         finally:
+            with self._lock:
+                self.stopping.set()
             for r in self.runs:
                 if r is not None:
-                    self._finish(r, "cancelled")
+                    try:
+                        self._finish(r, "cancelled")
+                    except Exception:  # noqa: BLE001 - the client still gets its answer below
+                        self._fail(r, ApiError(500, "the engine's thread stopped"))
             while True:  # shutting down: say so to whoever still waits
                 try:
                     job = self._q.get_nowait()
@@ -239,16 +248,23 @@ class Worker:
                 return True
             if job is None:
                 return False
-            with self._lock:
-                self._waiting -= 1
-            if job.cancelled.is_set() or self.stopping.is_set():
-                job.emit("error", ApiError(503, "the request was cancelled before it started"))
-                continue
             slot = self.runs.index(None)  # the lowest free slot: a lone request keeps slot 0 (its CUDA graph)
-            try:
-                self.runs[slot] = self._start(job, slot)
-            except ApiError as e:
-                job.emit("error", e)
+            run, err = None, None
+            if job.cancelled.is_set() or self.stopping.is_set():
+                err = ApiError(503, "the request was cancelled before it started")
+            else:
+                try:
+                    run = self._start(job, slot)
+                except ApiError as e:
+                    err = e
+                except Exception as e:  # one request's failure must not end the server
+                    self.log(f"error: request failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+                    err = ApiError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}")
+            with self._lock:  # waiting -> running at once, as submit counts them
+                self._waiting -= 1
+                self.runs[slot] = run
+            if err is not None:
+                job.emit("error", err)
         return True
 
     def _start(self, job: Job, slot: int) -> _Run:
@@ -269,15 +285,22 @@ class Worker:
                     list(job.ids), before, lps, job.gen.logprobs or 0)
 
     def _step(self) -> None:
-        """One prompt chunk of one slot, then one decode step of every generating slot."""
+        """Prompt chunks (at most ``-ub`` tokens in all, slots in turn), then one decode step of every
+        generating slot."""
         for r in self.runs:
             if r is not None and (r.job.cancelled.is_set() or self.stopping.is_set()):
-                self._finish(r, "cancelled")
-        prompting = [r for r in self.runs if r is not None and r.left]
-        if prompting:
-            r = min(prompting, key=lambda x: (x.slot - self._turn) % self.n_parallel)
+                self._guarded([r], lambda: self._finish(r, "cancelled"))
+        # prompt chunks, slots in turn, until this step's -ub tokens are used (at least one chunk)
+        prompting = sorted((r for r in self.runs if r is not None and r.left),
+                           key=lambda x: (x.slot - self._turn) % self.n_parallel)
+        budget = self.llm.engine.n_ubatch
+        for r in prompting:
+            if budget <= 0:
+                break
+            n = min(len(r.left), budget)
+            budget -= n
             self._turn = (r.slot + 1) % self.n_parallel
-            self._guarded([r], lambda: self._prompt_chunk(r))
+            self._guarded([r], lambda: self._prompt_chunk(r, n))
         ready = [r for r in self.runs if r is not None and r.next_tok is not None]
         if ready:
             self._guarded(ready, lambda: self._decode(ready))
@@ -299,28 +322,48 @@ class Worker:
             for r in runs:
                 self._fail(r, ApiError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}"))
 
-    def _prompt_chunk(self, r: _Run) -> None:
+    def _prompt_chunk(self, r: _Run, n: int) -> None:
+        """The next ``n`` prompt tokens of ``r``; after the last, its first token."""
+        import numpy as np
+
         eng = self.llm.engine
-        part, r.left = r.left[:eng.n_ubatch], r.left[eng.n_ubatch:]
+        part, r.left = r.left[:n], r.left[n:]
         t0 = time.perf_counter()
-        lg = eng.eval(part, kv=r.kv)[-1]
+        lg = eng.eval(part, logits=np.array([], np.int64) if r.left else "last", kv=r.kv)  # logits at the end only
         r.t_prompt += time.perf_counter() - t0
         if not r.left:  # the whole prompt is in: the first token
             for tok in r.job.ids:
                 r.sampler.accept(tok)
-            self._take(r, lg)
+            r.t_gen = time.perf_counter()
+            if r.job.gen.max_tokens == 0:
+                return self._finish(r, "length")
+            self._take(r, lg[-1])
 
     def _decode(self, ready: list[_Run]) -> None:
+        """One forward pass for every generating slot; a sequence whose logits are not finite fails
+        alone, and each slot's sampling and streaming is guarded on its own."""
+        from moecache.errors import NonFiniteError
+
         t0 = time.perf_counter()
-        lg = self.llm.engine.decode([r.next_tok for r in ready], [r.kv for r in ready])
+        bad: list[int] = []
+        try:
+            lg = self.llm.engine.decode([r.next_tok for r in ready], [r.kv for r in ready])
+        except NonFiniteError as e:
+            if not hasattr(e, "rows"):
+                raise
+            lg, bad = e.logits, e.rows
+            for i in bad:
+                self._fail(ready[i], ApiError(500, f"generation failed: {str(e)[:300]}"))
         dt = time.perf_counter() - t0
         self.decode_steps += 1
         self.decode_tokens += len(ready)
         for i, r in enumerate(ready):
-            r.predicted_s += dt
+            if i in bad:
+                continue
+            r.t_eval += dt
             r.n_eval += 1
             r.next_tok = None
-            self._take(r, lg[i])
+            self._guarded([r], lambda: self._take(r, lg[i]))
 
     def _take(self, r: _Run, logits: Any) -> None:
         """Sample the next token from ``logits``, stream its text, and end the run or queue the
@@ -384,8 +427,9 @@ class Worker:
             if r.stops.hit is not None:  # the tokens of the stop string are not the client's text
                 logprobs = [lp for lp in logprobs if lp.offset < len(text)]
         timings = Timings(n_prompt=len(r.job.ids), t_prompt=r.t_prompt, n_gen=len(r.tokens), n_eval=r.n_eval,
-                          t_eval=r.predicted_s)
-        res = Result(text, len(r.tokens), reason, timings, r.predicted_s, cache, logprobs)
+                          t_eval=r.t_eval)
+        predicted_s = time.perf_counter() - r.t_gen if r.t_gen else 0.0  # wall time from the first token's logits
+        res = Result(text, len(r.tokens), reason, timings, predicted_s, cache, logprobs)
         try:
             self.on_done(r.job, res)
         except Exception as e:  # pragma: no cover - metrics must never break serving

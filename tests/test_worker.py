@@ -1,0 +1,125 @@
+"""The serve worker's slot scheduler in-process (moecache/server/worker.py), on the tiny model on the
+CPU: ``max_tokens`` 0, one request failing inside a batched step while the others finish with their
+lone text, a cancelled request freeing its slot, more slots than one forward pass carries (16), and
+a failure of the scheduler itself answering every client instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+import moecache
+from moecache.sampling import SamplingParams
+from moecache.server.schemas import GenRequest
+from moecache.server.worker import Job, Worker
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path_factory.mktemp("worker") / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=3)
+    with moecache.load(path, n_ctx=2048, n_threads=2, no_moe_profile=True) as m:
+        yield m
+
+
+def gen(n: int, **kw) -> GenRequest:
+    return GenRequest(max_tokens=n, sampling=SamplingParams(temp=0.0), stop=(), stream=False, include_usage=False,
+                      ignore_eos=True, **kw)
+
+
+def run_jobs(worker: Worker, jobs_spec: list[tuple[list[int], GenRequest]], timeout: float = 120.0) -> list[tuple]:
+    """Submit every job at once; return each one's ("done", Result) or ("error", ApiError)."""
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job(ids, g, loop) for ids, g in jobs_spec]
+        for j in jobs:
+            worker.submit(j)
+
+        async def last(job: Job) -> tuple:
+            while True:
+                kind, value = await job.events.get()
+                if kind != "text":
+                    return kind, value
+
+        async def every() -> list[tuple]:
+            return await asyncio.wait_for(asyncio.gather(*(last(j) for j in jobs)), timeout)
+        return loop.run_until_complete(every())
+    finally:
+        loop.close()
+
+
+def test_max_tokens_zero_generates_nothing(llm):
+    w = Worker(llm, 2, lambda j, r: None, print)
+    try:
+        (kind, res), = run_jobs(w, [([1, 2, 3], gen(0))])
+        assert kind == "done" and res.n_tokens == 0 and res.text == "" and res.finish_reason == "length"
+    finally:
+        w.stop()
+
+
+def test_one_failing_request_leaves_the_batch_alone(llm, monkeypatch):
+    """A request whose sampling fails mid-batch (here: its logprobs) gets a 500; the others of the
+    same decode steps finish with the text each gets alone."""
+    import moecache.server.worker as wk
+
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    w = Worker(llm, 4, lambda j, r: None, print)
+    try:
+        alone = [run_jobs(w, [(p, gen(12))])[0][1].text for p in prompts]
+        real = wk.token_logprob
+
+        def flaky(logits, tok, n_top):
+            if n_top == 7:
+                raise RuntimeError("injected")
+            return real(logits, tok, n_top)
+        monkeypatch.setattr(wk, "token_logprob", flaky)
+        out = run_jobs(w, [(prompts[0], gen(12)), (prompts[1], gen(12, logprobs=7)), (prompts[2], gen(12))])
+        assert out[1][0] == "error" and out[1][1].status == 500 and "injected" in out[1][1].message
+        assert [out[0][1].text, out[2][1].text] == [alone[0], alone[2]]
+        assert w.decode_tokens > w.decode_steps  # they were decoded together
+        assert w.n_processing == 0 and w.alive()
+    finally:
+        w.stop()
+
+
+def test_more_slots_than_one_pass_and_a_cancelled_one(llm):
+    """18 slots: decode steps in passes of at most 16 give each its lone text; a cancelled job ends
+    "cancelled" and its slot is free."""
+    w = Worker(llm, 18, lambda j, r: None, print)
+    try:
+        prompts = [[20 + i, 40 + i] for i in range(18)]
+        alone = [run_jobs(w, [(p, gen(6))])[0][1].text for p in prompts[:3]]
+        steps, tokens = w.decode_steps, w.decode_tokens
+        out = run_jobs(w, [(p, gen(6)) for p in prompts])
+        assert all(k == "done" for k, _ in out) and [r.text for _, r in out[:3]] == alone
+        assert (w.decode_tokens - tokens) / (w.decode_steps - steps) > 8  # short prompts admitted in one step
+        loop = asyncio.new_event_loop()
+        job = Job([1, 2], replace(gen(5000)), loop)
+        job.cancel()
+        w.submit(job)
+        async def first() -> tuple:
+            return await asyncio.wait_for(job.events.get(), 30)
+        kind, err = loop.run_until_complete(first())
+        loop.close()
+        assert kind == "error" and err.status == 503
+        assert w.n_processing == 0 and all(s["is_processing"] is False for s in w.slots())
+    finally:
+        w.stop()
+
+
+def test_a_scheduler_failure_answers_everyone_and_refuses_new_work(llm, monkeypatch):
+    w = Worker(llm, 2, lambda j, r: None, print)
+
+    def broken(*a):
+        raise RuntimeError("scheduler bug")
+    monkeypatch.setattr(w, "_step", broken)
+    out = run_jobs(w, [([1, 2], gen(4))], timeout=30)
+    assert out[0][0] in ("done", "error")  # answered (cancelled or refused), not left hanging
+    w._thread.join(5)
+    assert not w.alive()
+    with pytest.raises(Exception, match="shutting down"):
+        w.submit(Job([1], gen(1), asyncio.new_event_loop()))
