@@ -32,7 +32,8 @@ class Completion:
     """What :meth:`LLM.complete` and :meth:`LLM.chat` produced.
 
     Attributes:
-        text: the generated text (special tokens left out unless ``special``).
+        text: the generated text as `run` prints it (the tokens' pieces joined; special tokens left out
+            unless ``special``).
         tokens: the generated ids (the end-of-generation token excluded).
         stop: "eog", "length" (``n_predict`` reached), "context" (the context is full) or "interrupted".
         timings: :class:`moecache.engine.Timings` (prompt and generation counts and seconds).
@@ -163,7 +164,7 @@ class LLM:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         eng.reset()
         res = eng.generate(ids, sampler, n_predict, on_token)
-        return Completion(eng.tokenizer.decode(res.tokens, skip_special=not special), res.tokens, res.stop,
+        return Completion(_continuation(eng.tokenizer, res.tokens, special), res.tokens, res.stop,
                           res.timings, len(ids))
 
     def chat(self, messages: list[dict[str, Any]], *, n_predict: int = -1, chat_template: str | None = None,
@@ -188,7 +189,7 @@ class LLM:
         ids = eng.tokenizer.encode(tmpl.render(messages, add_generation_prompt=True))
         eng.kv.check_room(len(ids))
         res = eng.generate(ids, sampler, n_predict, on_token)
-        return Completion(eng.tokenizer.decode(res.tokens, skip_special=not special), res.tokens, res.stop,
+        return Completion(_continuation(eng.tokenizer, res.tokens, special), res.tokens, res.stop,
                           res.timings, len(ids))
 
 
@@ -308,6 +309,14 @@ def model_line(eng, res: Resolved) -> str:
     return (f"model: {eng.gguf.path.name} ({c.arch}, {c.n_layer} layers, {eng.gguf.n_bytes / 2**20:.0f} MiB) | "
             f"backend: {where} | n_ctx {eng.n_ctx} ({ctx_src}) | n_ubatch {eng.n_ubatch} | "
             f"load mode {eng.load_mode} | loaded in {eng.load_seconds:.2f} s")
+
+
+def _continuation(tok, ids: list[int], special: bool) -> str:
+    """The generated text as ``moecache run`` prints it and ``serve`` sends it: the tokens' pieces
+    joined (a SentencePiece vocabulary's leading space kept: it separates the text from the
+    prompt), control tokens left out unless ``special``."""
+    stream = tok.streamer(skip_special=not special)
+    return "".join(stream.push(i) for i in ids) + stream.flush()
 
 
 def load(path: str | Path, log: Log | None = None, *, verbose: bool = False, **settings: Any) -> LLM:

@@ -314,3 +314,19 @@ def test_cli_what_if_vram(tiny, real_trace, tmp_path):
     r = _profile("-m", str(tiny), "-p", PROMPT, "-n", "4", "--what-if-vram", "1MiB", "--link-gbps", "25")
     assert r.exit_code == 0, r.output
     assert "| 1MiB |" in r.stdout and "no layer fits: runs on the CPU" in r.stdout
+
+
+def test_cli_calibrate_refuses_another_models_runs(tiny, real_trace, tmp_path):
+    """--calibrate records measured on another model (their model_size differs from -m's tensor
+    bytes) are refused before any work, with one error line; a record with a bad number too."""
+    import json
+
+    path = tmp_path / "real.npz"
+    real_trace.save(path)
+    row = {"model_filename": "/tmp/q30.gguf", "model_size": 17460486144, "n_prompt": 0, "n_gen": 64, "n_depth": 0,
+           "hit_rate": 0.9, "uploads_per_token": 1.0, "avg_ts": 150.0}
+    cal = tmp_path / "other.jsonl"
+    cal.write_text(json.dumps(row) + "\n")
+    r = _profile("-m", str(tiny), "--trace-in", str(path), "--what-if", "1MiB", "--calibrate", str(cal))
+    assert r.exit_code == 1 and "record 1 was measured on /tmp/q30.gguf" in r.output
+    assert r.output.count("error:") == 1 and "expert usage per layer" not in r.output

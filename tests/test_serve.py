@@ -34,6 +34,7 @@ class Server:
     """``moecache serve`` in a subprocess; ``url``, ``proc``, ``stop()``."""
 
     def __init__(self, model: Path, *flags: str):
+        self.model = model
         self.key = KEY if "--api-key" in flags else None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -290,6 +291,21 @@ def tiny_server(tmp_path_factory):
         yield s
     finally:
         s.stop()
+
+
+def test_greedy_text_equals_run_json_with_a_space_prefix_vocabulary(tiny_server):
+    """The tiny synthetic model's SentencePiece vocabulary adds a space prefix: the generated text
+    keeps its leading space (it separates it from the prompt) in both run --json and the server."""
+    httpx = require_module("httpx")
+    s = tiny_server
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "run", "-m", str(s.model), "-p", "the", "-n", "6",
+                        "--temp", "0", "--json", "-c", "4096", "-t", "2"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)
+    out = httpx.post(s.url + "/v1/completions", json={"prompt": "the", "max_tokens": 6, "temperature": 0},
+                     timeout=60).json()
+    assert out["choices"][0]["text"] == cli["text"] and cli["text"].startswith(" ")
 
 
 LONG = {"prompt": "hello", "max_tokens": 4000, "temperature": 1.0, "min_p": 0, "stream": True, "ignore_eos": True}

@@ -107,6 +107,15 @@ def profile_command(o: ProfileOptions, settings) -> None:
     if vram and o.model is None:
         raise UserError("--what-if-vram needs the model to place: give -m MODEL")
     calibration = read_calibration(o.calibrate) if o.calibrate is not None else None  # before a long recording
+    if calibration is not None:
+        from moecache.moe.profile import calibration_points
+
+        try:
+            calibration_points(calibration, 1, 1)  # every record's numbers, checked before any work
+        except ValueError as e:
+            raise UserError(f"--calibrate {o.calibrate}: {e}") from None
+        if o.model is not None:
+            _same_model(calibration, resolve_model(o.model), o.calibrate)
     if not (budgets or vram):
         for flag, given in (("--calibrate", o.calibrate is not None), ("--n-gen-warmup", o.n_gen_warmup > 0)):
             if given:
@@ -277,6 +286,21 @@ def read_calibration(path: Path) -> list[dict]:
             raise UserError(f"--calibrate {path}: line {i} is not a JSON object (expected moecache bench -o jsonl)")
         rows.append(r)
     return rows
+
+
+def _same_model(rows: list[dict], model: Path, path: Path) -> None:
+    """UserError when a ``--calibrate`` record was measured on another model than ``-m`` (its
+    ``model_size``, the tensor bytes ``bench`` reports, differs): its miss counts would be read with
+    the wrong shape."""
+    from moecache.gguf_file import open_gguf
+
+    with open_gguf(model) as g:
+        size = g.n_bytes
+    for i, r in enumerate(rows, 1):
+        if r.get("model_size") not in (None, size):
+            raise UserError(f"--calibrate {path}: record {i} was measured on {r.get('model_filename', 'another model')} "
+                            f"({r['model_size']} bytes of tensors), not on {model.name} ({size}): calibrate with "
+                            f"runs of this model")
 
 
 def what_if_cost(trace, o: ProfileOptions, probe, calibration: list[dict] | None = None):
