@@ -272,7 +272,7 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         raise
     if cold:
         log(f"compiled CPU kernels: load and compile took {time.perf_counter() - t0:.1f} s in all (not counted in any "
-            f"speed below; the model line's load time includes the compile)")
+            f"speed below; the model line's load time includes the decode kernels' compile, not the prompt path's)")
     for line in ineffective_flag_notes(eng, settings):
         once(line)
     if override is not None:
