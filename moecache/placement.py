@@ -13,7 +13,9 @@ The semantics are llama.cpp's (``common/arg.cpp``, ``src/llama-model.cpp``):
   layers stay in host RAM instead (the smallest ``--n-cpu-moe`` that fits). Notes say which.
   ``--vram-budget`` caps the memory used per GPU.
 - ``-sm layer`` (default) splits the GPU layers over the GPUs in contiguous ranges, in proportion to
-  ``-ts`` (default: each GPU's free memory); ``-sm none`` uses ``-mg`` only.
+  ``-ts`` (default: each GPU's free memory); ``-sm none`` uses ``-mg`` only. Without ``-ts`` a model
+  that fits on one GPU stays on the one with the most free memory, and a GPU too small to hold
+  anything is left out (notes say so; llama.cpp splits over every GPU).
 
 :func:`plan` is pure (sizes and free memory in, a :class:`Placement` out), so CI checks it without a
 GPU; :func:`model_sizes` measures a GGUF.
@@ -248,6 +250,8 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     if opts.vram_budget:
         notes.append(f"--vram-budget {opts.vram_budget / 2**30:.1f} GiB per GPU")
     budget = {g: int(free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
+    if opts.split_mode == "layer" and not opts.tensor_split and len(gpus) > 1:
+        gpus, weights = _fewest_gpus(opts, sizes, gpus, weights, budget, notes)
     fit = _fit_dense(opts, sizes, gpus, weights, budget, notes)
     if fit is None:
         return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
@@ -274,6 +278,35 @@ def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -
     whole = plan(replace(opts, n_gpu_layers=-1, cpu_moe=False, n_cpu_moe=0, moe_cache=0), sizes, gpu_free)
     return (whole.output_device != CPU and whole.n_gpu_layers == sizes.n_layer
             and all(on or not e for on, e in zip(whole.experts_on_device, sizes.experts)))
+
+
+def _fewest_gpus(opts: PlacementOptions, sizes: ModelSizes, gpus: list[int], weights: list[float],
+                 budget: dict[int, int], notes: list[str]) -> tuple[list[int], list[float]]:
+    """The default split (``-sm layer`` without ``-ts``) on the GPUs that help: a GPU whose free
+    memory cannot hold even the reserve and the prompt scratch is left out (it would drag layers
+    to the CPU), and when everything this run puts on a GPU fits on one, it stays on that one (the
+    one with the most usable memory): a decode step on one device is one CUDA graph, and over two
+    it was measured 1.9x slower (issue 23). Notes say which; ``-ts`` splits anyway."""
+    usable = [g for g in gpus if budget[g] > 0]
+    for g in gpus:
+        if g not in usable:
+            notes.append(f"GPU {g} left out of the split: its free memory holds less than the reserve and the "
+                         f"prompt scratch")
+    if not usable:
+        return gpus, weights
+    n = sizes.n_layer
+    n_gl = n + 1 if opts.n_gpu_layers == -1 else opts.n_gpu_layers
+    layers = range(n - min(n_gl, n), n)  # the layers -ngl puts on a GPU (the last ones)
+    whole = sum(sizes.dense[il] + sizes.kv for il in layers)
+    whole += sum(sizes.experts[il] for il in layers if not opts.cpu_moe and il >= opts.n_cpu_moe)
+    whole += (sizes.token_embd if 0 in layers else 0) + (sizes.output if n_gl > n else 0)
+    best = max(usable, key=lambda g: (budget[g], -g))
+    if whole <= budget[best]:
+        if len(usable) > 1:
+            notes.append(f"the model fits on GPU {best} alone: it stays there (one device, one CUDA graph; -ts "
+                         f"splits it)")
+        return [best], [1.0]
+    return usable, [weights[gpus.index(g)] for g in usable]
 
 
 def _split_gpus(opts: PlacementOptions, gpu_free: list[int]) -> tuple[list[int], list[float]]:

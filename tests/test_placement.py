@@ -72,14 +72,40 @@ def test_split_layers_over_gpus():
     # whose cumulative share exceeds j / 9: 7 layers on GPU 0, 1 layer + the output on GPU 1
     p = plan(PlacementOptions(tensor_split=(3, 1)), sizes(), [80 * GiB, 80 * GiB])
     assert p.layer_device == (0,) * 7 + (1,) * 1 and p.output_device == 1
-    p = plan(PlacementOptions(), sizes(), [60 * GiB, 20 * GiB])  # default: by free memory
-    assert p.layer_device == (0,) * 7 + (1,) * 1
+    # default: by free memory, when the model needs both GPUs (54.5 GiB; 46.5 and 27.5 GiB usable):
+    # 9 offloaded layers at shares 0.625 / 1: 6 layers on GPU 0, 2 and the output on GPU 1
+    p = plan(PlacementOptions(), sizes(experts=6.0), [50 * GiB, 30 * GiB])
+    assert p.layer_device == (0,) * 6 + (1,) * 2 and p.output_device == 1
     p = plan(PlacementOptions(n_gpu_layers=8, tensor_split=(1, 1)), sizes(), [80 * GiB, 80 * GiB])
     assert p.layer_device == (0,) * 4 + (1,) * 4 and p.output_device == CPU  # output on the CPU: 8 split
     p = plan(PlacementOptions(split_mode="none", main_gpu=1), sizes(), [80 * GiB, 80 * GiB])
     assert p.layer_device == (1,) * 8 and p.devices == [1]
     p = plan(PlacementOptions(tensor_split=(0, 1)), sizes(), [80 * GiB, 80 * GiB])
     assert p.layer_device == (1,) * 8
+
+
+def test_a_model_that_fits_one_gpu_stays_on_it():
+    """Without -ts the default split keeps a model that fits on one GPU there (the one with the most
+    usable memory, the lower index on a tie), with a note; -ts splits it; a model that needs both
+    is split as llama.cpp splits it (test_split_layers_over_gpus)."""
+    for free, gpu in (([40 * GiB, 30 * GiB], 0), ([30 * GiB, 40 * GiB], 1), ([40 * GiB, 40 * GiB], 0)):
+        p = plan(PlacementOptions(), sizes(), free)  # 22.5 GiB
+        assert p.layer_device == (gpu,) * 8 and p.output_device == gpu and all(p.experts_on_device), free
+        assert p.devices == [gpu] and any(f"fits on GPU {gpu} alone" in n for n in p.notes)
+    p = plan(PlacementOptions(tensor_split=(1, 1)), sizes(), [40 * GiB, 40 * GiB])
+    assert p.devices == [0, 1] and not any("alone" in n for n in p.notes)
+    p = plan(PlacementOptions(n_gpu_layers=4), sizes(), [40 * GiB, 40 * GiB])  # the last 4 layers, on one GPU
+    assert p.layer_device == (CPU,) * 4 + (0,) * 4
+    p = plan(PlacementOptions(cpu_moe=True), sizes(experts=6.0), [30 * GiB, 30 * GiB])  # dense only: 6.5 GiB
+    assert p.devices == [0] and not any(p.experts_on_device)
+
+
+def test_a_gpu_too_small_to_hold_anything_is_left_out():
+    """A second GPU with 0.5 GiB free (less than the 1 GiB reserve) no longer drags every layer to
+    the CPU: it is left out with a note, and the model runs on the first with the expert cache."""
+    p = plan(PlacementOptions(), sizes(experts=3.0), [20 * GiB, GiB // 2])  # 30.5 GiB model, 18 GiB usable
+    assert p.layer_device == (0,) * 8 and p.devices == [0]
+    assert any("GPU 1 left out" in n for n in p.notes)
 
 
 @pytest.mark.parametrize("opts,msg", [
@@ -191,7 +217,7 @@ def test_cli_placement_flags_are_checked(tmp_path, args, msg, code):
 
 
 def test_prompt_gpu_is_the_fastest_link_and_offload_goes_there(tiny_moe):
-    p = plan(PlacementOptions(prompt_gpu=1), sizes(), [80 * GiB, 80 * GiB])
+    p = plan(PlacementOptions(prompt_gpu=1, tensor_split=(1, 1)), sizes(), [80 * GiB, 80 * GiB])
     assert p.prompt_gpu == 1 and p.devices == [0, 1]
     assert plan(PlacementOptions(prompt_gpu=0), sizes(), [80 * GiB]).prompt_gpu is None  # one GPU: its own
     with open_gguf(tiny_moe) as m:
