@@ -1,0 +1,231 @@
+"""`moecache serve` under load (issue 21): aggregate t/s and time per output token at 1..N concurrent
+streams, and a soak (requests completed and failed, the server's RSS and the GPU's used memory over
+time).
+
+The server runs in a subprocess (``moecache serve -m MODEL -np MAX(streams)`` plus the flags after
+``--``); the clients are threads with the standard library's HTTP client, each streaming a
+completion (``ignore_eos``, greedy, ``-n`` tokens). Per stream, the time per output token (TPOT) is
+the gap between consecutive text events; aggregate t/s is all generated tokens (each response's
+``usage``) over the wall time from the first request to the last answer. One warm-up request runs
+first. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the same flags, for the single-stream
+ratio (server t/s / bench tg t/s).
+
+    python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
+        --bench --out bench/results/serve-h200 -- --vram-budget 8GiB --routing qwen3-moe -t 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0) -> dict:
+    """One streamed completion: {"tokens", "gaps" (s between text events), "t0", "t1", "status"}."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            return {"status": r.status, "tokens": 0, "gaps": [], "t0": t0, "t1": time.perf_counter()}
+        last, gaps, tokens = None, [], 0
+        for raw in r:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            now = time.perf_counter()
+            if ev.get("choices") and ev["choices"][0].get("text"):
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+        return {"status": 200, "tokens": tokens, "gaps": gaps, "t0": t0, "t1": time.perf_counter()}
+    except (OSError, http.client.HTTPException) as e:
+        return {"status": f"{type(e).__name__}: {e}", "tokens": 0, "gaps": [], "t0": t0, "t1": time.perf_counter()}
+    finally:
+        conn.close()
+
+
+def get_json(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read().decode()
+    except OSError as e:
+        return 0, str(e)
+    finally:
+        conn.close()
+
+
+def concurrent(port: int, n_streams: int, n: int) -> dict:
+    out: list[dict] = [{}] * n_streams
+
+    def one(i: int) -> None:
+        out[i] = stream_completion(port, f"request {i}: hello", n)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [o for o in out if o["status"] == 200]
+    gaps = sorted(g for o in ok for g in o["gaps"])
+    wall = max(o["t1"] for o in out) - min(o["t0"] for o in out)
+    tokens = sum(o["tokens"] for o in ok)
+
+    def pct(p: float) -> float:
+        return gaps[min(len(gaps) - 1, int(p * len(gaps)))] * 1e3 if gaps else float("nan")
+    return {"streams": n_streams, "ok": len(ok), "failed": n_streams - len(ok), "tokens": tokens, "wall_s": wall,
+            "aggregate_ts": tokens / wall if wall > 0 else 0.0, "per_stream_ts": tokens / wall / max(1, len(ok)),
+            "tpot_p50_ms": pct(0.5), "tpot_p99_ms": pct(0.99),
+            "tpot_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan")}
+
+
+def gpu_used_mib() -> float | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=10)
+        return float(sum(float(x) for x in r.stdout.split()))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
+    import psutil
+
+    proc = psutil.Process(pid)
+    stop = time.monotonic() + seconds
+    counts = {"completed": 0, "failed": 0}
+    lock = threading.Lock()
+    samples: list[dict] = []
+
+    def client(i: int) -> None:
+        k = 0
+        while time.monotonic() < stop:
+            r = stream_completion(port, f"soak {i}.{k}", 16 + (k * 37 + i * 11) % max(1, n))
+            k += 1
+            with lock:
+                counts["completed" if r["status"] == 200 else "failed"] += 1
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mib": proc.memory_info().rss / 2**20,
+                        "gpu_used_mib": gpu_used_mib(), **counts})
+        time.sleep(5)
+    for t in threads:
+        t.join()
+    return {**counts, "samples": samples}
+
+
+def bench_tg(model: str, n: int, flags: list[str]) -> float | None:
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
+                        "-r", "3", "-o", "jsonl", *flags], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        print(f"bench failed: {r.stderr[-500:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])["avg_ts"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("-n", type=int, default=128, help="tokens per request")
+    ap.add_argument("-c", "--ctx", type=int, default=0, help="-c of the server (default: 1024 per slot)")
+    ap.add_argument("--soak-s", type=float, default=0.0)
+    ap.add_argument("--soak-clients", type=int, default=8)
+    ap.add_argument("--bench", action="store_true", help="also moecache bench -p 0 -n N with the same flags")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    streams = [int(s) for s in a.streams.split(",")]
+    n_slots = max(streams + [a.soak_clients if a.soak_s else 1])
+    ctx = a.ctx or 1024 * n_slots
+    port = free_port()
+    cmd = [sys.executable, "-m", "moecache.cli.main", "serve", "-m", a.model, "--port", str(port), "-np", str(n_slots),
+           "-c", str(ctx), *extra]
+    log = open(Path(a.out).with_suffix(".server.log") if a.out else "/dev/null", "w")
+    srv = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    rows: list[dict] = []
+    try:
+        deadline = time.monotonic() + 900
+        while get_json(port, "/health")[0] != 200:
+            if srv.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"the server did not come up (exit {srv.poll()}); see its log")
+            time.sleep(1)
+        stream_completion(port, "warm-up", 8)
+        for n_streams in streams:
+            row = concurrent(port, n_streams, a.n)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+        soaked = soak(port, srv.pid, a.soak_s, a.soak_clients, a.n) if a.soak_s else None
+        status, metrics = get_json(port, "/metrics")
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(60)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+        log.close()
+    tg = bench_tg(a.model, a.n, extra) if a.bench else None
+    one = next((r for r in rows if r["streams"] == 1), None)
+    lines = [f"# moecache serve under load: {Path(a.model).name}\n",
+             f"`python bench/serve_load.py {' '.join(sys.argv[1:])}`; server: "
+             f"`{' '.join(cmd[2:])}`\n",
+             "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        rel = r["aggregate_ts"] / one["aggregate_ts"] if one and one["aggregate_ts"] else float("nan")
+        lines.append(f"| {r['streams']} | {r['ok']} | {r['failed']} | {r['tokens']} | {r['wall_s']:.1f} | "
+                     f"{r['aggregate_ts']:.1f} | {rel:.2f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} |")
+    if tg and one:
+        lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n}` "
+                      f"{tg:.1f} t/s = **{one['aggregate_ts'] / tg:.2f}**"]
+    if soaked:
+        s = soaked["samples"]
+        lines += ["", f"soak: {a.soak_s:.0f} s, {a.soak_clients} clients: {soaked['completed']} completed, "
+                      f"{soaked['failed']} failed; RSS {s[0]['rss_mib']:.0f} -> {s[-1]['rss_mib']:.0f} MiB (max "
+                      f"{max(x['rss_mib'] for x in s):.0f}); GPU used "
+                      f"{s[0]['gpu_used_mib']} -> {s[-1]['gpu_used_mib']} MiB"]
+    decode = [ln for ln in metrics.splitlines() if ln.startswith("moecache:decode_step")] if status == 200 else []
+    lines += ["", "server /metrics at the end: " + "; ".join(decode)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.with_suffix(".md").write_text(text)
+        with open(a.out.with_suffix(".jsonl"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            if soaked:
+                f.write(json.dumps({"soak": soaked}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
