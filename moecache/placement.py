@@ -296,11 +296,10 @@ def _fewest_gpus(opts: PlacementOptions, sizes: ModelSizes, gpus: list[int], wei
         return gpus, weights
     n = sizes.n_layer
     n_gl = n + 1 if opts.n_gpu_layers == -1 else opts.n_gpu_layers
-    layers = range(n - min(n_gl, n), n)  # the layers -ngl puts on a GPU (the last ones)
-    whole = sum(sizes.dense[il] + sizes.kv for il in layers)
-    whole += sum(sizes.experts[il] for il in layers if not opts.cpu_moe and il >= opts.n_cpu_moe)
-    whole += (sizes.token_embd if 0 in layers else 0) + (sizes.output if n_gl > n else 0)
     best = max(usable, key=lambda g: (budget[g], -g))
+    dev = {il: best for il in range(n - min(n_gl, n), n)}  # the layers -ngl puts on a GPU (the last ones)
+    whole = _dense_use(sizes, [best], dev, best if n_gl > n else CPU)[best]
+    whole += sum(sizes.experts[il] for il in dev if not opts.cpu_moe and il >= opts.n_cpu_moe)
     if whole <= budget[best]:
         if len(usable) > 1:
             notes.append(f"the model fits on GPU {best} alone: it stays there (one device, one CUDA graph; -ts "
@@ -323,6 +322,19 @@ def _split_gpus(opts: PlacementOptions, gpu_free: list[int]) -> tuple[list[int],
     return gpus, weights
 
 
+def _dense_use(sizes: ModelSizes, gpus: list[int], dev: dict[int, int], out_dev: int) -> dict[int, int]:
+    """Bytes per GPU of the dense layers ``dev`` puts there (weights + KV cache), the token
+    embeddings with layer 0 and the output on ``out_dev``."""
+    use = {g: 0 for g in gpus}
+    for il, g in dev.items():
+        use[g] += sizes.dense[il] + sizes.kv
+    if 0 in dev:
+        use[dev[0]] += sizes.token_embd
+    if out_dev != CPU:
+        use[out_dev] += sizes.output
+    return use
+
+
 def _fit_dense(opts: PlacementOptions, sizes: ModelSizes, gpus: list[int], weights: list[float],
                budget: dict[int, int], notes: list[str]) -> tuple[dict[int, int], int, dict[int, int]] | None:
     """The dense layers on the GPUs: the last ``-ngl`` layers (all that fit with ``-ngl -1``), their
@@ -336,21 +348,11 @@ def _fit_dense(opts: PlacementOptions, sizes: ModelSizes, gpus: list[int], weigh
         # the output layer takes a share of the split when it is on the GPU (llama.cpp: act_gpu_layers)
         return _split(gl, gpus, weights, len(gl) + (1 if n_gl > n else 0)), (gpus[-1] if n_gl > n else CPU)
 
-    def dense_use(dev: dict[int, int], out_dev: int) -> dict[int, int]:
-        use = {g: 0 for g in gpus}
-        for il, g in dev.items():
-            use[g] += sizes.dense[il] + sizes.kv
-        if 0 in dev:
-            use[dev[0]] += sizes.token_embd
-        if out_dev != CPU:
-            use[out_dev] += sizes.output
-        return use
-
     auto_ngl = opts.n_gpu_layers == -1
     n_gl = n + 1 if auto_ngl else opts.n_gpu_layers
     while True:
         dev, out_dev = layout(n_gl)
-        use = dense_use(dev, out_dev)
+        use = _dense_use(sizes, gpus, dev, out_dev)
         if all(use[g] <= budget[g] for g in gpus):
             break
         if not auto_ngl:
