@@ -7,8 +7,12 @@ The server runs in a subprocess (``moecache serve -m MODEL -np MAX(streams)`` pl
 completion (``ignore_eos``, greedy, ``-n`` tokens). Per stream, the time per output token (TPOT) is
 the gap between consecutive text events; aggregate t/s is all generated tokens (each response's
 ``usage``) over the wall time from the first request to the last answer. One warm-up request runs
-first. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the same flags, for the single-stream
-ratio (server t/s / bench tg t/s).
+first, then ``--warmup-rounds`` rounds at the largest stream count (an expert cache starts empty: a
+measurement of its first tokens measures the warm-up, not the steady state). Each row also gives the
+expert cache's hit rate over that phase and the mean decode batch (tokens per decode pass), from the
+server's ``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
+same flags and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream ratio (server t/s /
+bench tg t/s).
 
     python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
         --bench --out bench/results/serve-h200 -- --vram-budget 8GiB --routing qwen3-moe -t 15
@@ -102,6 +106,31 @@ def concurrent(port: int, n_streams: int, n: int) -> dict:
             "tpot_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan")}
 
 
+def counters(port: int) -> dict[str, float]:
+    """The server's /metrics counters this script reads (summed over caches): decode steps and their
+    tokens, the expert caches' hits, misses and uploads; {} when /metrics does not answer."""
+    status, text = get_json(port, "/metrics")
+    want = {"moecache:decode_steps_total": "steps", "moecache:decode_step_tokens_total": "step_tokens",
+            "moecache:expert_cache_hits_total": "hits", "moecache:expert_cache_misses_total": "misses",
+            "moecache:expert_cache_uploads_total": "uploads"}
+    out: dict[str, float] = {}
+    if status != 200:
+        return out
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in want:
+            out[want[name]] = out.get(want[name], 0.0) + float(line.split()[-1])
+    return out
+
+
+def phase(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Hit rate, uploads and mean decode batch between two :func:`counters` reads."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    pairs = d.get("hits", 0.0) + d.get("misses", 0.0)
+    return {"hit_rate": d["hits"] / pairs if pairs else None, "uploads": d.get("uploads"),
+            "mean_batch": d["step_tokens"] / d["steps"] if d.get("steps") else None}
+
+
 def gpu_used_mib() -> float | None:
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -140,9 +169,10 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
     return {**counts, "samples": samples}
 
 
-def bench_tg(model: str, n: int, flags: list[str]) -> float | None:
+def bench_tg(model: str, n: int, flags: list[str], warmup: int) -> float | None:
     r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
-                        "-r", "3", "-o", "jsonl", *flags], capture_output=True, text=True, cwd=ROOT)
+                        "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), *flags],
+                       capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
         print(f"bench failed: {r.stderr[-500:]}", file=sys.stderr)
         return None
@@ -162,7 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-c", "--ctx", type=int, default=0, help="-c of the server (default: 1024 per slot)")
     ap.add_argument("--soak-s", type=float, default=0.0)
     ap.add_argument("--soak-clients", type=int, default=8)
+    ap.add_argument("--warmup-rounds", type=int, default=2,
+                    help="rounds of the largest stream count before measuring (the expert cache warms up)")
     ap.add_argument("--bench", action="store_true", help="also moecache bench -p 0 -n N with the same flags")
+    ap.add_argument("--bench-warmup", type=int, default=256, help="bench's --n-gen-warmup")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     streams = [int(s) for s in a.streams.split(",")]
@@ -171,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "moecache.cli.main", "serve", "-m", a.model, "--port", str(port), "-np", str(n_slots),
            "-c", str(ctx), *extra]
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
     log = open(Path(a.out).with_suffix(".server.log") if a.out else "/dev/null", "w")
     srv = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     rows: list[dict] = []
@@ -181,8 +216,13 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"the server did not come up (exit {srv.poll()}); see its log")
             time.sleep(1)
         stream_completion(port, "warm-up", 8)
+        for _ in range(a.warmup_rounds):
+            w = concurrent(port, max(streams), a.n)
+            print(json.dumps({"warm-up": w}), file=sys.stderr)
         for n_streams in streams:
+            c0 = counters(port)
             row = concurrent(port, n_streams, a.n)
+            row.update(phase(c0, counters(port)))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
         soaked = soak(port, srv.pid, a.soak_s, a.soak_clients, a.n) if a.soak_s else None
@@ -194,26 +234,33 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired:
             srv.kill()
         log.close()
-    tg = bench_tg(a.model, a.n, extra) if a.bench else None
+    tg = bench_tg(a.model, a.n, extra, a.bench_warmup) if a.bench else None
     one = next((r for r in rows if r["streams"] == 1), None)
     lines = [f"# moecache serve under load: {Path(a.model).name}\n",
              f"`python bench/serve_load.py {' '.join(sys.argv[1:])}`; server: "
              f"`{' '.join(cmd[2:])}`\n",
-             "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{a.warmup_rounds} warm-up round(s) of {max(streams)} streams first.\n",
+             "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms "
+             "| hit rate | mean decode batch |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         rel = r["aggregate_ts"] / one["aggregate_ts"] if one and one["aggregate_ts"] else float("nan")
         lines.append(f"| {r['streams']} | {r['ok']} | {r['failed']} | {r['tokens']} | {r['wall_s']:.1f} | "
-                     f"{r['aggregate_ts']:.1f} | {rel:.2f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} |")
+                     f"{r['aggregate_ts']:.1f} | {rel:.2f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | "
+                     f"{_fmt(r.get('hit_rate'), '.3f')} | {_fmt(r.get('mean_batch'), '.2f')} |")
     if tg and one:
-        lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n}` "
+        lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n} "
+                      f"--n-gen-warmup {a.bench_warmup}` "
                       f"{tg:.1f} t/s = **{one['aggregate_ts'] / tg:.2f}**"]
     if soaked:
         s = soaked["samples"]
+        warm = next((x for x in s if x["t_s"] >= 60), s[0])  # after a minute: the warm-up is over
+        gpu = [x["gpu_used_mib"] for x in s if x["gpu_used_mib"] is not None]
         lines += ["", f"soak: {a.soak_s:.0f} s, {a.soak_clients} clients: {soaked['completed']} completed, "
-                      f"{soaked['failed']} failed; RSS {s[0]['rss_mib']:.0f} -> {s[-1]['rss_mib']:.0f} MiB (max "
-                      f"{max(x['rss_mib'] for x in s):.0f}); GPU used "
-                      f"{s[0]['gpu_used_mib']} -> {s[-1]['gpu_used_mib']} MiB"]
+                      f"{soaked['failed']} failed; RSS {s[0]['rss_mib']:.0f} MiB at start, {warm['rss_mib']:.0f} at "
+                      f"{warm['t_s']:.0f} s, {s[-1]['rss_mib']:.0f} at the end (max "
+                      f"{max(x['rss_mib'] for x in s):.0f}); GPU used {warm['gpu_used_mib']} MiB at "
+                      f"{warm['t_s']:.0f} s, {s[-1]['gpu_used_mib']} at the end (max {max(gpu) if gpu else None})"]
     decode = [ln for ln in metrics.splitlines() if ln.startswith("moecache:decode_step")] if status == 200 else []
     lines += ["", "server /metrics at the end: " + "; ".join(decode)]
     text = "\n".join(lines) + "\n"
@@ -225,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps(r) + "\n")
             if soaked:
                 f.write(json.dumps({"soak": soaked}) + "\n")
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,25 @@ def test_a_scheduler_failure_answers_everyone_and_refuses_new_work(llm, monkeypa
     assert not w.alive()
     with pytest.raises(Exception, match="shutting down"):
         w.submit(Job([1], gen(1), asyncio.new_event_loop()))
+
+
+def test_metrics_expose_each_caches_hit_and_miss_counters():
+    """/metrics' expert-cache lines: per cache its hits, misses (counters, so a client can take the
+    hit rate of any interval from two reads) and uploads, from the cache's own CacheStats."""
+    from types import SimpleNamespace
+
+    from moecache.moe.cache import CacheStats
+    from moecache.server.metrics import Metrics
+
+    a, b = CacheStats(), CacheStats()
+    a.hits, a.misses, a.uploads = 90, 10, 7
+    b.hits, b.misses, b.uploads = 3, 1, 0
+    text = Metrics().render(0, 0, [SimpleNamespace(stats=a), SimpleNamespace(stats=b)])
+    got = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    assert got['moecache:expert_cache_hits_total{cache="0"}'] == 90
+    assert got['moecache:expert_cache_misses_total{cache="0"}'] == 10
+    assert got['moecache:expert_cache_hit_rate{cache="0"}'] == 0.9
+    assert got['moecache:expert_cache_hits_total{cache="1"}'] == 3
+    assert got['moecache:expert_cache_misses_total{cache="1"}'] == 1
+    assert got['moecache:expert_cache_uploads_total{cache="0"}'] == 7
+    assert "# TYPE moecache:expert_cache_misses_total counter" in text

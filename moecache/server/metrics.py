@@ -58,6 +58,12 @@ class Metrics:
             out += ["# HELP moecache:expert_cache_hit_rate Expert-cache hit rate since start, per GPU cache.",
                     "# TYPE moecache:expert_cache_hit_rate gauge"]
             out += [f'moecache:expert_cache_hit_rate{{cache="{i}"}} {c.stats.hit_rate}' for i, c in enumerate(caches)]
+            out += ["# HELP moecache:expert_cache_hits_total Routed (token, expert) pairs read from the cache's slots.",
+                    "# TYPE moecache:expert_cache_hits_total counter"]
+            out += [f'moecache:expert_cache_hits_total{{cache="{i}"}} {c.stats.hits}' for i, c in enumerate(caches)]
+            out += ["# HELP moecache:expert_cache_misses_total Routed (token, expert) pairs not in the cache.",
+                    "# TYPE moecache:expert_cache_misses_total counter"]
+            out += [f'moecache:expert_cache_misses_total{{cache="{i}"}} {c.stats.misses}' for i, c in enumerate(caches)]
             out += ["# HELP moecache:expert_cache_uploads_total Experts uploaded into the cache.",
                     "# TYPE moecache:expert_cache_uploads_total counter"]
             out += [f'moecache:expert_cache_uploads_total{{cache="{i}"}} {c.stats.uploads}' for i, c in enumerate(caches)]
