@@ -156,6 +156,9 @@ class Engine:
             The decision and every fallback are logged once.
         cuda_graph: replay one-token decode steps as a CUDA graph when the whole model is on one
             GPU (:mod:`moecache.backends.cuda_graph`); False = op by op.
+        batch_graph: also replay batched decode steps of :meth:`sequences` (continuous batching)
+            as CUDA graphs, one per batch size (a lone sequence of them takes that path too, so a
+            lone slot needs no capture of its own); off by default: not yet measured on a GPU.
         load_mode: "mmap" (weights read from the mapped file) or "pin" (copied into page-locked RAM
             at load, :func:`moecache.load_mode.pin_model`; ``pin_progress`` sees the copy).
         policy_config: the expert cache's policy knobs (default :class:`PolicyConfig`; the CLI
@@ -177,7 +180,8 @@ class Engine:
     def __init__(self, path: str | Path | GGUFModel, config: EngineConfig = EngineConfig(), log: Log | None = None,
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
-                 policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True):
+                 policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True,
+                 batch_graph: bool = False):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -214,7 +218,7 @@ class Engine:
                 self.model = self._place(placement)
                 self.backend = self.model.output_be
                 if self.placement is not None and self.placement.devices:
-                    self._decode_graph(cuda_graph)
+                    self._decode_graph(cuda_graph, batch_graph)
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             self._check_kv_memory()
             self.kv = self.model.new_kv_cache(self.n_ctx, KV_TYPES[config.cache_type])
@@ -296,14 +300,14 @@ class Engine:
                 experts.executors[il] = cache
         return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device], pass_hooks=self.caches)
 
-    def _decode_graph(self, wanted: bool) -> None:
+    def _decode_graph(self, wanted: bool, batched: bool = False) -> None:
         if getattr(self.model.output_be, "name", "") != "cuda":
             return  # graphs are a CUDA feature; nothing to say on other backends
         from moecache.backends.cuda_graph import DecodeGraph, eligible
 
         why = eligible(self.model) if wanted else "disabled"
         if why is None:
-            self.model.decode_graph = DecodeGraph(self.model, self.log)
+            self.model.decode_graph = DecodeGraph(self.model, self.log, batched=batched)
         elif wanted:
             self.log(f"note: decode steps run op by op, not as a CUDA graph ({why})")
 
@@ -372,7 +376,8 @@ class Engine:
                 tokens are in their caches).
         """
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if len(kvs) == 1 and toks.size == 1:
+        graph = self.model.decode_graph
+        if len(kvs) == 1 and toks.size == 1 and not (graph is not None and graph.batched and kvs[0].parent is not None):
             return self.eval(toks, kv=kvs[0])
         if toks.size != len(kvs):
             raise ValueError(f"decode: {toks.size} tokens for {len(kvs)} sequences")

@@ -49,6 +49,8 @@ class KVCache:
     Attributes:
         k, v: lists of ``n_layer`` arrays, ``(n_ctx, n_head_kv, head_dim[_v])``.
         n_past: number of positions filled.
+        parent, offset: a :meth:`slice`'s whole cache and the row its positions start at there
+            (None and 0 for a cache of its own).
     """
 
     def __init__(self, shape: KVShape, xp: Any = np, dtype: Any = np.float32,
@@ -61,6 +63,8 @@ class KVCache:
         self.k = [zeros(il, (shape.n_ctx, shape.n_head_kv, shape.head_dim)) for il in range(shape.n_layer)]
         self.v = [zeros(il, (shape.n_ctx, shape.n_head_kv, shape.head_dim_v)) for il in range(shape.n_layer)]
         self.n_past = 0
+        self.parent: KVCache | None = None
+        self.offset = 0
 
     @property
     def n_ctx(self) -> int:
@@ -78,6 +82,8 @@ class KVCache:
         out.k = [a[start:start + n_ctx] for a in self.k]
         out.v = [a[start:start + n_ctx] for a in self.v]
         out.n_past = 0
+        out.parent = self if self.parent is None else self.parent
+        out.offset = self.offset + start
         return out
 
     def check_room(self, n_tokens: int) -> None:

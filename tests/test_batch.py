@@ -87,3 +87,68 @@ def test_a_non_finite_sequence_is_named_by_its_row(engine, monkeypatch):
     assert e.value.rows == [1] and np.isfinite(e.value.logits[[0, 2]]).all()
     for k in kvs:
         k.clear()
+
+
+def _attention_f64(q, k, v, p, scale, window=None):
+    """Reference causal GQA attention of one query at position p over keys 0..p of k, v (float64)."""
+    n_head, d = q.shape
+    g = n_head // k.shape[1]
+    lo = 0 if window is None else max(0, p - window + 1)
+    out = []
+    for h in range(n_head):
+        kk = k[lo:p + 1, h // g].astype(np.float64)
+        s = kk @ q[h].astype(np.float64) * scale
+        w = np.exp(s - s.max())
+        out.append((w / w.sum()) @ v[lo:p + 1, h // g].astype(np.float64))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_with_kv_base_reads_each_sequences_own_rows(rng, window):
+    """ArrayOps.attention with kv_base (a batched step over slices of one cache): query i at its own
+    position over rows kv_base[i] .. kv_base[i] + pos[i] only, against float64 attention on that
+    sequence's rows; qk_rope_store with kv_base writes k, v at kv_base[t] + pos[t] and nowhere else."""
+    from moecache.backends import NumpyBackend
+
+    be = NumpyBackend()
+    n_seq, m, n_head, n_kv, d = 4, 16, 8, 2, 32
+    k = rng.standard_normal((n_seq * m, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_seq * m, n_kv, d)).astype(np.float32)
+    q = rng.standard_normal((n_seq, n_head, d)).astype(np.float32)
+    base = np.arange(n_seq, dtype=np.int32) * m
+    pos = np.array([0, 7, 15, 3], np.int32)
+    got = be.attention(q, k, v, pos, 0.2, window, None, kv_base=base, n_ctx=m)
+    for i in range(n_seq):
+        ref = _attention_f64(q[i], k[base[i]:base[i] + m], v[base[i]:base[i] + m], int(pos[i]), 0.2, window)
+        np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-5, err_msg=f"sequence {i}")
+    k_all, v_all = np.zeros_like(k), np.zeros_like(v)
+    kn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
+    vn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
+    cos, sin = np.ones((n_seq, d // 2), np.float32), np.zeros((n_seq, d // 2), np.float32)  # no rotation
+    be.qk_rope_store(q, kn, vn, None, None, 1e-6, cos, sin, True, k_all, v_all, pos, kv_base=base)
+    rows = base + pos
+    np.testing.assert_array_equal(k_all[rows], kn)
+    np.testing.assert_array_equal(v_all[rows], vn)
+    others = np.setdiff1d(np.arange(n_seq * m), rows)
+    assert not k_all[others].any() and not v_all[others].any()
+
+
+def test_batched_decode_of_caches_of_their_own_equals_the_shared_path(engine, rng):
+    """forward_seqs takes one attention launch for slices of one cache (Engine.sequences) and a
+    loop over sequences for caches of their own: both give the same logits."""
+    from moecache.kv_cache import KVCache
+    from moecache.models.base import shared_cache
+
+    V = engine.gguf.config.n_vocab
+    kvs = engine.sequences(3)
+    own = [KVCache(k.shape, np, k.k[0].dtype) for k in kvs]
+    assert shared_cache(kvs) is not None and shared_cache(own) is None
+    prompts = [rng.integers(0, V, n) for n in (4, 2, 6)]
+    for p, a, b in zip(prompts, kvs, own):
+        engine.eval(p, kv=a)
+        engine.eval(p, kv=b)
+    for step in rng.integers(0, V, (3, 3)):
+        np.testing.assert_allclose(engine.model.forward_seqs(step, kvs), engine.model.forward_seqs(step, own),
+                                   rtol=0, atol=1e-5)
+    for k in kvs:
+        k.clear()

@@ -444,6 +444,53 @@ def test_decode_attention_key_runs(gpu, n_ctx, kv, heads):
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}, n_ctx {n_ctx}, {kv}, d 36 dv 20")
 
 
+@pytest.mark.parametrize("m", [300, 4096])
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("heads", [(32, 4), (24, 1)])
+def test_batched_decode_attention_reads_each_sequences_rows(gpu, m, kv, heads):
+    """A batched decode step over slices of one cache (serve's slots): qk_rope_store and attention
+    with kv_base (one launch for every sequence; query t's rows start at kv_base[t]) against the
+    numpy twin on each sequence's own rows: attn_decode (300-row slices) and attn_gqa (4096-row
+    slices, queries past GQA_MIN_KEYS) and the 24-heads-per-KV-head shape attn_gqa refuses; the KV
+    writes land in each sequence's rows and nowhere else."""
+    from moecache.backends import NumpyBackend
+    from moecache.backends.cupy_backend import GQA_MIN_KEYS
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    (n_head, n_kv), d, n_seq = heads, 128, 5
+    dt = np.float16 if kv == "f16" else np.float32
+    k = rng.standard_normal((n_seq * m, n_kv, d)).astype(dt)
+    v = rng.standard_normal((n_seq * m, n_kv, d)).astype(dt)
+    base = (np.arange(n_seq) * m).astype(np.int32)
+    pos = np.array([0, m // 2, m - 1, 7, min(m - 1, GQA_MIN_KEYS + 5)], np.int32)
+    q = rng.standard_normal((n_seq, n_head, d)).astype(np.float32)
+    kn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
+    vn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
+    ang = rng.uniform(0, 50, (n_seq, d // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    k_dev, v_dev = cp.asarray(k), cp.asarray(v)
+    qs = gpu.qk_rope_store(cp.asarray(q), cp.asarray(kn), cp.asarray(vn), None, None, 1e-6, cp.asarray(cos),
+                           cp.asarray(sin), True, k_dev, v_dev, cp.asarray(pos), kv_base=cp.asarray(base))
+    k_ref, v_ref = k.copy(), v.copy()
+    q_ref = NumpyBackend().qk_rope_store(q, kn, vn, None, None, 1e-6, cos, sin, True, k_ref, v_ref, pos, kv_base=base)
+    tol = 1e-3 if kv == "f16" else 1e-5
+    np.testing.assert_allclose(cp.asnumpy(qs), q_ref, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(cp.asnumpy(k_dev).astype(np.float32), k_ref.astype(np.float32), rtol=tol, atol=tol,
+                               err_msg=f"seed {seed}: K rows")
+    np.testing.assert_allclose(cp.asnumpy(v_dev).astype(np.float32), v_ref.astype(np.float32), rtol=tol, atol=tol,
+                               err_msg=f"seed {seed}: V rows")
+    for window in (None, 100):
+        got = cp.asnumpy(gpu.attention(qs, k_dev, v_dev, cp.asarray(pos), 0.09, window, None,
+                                       kv_base=cp.asarray(base), n_ctx=m))
+        for i in range(n_seq):
+            rows = slice(int(base[i]), int(base[i]) + m)
+            ref = NumpyBackend().attention(q_ref[i:i + 1], k_ref[rows].astype(np.float32),
+                                           v_ref[rows].astype(np.float32), int(pos[i]), 0.09, window, None)
+            np.testing.assert_allclose(got[i:i + 1], ref, rtol=2e-4, atol=2e-5,
+                                       err_msg=f"seed {seed}, m {m}, {kv}, sequence {i}, window {window}")
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("n_tok,d,dv,n_rot", [(1, 128, 128, 128), (3, 64, 48, 32), (16, 256, 256, 256)])
 def test_qk_rope_store_kernel_matches_numpy_twin(gpu, kv, n_tok, d, dv, n_rot):
@@ -810,6 +857,49 @@ def test_f16_kv_cache_on_the_gpu_matches_the_cpu_twin(gpu, tmp_path):
         got = np.vstack([g.eval(toks[:20], logits="all")] + [g.eval([int(t)]) for t in toks[20:]])
         assert g.model.decode_graph.failed is None and g.model.decode_graph.replays >= 9
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("preset,placement", [("tiny", {}), ("tiny-gemma3", {}),
+                                              ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 1})])
+def test_batched_decode_graphs_equal_each_sequence_alone(gpu, tmp_path, preset, placement):
+    """Batched decode steps replayed as CUDA graphs (Engine batch_graph=True; one graph per batch
+    size, any slots): slots join and leave between steps (batches of 3, 2, 1 and 3 again, in other
+    slots), and every row equals that sequence's logits alone; the graphs replayed (one capture per
+    batch size) with every expert on the GPU and behind a zero-copy expert cache."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / f"{preset}.gguf"
+    write_model(path, P[preset], seed=7)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 200, n) for n in (5, 9, 3, 4)]
+    steps = rng.integers(0, 200, (8, 4))
+    # which slots decode at each step: joins and leaves between steps
+    plan = [(0, 1, 2), (0, 1, 2), (0, 2), (2,), (1, 2, 3), (1, 2, 3), (0, 3), (0, 1, 2, 3)]
+    with Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(**placement), gpu_act_q8=False,
+                batch_graph=True, load_mode="pin") as eng:
+        graph = eng.model.decode_graph
+        assert graph is not None and graph.batched
+        ref = []  # each sequence alone on the engine's own cache, its tokens as the plan feeds them
+        for i, p in enumerate(prompts):
+            eng.reset()
+            rows = [eng.eval(p)[-1]]
+            rows += [eng.eval([steps[j, i]])[-1] for j, slots in enumerate(plan) if i in slots]
+            ref.append(np.array(rows))
+        eng.reset()
+        kvs = eng.sequences(4)
+        got = [[eng.eval(p, kv=k)[-1]] for p, k in zip(prompts, kvs)]
+        for j, slots in enumerate(plan):
+            lg = eng.decode([steps[j, i] for i in slots], [kvs[i] for i in slots])
+            for r, i in enumerate(slots):
+                got[i].append(lg[r])
+        assert graph.batched_failed is None, graph.batched_failed
+        assert graph.batched_replays == len(plan) and sorted(graph._batched) == [1, 2, 3, 4]
+    for i in range(4):
+        np.testing.assert_allclose(np.array(got[i]), ref[i], rtol=0, atol=1e-3 * np.abs(ref[i]).max(),
+                                   err_msg=f"sequence {i}")
 
 
 @pytest.mark.parametrize("preset,placement", [("tiny", {}), ("tiny-gemma3", {}), ("tiny", {"cpu_moe": True}),

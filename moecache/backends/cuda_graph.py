@@ -29,6 +29,13 @@ op-by-op launches per layer before).
 
 A capture that fails (an operation that needs the host mid-step) is said once and the steps run op
 by op from then on.
+
+Batched decode steps (``batched=True``; continuous batching of serve's slots): B sequences that are
+slices of one KV cache (:meth:`moecache.engine.Engine.sequences`), one token each, replay a graph
+captured once per B for any B of those sequences: the token ids, positions and each token's first
+KV row (``kv_base``) are persistent device buffers, so slots may join and leave between steps
+without a new capture. Layers whose experts the CPU computes are not supported there (such steps
+run op by op). Off by default: not yet measured on a GPU (issue 21).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class _Captured:
     routes: "_Routes | None"  # a routing process's per-replay choices
     segments: list = None  # graphs after the first, one per cut (CPU-expert layer), in step order
     cuts: list = None  # _Cut per CPU-expert layer, in step order
+    base: cp.ndarray | None = None  # batched steps: each token's first KV row, int32 (B,)
 
 
 @dataclass
@@ -113,37 +121,39 @@ class _CutExperts:
 
 
 class _Routes:
-    """A routing process's choices for one decode step, in persistent device buffers that the captured
-    graph reads: ids int32 and weights float32, (n_layer, 1, k)."""
+    """A routing process's choices for one decode step of ``n`` tokens, in persistent device buffers
+    that the captured graph reads: ids int32 and weights float32, (n_layer, n, k)."""
 
-    def __init__(self, process: Any, layers: list[int], n_layer: int, k: int):
-        self.process, self.layers = process, layers
-        self.ids = cp.zeros((n_layer, 1, k), cp.int32)
-        self.weights = cp.zeros((n_layer, 1, k), cp.float32)
-        self.host_ids = np.zeros((n_layer, 1, k), np.int32)
-        self.host_w = np.zeros((n_layer, 1, k), np.float32)
+    def __init__(self, process: Any, layers: list[int], n_layer: int, k: int, n: int = 1):
+        self.process, self.layers, self.n = process, layers, n
+        self.ids = cp.zeros((n_layer, n, k), cp.int32)
+        self.weights = cp.zeros((n_layer, n, k), cp.float32)
+        self.host_ids = np.zeros((n_layer, n, k), np.int32)
+        self.host_w = np.zeros((n_layer, n, k), np.float32)
 
     def draw(self, stream: cp.cuda.Stream) -> None:
-        """The next token's choices for every MoE layer, layer order (as op-by-op decoding draws them)."""
+        """The next step's choices for every MoE layer, layer order (as op-by-op decoding draws them)."""
         nxt = getattr(self.process, "next_token", None)
-        if nxt is not None and len(self.layers) == self.host_ids.shape[0] == getattr(self.process, "n_layer", -1):
+        if self.n == 1 and nxt is not None and len(self.layers) == self.host_ids.shape[0] == \
+                getattr(self.process, "n_layer", -1):
             self.host_ids[:], self.host_w[:] = nxt()
         else:
             for il in self.layers:
-                r = self.process.route(il, 1)
+                r = self.process.route(il, self.n)
                 self.host_ids[il] = r.ids
                 self.host_w[il] = r.weights
         self.ids.set(self.host_ids, stream=stream)
         self.weights.set(self.host_w, stream=stream)
 
     def draw_ahead(self) -> None:
-        """Let the process draw the next step's choices while the device runs this one."""
+        """Let the process draw the next step's choices while the device runs this one (one-token
+        steps: a process draws ahead for those only)."""
         ahead = getattr(self.process, "draw_ahead", None)
-        if ahead is not None:
+        if ahead is not None and self.n == 1:
             ahead()
 
     def route(self, il: int, n_tokens: int) -> Any:
-        """What the captured layers see in place of the process (device slices; ``n_tokens`` is 1)."""
+        """What the captured layers see in place of the process (device slices; ``n_tokens`` is ``n``)."""
         from moecache.moe.routing import Routing
 
         return Routing(self.ids[il], self.weights[il])
@@ -156,15 +166,20 @@ class DecodeGraph:
         model: a DecoderLM whose layers, output and experts (resident, or a zero-copy cache) are all
             on ``model.output_be``.
         log: where the one-line note of a failed capture goes.
+        batched: also replay batched steps (:meth:`run_seqs`, the module docstring says how).
     """
 
-    def __init__(self, model: Any, log: Callable[[str], None] | None = None):
+    def __init__(self, model: Any, log: Callable[[str], None] | None = None, batched: bool = False):
         self.be = model.output_be
         self.log = log or (lambda s: None)
         self.failed: str | None = None
         self._cap: _Captured | None = None
         self.replays = 0
         self.host_layers = host_expert_layers(model)  # the cuts between segments
+        self.batched = batched
+        self.batched_failed: str | None = None
+        self._batched: dict[int, _Captured] = {}  # B -> the capture of B-token steps
+        self.batched_replays = 0
 
     def run(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> np.ndarray | None:
         """Logits float32 (1, n_vocab) of one token at ``pos`` (KV written), or None when the step must
@@ -175,22 +190,59 @@ class DecodeGraph:
         if self.host_layers and (model.routing_override is not None or model.pass_hooks):
             return None  # see eligible()
         cap = self._cap
-        if cap is None or cap.kv is not kv or (cap.routes is None) != (model.routing_override is None) \
-                or (cap.routes is not None and cap.routes.process is not model.routing_override):
+        if cap is None or cap.kv is not kv or _stale_routes(cap, model):
             cap = self._capture(model, tokens, pos, kv)
             if cap is None:
                 return None
         cap.staged[0] = int(tokens[0])
         cap.staged[1] = int(pos[0])
+        out = self._replay(model, cap, 1)
+        self.replays += 1
+        return out
+
+    def run_seqs(self, model: Any, tokens: np.ndarray, kvs: list[Any]) -> np.ndarray | None:
+        """Logits float32 (B, n_vocab) of one token per sequence (token i appended to ``kvs[i]``
+        at its ``n_past``; KV written), or None when the step must run op by op: batched graphs
+        off or failed, caches that are not slices of one cache, CPU-expert layers, route
+        observers. The caller advances the caches."""
+        from moecache.models.base import shared_cache
+
+        if not self.batched or self.batched_failed is not None or self.failed is not None or model.route_observers \
+                or self.host_layers:
+            return None
+        shared = shared_cache(kvs)
+        if shared is None:
+            return None
+        b = len(kvs)
+        cap = self._batched.get(b)
+        if cap is None or cap.kv is not shared[0] or _stale_routes(cap, model):
+            cap = self._capture_seqs(model, tokens, kvs, shared)
+            if cap is None:
+                return None
+        cap.staged[0] = tokens
+        cap.staged[1] = [k.n_past for k in kvs]
+        cap.staged[2] = shared[1]
+        out = self._replay(model, cap, b)
+        self.batched_replays += 1
+        return out
+
+    def _replay(self, model: Any, cap: _Captured, n: int) -> np.ndarray:
+        """One replay of ``cap`` (``n`` tokens) with the pass hooks around it; the inputs are in
+        ``cap.staged`` (rows: token ids, positions, and for batched steps the first KV rows)."""
         with cap.stream:
             # order after everything queued on the default stream (eager passes: KV writes, map uploads)
             cap.stream.wait_event(cp.cuda.Stream.null.record())
             for hk in model.pass_hooks:
-                hk.begin_pass(1)
+                hk.begin_pass(n)
             if cap.routes is not None:
                 cap.routes.draw(cap.stream)
-            cap.tok.set(cap.staged[:1].astype(np.int64), stream=cap.stream)
-            cap.pos.set(cap.staged[1:].astype(np.int32), stream=cap.stream)
+            if cap.base is None:
+                cap.tok.set(cap.staged[:1].astype(np.int64), stream=cap.stream)
+                cap.pos.set(cap.staged[1:].astype(np.int32), stream=cap.stream)
+            else:
+                cap.tok.set(cap.staged[0].astype(np.int64), stream=cap.stream)
+                cap.pos.set(cap.staged[1].astype(np.int32), stream=cap.stream)
+                cap.base.set(cap.staged[2].astype(np.int32), stream=cap.stream)
             cap.graph.launch(cap.stream)
             for cut, seg in zip(cap.cuts or (), cap.segments or ()):
                 cut.run(cap.stream)
@@ -202,25 +254,57 @@ class DecodeGraph:
             out = cap.out.get(stream=cap.stream)
             for hk in model.pass_hooks:
                 hk.end_pass()
-        self.replays += 1
         return out
+
+    def _capture_seqs(self, model: Any, tokens: np.ndarray, kvs: list[Any], shared: tuple) -> _Captured | None:
+        be = self.be
+        be.activate()
+        whole, base, n_ctx = shared
+        b = len(kvs)
+        pos = np.array([k.n_past for k in kvs], np.int64)
+        tok = be.asarray(np.asarray(tokens, np.int64))
+        posb = be.positions(pos)
+        baseb = be.positions(base)
+
+        def step() -> cp.ndarray:
+            # the graph reads the token, position and KV-row buffers; any B of the sequences replay it
+            x = model.body(tok, pos, None, {id(be): posb}, shared=(whole, base, n_ctx), base_inputs={id(be): baseb})
+            return model.head(x)
+
+        cap = self._record(model, step, whole, tok, posb, b, batched=True)
+        if cap is not None:
+            cap.base = baseb
+            cap.staged = np.zeros((3, b), np.int64)
+            self._batched[b] = cap
+        return cap
 
     def _capture(self, model: Any, tokens: np.ndarray, pos: np.ndarray, kv: Any) -> _Captured | None:
         be = self.be
         be.activate()
-        stream = cp.cuda.Stream(non_blocking=True)
-        pool = cp.cuda.MemoryPool()
         tok = be.asarray(np.asarray(tokens[:1], np.int64))
         posb = be.positions(pos[:1])
-        process = model.routing_override
-        routes = None
-        if process is not None:
-            c = model.cfg
-            routes = _Routes(process, moe_layers(model), c.n_layer, c.n_expert_used)
 
         def step() -> cp.ndarray:
             x = model.body(tok, pos[:1], kv, {id(be): posb})
             return model.head(x[-1:])
+
+        cap = self._record(model, step, kv, tok, posb, 1)
+        if cap is not None:
+            self._cap = cap
+        return cap
+
+    def _record(self, model: Any, step: Callable[[], cp.ndarray], kv: Any, tok: cp.ndarray, posb: cp.ndarray,
+                n: int, batched: bool = False) -> _Captured | None:
+        """Warm up and capture ``step`` (``n`` tokens) on a new stream and memory pool; None when the
+        capture fails, said once: one-token steps (and batched ones) then run op by op for good;
+        after a failed batched capture (``batched``) only batched steps do."""
+        stream = cp.cuda.Stream(non_blocking=True)
+        pool = cp.cuda.MemoryPool()
+        process = model.routing_override
+        routes = None
+        if process is not None:
+            c = model.cfg
+            routes = _Routes(process, moe_layers(model), c.n_layer, c.n_expert_used, n)
 
         host = self.host_layers
         experts = model.experts
@@ -232,7 +316,7 @@ class DecodeGraph:
                 # the map upload before the warm-up step; the step's routing log is not accounted
                 # (no end_pass): the replay that follows logs the same token again
                 for hk in model.pass_hooks:
-                    hk.begin_pass(1)
+                    hk.begin_pass(n)
                 step()  # warm-up on this stream: loads kernels, fills caches (writes this step's KV)
                 stream.synchronize()
                 stream.begin_capture()
@@ -246,15 +330,26 @@ class DecodeGraph:
                     # would replace the real error with "not capturing"
                     graph = stream.end_capture() if _capturing(stream) else None
         except Exception as e:  # noqa: BLE001 - any failure means: run op by op
-            self.failed = f"{type(e).__name__}: {e}"
-            self.log(f"note: CUDA graph capture of the decode step failed ({self.failed}); decoding op by op")
+            why = f"{type(e).__name__}: {e}"
+            if batched:
+                self.batched_failed = why
+                self.log(f"note: CUDA graph capture of a batched decode step failed ({why}); batched steps run "
+                         f"op by op")
+            else:
+                self.failed = why
+                self.log(f"note: CUDA graph capture of the decode step failed ({why}); decoding op by op")
             return None
         finally:
             model.routing_override = process
         graphs = [*cutter.graphs, graph] if cutter is not None else [graph]
-        self._cap = _Captured(kv, graphs[0], stream, pool, tok, posb, out, np.zeros(2, np.int64), routes,
-                              graphs[1:], cutter.cuts if cutter is not None else [])
-        return self._cap
+        return _Captured(kv, graphs[0], stream, pool, tok, posb, out, np.zeros(2, np.int64), routes,
+                         graphs[1:], cutter.cuts if cutter is not None else [])
+
+
+def _stale_routes(cap: _Captured, model: Any) -> bool:
+    """Whether ``cap`` was captured with another routing process (or none) than the model has now."""
+    return (cap.routes is None) != (model.routing_override is None) or \
+        (cap.routes is not None and cap.routes.process is not model.routing_override)
 
 
 def moe_layers(model: Any) -> list[int]:

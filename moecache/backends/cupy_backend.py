@@ -453,34 +453,39 @@ class CupyBackend(ArrayOps):
                              (cp.ascontiguousarray(k), cp.ascontiguousarray(v), k_all, v_all, pos, np.int32(t),
                               np.int32(rk), np.int32(rv)))
 
-    def qk_rope_store(self, q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos):
+    def qk_rope_store(self, q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos, kv_base=None):
         """:meth:`ArrayOps.qk_rope_store` in one launch (``qk_rope_store`` of ops.cu); head sizes up to 256."""
         t, n_head, d = q.shape
         n_kv, dv = v.shape[1], v.shape[2]
         if d > 256 or d % 2 or (pos is not None and not isinstance(pos, cp.ndarray)):
-            return super().qk_rope_store(q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos)
+            return super().qk_rope_store(q, k, v, q_norm, k_norm, eps, cos, sin, neox, k_all, v_all, pos, kv_base)
         q, k, v = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v))
         qo = cp.empty_like(q)
         self._fn("qk_rope_store" + _kv_suffix(k_all))(
             (n_head + 2 * n_kv, t), (128,),
             (q, k, v, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, np.float32(eps),
              cp.ascontiguousarray(cos), cp.ascontiguousarray(sin), np.int32(cos.shape[1]), np.int32(bool(neox)),
-             qo, k_all, v_all, pos, np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(dv)))
+             qo, k_all, v_all, pos, np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(dv),
+             _device_i32(kv_base)))
         return qo
 
     def attention(self, q: cp.ndarray, k_all: cp.ndarray, v_all: cp.ndarray, pos0: Any, scale: float,
-                  window: int | None = None, softcap: float | None = None) -> cp.ndarray:
+                  window: int | None = None, softcap: float | None = None, kv_base: Any = None,
+                  n_ctx: int | None = None) -> cp.ndarray:
         t, n_head, d = q.shape
         dv = v_all.shape[2]
         if t > ATT_MAX_TOKENS or d > ATT_MAX_HEAD_DIM or dv > ATT_MAX_HEAD_DIM:
-            return super().attention(q, k_all, v_all, pos0, scale, window, softcap)
+            return super().attention(q, k_all, v_all, pos0, scale, window, softcap, kv_base, n_ctx)
         pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * dv), cp.float32)
         # the grids follow the cache's capacity, not the position: a captured graph replays at every
         # position; each kernel reads the positions from device memory and takes its own queries:
         # attn_decode those with fewer than GQA_MIN_KEYS keys, attn_gqa the others
-        cap, n_kv = k_all.shape[0], k_all.shape[1]
+        # with kv_base, each query's keys are its sequence's n_ctx rows (the grids follow those)
+        cap = k_all.shape[0] if kv_base is None or n_ctx is None else n_ctx
+        n_kv = k_all.shape[1]
+        kvb = _device_i32(kv_base)
         args = (q, k_all, v_all, pos, np.int32(n_head), np.int32(n_kv), np.int32(d), np.int32(dv),
                 np.float32(scale), np.int32(window or 0), np.float32(softcap or 0.0))
         use_gqa = gqa_ok(n_head, n_kv, d, dv) and cap >= GQA_MIN_KEYS and (not window or window >= GQA_MIN_KEYS)
@@ -488,14 +493,14 @@ class CupyBackend(ArrayOps):
         part_a = cp.empty((t, n_head, s_a, dv + 2), cp.float32)
         self._fn("attn_decode" + _kv_suffix(k_all))((n_head, t, s_a), (32 * ATT_WARPS,),
                                                     args[:3] + (part_a,) + args[3:] +
-                                                    (np.int32(GQA_MIN_KEYS if use_gqa else 0),))
+                                                    (np.int32(GQA_MIN_KEYS if use_gqa else 0), kvb))
         s_b, min_run, part_b = 0, 0, NULL
         if use_gqa:  # each KV head read once for its query group
             s_b, min_run = gqa_splits(cap)
             part_b = cp.empty((t, n_head, s_b, dv + 2), cp.float32)
             self._fn(f"attn_gqa_d{dv // 32}" + _kv_suffix(k_all))((n_kv, t, s_b), (GQA_THREADS,),
                                                                   args[:3] + (part_b,) + args[3:] +
-                                                                  (np.int32(min_run), np.int32(GQA_MIN_KEYS)))
+                                                                  (np.int32(min_run), np.int32(GQA_MIN_KEYS), kvb))
         quant = (NULL, NULL, NULL)
         if self.act_q8 and dv % 32 == 0:  # the attn_output product reads out's 8-bit rounding: made here
             quant = (cp.empty((t, n_head * dv), cp.int8), cp.empty((t, n_head * dv // 32), cp.float32),
@@ -698,6 +703,11 @@ class CupyBackend(ArrayOps):
 
 
 __all__ = ["CupyBackend", "GEMV_MAX_TOKENS", "available"]
+
+
+def _device_i32(a: Any) -> Any:
+    """An optional int32 index array for a kernel: NULL for None, else a contiguous device int32 array."""
+    return NULL if a is None else cp.ascontiguousarray(cp.asarray(a), dtype=cp.int32)
 
 
 def available() -> tuple[bool, str]:

@@ -36,6 +36,11 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
 
 
+def _host(a: Any) -> Any:
+    """``a`` as a host (numpy) array: cupy arrays are copied to the host (their ``get``)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
+
+
 def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int) -> list[np.ndarray]:
     """Chunks of a prompt ubatch's used experts for batched GEMMs padded to a chunk's largest group.
 
@@ -137,7 +142,7 @@ class ArrayOps:
         v_all[p0:p0 + t] = v
 
     def qk_rope_store(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None, eps: float,
-                      cos: Any, sin: Any, neox: bool, k_all: Any, v_all: Any, pos: Any) -> Any:
+                      cos: Any, sin: Any, neox: bool, k_all: Any, v_all: Any, pos: Any, kv_base: Any = None) -> Any:
         """The attention inputs of a block in one step: per-head RMSNorm of q and k (when ``q_norm`` /
         ``k_norm`` are given: float32 (head_dim,), qwen3's and gemma3's ``attn_q_norm``/``attn_k_norm``),
         RoPE of both, and k, v written into the layer's KV cache at ``pos``.
@@ -146,6 +151,9 @@ class ArrayOps:
             q: float32 (T, n_head, head_dim); k: (T, n_head_kv, head_dim); v: (T, n_head_kv, head_dim_v).
             cos, sin: float32 (T, n_rot / 2) (:meth:`rope_tables`); neox: as :meth:`rope`.
             k_all, v_all, pos: as :meth:`kv_store`.
+            kv_base: None, or int32 (T,): token t's sequence starts at row ``kv_base[t]`` of
+                ``k_all``/``v_all`` (several sequences in one buffer: a batched decode step), and
+                its k, v go to row ``kv_base[t] + pos[t]`` (``pos`` per token, any order).
 
         Returns:
             q after norm and RoPE, float32 (T, n_head, head_dim). The same arithmetic as
@@ -158,11 +166,17 @@ class ArrayOps:
             k = self.rms_norm(k, k_norm, eps)
         q = self.rope(q, cos, sin, neox)
         k = self.rope(k, cos, sin, neox)
-        self.kv_store(k_all, v_all, pos, k, v)
+        if kv_base is None:
+            self.kv_store(k_all, v_all, pos, k, v)
+        else:
+            rows = self.xp.asarray(kv_base, dtype=np.int64) + self.xp.asarray(pos, dtype=np.int64)
+            k_all[rows] = k
+            v_all[rows] = v
         return q
 
     def attention(self, q: Any, k_all: Any, v_all: Any, pos0: Any, scale: float,
-                  window: int | None = None, softcap: float | None = None) -> Any:
+                  window: int | None = None, softcap: float | None = None, kv_base: Any = None,
+                  n_ctx: int | None = None) -> Any:
         """Causal multi-head attention of T new queries over the cached positions, grouped-query.
 
         Args:
@@ -174,6 +188,12 @@ class ArrayOps:
             window: sliding window: query at p sees keys at ``p - window < j <= p`` (llama.cpp
                 ``LLAMA_SWA_TYPE_STANDARD``); None = all previous positions.
             softcap: ``softcap * tanh(s / softcap)`` on the scores (gemma2) if set.
+            kv_base: None, or int32 (T,) (a batched decode step): query t belongs to the sequence
+                whose ``n_ctx`` rows start at row ``kv_base[t]`` of ``k_all``/``v_all``; it is at
+                position ``pos0[t]`` (the positions array, one per query) and sees that sequence's
+                keys only, rows ``kv_base[t] + start .. kv_base[t] + pos0[t]``.
+            n_ctx: the rows of each sequence with ``kv_base`` (the kernels size their key runs by
+                it); default all of ``k_all``.
 
         Returns:
             float32 (T, n_head * head_dim_v).
@@ -181,6 +201,13 @@ class ArrayOps:
         The queries go in chunks whose float32 scores fit :data:`ATTENTION_SCORE_BYTES` (a 512-token
         ubatch at position 12k would otherwise hold ~0.8 GB of them per copy).
         """
+        if kv_base is not None:  # one query per sequence, each over its own rows
+            base = np.asarray(_host(kv_base), np.int64)
+            pos = np.asarray(_host(pos0), np.int64)
+            n = k_all.shape[0] if n_ctx is None else n_ctx
+            return self.xp.concatenate([
+                self._attention(q[i:i + 1], k_all[base[i]:base[i] + n], v_all[base[i]:base[i] + n], int(pos[i]),
+                                scale, window, softcap) for i in range(q.shape[0])])
         pos0 = int(pos0) if np.ndim(pos0) == 0 else int(pos0[0])
         t, n_head = q.shape[0], q.shape[1]
         chunk = max(1, ATTENTION_SCORE_BYTES // (4 * n_head * (pos0 + t)))

@@ -70,12 +70,29 @@ class ForwardPass:
         seqs: several sequences in one pass (a batched decode step): per sequence, its tokens'
             rows ``(start, stop)`` and its :class:`KVCache`; empty = every token belongs to the
             one cache the blocks are given.
+        shared: a batched step whose sequences are slices of one cache (:meth:`KVCache.slice`,
+            one token each): that cache, each token's first row in it (int (T,), host) and the
+            rows of each sequence; attention then runs once for all of them, reading each
+            token's own rows. None otherwise.
+        base_inputs: ``id(backend)`` -> that backend's int32 (T,) copy of ``shared``'s rows.
     """
 
     pos: np.ndarray
     pos_inputs: dict[int, Any] = field(default_factory=dict)
     rope: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
     seqs: tuple[tuple[int, int, KVCache], ...] = ()
+    shared: tuple[KVCache, np.ndarray, int] | None = None
+    base_inputs: dict[int, Any] = field(default_factory=dict)
+
+
+def shared_cache(kvs: list[KVCache]) -> tuple[KVCache, np.ndarray, int] | None:
+    """:attr:`ForwardPass.shared` of a batched step, one token per cache: when every cache is a
+    slice of the same whole cache and all have the same size, (that cache, each one's first row,
+    the size); else None (attention then runs sequence by sequence)."""
+    whole = kvs[0].parent
+    if whole is None or any(k.parent is not whole or k.n_ctx != kvs[0].n_ctx for k in kvs):
+        return None
+    return whole, np.array([k.offset for k in kvs], np.int64), kvs[0].n_ctx
 
 
 def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
@@ -287,10 +304,17 @@ class DecoderLM:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
         for k in kvs:
             k.check_room(1)
+        if self.decode_graph is not None:
+            out = self.decode_graph.run_seqs(self, tokens, kvs)  # calls the pass hooks itself
+            if out is not None:
+                for k in kvs:
+                    k.advance(1)
+                return out
         pos = np.array([k.n_past for k in kvs], np.int64)
         for hk in self.pass_hooks:
             hk.begin_pass(tokens.size)
-        x = self.body(tokens, pos, None, {}, seqs=tuple((i, i + 1, k) for i, k in enumerate(kvs)))
+        x = self.body(tokens, pos, None, {}, seqs=tuple((i, i + 1, k) for i, k in enumerate(kvs)),
+                      shared=shared_cache(kvs))
         for k in kvs:
             k.advance(1)
         y = self.head(x)
@@ -302,13 +326,15 @@ class DecoderLM:
         return out
 
     def body(self, tokens: Any, pos: np.ndarray, kv: KVCache | None, pos_inputs: dict[int, Any],
-             seqs: tuple[tuple[int, int, KVCache], ...] = ()) -> Any:
+             seqs: tuple[tuple[int, int, KVCache], ...] = (),
+             shared: tuple[KVCache, np.ndarray, int] | None = None, base_inputs: dict[int, Any] | None = None) -> Any:
         """Embedding and every block: int (T,) tokens (host, or on layer 0's backend) at host positions
         ``pos`` -> hidden states float32 (T, n_embd) on the output backend, KV cache written.
         ``pos_inputs`` maps ``id(backend)`` to that backend's positions array; missing ones are
         uploaded once (a CUDA graph passes its own persistent buffers). ``seqs``: the tokens of
-        several sequences (:attr:`ForwardPass.seqs`; ``kv`` is None then)."""
-        fp = ForwardPass(pos, pos_inputs, seqs=seqs)
+        several sequences (:attr:`ForwardPass.seqs`; ``kv`` is None then), ``shared`` and
+        ``base_inputs`` as :class:`ForwardPass` has them."""
+        fp = ForwardPass(pos, pos_inputs, seqs=seqs, shared=shared, base_inputs={} if base_inputs is None else base_inputs)
         self._use(self.layer_be[0])
         x = self.be.embed(self.token_embd, tokens)
         s = self.embed_scale()
@@ -331,6 +357,15 @@ class DecoderLM:
         if p is None:
             p = fp.pos_inputs[key] = self.be.positions(fp.pos)
         return p
+
+    def kv_bases(self, fp: ForwardPass) -> Any:
+        """The pass's per-token first KV rows (``fp.shared``) on the current backend, int32 (T,)
+        (uploaded once per backend)."""
+        key = id(self.be)
+        b = fp.base_inputs.get(key)
+        if b is None:
+            b = fp.base_inputs[key] = self.be.positions(fp.shared[1])
+        return b
 
     def _use(self, be: Any) -> None:
         """Run what follows on ``be`` (its device made current)."""
@@ -386,6 +421,14 @@ class DecoderLM:
         qn, kn = (L["attn_q_norm"], L["attn_k_norm"]) if per_head else (None, None)
         scale = scale if scale is not None else 1.0 / math.sqrt(c.head_dim)
         softcap = c.attn_logit_softcapping if self.attn_softcap else None
+        if fp.shared is not None:  # a batched step over slices of one cache: one launch each
+            whole, _, n_ctx = fp.shared
+            kb = self.kv_bases(fp)
+            qs = be.qk_rope_store(q, k, v, qn, kn, c.norm_eps, cos, sin, rope.neox, whole.k[il], whole.v[il], p,
+                                  kv_base=kb)
+            o = be.attention(qs, whole.k[il], whole.v[il], p, scale, window=self.window(il), softcap=softcap,
+                             kv_base=kb, n_ctx=n_ctx)
+            return self._proj(L, "attn_output", o)
         outs = []
         for a, b, cache in fp.seqs or ((0, t, kv),):  # a batched step: each sequence reads its own cache
             def rows(arr: Any) -> Any:

@@ -163,15 +163,21 @@ extern "C" __global__ void glu(const float *g, const float *u, float *out, long 
 // merges the S partials. S is fixed when a graph is captured, the runs follow the position, so
 // every position keeps all blocks busy. Decode attention is latency-bound (a key costs a load and
 // a warp reduction): a key's K and V rows are loaded together. D, Dv <= 256.
+// kvb (may be null): query t's keys start at row kvb[t] of K and V (several sequences in one cache
+// buffer, one query each: a batched decode step); null: row 0 for every query.
 #define ATT_WARPS 4
 template <typename KV>
 __device__ void attn_split_t(const float *q, const KV *K, const KV *V, float *part, const int *pos, int H, int Hkv,
-                             int D, int Dv, float scale, int window, float softcap, int max_keys) {
+                             int D, int Dv, float scale, int window, float softcap, int max_keys, const int *kvb) {
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][256];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
     int hk = h / (H / Hkv);
     int p = pos[t];
+    if (kvb != nullptr) {
+        K += (long long)kvb[t] * Hkv * D;
+        V += (long long)kvb[t] * Hkv * Dv;
+    }
     int start = window > 0 ? max(0, p - window + 1) : 0;
     if (max_keys > 0 && p - start + 1 >= max_keys) return;  // attn_gqa takes this query
     int chunk = (p - start + S) / S;  // ceil(n_keys / S)
@@ -237,14 +243,14 @@ __device__ void attn_split_t(const float *q, const KV *K, const KV *V, float *pa
 // max_keys > 0: queries with at least that many keys are left to attn_gqa (nothing written for them)
 extern "C" __global__ void attn_decode(const float *q, const float *K, const float *V, float *part, const int *pos,
                                        int H, int Hkv, int D, int Dv, float scale, int window, float softcap,
-                                       int max_keys) {
-    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap, max_keys);
+                                       int max_keys, const int *kvb) {
+    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap, max_keys, kvb);
 }
 
 extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, const __half *V, float *part,
                                            const int *pos, int H, int Hkv, int D, int Dv, float scale, int window,
-                                           float softcap, int max_keys) {
-    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap, max_keys);
+                                           float softcap, int max_keys, const int *kvb) {
+    attn_split_t(q, K, V, part, pos, H, Hkv, D, Dv, scale, window, softcap, max_keys, kvb);
 }
 
 // Decode attention that reads each KV head once for its whole query group (grouped-query attention:
@@ -261,7 +267,8 @@ extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, cons
 //      the four warps' sums are added through shared memory at the end.
 // The partials (M, L, o) go to part (T, H, S, D + 2) as attn_decode writes them (attn_combine
 // merges them). Needs G <= GQA_MAX_G, D = Dv = 32 * DPL with DPL in {2, 4, 8} and G * DPL <= 64
-// (gqa_ok in cupy_backend.py): the queries and the sums of a lane fit in registers.
+// (gqa_ok in cupy_backend.py): the queries and the sums of a lane fit in registers. kvb: as in
+// attn_split_t (query t's keys from row kvb[t]; null: row 0).
 #define GQA_THREADS 128
 #define GQA_MAX_G 16
 __device__ __forceinline__ void load8(const float *p, float *o) {
@@ -312,7 +319,7 @@ __device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
 
 template <typename KV, int DPL>
 __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part, const int *pos, int H, int Hkv,
-                           float scale, int window, float softcap, int run, int min_keys) {
+                           float scale, int window, float softcap, int run, int min_keys, const int *kvb) {
     constexpr int D = 32 * DPL;                                      // head size of K and V
     constexpr int NG = 64 / DPL < GQA_MAX_G ? 64 / DPL : GQA_MAX_G;  // heads a lane can hold
     constexpr int NW = GQA_THREADS / 32;
@@ -324,6 +331,10 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
     int p = pos[t];
     int start = window > 0 ? max(0, p - window + 1) : 0;
     if (p - start + 1 < min_keys) return;  // attn_decode takes this query
+    if (kvb != nullptr) {  // D = Dv here
+        K += (long long)kvb[t] * Hkv * D;
+        V += (long long)kvb[t] * Hkv * D;
+    }
     run = gqa_run(p - start + 1, S, run);
     int j0 = start + s * run, j1 = min(p + 1, j0 + run);
     if (j0 >= j1) return;  // past the query's keys: attn_combine reads only the runs that hold keys
@@ -447,8 +458,8 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
 #define GQA_KERNEL(NAME, KV, DPL)                                                                     \
 extern "C" __global__ void __launch_bounds__(GQA_THREADS) NAME(const float *q, const KV *K, const KV *V, \
         float *part, const int *pos, int H, int Hkv, int D, int Dv, float scale, int window, float softcap, \
-        int run, int min_keys) {                                                                      \
-    attn_gqa_t<KV, DPL>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys);         \
+        int run, int min_keys, const int *kvb) {                                                      \
+    attn_gqa_t<KV, DPL>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);    \
 }
 GQA_KERNEL(attn_gqa_d2, float, 2)
 GQA_KERNEL(attn_gqa_d4, float, 4)
@@ -633,19 +644,21 @@ extern "C" __global__ void kv_store_f16(const float *k, const float *v, __half *
 
 // The attention inputs of a block in one launch (ArrayOps.qk_rope_store): per-head RMSNorm of q and
 // k (when qw / kw are not null), RoPE of both (cos/sin (T, half), pairs as in rope), q written to
-// qo (T, H, D), k and v written into the KV cache at pos[t]. Grid (H + 2 Hkv, T), 128 threads:
+// qo (T, H, D), k and v written into the KV cache at row pos[t] (kvb not null: kvb[t] + pos[t], the
+// row of token t's sequence in a cache buffer several sequences share). Grid (H + 2 Hkv, T), 128 threads:
 // block x < H is query head x, then the Hkv key heads, then the Hkv value heads (copied). Thread i
 // holds RoPE pair i (D <= 256).
 template <typename KV>
 __device__ void qk_rope_store_t(const float *q, const float *k, const float *v, const float *qw, const float *kw,
                                 float eps, const float *cs, const float *sn, int half, int neox, float *qo, KV *K,
-                                KV *V, const int *pos, int H, int Hkv, int D, int Dv) {
+                                KV *V, const int *pos, int H, int Hkv, int D, int Dv, const int *kvb) {
     __shared__ float red[4];
     int hi = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+    long long row = (long long)pos[t] + (kvb != nullptr ? kvb[t] : 0);
     if (hi >= H + Hkv) {  // a value head: into the cache as it is
         int hv = hi - H - Hkv;
         const float *src = v + ((long long)t * Hkv + hv) * Dv;
-        KV *dst = V + ((long long)pos[t] * Hkv + hv) * Dv;
+        KV *dst = V + (row * Hkv + hv) * Dv;
         for (int i = tid; i < Dv; i += blockDim.x) kv_put(dst + i, src[i]);
         return;
     }
@@ -686,7 +699,7 @@ __device__ void qk_rope_store_t(const float *q, const float *k, const float *v, 
         o[a] = ya;
         o[b] = yb;
     } else {
-        KV *o = K + ((long long)pos[t] * Hkv + (hi - H)) * D;
+        KV *o = K + (row * Hkv + (hi - H)) * D;
         kv_put(o + a, ya);
         kv_put(o + b, yb);
     }
@@ -695,15 +708,15 @@ __device__ void qk_rope_store_t(const float *q, const float *k, const float *v, 
 extern "C" __global__ void qk_rope_store(const float *q, const float *k, const float *v, const float *qw,
                                          const float *kw, float eps, const float *cs, const float *sn, int half,
                                          int neox, float *qo, float *K, float *V, const int *pos, int H, int Hkv,
-                                         int D, int Dv) {
-    qk_rope_store_t(q, k, v, qw, kw, eps, cs, sn, half, neox, qo, K, V, pos, H, Hkv, D, Dv);
+                                         int D, int Dv, const int *kvb) {
+    qk_rope_store_t(q, k, v, qw, kw, eps, cs, sn, half, neox, qo, K, V, pos, H, Hkv, D, Dv, kvb);
 }
 
 extern "C" __global__ void qk_rope_store_f16(const float *q, const float *k, const float *v, const float *qw,
                                              const float *kw, float eps, const float *cs, const float *sn, int half,
                                              int neox, float *qo, __half *K, __half *V, const int *pos, int H,
-                                             int Hkv, int D, int Dv) {
-    qk_rope_store_t(q, k, v, qw, kw, eps, cs, sn, half, neox, qo, K, V, pos, H, Hkv, D, Dv);
+                                             int Hkv, int D, int Dv, const int *kvb) {
+    qk_rope_store_t(q, k, v, qw, kw, eps, cs, sn, half, neox, qo, K, V, pos, H, Hkv, D, Dv, kvb);
 }
 
 // Expert-cache misses of a decode ubatch staged in VRAM before the MoE kernels read them: for routed
