@@ -362,8 +362,10 @@ class Engine:
     def decode(self, tokens: list[int] | np.ndarray, kvs: list[KVCache]) -> np.ndarray:
         """One decode step of several sequences: token i appended to ``kvs[i]`` (from
         :meth:`sequences`), in forward passes of at most ``DECODE_MAX_TOKENS`` (16) sequences
-        (continuous batching: the GPU's decode kernels take up to 16 tokens; one sequence runs as
-        :meth:`eval` does, through the CUDA graph where there is one).
+        (continuous batching: the GPU's decode kernels take up to 16 tokens). With batched CUDA
+        graphs (``batch_graph``) a pass replays the graph of its batch size where it can
+        (``DecodeGraph.takes_seqs``), one sequence too; otherwise one sequence runs as :meth:`eval`
+        does (through the one-token CUDA graph where there is one) and several op by op.
 
         Returns:
             float32 (N, n_vocab): each token's logits.
@@ -377,7 +379,7 @@ class Engine:
         """
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         graph = self.model.decode_graph
-        if len(kvs) == 1 and toks.size == 1 and not (graph is not None and graph.batched and kvs[0].parent is not None):
+        if len(kvs) == 1 and toks.size == 1 and not (graph is not None and graph.takes_seqs(self.model, kvs)):
             return self.eval(toks, kv=kvs[0])
         if toks.size != len(kvs):
             raise ValueError(f"decode: {toks.size} tokens for {len(kvs)} sequences")

@@ -107,15 +107,16 @@ def _attention_f64(q, k, v, p, scale, window=None):
 def test_attention_with_kv_base_reads_each_sequences_own_rows(rng, window):
     """ArrayOps.attention with kv_base (a batched step over slices of one cache): query i at its own
     position over rows kv_base[i] .. kv_base[i] + pos[i] only, against float64 attention on that
-    sequence's rows; qk_rope_store with kv_base writes k, v at kv_base[t] + pos[t] and nowhere else."""
+    sequence's rows (the sequences' rows out of token order; K and V of different head sizes);
+    qk_rope_store with kv_base writes k, v at kv_base[t] + pos[t] and nowhere else."""
     from moecache.backends import NumpyBackend
 
     be = NumpyBackend()
-    n_seq, m, n_head, n_kv, d = 4, 16, 8, 2, 32
+    n_seq, m, n_head, n_kv, d, dv = 4, 16, 8, 2, 32, 24
     k = rng.standard_normal((n_seq * m, n_kv, d)).astype(np.float32)
-    v = rng.standard_normal((n_seq * m, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_seq * m, n_kv, dv)).astype(np.float32)
     q = rng.standard_normal((n_seq, n_head, d)).astype(np.float32)
-    base = np.arange(n_seq, dtype=np.int32) * m
+    base = np.array([2, 0, 3, 1], np.int32) * m
     pos = np.array([0, 7, 15, 3], np.int32)
     got = be.attention(q, k, v, pos, 0.2, window, None, kv_base=base, n_ctx=m)
     for i in range(n_seq):
@@ -123,7 +124,7 @@ def test_attention_with_kv_base_reads_each_sequences_own_rows(rng, window):
         np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-5, err_msg=f"sequence {i}")
     k_all, v_all = np.zeros_like(k), np.zeros_like(v)
     kn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
-    vn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
+    vn = rng.standard_normal((n_seq, n_kv, dv)).astype(np.float32)
     cos, sin = np.ones((n_seq, d // 2), np.float32), np.zeros((n_seq, d // 2), np.float32)  # no rotation
     be.qk_rope_store(q, kn, vn, None, None, 1e-6, cos, sin, True, k_all, v_all, pos, kv_base=base)
     rows = base + pos

@@ -451,8 +451,9 @@ def test_batched_decode_attention_reads_each_sequences_rows(gpu, m, kv, heads):
     """A batched decode step over slices of one cache (serve's slots): qk_rope_store and attention
     with kv_base (one launch for every sequence; query t's rows start at kv_base[t]) against the
     numpy twin on each sequence's own rows: attn_decode (300-row slices) and attn_gqa (4096-row
-    slices, queries past GQA_MIN_KEYS) and the 24-heads-per-KV-head shape attn_gqa refuses; the KV
-    writes land in each sequence's rows and nowhere else."""
+    slices, queries past GQA_MIN_KEYS) and the 24-heads-per-KV-head shape attn_gqa refuses, the
+    sequences' rows out of order; then K and V of different head sizes (d 64, dv 48: attn_decode)
+    with a softcap. The KV writes land in each sequence's rows and nowhere else."""
     from moecache.backends import NumpyBackend
     from moecache.backends.cupy_backend import GQA_MIN_KEYS
 
@@ -462,7 +463,7 @@ def test_batched_decode_attention_reads_each_sequences_rows(gpu, m, kv, heads):
     dt = np.float16 if kv == "f16" else np.float32
     k = rng.standard_normal((n_seq * m, n_kv, d)).astype(dt)
     v = rng.standard_normal((n_seq * m, n_kv, d)).astype(dt)
-    base = (np.arange(n_seq) * m).astype(np.int32)
+    base = (np.array([3, 0, 4, 1, 2]) * m).astype(np.int32)  # not in token order: each token's own rows
     pos = np.array([0, m // 2, m - 1, 7, min(m - 1, GQA_MIN_KEYS + 5)], np.int32)
     q = rng.standard_normal((n_seq, n_head, d)).astype(np.float32)
     kn = rng.standard_normal((n_seq, n_kv, d)).astype(np.float32)
@@ -489,6 +490,18 @@ def test_batched_decode_attention_reads_each_sequences_rows(gpu, m, kv, heads):
                                            v_ref[rows].astype(np.float32), int(pos[i]), 0.09, window, None)
             np.testing.assert_allclose(got[i:i + 1], ref, rtol=2e-4, atol=2e-5,
                                        err_msg=f"seed {seed}, m {m}, {kv}, sequence {i}, window {window}")
+    # K and V of different head sizes, softcap: V's rows step by dv, not d
+    k2 = rng.standard_normal((n_seq * m, n_kv, 64)).astype(dt)
+    v2 = rng.standard_normal((n_seq * m, n_kv, 48)).astype(dt)
+    q2 = rng.standard_normal((n_seq, n_head, 64)).astype(np.float32)
+    got = cp.asnumpy(gpu.attention(cp.asarray(q2), cp.asarray(k2), cp.asarray(v2), cp.asarray(pos), 0.1, None, 20.0,
+                                   kv_base=cp.asarray(base), n_ctx=m))
+    for i in range(n_seq):
+        rows = slice(int(base[i]), int(base[i]) + m)
+        ref = NumpyBackend().attention(q2[i:i + 1], k2[rows].astype(np.float32), v2[rows].astype(np.float32),
+                                       int(pos[i]), 0.1, None, 20.0)
+        np.testing.assert_allclose(got[i:i + 1], ref, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"seed {seed}, m {m}, {kv}, d 64 dv 48, sequence {i}")
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
@@ -895,7 +908,7 @@ def test_batched_decode_graphs_equal_each_sequence_alone(gpu, tmp_path, preset, 
             lg = eng.decode([steps[j, i] for i in slots], [kvs[i] for i in slots])
             for r, i in enumerate(slots):
                 got[i].append(lg[r])
-        assert graph.batched_failed is None, graph.batched_failed
+        assert not graph.batched_failed, graph.batched_failed
         assert graph.batched_replays == len(plan) and sorted(graph._batched) == [1, 2, 3, 4]
     for i in range(4):
         np.testing.assert_allclose(np.array(got[i]), ref[i], rtol=0, atol=1e-3 * np.abs(ref[i]).max(),

@@ -34,8 +34,11 @@ Batched decode steps (``batched=True``; continuous batching of serve's slots): B
 slices of one KV cache (:meth:`moecache.engine.Engine.sequences`), one token each, replay a graph
 captured once per B for any B of those sequences: the token ids, positions and each token's first
 KV row (``kv_base``) are persistent device buffers, so slots may join and leave between steps
-without a new capture. Layers whose experts the CPU computes are not supported there (such steps
-run op by op). Off by default: not yet measured on a GPU (issue 21).
+without a new capture (a new one when the slots are cut to another size). Layers whose experts the
+CPU computes, and batches the decode kernels or the expert cache's zero-copy path do not take, run
+op by op. Each batch size's graph keeps a private memory pool (its activations and logits, a few MB
+per token); these are not counted in ``--vram-budget``. Off by default: not yet measured on a GPU
+(issue 21).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class _Captured:
     segments: list = None  # graphs after the first, one per cut (CPU-expert layer), in step order
     cuts: list = None  # _Cut per CPU-expert layer, in step order
     base: cp.ndarray | None = None  # batched steps: each token's first KV row, int32 (B,)
+    n_ctx: int = 0  # batched steps: the rows of each sequence (the attention grids follow it)
 
 
 @dataclass
@@ -177,7 +181,7 @@ class DecodeGraph:
         self.replays = 0
         self.host_layers = host_expert_layers(model)  # the cuts between segments
         self.batched = batched
-        self.batched_failed: str | None = None
+        self.batched_failed: dict[int, str] = {}  # B -> why its capture failed (that B runs op by op)
         self._batched: dict[int, _Captured] = {}  # B -> the capture of B-token steps
         self.batched_replays = 0
 
@@ -200,22 +204,34 @@ class DecodeGraph:
         self.replays += 1
         return out
 
-    def run_seqs(self, model: Any, tokens: np.ndarray, kvs: list[Any]) -> np.ndarray | None:
-        """Logits float32 (B, n_vocab) of one token per sequence (token i appended to ``kvs[i]``
-        at its ``n_past``; KV written), or None when the step must run op by op: batched graphs
-        off or failed, caches that are not slices of one cache, CPU-expert layers, route
-        observers. The caller advances the caches."""
+    def takes_seqs(self, model: Any, kvs: list[Any]) -> bool:
+        """Whether :meth:`run_seqs` replays (or captures) a graph for one token of each of ``kvs``:
+        batched graphs on, no failed capture of this batch size (nor of the one-token step), no
+        CPU-expert layers or route observers, caches that are slices of one cache, a batch the
+        decode kernels and every pass hook's zero-copy path take."""
+        from moecache.backends.ops import DECODE_MAX_TOKENS
         from moecache.models.base import shared_cache
 
-        if not self.batched or self.batched_failed is not None or self.failed is not None or model.route_observers \
-                or self.host_layers:
+        b = len(kvs)
+        if not self.batched or b > DECODE_MAX_TOKENS or b in self.batched_failed or self.failed is not None \
+                or model.route_observers or self.host_layers:
+            return False
+        if not all(getattr(hk, "takes_zero_copy", lambda n: True)(b) for hk in model.pass_hooks):
+            return False
+        return shared_cache(kvs) is not None
+
+    def run_seqs(self, model: Any, tokens: np.ndarray, kvs: list[Any]) -> np.ndarray | None:
+        """Logits float32 (B, n_vocab) of one token per sequence (token i appended to ``kvs[i]``
+        at its ``n_past``; KV written), or None when the step must run op by op (see
+        :meth:`takes_seqs`; a capture that fails). The caller advances the caches."""
+        from moecache.models.base import shared_cache
+
+        if not self.takes_seqs(model, kvs):
             return None
         shared = shared_cache(kvs)
-        if shared is None:
-            return None
         b = len(kvs)
         cap = self._batched.get(b)
-        if cap is None or cap.kv is not shared[0] or _stale_routes(cap, model):
+        if cap is None or cap.kv is not shared[0] or cap.n_ctx != shared[2] or _stale_routes(cap, model):
             cap = self._capture_seqs(model, tokens, kvs, shared)
             if cap is None:
                 return None
@@ -273,7 +289,7 @@ class DecodeGraph:
 
         cap = self._record(model, step, whole, tok, posb, b, batched=True)
         if cap is not None:
-            cap.base = baseb
+            cap.base, cap.n_ctx = baseb, n_ctx
             cap.staged = np.zeros((3, b), np.int64)
             self._batched[b] = cap
         return cap
@@ -297,7 +313,7 @@ class DecodeGraph:
                 n: int, batched: bool = False) -> _Captured | None:
         """Warm up and capture ``step`` (``n`` tokens) on a new stream and memory pool; None when the
         capture fails, said once: one-token steps (and batched ones) then run op by op for good;
-        after a failed batched capture (``batched``) only batched steps do."""
+        after a failed batched capture (``batched``) only steps of that batch size do."""
         stream = cp.cuda.Stream(non_blocking=True)
         pool = cp.cuda.MemoryPool()
         process = model.routing_override
@@ -332,9 +348,9 @@ class DecodeGraph:
         except Exception as e:  # noqa: BLE001 - any failure means: run op by op
             why = f"{type(e).__name__}: {e}"
             if batched:
-                self.batched_failed = why
-                self.log(f"note: CUDA graph capture of a batched decode step failed ({why}); batched steps run "
-                         f"op by op")
+                self.batched_failed[n] = why
+                self.log(f"note: CUDA graph capture of a decode step of {n} sequences failed ({why}); such steps "
+                         f"run op by op")
             else:
                 self.failed = why
                 self.log(f"note: CUDA graph capture of the decode step failed ({why}); decoding op by op")
