@@ -41,7 +41,9 @@ def free_port() -> int:
 
 
 def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0) -> dict:
-    """One streamed completion: {"tokens", "gaps" (s between text events), "t0", "t1", "status"}."""
+    """One streamed completion: {"tokens", "gaps" (s between text events), "t0", "t1", "status",
+    "predicted_per_second" (the server's ``timings`` of the last chunk: generation t/s from the
+    first token's logits, llama-server's field; None when absent)}."""
     body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -51,7 +53,7 @@ def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0) ->
         r = conn.getresponse()
         if r.status != 200:
             return {"status": r.status, "tokens": 0, "gaps": [], "t0": t0, "t1": time.perf_counter()}
-        last, gaps, tokens = None, [], 0
+        last, gaps, tokens, pps = None, [], 0, None
         for raw in r:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -64,7 +66,10 @@ def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0) ->
                 last = now
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
-        return {"status": 200, "tokens": tokens, "gaps": gaps, "t0": t0, "t1": time.perf_counter()}
+            if ev.get("timings"):
+                pps = ev["timings"].get("predicted_per_second")
+        return {"status": 200, "tokens": tokens, "gaps": gaps, "t0": t0, "t1": time.perf_counter(),
+                "predicted_per_second": pps}
     except (OSError, http.client.HTTPException) as e:
         return {"status": f"{type(e).__name__}: {e}", "tokens": 0, "gaps": [], "t0": t0, "t1": time.perf_counter()}
     finally:
@@ -103,6 +108,8 @@ def concurrent(port: int, n_streams: int, n: int) -> dict:
     return {"streams": n_streams, "ok": len(ok), "failed": n_streams - len(ok), "tokens": tokens, "wall_s": wall,
             "aggregate_ts": tokens / wall if wall > 0 else 0.0, "per_stream_ts": tokens / wall / max(1, len(ok)),
             "tpot_p50_ms": pct(0.5), "tpot_p99_ms": pct(0.99),
+            "server_predicted_ts": statistics.fmean(o["predicted_per_second"] for o in ok)
+            if ok and all(o.get("predicted_per_second") for o in ok) else None,
             "tpot_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan")}
 
 
@@ -252,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n} "
                       f"--n-gen-warmup {a.bench_warmup}` "
                       f"{tg:.1f} t/s = **{one['aggregate_ts'] / tg:.2f}**"]
+        if one.get("server_predicted_ts"):
+            lines += [f"the server's own `timings.predicted_per_second` for it: {one['server_predicted_ts']:.1f} t/s = "
+                      f"**{one['server_predicted_ts'] / tg:.2f}** of bench tg"]
     if soaked:
         s = soaked["samples"]
         warm = next((x for x in s if x["t_s"] >= 60), s[0])  # after a minute: the warm-up is over
