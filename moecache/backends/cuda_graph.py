@@ -209,26 +209,28 @@ class DecodeGraph:
         batched graphs on, no failed capture of this batch size (nor of the one-token step), no
         CPU-expert layers or route observers, caches that are slices of one cache, a batch the
         decode kernels and every pass hook's zero-copy path take."""
+        return self._shared_if_taken(model, kvs) is not None
+
+    def _shared_if_taken(self, model: Any, kvs: list[Any]) -> tuple | None:
+        """``shared_cache(kvs)`` when :meth:`takes_seqs` holds, else None."""
         from moecache.backends.ops import DECODE_MAX_TOKENS
         from moecache.models.base import shared_cache
 
         b = len(kvs)
         if not self.batched or b > DECODE_MAX_TOKENS or b in self.batched_failed or self.failed is not None \
                 or model.route_observers or self.host_layers:
-            return False
+            return None
         if not all(getattr(hk, "takes_zero_copy", lambda n: True)(b) for hk in model.pass_hooks):
-            return False
-        return shared_cache(kvs) is not None
+            return None
+        return shared_cache(kvs)
 
     def run_seqs(self, model: Any, tokens: np.ndarray, kvs: list[Any]) -> np.ndarray | None:
         """Logits float32 (B, n_vocab) of one token per sequence (token i appended to ``kvs[i]``
         at its ``n_past``; KV written), or None when the step must run op by op (see
         :meth:`takes_seqs`; a capture that fails). The caller advances the caches."""
-        from moecache.models.base import shared_cache
-
-        if not self.takes_seqs(model, kvs):
+        shared = self._shared_if_taken(model, kvs)
+        if shared is None:
             return None
-        shared = shared_cache(kvs)
         b = len(kvs)
         cap = self._batched.get(b)
         if cap is None or cap.kv is not shared[0] or cap.n_ctx != shared[2] or _stale_routes(cap, model):

@@ -36,11 +36,6 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
 
 
-def _host(a: Any) -> Any:
-    """``a`` as a host (numpy) array: cupy arrays are copied to the host (their ``get``)."""
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
-
-
 def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int) -> list[np.ndarray]:
     """Chunks of a prompt ubatch's used experts for batched GEMMs padded to a chunk's largest group.
 
@@ -202,8 +197,8 @@ class ArrayOps:
         ubatch at position 12k would otherwise hold ~0.8 GB of them per copy).
         """
         if kv_base is not None:  # one query per sequence, each over its own rows
-            base = np.asarray(_host(kv_base), np.int64)
-            pos = np.asarray(_host(pos0), np.int64)
+            base = np.asarray(self.to_host(kv_base), np.int64)
+            pos = np.asarray(self.to_host(pos0), np.int64)
             n = k_all.shape[0] if n_ctx is None else n_ctx
             return self.xp.concatenate([
                 self._attention(q[i:i + 1], k_all[base[i]:base[i] + n], v_all[base[i]:base[i] + n], int(pos[i]),

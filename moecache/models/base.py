@@ -352,20 +352,19 @@ class DecoderLM:
 
     def positions(self, fp: ForwardPass) -> Any:
         """The pass's positions on the current backend, int32 (T,) (uploaded once per backend)."""
-        key = id(self.be)
-        p = fp.pos_inputs.get(key)
-        if p is None:
-            p = fp.pos_inputs[key] = self.be.positions(fp.pos)
-        return p
+        return self._on_backend(fp.pos_inputs, fp.pos)
 
     def kv_bases(self, fp: ForwardPass) -> Any:
         """The pass's per-token first KV rows (``fp.shared``) on the current backend, int32 (T,)
         (uploaded once per backend)."""
-        key = id(self.be)
-        b = fp.base_inputs.get(key)
-        if b is None:
-            b = fp.base_inputs[key] = self.be.positions(fp.shared[1])
-        return b
+        return self._on_backend(fp.base_inputs, fp.shared[1])
+
+    def _on_backend(self, uploaded: dict[int, Any], host: np.ndarray) -> Any:
+        """``host`` ints as the current backend's int32 array, kept in ``uploaded`` by backend."""
+        a = uploaded.get(id(self.be))
+        if a is None:
+            a = uploaded[id(self.be)] = self.be.positions(host)
+        return a
 
     def _use(self, be: Any) -> None:
         """Run what follows on ``be`` (its device made current)."""
