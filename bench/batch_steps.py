@@ -4,10 +4,12 @@ Engine.decode, as serve's slots run), against one sequence through the CUDA grap
 Each of 8 slot sequences (``-c 8192`` split in 8) holds a 4-token prompt; every step appends the
 same token to each of B sequences (so the routed experts of the B tokens are alike: the step's
 host and launch cost, not the experts' bytes); ``--distinct`` gives each sequence its own token.
-``--batch-graph`` replays batched steps as CUDA graphs (``DecodeGraph.batched``, off by default in
-the engine). ``--profile`` adds a cProfile of three B=2 steps.
+Batched steps replay CUDA graphs (``DecodeGraph.batched``, the engine's default);
+``--no-batch-graph`` runs them op by op. ``--vram-budget`` and ``--routing`` are ``run``'s flags
+(an expert cache and a routing process). ``--profile`` adds a cProfile of three B=2 steps.
 
-    python bench/batch_steps.py -m /tmp/q30.gguf -t 15 [--distinct] [--batch-graph]
+    python bench/batch_steps.py -m /tmp/q30.gguf -t 15 [--distinct] [--no-batch-graph] \
+        [--vram-budget 8GiB --routing qwen3-moe]
 """
 
 from __future__ import annotations
@@ -30,19 +32,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-r", "--reps", type=int, default=8, help="steps timed per case")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--distinct", action="store_true", help="a different token for each sequence")
-    ap.add_argument("--batch-graph", action="store_true", help="batched steps as CUDA graphs")
+    ap.add_argument("--no-batch-graph", action="store_true", help="batched steps op by op")
+    ap.add_argument("--vram-budget", default=None, help="as run's --vram-budget (e.g. 8GiB)")
+    ap.add_argument("--routing", default=None, help="as run's --routing (e.g. qwen3-moe)")
     a = ap.parse_args(argv)
     kw = {"n_ctx": 8192} | ({"n_threads": a.threads} if a.threads else {})
+    kw |= {k: v for k, v in (("vram_budget", a.vram_budget), ("routing", a.routing)) if v is not None}
     with moecache.load(a.model, log=lambda s: print(s, file=sys.stderr), **kw) as llm:
         eng = llm.engine
         seqs = eng.sequences(8)
         for s in seqs:
             eng.eval([1, 2, 3, 4], kv=s)
         gpu = eng.model.be.device is not None
-        if a.batch_graph:
-            if eng.model.decode_graph is None:
-                sys.exit("--batch-graph: this engine has no CUDA graph (see its notes above)")
-            eng.model.decode_graph.batched = True
+        if a.no_batch_graph and eng.model.decode_graph is not None:
+            eng.model.decode_graph.batched = False
 
         def toks(b: int) -> list[int]:
             return [5 + 7 * i for i in range(b)] if a.distinct else [5] * b
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{label}: {(time.perf_counter() - t0) / a.reps * 1e3:.2f} ms/step", flush=True)
 
         timeit("B=1 eval (the CUDA graph where there is one)", lambda: eng.eval([5], kv=seqs[0]))
-        timeit("B=1 forward_seqs (op by op)", lambda: eng.model.forward_seqs(np.array([5]), [seqs[0]]))
+        timeit("B=1 forward_seqs", lambda: eng.model.forward_seqs(np.array([5]), [seqs[0]]))
         for b in (2, 4, 8):
             timeit(f"B={b} decode", lambda: eng.decode(toks(b), seqs[:b]))
         if a.profile:

@@ -918,10 +918,11 @@ def test_batched_decode_graphs_equal_each_sequence_alone(gpu, tmp_path, preset, 
 @pytest.mark.parametrize("preset,placement", [("tiny", {}), ("tiny-gemma3", {}), ("tiny", {"cpu_moe": True}),
                                               ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 1})])
 def test_batched_decode_on_the_gpu_equals_each_sequence_alone(gpu, tmp_path, preset, placement):
-    """Continuous batching on the GPU (Engine.sequences/decode, as serve's slots run): three slot
-    sequences decoded together give each one's logits alone; a lone slot goes through the CUDA
-    graph (captured for that slot's cache); with every expert on the GPU, on the CPU, and behind an
-    expert cache (-ngl 99 --cpu-moe --moe-cache 1 MiB: the cache's decode kernels with 3 tokens)."""
+    """Continuous batching on the GPU op by op (Engine.sequences/decode, as serve's slots run, with
+    batch_graph=False; the graphs have the test above): three slot sequences decoded together give
+    each one's logits alone; a lone slot goes through the one-token CUDA graph (captured for that
+    slot's cache); with every expert on the GPU, on the CPU, and behind an expert cache (-ngl 99
+    --cpu-moe --moe-cache 1 MiB: the cache's decode kernels with 3 tokens)."""
     from moecache.engine import Engine, EngineConfig
     from moecache.placement import PlacementOptions
     from moecache.testing.synth import PRESETS as P
@@ -932,7 +933,8 @@ def test_batched_decode_on_the_gpu_equals_each_sequence_alone(gpu, tmp_path, pre
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 200, n) for n in (5, 9, 3)]
     steps = rng.integers(0, 200, (6, 3))
-    with Engine(path, EngineConfig(n_ctx=96), placement=PlacementOptions(**placement), gpu_act_q8=False) as eng:
+    with Engine(path, EngineConfig(n_ctx=96), placement=PlacementOptions(**placement), gpu_act_q8=False,
+                batch_graph=False) as eng:
         ref = []  # each sequence alone on the engine's own cache
         for i, p in enumerate(prompts):
             eng.reset()

@@ -37,8 +37,9 @@ KV row (``kv_base``) are persistent device buffers, so slots may join and leave 
 without a new capture (a new one when the slots are cut to another size). Layers whose experts the
 CPU computes, and batches the decode kernels or the expert cache's zero-copy path do not take, run
 op by op. Each batch size's graph keeps a private memory pool (its activations and logits, a few MB
-per token); these are not counted in ``--vram-budget``. Off by default: not yet measured on a GPU
-(issue 21).
+per token); these are not counted in ``--vram-budget``. On by default (``Engine(batch_graph=...)``);
+H200, Qwen3-30B-A3B shape, all on the GPU, distinct tokens: 8 sequences take 8.5 ms per step
+against 18.6 ms op by op (``bench/batch_steps.py``).
 """
 
 from __future__ import annotations

@@ -58,9 +58,10 @@ GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_
 GQA_MIN_RUN = 64  # ... of at least this many keys
 # decode queries with at least this many keys take attn_gqa, fewer attn_decode (per head, many short
 # runs: the lower latency while the keys are few). H200, Qwen3-30B-A3B's layer, f16 cache, µs per
-# layer (bench/results/decode-profile-h200.md): attn_decode 11.5 / 21.1 / 46.8 / 192.6 at 128 /
-# 1024 / 4096 / 16000 keys; the grouped kernel one step before this one (runs >= 64) 28.0 / 28.9 /
-# 32.6 / 123.2; this one 127 at 16000 (in the decode profile)
+# layer with the merge (bench/attn_variants.py, bench/results/attn-gqa-h200.md): attn_decode 27.2 /
+# 55.7 / 217.7 at 1024 / 4096 / 16000 keys; attn_gqa (K and V staged in shared memory, runs >= 64)
+# 20.3 / 28.2 / 68.9 (the kernel before it 29.5 / 35.5 / 133.9). Chosen with the kernel before it;
+# the new kernel also wins at 1024 keys: a lower split is untried
 GQA_MIN_KEYS = 2048
 
 

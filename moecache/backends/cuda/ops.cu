@@ -254,77 +254,57 @@ extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, cons
 }
 
 // Decode attention that reads each KV head once for its whole query group (grouped-query attention:
-// G = H / Hkv query heads share a KV head). Grid (Hkv, T, S), GQA_THREADS threads; the query's keys
-// go in runs of max(min_run, ceil(n_keys / S)) keys (gqa_run: from the position in device memory,
-// so a captured graph replays at any position; blocks past the last run return at once); block s
-// of (kv head hk, query t) takes run s for the G heads hk*G .. hk*G + G - 1, in chunks of
-// GQA_THREADS keys with an online softmax:
-//   1. scores: warp w takes keys w, w + 4, ... (four at a time, so that their loads overlap), lane
-//      l the DPL = D / 32 dims l*DPL .. of the key and of the G queries (held in registers): a K
-//      row is one coalesced read; a warp sum per head gives the score;
+// G = H / Hkv query heads share a KV head), split over keys as flash-decoding does. Grid (Hkv, T, S),
+// GQA_THREADS threads; the query's keys go in runs of max(min_run, ceil(n_keys / S)) keys (gqa_run:
+// from the position in device memory, so a captured graph replays at any position; blocks past the
+// last run return at once); block s of (kv head hk, query t) takes run s for the G heads
+// hk*G .. hk*G + G - 1, in chunks of CH keys with an online softmax (Milakov & Gimelshein 2018):
+//   0. the chunk's K and V rows are loaded into shared memory by every thread at once, 16 bytes per
+//      load, all of a thread's loads issued before any is stored (a block keeps ~2 * CH * D * size
+//      bytes in flight: reading the keys is bound by bandwidth, not by one warp's chain of loads);
+//      the next chunk's loads are issued before this chunk is computed;
+//   1. scores: thread (key i, head set) takes the dot products of key i with its heads, K from
+//      shared memory (rows padded by one word: the 32 lanes' keys fall in 32 banks), the queries
+//      (in shared memory) broadcast;
 //   2. per head, the chunk's max and exp-sum (a warp per head) rescale the running M, L and o;
-//   3. o[g][d] += sum_j p[g][j] V[j][d]: the same split of keys over warps and dims over lanes;
-//      the four warps' sums are added through shared memory at the end.
+//   3. o[g][d] += sum_i p[g][i] V[i][d]: thread (dim pair, head set), V from shared memory.
 // The partials (M, L, o) go to part (T, H, S, D + 2) as attn_decode writes them (attn_combine
-// merges them). Needs G <= GQA_MAX_G, D = Dv = 32 * DPL with DPL in {2, 4, 8} and G * DPL <= 64
-// (gqa_ok in cupy_backend.py): the queries and the sums of a lane fit in registers. kvb: as in
-// attn_split_t (query t's keys from row kvb[t]; null: row 0).
+// merges them). Needs G <= GQA_MAX_G, D = Dv in {64, 128, 256} and G * D <= 2048 (gqa_ok in
+// cupy_backend.py). kvb: as in attn_split_t (query t's keys from row kvb[t]; null: row 0).
 #define GQA_THREADS 128
 #define GQA_MAX_G 16
-__device__ __forceinline__ void load8(const float *p, float *o) {
-    float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-__device__ __forceinline__ void load8(const __half *p, float *o) {
-    uint4 u = *(const uint4 *)p;
-    const __half2 *h = (const __half2 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float2 f = __half22float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
-// DPL consecutive elements (DPL = 2, 4, 8; aligned to DPL elements)
-template <int DPL> __device__ __forceinline__ void load_dpl(const float *p, float *o) {
-#pragma unroll
-    for (int i = 0; i < DPL; i += 2) {
-        float2 v = *(const float2 *)(p + i);
-        o[i] = v.x;
-        o[i + 1] = v.y;
-    }
-}
-template <int DPL> __device__ __forceinline__ void load_dpl(const __half *p, float *o) {
-#pragma unroll
-    for (int i = 0; i < DPL; i += 2) {
-        float2 v = __half22float2(*(const __half2 *)(p + i));
-        o[i] = v.x;
-        o[i + 1] = v.y;
-    }
-}
-
-// A lane's DPL elements of the rows i0, i0 + NW, i0 + 2 NW, i0 + 3 NW (those below n) of a chunk
-// (rows ``stride`` elements apart): four loads issued before any is used
-template <int DPL, int NW, typename KV>
-__device__ __forceinline__ void load_rows4(const KV *base, int i0, int n, long long stride, float (*out)[DPL]) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-        if (i0 + u * NW < n) load_dpl<DPL>(base + (i0 + u * NW) * stride, out[u]);
-}
 
 // keys per run of a query with n_keys keys, S runs, at least min_run keys per run
 __device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
     return max(min_run, (n_keys + S - 1) / S);
 }
 
-template <typename KV, int DPL>
+// elements 2w, 2w + 1 of a K or V row staged in shared memory as 32-bit words
+__device__ __forceinline__ float2 kv_pair(const unsigned *row, int w, __half) {
+    return __half22float2(*(const __half2 *)(row + w));
+}
+__device__ __forceinline__ float2 kv_pair(const unsigned *row, int w, float) {
+    return make_float2(__uint_as_float(row[2 * w]), __uint_as_float(row[2 * w + 1]));
+}
+
+template <typename KV, int D>
 __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part, const int *pos, int H, int Hkv,
                            float scale, int window, float softcap, int run, int min_keys, const int *kvb) {
-    constexpr int D = 32 * DPL;                                      // head size of K and V
-    constexpr int NG = 64 / DPL < GQA_MAX_G ? 64 / DPL : GQA_MAX_G;  // heads a lane can hold
-    constexpr int NW = GQA_THREADS / 32;
-    __shared__ float buf[2 * 64 * 32];  // the warps' sums of o at the end (G * D <= 2048 per half)
-    __shared__ float sc[GQA_MAX_G][GQA_THREADS];
+    constexpr int NT = GQA_THREADS;
+    constexpr int W = D * (int)sizeof(KV) / 4;   // 32-bit words per row
+    constexpr int RS = W + 1;                     // padded row stride in shared memory (words)
+    constexpr int CH = W <= 64 ? 64 : 4096 / W;   // keys per chunk: K + V stay under ~33 KB
+    constexpr int W4 = W / 4;                     // 16-byte pieces per row
+    constexpr int LPT = CH * W4 / NT;             // pieces per thread per chunk (of K, and of V)
+    constexpr int HS = NT / CH;                   // scores: threads per key (head sets)
+    constexpr int HPS = (GQA_MAX_G + HS - 1) / HS;  // ... heads per thread at most
+    constexpr int P = D / 2;                      // sums: dim pairs
+    constexpr int HG = NT / P;                    // ... threads per dim pair (head sets)
+    constexpr int HPG = 2048 / D / HG;            // ... heads per thread at most (G * D <= 2048)
+    static_assert(LPT * NT == CH * W4 && HS * CH == NT && HG * P == NT, "shapes");
+    __shared__ unsigned ks[CH * RS], vs[CH * RS];
+    __shared__ __align__(16) float qs[2048];      // the group's queries, G * D <= 2048
+    __shared__ float sc[GQA_MAX_G][CH];
     __shared__ float sM[GQA_MAX_G], sL[GQA_MAX_G], sA[GQA_MAX_G];
     int hk = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     int G = H / Hkv, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
@@ -338,56 +318,85 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
     run = gqa_run(p - start + 1, S, run);
     int j0 = start + s * run, j1 = min(p + 1, j0 + run);
     if (j0 >= j1) return;  // past the query's keys: attn_combine reads only the runs that hold keys
-    // lane l holds dims l*DPL .. of the G queries (the group's heads are contiguous in q)
-    float qr[NG][DPL], acc[NG][DPL];
-    const float *qh = q + ((long long)t * H + (long long)hk * G) * D + lane * DPL;
-#pragma unroll
-    for (int g = 0; g < NG; ++g) {
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) acc[g][e] = 0.f;
-        if (g < G) load_dpl<DPL>(qh + g * D, qr[g]);
-    }
+    const float *qg = q + ((long long)t * H + (long long)hk * G) * D;
+    for (int i = tid; i < G * D; i += NT) qs[i] = qg[i];
     if (tid < GQA_MAX_G) {
         sM[tid] = NEG_INF;
         sL[tid] = 0.f;
     }
-    __syncthreads();
-    long long ks = (long long)Hkv * D;
-    for (int c0 = j0; c0 < j1; c0 += GQA_THREADS) {
-        int n = min(GQA_THREADS, j1 - c0);
-        const KV *kc = K + ((long long)c0 * Hkv + hk) * D + lane * DPL;
-        const KV *vc = V + ((long long)c0 * Hkv + hk) * D + lane * DPL;
-        // 1. scores: warp wid takes keys wid, wid + 4, ... (four at a time: their loads overlap)
-        for (int i0 = wid; i0 < n; i0 += 4 * NW) {
-            float kv[4][DPL];
-            load_rows4<DPL, NW>(kc, i0, n, ks, kv);
+    long long rstride = (long long)Hkv * D;  // elements between one key's rows
+    uint4 kr[LPT], vr[LPT];
+    auto fetch = [&](int c0) {  // issue the loads of the chunk at key c0 (pieces past the run: none)
+        int n = min(CH, j1 - c0);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int i = i0 + u * NW;
-                if (i < n) {
+        for (int k = 0; k < LPT; ++k) {
+            int u = tid + k * NT, r = u / W4, c = u % W4;
+            if (r < n) {
+                long long at = (long long)(c0 + r) * rstride + (long long)hk * D;
+                kr[k] = ((const uint4 *)(K + at))[c];
+                vr[k] = ((const uint4 *)(V + at))[c];
+            }
+        }
+    };
+    fetch(j0);
+    // the dims and heads of this thread in the sums
+    int dp = tid % P, dg = tid / P;
+    float acc[HPG][2];
 #pragma unroll
-                    for (int g = 0; g < NG; ++g)
-                        if (g < G) {
-                            float x = 0.f;
+    for (int k = 0; k < HPG; ++k) acc[k][0] = acc[k][1] = 0.f;
+    for (int c0 = j0; c0 < j1; c0 += CH) {
+        int n = min(CH, j1 - c0);
+        __syncthreads();  // the previous chunk is done with ks, vs and sc (and qs, sM are written)
 #pragma unroll
-                            for (int e = 0; e < DPL; ++e) x += qr[g][e] * kv[u][e];
-                            x = warp_sum(x) * scale;
-                            if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-                            if (lane == 0) sc[g][i] = x;
-                        }
+        for (int k = 0; k < LPT; ++k) {
+            int u = tid + k * NT, r = u / W4, c = u % W4;
+            if (r < n) {
+                unsigned *kd = ks + r * RS + 4 * c, *vd = vs + r * RS + 4 * c;
+                kd[0] = kr[k].x; kd[1] = kr[k].y; kd[2] = kr[k].z; kd[3] = kr[k].w;
+                vd[0] = vr[k].x; vd[1] = vr[k].y; vd[2] = vr[k].z; vd[3] = vr[k].w;
+            }
+        }
+        __syncthreads();
+        if (c0 + CH < j1) fetch(c0 + CH);  // in flight while this chunk is computed
+        // 1. scores of key i for heads hs, hs + HS, ...
+        {
+            int i = tid % CH, hs = tid / CH;
+            float x[HPS];
+#pragma unroll
+            for (int k = 0; k < HPS; ++k) x[k] = 0.f;
+            const unsigned *row = ks + i * RS;
+#pragma unroll 8
+            for (int w = 0; w < D / 2; ++w) {
+                float2 kv = kv_pair(row, w, KV());
+#pragma unroll
+                for (int k = 0; k < HPS; ++k) {
+                    int g = hs + k * HS;
+                    if (g < G) {
+                        float2 qv = *(const float2 *)(qs + g * D + 2 * w);
+                        x[k] += qv.x * kv.x + qv.y * kv.y;
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < HPS; ++k) {
+                int g = hs + k * HS;
+                if (g < G) {
+                    float v = x[k] * scale;
+                    if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                    sc[g][i] = i < n ? v : NEG_INF;
                 }
             }
         }
         __syncthreads();
         // 2. a warp per head: the chunk's max, p = e^(x - M), the running M and L
-        for (int g = wid; g < G; g += NW) {
+        for (int g = wid; g < G; g += NT / 32) {
             float m = NEG_INF;
             for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[g][i]);
             m = warp_max(m);
             float M = fmaxf(sM[g], m);
             float sum = 0.f;
-            for (int i = lane; i < n; i += 32) {
-                float e = __expf(sc[g][i] - M);
+            for (int i = lane; i < CH; i += 32) {
+                float e = i < n ? __expf(sc[g][i] - M) : 0.f;
                 sc[g][i] = e;
                 sum += e;
             }
@@ -401,72 +410,59 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
             }
         }
         __syncthreads();
-        // 3. o += p V: warp wid takes keys wid, wid + 4, ..., lane its DPL dims of every head
+        // 3. o += p V for dims 2 dp, 2 dp + 1 of heads dg, dg + HG, ...
 #pragma unroll
-        for (int g = 0; g < NG; ++g)
+        for (int k = 0; k < HPG; ++k) {
+            int g = dg + k * HG;
             if (g < G) {
                 float a = sA[g];
-#pragma unroll
-                for (int e = 0; e < DPL; ++e) acc[g][e] *= a;
+                acc[k][0] *= a;
+                acc[k][1] *= a;
             }
-        for (int i0 = wid; i0 < n; i0 += 4 * NW) {
-            float v[4][DPL];
-            load_rows4<DPL, NW>(vc, i0, n, ks, v);
+        }
+        for (int i = 0; i < n; ++i) {
+            float2 v = kv_pair(vs + i * RS, dp, KV());
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int i = i0 + u * NW;
-                if (i < n) {
-#pragma unroll
-                    for (int g = 0; g < NG; ++g)
-                        if (g < G) {
-                            float pr = sc[g][i];
-#pragma unroll
-                            for (int e = 0; e < DPL; ++e) acc[g][e] += pr * v[u][e];
-                        }
+            for (int k = 0; k < HPG; ++k) {
+                int g = dg + k * HG;
+                if (g < G) {
+                    float pr = sc[g][i];
+                    acc[k][0] += pr * v.x;
+                    acc[k][1] += pr * v.y;
                 }
             }
         }
-        __syncthreads();
     }
-    // the four warps' sums: warps 0 and 1 store theirs, 2 and 3 add theirs, then two halves remain
-    int half = G * D;
-    for (int round = 0; round < 2; ++round) {
-        if ((wid >> 1) == round) {
-            float *b = buf + (wid & 1) * half;
 #pragma unroll
-            for (int g = 0; g < NG; ++g)
-                if (g < G)
-#pragma unroll
-                    for (int e = 0; e < DPL; ++e) {
-                        float *x = b + g * D + lane * DPL + e;
-                        *x = round == 0 ? acc[g][e] : *x + acc[g][e];
-                    }
-        }
-        __syncthreads();
-    }
-    for (int i = tid; i < half; i += GQA_THREADS) {
-        int g = i / D, d = i % D;
-        float *ps = part + (((long long)t * H + (long long)hk * G + g) * S + s) * (D + 2);
-        ps[2 + d] = buf[i] + buf[half + i];
-        if (d == 0) {
-            ps[0] = sM[g];
-            ps[1] = sL[g];
+    for (int k = 0; k < HPG; ++k) {
+        int g = dg + k * HG;
+        if (g < G) {
+            float *ps = part + (((long long)t * H + (long long)hk * G + g) * S + s) * (D + 2);
+            ps[2 + 2 * dp] = acc[k][0];
+            ps[3 + 2 * dp] = acc[k][1];
+            if (dp == 0) {
+                ps[0] = sM[g];
+                ps[1] = sL[g];
+            }
         }
     }
 }
 
-#define GQA_KERNEL(NAME, KV, DPL)                                                                     \
-extern "C" __global__ void __launch_bounds__(GQA_THREADS) NAME(const float *q, const KV *K, const KV *V, \
-        float *part, const int *pos, int H, int Hkv, int D, int Dv, float scale, int window, float softcap, \
+#ifndef GQA_MIN_BLOCKS
+#define GQA_MIN_BLOCKS 4  // blocks per SM the registers leave room for (shared memory allows 4-5)
+#endif
+#define GQA_KERNEL(NAME, KV, D)                                                                       \
+extern "C" __global__ void __launch_bounds__(GQA_THREADS, GQA_MIN_BLOCKS) NAME(const float *q, const KV *K, const KV *V, \
+        float *part, const int *pos, int H, int Hkv, int D_, int Dv, float scale, int window, float softcap, \
         int run, int min_keys, const int *kvb) {                                                      \
-    attn_gqa_t<KV, DPL>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);    \
+    attn_gqa_t<KV, D>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);      \
 }
-GQA_KERNEL(attn_gqa_d2, float, 2)
-GQA_KERNEL(attn_gqa_d4, float, 4)
-GQA_KERNEL(attn_gqa_d8, float, 8)
-GQA_KERNEL(attn_gqa_d2_f16, __half, 2)
-GQA_KERNEL(attn_gqa_d4_f16, __half, 4)
-GQA_KERNEL(attn_gqa_d8_f16, __half, 8)
+GQA_KERNEL(attn_gqa_d2, float, 64)
+GQA_KERNEL(attn_gqa_d4, float, 128)
+GQA_KERNEL(attn_gqa_d8, float, 256)
+GQA_KERNEL(attn_gqa_d2_f16, __half, 64)
+GQA_KERNEL(attn_gqa_d4_f16, __half, 128)
+GQA_KERNEL(attn_gqa_d8_f16, __half, 256)
 
 // Merges the partials of attn_decode (part_a (T, H, S_a, Dv + 2)) or attn_gqa (part_b (T, H, S_b,
 // Dv + 2), may be null) of each query: out[t, h*Dv + d] = sum_s o_s[d] e^(M_s - M) / sum_s L_s
