@@ -52,7 +52,7 @@ ATT_WARPS = 4  # ATT_WARPS of ops.cu: warps per (head, query, key run) block of 
 ATT_KEYS_PER_SPLIT = 256
 ATT_MIN_SPLITS = 8
 ATT_MAX_SPLITS = 64
-GQA_THREADS = 128  # GQA_THREADS of ops.cu: threads (and keys per chunk) of an attn_gqa block
+GQA_THREADS = 128  # GQA_THREADS of ops.cu: threads of an attn_gqa block
 GQA_MAX_G = 16  # GQA_MAX_G of ops.cu: most query heads per KV head attn_gqa takes
 GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_MAX_S of ops.cu) ...
 GQA_MIN_RUN = 64  # ... of at least this many keys
@@ -94,8 +94,9 @@ def gqa_splits(n_ctx: int) -> tuple[int, int]:
 
 def gqa_ok(n_head: int, n_head_kv: int, d: int, dv: int) -> bool:
     """Whether ``attn_gqa`` takes this shape: a whole query group of <= :data:`GQA_MAX_G` heads per KV
-    head; K and V rows of one size, 64, 128 or 256 elements (2, 4 or 8 per lane of a warp); at most
-    64 query values and 64 sums per lane (group size x elements per lane)."""
+    head; K and V rows of one size, 64, 128 or 256 elements; group size x row size <= 2048 (the
+    group's queries in the kernel's shared memory, and the sums a thread holds: 2048 / D heads of
+    one dim pair)."""
     g = n_head // n_head_kv if n_head % n_head_kv == 0 else 0
     return 0 < g <= GQA_MAX_G and d == dv and dv in (64, 128, 256) and g * (dv // 32) <= 64
 
