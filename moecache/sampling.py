@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -75,9 +76,11 @@ class Sampler:
     The same seed and the same logits give the same tokens (numpy PCG64 generator).
     """
 
-    def __init__(self, params: SamplingParams, n_ctx: int = 4096):
+    def __init__(self, params: SamplingParams, n_ctx: int = 4096, banned: Iterable[int] = ()):
         params.validate()
         self.params = params
+        # ids never picked (their logits set to -inf before the chain: llama-server's ignore_eos)
+        self.banned = np.array(sorted({int(i) for i in banned}), dtype=np.int64)
         seed = params.seed if params.seed != DEFAULT_SEED else int(np.random.SeedSequence().entropy % 0xFFFFFFFF)
         self.seed = seed
         self.rng = np.random.Generator(np.random.PCG64(seed))
@@ -90,9 +93,17 @@ class Sampler:
             self.history.append(int(token))
 
     def sample(self, logits: np.ndarray) -> int:
-        """The next token id from float (n_vocab,) logits. Does not record it (call :meth:`accept`)."""
+        """The next token id from float (n_vocab,) logits. Does not record it (call :meth:`accept`).
+        Greedy with no penalty in effect takes the argmax of ``logits`` as given (no float64 copy:
+        the same id, the float32 order being the float64 one)."""
         p = self.params
+        if p.temp <= 0 and not self._penalties_apply():
+            tok = int(np.argmax(logits))
+            if not (self.banned.size and np.any(self.banned == tok)):
+                return tok
         x = np.array(logits, dtype=np.float64, copy=True)
+        if self.banned.size:
+            x[self.banned[self.banned < x.shape[0]]] = -np.inf
         self._penalize(x)
         if p.temp <= 0:
             return int(np.argmax(x))
@@ -113,9 +124,14 @@ class Sampler:
         probs = _softmax(x / p.temp)
         return int(ids[self.rng.choice(probs.shape[0], p=probs)])
 
+    def _penalties_apply(self) -> bool:
+        p = self.params
+        return bool(self.history) and not (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0
+                                           and p.presence_penalty == 0.0)
+
     def _penalize(self, x: np.ndarray) -> None:
         p = self.params
-        if not self.history or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+        if not self._penalties_apply():
             return
         counts = Counter(self.history)
         tok = np.fromiter(counts.keys(), dtype=np.int64)

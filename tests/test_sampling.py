@@ -101,3 +101,40 @@ def test_filters_act_before_temperature_as_in_llamacpp():
     assert got == {0, 1, 2}
     got = set(draws(SamplingParams(temp=3.0, top_k=0, top_p=1.0, min_p=0.3, seed=9), logits, 4000))
     assert got == {0, 1, 2}
+
+
+def test_banned_ids_are_never_picked_greedy_or_sampled():
+    """``banned`` (llama-server's ignore_eos): greedy takes the best id outside the set, against an
+    argmax over the logits with those ids removed; sampling at a temperature never draws them; the
+    greedy path that skips the float64 copy gives the same ids as the one that makes it."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        x = rng.standard_normal(3000).astype(np.float32)
+        top = np.argsort(-x)[:3]
+        banned = [int(top[0]), int(top[1]), 2999, 5000]  # 5000: past the vocabulary, ignored
+        keep = np.setdiff1d(np.arange(3000), banned)
+        ref = int(keep[np.argmax(x[keep])])
+        assert Sampler(SamplingParams(temp=0.0), banned=banned).sample(x) == ref == int(top[2]), f"seed {seed}"
+        assert Sampler(SamplingParams(temp=0.0), banned=[5000]).sample(x) == int(np.argmax(x)), f"seed {seed}"
+    logits = np.log(np.array([0.5, 0.3, 0.2]))
+    got = draws_banned(SamplingParams(temp=1.0, seed=3, **OFF), logits, [0], 3000)
+    assert set(got) == {1, 2}, f"seed {seed}"
+
+
+def draws_banned(params: SamplingParams, logits: np.ndarray, banned: list[int], n: int) -> np.ndarray:
+    s = Sampler(params, banned=banned)
+    return np.array([s.sample(logits) for _ in range(n)])
+
+
+def test_greedy_with_penalties_after_history_takes_the_penalised_path():
+    """Greedy with a penalty in effect (history present) picks by the penalised logits; with the same
+    history and neutral penalties it is the plain argmax (the copy-free path)."""
+    x = np.array([3.0, 2.5, -1.0], np.float32)
+    s = Sampler(SamplingParams(temp=0.0, presence_penalty=1.0))
+    assert s.sample(x) == 0  # no history yet: nothing to penalise
+    s.accept(0)  # 3.0 - 1.0 = 2.0 < 2.5
+    assert s.sample(x) == 1
+    n = Sampler(SamplingParams(temp=0.0))
+    n.accept(0)
+    assert n.sample(x) == 0

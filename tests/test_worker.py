@@ -145,3 +145,50 @@ def test_metrics_expose_each_caches_hit_and_miss_counters():
     assert got['moecache:expert_cache_misses_total{cache="1"}'] == 1
     assert got['moecache:expert_cache_uploads_total{cache="0"}'] == 7
     assert "# TYPE moecache:expert_cache_misses_total counter" in text
+
+
+def test_streamed_text_joins_to_the_result_and_precedes_done(llm):
+    """Text pieces leave the worker once per step (``emit_texts``, before the next decode pass):
+    each job's streamed pieces, in order, join to its result's text, and nothing comes after
+    ``done``; with three jobs decoded together."""
+    w = Worker(llm, 3, lambda j, r: None, print)
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job(ids, gen(n), loop) for ids, n in (([1, 2, 3], 9), ([4, 5], 5), ([6, 7, 8, 9], 12))]
+        for j in jobs:
+            w.submit(j)
+
+        async def events(job: Job) -> list[tuple]:
+            out = []
+            while True:
+                kind, value = await job.events.get()
+                out.append((kind, value))
+                if kind != "text":
+                    await asyncio.sleep(0.2)  # anything sent after the end would be queued by now
+                    return out + [job.events.get_nowait() for _ in range(job.events.qsize())]
+
+        async def every() -> list[list[tuple]]:
+            return await asyncio.wait_for(asyncio.gather(*(events(j) for j in jobs)), 120)
+        got = loop.run_until_complete(every())
+    finally:
+        loop.close()
+        w.stop()
+    for evs, n in zip(got, (9, 5, 12)):
+        kinds = [k for k, _ in evs]
+        assert kinds[-1] == "done" and set(kinds[:-1]) <= {"text"}, kinds
+        res = evs[-1][1]
+        assert res.n_tokens == n and "".join(v for k, v in evs if k == "text") == res.text
+
+
+def test_emit_texts_one_call_per_loop_in_order_and_a_closed_loop_cancels():
+    from moecache.server.worker import emit_texts
+
+    a, b = asyncio.new_event_loop(), asyncio.new_event_loop()
+    ja, jb, jc = Job([1], gen(1), a), Job([1], gen(1), a), Job([1], gen(1), b)
+    b.close()
+    emit_texts([(ja, "x"), (jb, "1"), (ja, "y"), (jc, "lost")])
+    a.run_until_complete(asyncio.sleep(0))  # the loop runs the delivery
+    a.close()
+    assert [ja.events.get_nowait() for _ in range(ja.events.qsize())] == [("text", "x"), ("text", "y")]
+    assert jb.events.get_nowait() == ("text", "1")
+    assert jc.cancelled.is_set() and not ja.cancelled.is_set()

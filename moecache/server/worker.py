@@ -102,6 +102,27 @@ class Job:
         self.cancelled.set()
 
 
+def _deliver(items: list[tuple[Job, str]]) -> None:
+    """In the loop: each job's text piece into its queue, in order."""
+    for job, piece in items:
+        job.events.put_nowait(("text", piece))
+
+
+def emit_texts(items: list[tuple[Job, str]]) -> None:
+    """Hand a step's text pieces to their loops, one wake-up per loop (from the worker thread):
+    woken once per step rather than once per token, the loop's streaming work contends less with
+    the worker for the GIL (``bench/serve_overhead.py``). A closed loop cancels its jobs."""
+    by_loop: dict[int, list[tuple[Job, str]]] = {}
+    for it in items:
+        by_loop.setdefault(id(it[0].loop), []).append(it)
+    for group in by_loop.values():
+        try:
+            group[0][0].loop.call_soon_threadsafe(_deliver, group)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            for job, _ in group:
+                job.cancelled.set()
+
+
 @dataclass
 class _Run:
     """A job in a slot: its sequence, sampler, text stream and counters (the worker thread's own)."""
@@ -153,6 +174,7 @@ class Worker:
         self._lock = threading.Lock()
         self._waiting = 0
         self._turn = 0  # the slot whose prompt goes next (slots take turns)
+        self._texts: list[tuple[Job, str]] = []  # text pieces sampled this step, sent before the decode pass
         self.decode_steps = 0  # decode forward passes, and the tokens they decoded (batch size = ratio)
         self.decode_tokens = 0
         self._thread = threading.Thread(target=self._run, name="moecache-engine", daemon=True)
@@ -276,9 +298,7 @@ class Worker:
             raise ApiError(400, f"the prompt is {len(job.ids)} tokens, a slot holds {kv.n_ctx} (-c {eng.n_ctx} over "
                                 f"-np {self.n_parallel}): nothing left to generate into")
         kv.clear()
-        sampler = Sampler(job.gen.sampling, kv.n_ctx)
-        if job.gen.ignore_eos and eng.tokenizer.eog_ids:
-            sampler.sample = _without(sampler.sample, sorted(eng.tokenizer.eog_ids))
+        sampler = Sampler(job.gen.sampling, kv.n_ctx, banned=eng.tokenizer.eog_ids if job.gen.ignore_eos else ())
         before = [(c.stats.hits, c.stats.misses, c.stats.uploads) for c in eng.caches]
         lps = [] if job.gen.logprobs is not None else None
         return _Run(job, slot, kv, sampler, eng.tokenizer.streamer(skip_special=True), StopMatcher(job.gen.stop),
@@ -304,6 +324,13 @@ class Worker:
         ready = [r for r in self.runs if r is not None and r.next_tok is not None]
         if ready:
             self._guarded(ready, lambda: self._decode(ready))
+        self._send_texts()
+
+    def _send_texts(self) -> None:
+        """Send the text pieces sampled since the last call (before a decode pass, an end, an error)."""
+        if self._texts:
+            items, self._texts = self._texts, []
+            emit_texts(items)
 
     def _guarded(self, runs: list[_Run], work: Callable[[], None]) -> None:
         """Run ``work``; a failure ends ``runs`` with an error (the server goes on)."""
@@ -344,6 +371,7 @@ class Worker:
         alone, and each slot's sampling and streaming is guarded on its own."""
         from moecache.errors import NonFiniteError
 
+        self._send_texts()  # the loop streams the last tokens while the pass runs
         t0 = time.perf_counter()
         bad: list[int] = []
         try:
@@ -384,7 +412,7 @@ class Worker:
         piece = r.stops.push(raw)
         if piece:
             r.parts.append(piece)
-            r.job.emit("text", piece)
+            self._texts.append((r.job, piece))
         if r.stops.hit is not None:
             return self._finish(r, "stop")
         n = r.job.gen.max_tokens
@@ -400,6 +428,7 @@ class Worker:
         r.kv.clear()
 
     def _fail(self, r: _Run, e: ApiError) -> None:
+        self._send_texts()  # its text so far goes first
         self._free(r)
         r.job.emit("error", e)
 
@@ -407,6 +436,7 @@ class Worker:
         """End ``r`` (its slot freed at once) and send its :class:`Result`."""
         from moecache.engine import Timings
 
+        self._send_texts()  # its text so far goes first
         self._free(r)
         if stop != "cancelled":
             tail = r.stops.push(r.stream.flush()) + r.stops.flush()
@@ -435,14 +465,3 @@ class Worker:
         except Exception as e:  # pragma: no cover - metrics must never break serving
             self.log(f"error: metrics: {e}")
         r.job.emit("done", res)
-
-
-def _without(sample: Callable[[Any], int], ids: list[int]) -> Callable[[Any], int]:
-    """``sample`` that never picks ``ids`` (their logits set to -inf: llama-server's ``ignore_eos``)."""
-    import numpy as np
-
-    def masked(logits):
-        x = np.array(logits, dtype=np.float32, copy=True)
-        x[[i for i in ids if i < x.shape[0]]] = -np.inf
-        return sample(x)
-    return masked
