@@ -1,4 +1,5 @@
-"""Where a decode step's time goes on the GPU: kernels per token and microseconds per kernel class.
+"""Where a decode step's (or a prompt's) time goes on the GPU: kernels per token and microseconds per
+kernel class.
 
 Loads a model all on one GPU, evaluates a ``-d``-token prompt (the attention depth), then times
 ``-n`` single-token decode steps (CUDA-graph replays, or op by op with ``--modes eager``) under PyTorch's profiler
@@ -6,9 +7,15 @@ Loads a model all on one GPU, evaluates a ``-d``-token prompt (the attention dep
 token, µs per token, µs per launch, share of the GPU time; then the step's wall time per token next
 to the sum of kernel time (the difference is launch gaps, copies and host work).
 
+``--prefill P`` profiles prompts instead: ``-n`` evaluations of a P-token prompt (in ``-ub`` ubatches)
+after the depth, reported per prompt token; copies between host and device are rows of their own
+(CUPTI's ``Memcpy`` events). ``--vram-budget MiB`` keeps the routed experts in host RAM behind the
+expert cache, as ``run --vram-budget`` does (``--load-mode``: how the host experts are held).
+
 Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
 
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 -d 0 -n 32 [--modes graph,eager] [--json out.json]
+    python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 --prefill 512 -n 2 [--vram-budget 8192 --load-mode pin]
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ def main() -> None:
     ap.add_argument("--modes", default="graph", help="comma list: graph (CUDA-graph replays), eager (op by op)")
     ap.add_argument("--by-name", action="store_true", help="one row per kernel name (formats apart)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--prefill", type=int, default=0, help="profile -n prompts of this many tokens instead")
+    ap.add_argument("--vram-budget", type=int, default=0, help="MiB per GPU (0: none): experts in host RAM")
+    ap.add_argument("--load-mode", default="mmap", help="mmap or pin (host experts)")
     a = ap.parse_args()
     try:
         import torch
@@ -59,7 +69,8 @@ def main() -> None:
     torch.cuda.init()
     rng = np.random.default_rng(0)
     cfg = EngineConfig(n_ctx=a.c, n_ubatch=a.ub, n_batch=max(a.ub, 2048), cache_type=a.ctk)
-    with Engine(a.model, cfg, log=print, placement=PlacementOptions(n_gpu_layers=99), cuda_graph=True) as eng:
+    placement = PlacementOptions(n_gpu_layers=99, vram_budget=a.vram_budget << 20)
+    with Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode) as eng:
         vocab = eng.gguf.config.n_vocab
         results = []
         graph = eng.model.decode_graph
@@ -68,6 +79,9 @@ def main() -> None:
             eng.reset()
             if depth:
                 eng.eval(rng.integers(0, vocab, depth))
+            if a.prefill:
+                results.append(profile_prompts(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
+                continue
             for _ in range(4):  # capture the graph, settle clocks
                 eng.eval([int(rng.integers(0, vocab))])
             toks = rng.integers(0, vocab, a.n)
@@ -86,8 +100,32 @@ def main() -> None:
         a.json.write_text(json.dumps(results, indent=1))
 
 
-def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float) -> dict:
-    """Print and return the kernel table of one profiled run."""
+def profile_prompts(a, torch, profile, activity, eng, rng, depth: int, mode: str) -> dict:
+    """``-n`` evaluations of a ``--prefill``-token prompt after ``depth`` tokens (the sequence cut back
+    to the depth after each), one warm-up first; the table per prompt token."""
+    vocab = eng.gguf.config.n_vocab
+    prompts = [rng.integers(0, vocab, a.prefill) for _ in range(a.n + 1)]
+
+    def one(p) -> None:
+        eng.eval(p)
+        eng.kv.truncate(depth)
+
+    one(prompts[0])  # warm-up: kernels loaded, scratch allocated
+    with profile(activities=[activity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for p in prompts[1:]:
+            one(p)
+        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p in prompts[1:]:
+        one(p)
+    wall_plain = time.perf_counter() - t0
+    return report(a, torch, prof, depth, f"prefill {a.prefill} (-ub {a.ub})", wall, wall_plain,
+                  n=a.n * a.prefill)
+
+
+def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float, n: int | None = None) -> dict:
+    """Print and return the kernel table of one profiled run (``n`` tokens; default ``-n``)."""
     per: dict[str, list[float]] = defaultdict(list)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -95,8 +133,8 @@ def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float
             per[name].append(ev.time_range.elapsed_us())
     total = sum(sum(v) for v in per.values())
     rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))
-    n = a.n
-    print(f"\n{a.model.name}: {n} decode steps at depth {depth}, -c {a.c}, {mode}")
+    n = n or a.n
+    print(f"\n{a.model.name}: {n} tokens at depth {depth}, -c {a.c}, {mode}")
     print(f"wall {wall_plain / n * 1e6:.0f} µs/token ({n / wall_plain:.1f} t/s); under the profiler "
           f"{wall / n * 1e6:.0f} µs/token; kernel time {total / n:.0f} µs/token; "
           f"{sum(len(v) for v in per.values()) / n:.0f} kernels/token")
