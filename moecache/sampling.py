@@ -72,6 +72,9 @@ class Sampler:
     Args:
         params: the settings (validated here; ValueError if out of range).
         n_ctx: context size, the look-back when ``repeat_last_n`` is -1.
+        banned: token ids never picked (their logits set to -inf before the chain: llama-server's
+            ``ignore_eos`` bans the end-of-generation ids); negative ids and ids past the
+            vocabulary are ignored.
 
     The same seed and the same logits give the same tokens (numpy PCG64 generator).
     """
@@ -80,7 +83,7 @@ class Sampler:
         params.validate()
         self.params = params
         # ids never picked (their logits set to -inf before the chain: llama-server's ignore_eos)
-        self.banned = np.array(sorted({int(i) for i in banned}), dtype=np.int64)
+        self.banned = np.array(sorted({int(i) for i in banned if int(i) >= 0}), dtype=np.int64)
         seed = params.seed if params.seed != DEFAULT_SEED else int(np.random.SeedSequence().entropy % 0xFFFFFFFF)
         self.seed = seed
         self.rng = np.random.Generator(np.random.PCG64(seed))

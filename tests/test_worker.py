@@ -192,3 +192,53 @@ def test_emit_texts_one_call_per_loop_in_order_and_a_closed_loop_cancels():
     assert [ja.events.get_nowait() for _ in range(ja.events.qsize())] == [("text", "x"), ("text", "y")]
     assert jb.events.get_nowait() == ("text", "1")
     assert jc.cancelled.is_set() and not ja.cancelled.is_set()
+
+
+def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch):
+    """A prompt's first token goes to its client as soon as it is sampled, not after the prompt chunk
+    another slot evaluates next in the same step: jobs A (slot 0) and B (slot 1) are admitted
+    together; in the first step A's prompt is evaluated and its first token sampled, then B's
+    prompt chunk, which is held until A's first text has reached A's loop (5 s at most)."""
+    import threading
+
+    eng = llm.engine
+    both_in = threading.Event()
+    real_admit = Worker._admit
+
+    def admit_both(self):
+        both_in.wait(timeout=10.0)  # both jobs queued before the first admission
+        return real_admit(self)
+    monkeypatch.setattr(Worker, "_admit", admit_both)
+    w = Worker(llm, 2, lambda j, r: None, print)
+    loop = asyncio.new_event_loop()
+    a_text = threading.Event()
+    real_eval = eng.eval
+    held = []
+
+    def holding_eval(tokens, logits="last", kv=None):
+        if kv is w.seqs[1] and kv.n_past == 0 and not held:  # B's first chunk
+            held.append(a_text.wait(timeout=5.0))  # True: A's text reached its loop first
+        return real_eval(tokens, logits=logits, kv=kv)
+    monkeypatch.setattr(eng, "eval", holding_eval)
+    try:
+        ja = Job([1, 2, 3], gen(3), loop)
+        jb = Job(list(range(1, 21)), gen(2), loop)
+
+        async def drain(job: Job, flag: threading.Event | None) -> str:
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text" and flag is not None:
+                    flag.set()
+                if kind != "text":
+                    return kind
+
+        async def both() -> list[str]:
+            w.submit(ja)
+            w.submit(jb)
+            both_in.set()
+            return await asyncio.wait_for(asyncio.gather(drain(ja, a_text), drain(jb, None)), 120)
+        kinds = loop.run_until_complete(both())
+    finally:
+        loop.close()
+        w.stop()
+    assert kinds == ["done", "done"] and held == [True], (kinds, held)

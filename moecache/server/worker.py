@@ -110,8 +110,8 @@ def _deliver(items: list[tuple[Job, str]]) -> None:
 
 def emit_texts(items: list[tuple[Job, str]]) -> None:
     """Hand a step's text pieces to their loops, one wake-up per loop (from the worker thread):
-    woken once per step rather than once per token, the loop's streaming work contends less with
-    the worker for the GIL (``bench/serve_overhead.py``). A closed loop cancels its jobs."""
+    woken once per step rather than once per token, the loop's streaming contends less with the
+    worker for the GIL (``bench/serve_overhead.py``). A closed loop cancels its jobs."""
     by_loop: dict[int, list[tuple[Job, str]]] = {}
     for it in items:
         by_loop.setdefault(id(it[0].loop), []).append(it)
@@ -174,7 +174,7 @@ class Worker:
         self._lock = threading.Lock()
         self._waiting = 0
         self._turn = 0  # the slot whose prompt goes next (slots take turns)
-        self._texts: list[tuple[Job, str]] = []  # text pieces sampled this step, sent before the decode pass
+        self._texts: list[tuple[Job, str]] = []  # text pieces sampled, not sent yet (see _send_texts)
         self.decode_steps = 0  # decode forward passes, and the tokens they decoded (batch size = ratio)
         self.decode_tokens = 0
         self._thread = threading.Thread(target=self._run, name="moecache-engine", daemon=True)
@@ -327,7 +327,9 @@ class Worker:
         self._send_texts()
 
     def _send_texts(self) -> None:
-        """Send the text pieces sampled since the last call (before a decode pass, an end, an error)."""
+        """Send the text pieces sampled since the last call: at the end of a step (every slot's token
+        of its decode pass: a slot's text waits for the other slots' sampling, ~10 µs each when
+        greedy), after a prompt's first token, and before a job's end or error."""
         if self._texts:
             items, self._texts = self._texts, []
             emit_texts(items)
@@ -365,13 +367,13 @@ class Worker:
             if r.job.gen.max_tokens == 0:
                 return self._finish(r, "length")
             self._take(r, lg[-1])
+            self._send_texts()  # the first token goes out now, not after the other slots' prompt chunks
 
     def _decode(self, ready: list[_Run]) -> None:
         """One forward pass for every generating slot; a sequence whose logits are not finite fails
         alone, and each slot's sampling and streaming is guarded on its own."""
         from moecache.errors import NonFiniteError
 
-        self._send_texts()  # the loop streams the last tokens while the pass runs
         t0 = time.perf_counter()
         bad: list[int] = []
         try:
