@@ -138,3 +138,55 @@ def test_greedy_with_penalties_after_history_takes_the_penalised_path():
     n = Sampler(SamplingParams(temp=0.0))
     n.accept(0)
     assert n.sample(x) == 0
+
+
+def _reference_distribution(logits, params, history=(), banned=()):
+    """The chain in plain float64 over the whole vocabulary (every id sorted, no partition): bans,
+    penalties (llama.cpp's formulas), top-k, top-p, min-p, temperature."""
+    p = params
+    x = np.array(logits, dtype=np.float64)
+    for b in banned:
+        if 0 <= b < x.size:
+            x[b] = -np.inf
+    hist = list(history)[-p.repeat_last_n:] if p.repeat_last_n > 0 else []
+    for t in sorted(set(hist)):
+        c = hist.count(t)
+        v = x[t] / p.repeat_penalty if x[t] > 0 else x[t] * p.repeat_penalty
+        x[t] = v - c * p.frequency_penalty - p.presence_penalty
+    order = sorted(range(x.size), key=lambda i: (-x[i], i))  # value descending, lower id first
+    if 0 < p.top_k < x.size:
+        order = order[:p.top_k]
+    v = x[order]
+    if p.top_p < 1.0:
+        e = np.exp(v - v.max())
+        cum = np.cumsum(e / e.sum())
+        n = int(np.argmax(cum >= p.top_p)) + 1 if (cum >= p.top_p).any() else len(order)
+        order, v = order[:n], v[:n]
+    if p.min_p > 0.0:
+        keep = [i for i in range(len(order)) if i == 0 or v[i] >= v[0] + np.log(p.min_p)]
+        order, v = [order[i] for i in keep], v[keep]
+    e = np.exp(v / p.temp - (v / p.temp).max())
+    return np.array(order), e / e.sum()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temp=1.3, top_k=5, top_p=0.8, min_p=0.0),
+                                    SamplingParams(temp=0.7, top_k=0, top_p=0.9, min_p=0.1),
+                                    SamplingParams(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.5)])
+def test_distribution_equals_the_whole_vocabulary_reference(params):
+    """The chain's candidates and probabilities (top-k by a partition, only the candidates sorted)
+    equal a plain float64 reference that sorts the whole vocabulary, with ties at the k-th value,
+    banned ids and a history for the penalties."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        x = (rng.standard_normal(5000) * 3).astype(np.float32)
+        x[rng.integers(0, 5000, 30)] = x[np.argsort(-x)[params.top_k - 1 if params.top_k > 0 else 3]]  # ties
+        hist = rng.integers(0, 5000, 40).tolist() + [int(np.argmax(x))]
+        banned = rng.integers(0, 5000, 3).tolist()
+        s = Sampler(params, banned=banned)
+        for t in hist:
+            s.accept(t)
+        ids, probs = s.distribution(x)
+        ref_ids, ref_probs = _reference_distribution(x, params, hist, banned)
+        np.testing.assert_array_equal(ids, ref_ids, err_msg=f"seed {seed}")
+        np.testing.assert_allclose(probs, ref_probs, rtol=1e-9, err_msg=f"seed {seed}")
