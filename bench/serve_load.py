@@ -4,8 +4,8 @@ time).
 
 The server runs in a subprocess (``moecache serve -m MODEL -np MAX(streams)`` plus the flags after
 ``--``); the clients are threads with the standard library's HTTP client, each streaming a
-completion (``ignore_eos``, greedy, ``-n`` tokens). Per stream, the time per output token (TPOT) is
-the gap between consecutive text events; aggregate t/s is all generated tokens (each response's
+completion (``ignore_eos``, greedy unless ``--sampler default``, ``-n`` tokens). Per stream, the
+time per output token (TPOT) is the gap between consecutive text events; aggregate t/s is all generated tokens (each response's
 ``usage``) over the wall time from the first request to the last answer. One warm-up request runs
 first, then ``--warmup-rounds`` rounds at the largest stream count (an expert cache starts empty: a
 measurement of its first tokens measures the warm-up, not the steady state). Each row also gives the
@@ -40,12 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0) -> dict:
+def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0, temperature: float | None = 0.0) -> dict:
     """One streamed completion: {"tokens", "gaps" (s between text events), "t0", "t1", "status",
     "predicted_per_second" (the server's ``timings`` of the last chunk: generation t/s from the
     first token's logits, llama-server's field; None when absent)}."""
-    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    req = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:  # None: the server's sampler (its flags; llama.cpp's defaults)
+        req["temperature"] = temperature
+    body = json.dumps(req)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
     try:
@@ -88,11 +90,11 @@ def get_json(port: int, path: str) -> tuple[int, str]:
         conn.close()
 
 
-def concurrent(port: int, n_streams: int, n: int) -> dict:
+def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.0) -> dict:
     out: list[dict] = [{}] * n_streams
 
     def one(i: int) -> None:
-        out[i] = stream_completion(port, f"request {i}: hello", n)
+        out[i] = stream_completion(port, f"request {i}: hello", n, temperature=temperature)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n_streams)]
     for t in threads:
         t.start()
@@ -204,7 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bench", action="store_true", help="also moecache bench -p 0 -n N with the same flags")
     ap.add_argument("--bench-warmup", type=int, default=256, help="bench's --n-gen-warmup")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--sampler", choices=("greedy", "default"), default="greedy",
+                    help="the streams' sampling: greedy (temperature 0), or the server's default chain "
+                         "(no temperature sent: temp 0.8, top-k 40, top-p 0.95, min-p 0.05)")
     a = ap.parse_args(argv)
+    temp = 0.0 if a.sampler == "greedy" else None
     streams = [int(s) for s in a.streams.split(",")]
     n_slots = max(streams + [a.soak_clients if a.soak_s else 1])
     ctx = a.ctx or 1024 * n_slots
@@ -224,11 +230,11 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(1)
         stream_completion(port, "warm-up", 8)
         for _ in range(a.warmup_rounds):
-            w = concurrent(port, max(streams), a.n)
+            w = concurrent(port, max(streams), a.n, temp)
             print(json.dumps({"warm-up": w}), file=sys.stderr)
         for n_streams in streams:
             c0 = counters(port)
-            row = concurrent(port, n_streams, a.n)
+            row = concurrent(port, n_streams, a.n, temp)
             row.update(phase(c0, counters(port)))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
