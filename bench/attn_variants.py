@@ -67,6 +67,8 @@ def main() -> None:
     for label, path in [("committed", cb.OPS_SRC)] + [(Path(s).name, Path(s)) for s in a.src]:
         mod = cp.RawModule(code=path.read_text(), options=opts)
         f, comb = mod.get_function("attn_gqa_d4_f16"), mod.get_function("attn_combine")
+        src = path.read_text()  # a file before attn_combine took COMBINE_THREADS ran it with 128
+        combine_threads = cb.COMBINE_THREADS if "#define COMBINE_THREADS" in src else 128
         for min_run in (int(x) for x in a.min_runs.split(",")):
             S = max(1, min(cb.GQA_MAX_SPLITS, -(-a.ctx // min_run)))
             part = cp.empty((1, H, S, D + 2), cp.float32)
@@ -78,7 +80,7 @@ def main() -> None:
                     f((Hkv, 1, S), (cb.GQA_THREADS,), (q, K, V, part, pos, np.int32(H), np.int32(Hkv), np.int32(D),
                                                        np.int32(D), np.float32(0.088), np.int32(0), np.float32(0),
                                                        np.int32(min_run), np.int32(0), NULL))
-                    comb((H, 1), (128,), (part, part, out, np.int32(H), np.int32(S), np.int32(S), np.int32(D), pos,
+                    comb((H, 1), (combine_threads,), (part, part, out, np.int32(H), np.int32(S), np.int32(S), np.int32(D), pos,
                                           np.int32(0), np.int32(min_run), np.int32(0), NULL, NULL, NULL))
                 row.append(timed(call))
                 if d == depths[-1]:  # every variant's output at the deepest position: the same
@@ -98,7 +100,7 @@ def main() -> None:
                 f((H, 1, old_S), (32 * cb.ATT_WARPS,), (q, K, V, old_part, pos, np.int32(H), np.int32(Hkv),
                                                          np.int32(D), np.int32(D), np.float32(0.088), np.int32(0),
                                                          np.float32(0), np.int32(0), NULL))
-                comb((H, 1), (128,), (old_part, NULL, out, np.int32(H), np.int32(old_S), np.int32(0), np.int32(D),
+                comb((H, 1), (combine_threads,), (old_part, NULL, out, np.int32(H), np.int32(old_S), np.int32(0), np.int32(D),
                                       pos, np.int32(0), np.int32(0), np.int32(0), NULL, NULL, NULL))
             row.append(timed(call))
         print(f"{label} attn_decode (per head)".ljust(44) + f"{f.attributes['num_regs']:4d} "

@@ -56,13 +56,16 @@ GQA_THREADS = 128  # GQA_THREADS of ops.cu: threads of an attn_gqa block
 GQA_MAX_G = 16  # GQA_MAX_G of ops.cu: most query heads per KV head attn_gqa takes
 GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_MAX_S of ops.cu) ...
 GQA_MIN_RUN = 64  # ... of at least this many keys
+COMBINE_THREADS = 512  # COMBINE_THREADS of ops.cu: threads of an attn_combine block
 # decode queries with at least this many keys take attn_gqa, fewer attn_decode (per head, many short
 # runs: the lower latency while the keys are few). H200, Qwen3-30B-A3B's layer, f16 cache, µs per
 # layer with the merge (bench/attn_variants.py, bench/results/attn-gqa-h200.md): attn_decode 27.2 /
 # 55.7 / 217.7 at 1024 / 4096 / 16000 keys; attn_gqa (K and V staged in shared memory, runs >= 64)
 # 20.3 / 28.2 / 68.9 (the kernel before it 29.5 / 35.5 / 133.9). Chosen with the kernel before it;
-# the new kernel also wins at 1024 keys: a lower split is untried
-GQA_MIN_KEYS = 2048
+# the new kernel also wins at 1024 keys. With 512-thread merges and GQA_MIN_BLOCKS 1 (session of
+# 2026-12-01): attn_gqa 12.5 / 16.1 / 49.7 at 1024 / 4096 / 16000 keys, attn_decode 20.3 / 48.5 /
+# 211.6; at 0 keys attn_decode 7.3, attn_gqa 15.3
+GQA_MIN_KEYS = 1024
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -507,7 +510,7 @@ class CupyBackend(ArrayOps):
         if self.act_q8 and dv % 32 == 0:  # the attn_output product reads out's 8-bit rounding: made here
             quant = (cp.empty((t, n_head * dv), cp.int8), cp.empty((t, n_head * dv // 32), cp.float32),
                      cp.empty((t, n_head * dv // 32), cp.float32))
-        self._fn("attn_combine")((n_head, t), (128,), (part_a, part_b, out, np.int32(n_head), np.int32(s_a),
+        self._fn("attn_combine")((n_head, t), (COMBINE_THREADS,), (part_a, part_b, out, np.int32(n_head), np.int32(s_a),
                                                       np.int32(s_b), np.int32(dv), pos, np.int32(window or 0),
                                                       np.int32(min_run), np.int32(GQA_MIN_KEYS), *quant))
         if quant[0] is not NULL:

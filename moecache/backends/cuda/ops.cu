@@ -449,7 +449,10 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
 }
 
 #ifndef GQA_MIN_BLOCKS
-#define GQA_MIN_BLOCKS 4  // blocks per SM the registers leave room for (shared memory allows 4-5)
+// blocks per SM the registers must leave room for: 1 lets the compiler keep the sums in 183 registers
+// (no spills); on the H200 with 512-thread merges, 12.5 / 16.1 / 49.7 µs per layer at 1024 / 4096 /
+// 16000 keys against 19.6 / 23.3 / 48.6 with 4 (128 registers, 8 bytes spilled), bench/attn_variants.py
+#define GQA_MIN_BLOCKS 1
 #endif
 #define GQA_KERNEL(NAME, KV, D)                                                                       \
 extern "C" __global__ void __launch_bounds__(GQA_THREADS, GQA_MIN_BLOCKS) NAME(const float *q, const KV *K, const KV *V, \
@@ -469,15 +472,22 @@ GQA_KERNEL(attn_gqa_d8_f16, __half, 256)
 // e^(M_s - M) with M the largest M_s. A query with at least min_keys keys (and part_b given) was
 // taken by attn_gqa: its runs of gqa_run(n_keys, S_b, min_run) keys, only those that hold keys
 // (the others were not written); else by attn_decode: all S_a runs, those without keys (M_s =
-// -inf) weigh 0. Grid (H, T), 128 threads: the weights are computed once, in parallel, into shared
-// memory; the gqa sum over runs is unrolled so that its loads overlap. When XQ is not null (Dv % 32
+// -inf) weigh 0. Grid (H, T), COMBINE_THREADS threads: the weights are computed once, in parallel,
+// into shared memory; then COMBINE_GROUPS groups of 128 threads each sum a contiguous share of the
+// runs for every dim (the gqa sum unrolled so that its loads overlap), and the first group adds the
+// groups' sums (a head's S partials are read by 4x the threads of one 128-thread block: the merge
+// of 256 runs was one serial chain of 16 rounds of loads per thread). When XQ is not null (Dv % 32
 // == 0), out is also rounded to 8 bits as quantize_q8 (mmvq.cu) rounds it: XQ (T, H*Dv), XD, XS.
 #define COMBINE_MAX_S 256
-extern "C" __global__ void attn_combine(const float *part_a, const float *part_b, float *out, int H, int S_a,
-                                        int S_b, int Dv, const int *pos, int window, int min_run, int min_keys,
-                                        signed char *XQ, float *XD, float *XS) {
+#define COMBINE_THREADS 512
+#define COMBINE_GROUPS (COMBINE_THREADS / 128)
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine(
+        const float *part_a, const float *part_b, float *out, int H, int S_a, int S_b, int Dv, const int *pos,
+        int window, int min_run, int min_keys, signed char *XQ, float *XD, float *XS) {
+    constexpr int NWARP = COMBINE_THREADS / 32;
     __shared__ float w[COMBINE_MAX_S];
-    __shared__ float red[4];
+    __shared__ float red[NWARP];
+    __shared__ float osum[COMBINE_GROUPS][256];  // each group's sums per dim (Dv <= 256)
     int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
     int p = pos[t];
     int start = window > 0 ? max(0, p - window + 1) : 0;
@@ -490,14 +500,16 @@ extern "C" __global__ void attn_combine(const float *part_a, const float *part_b
         n = min(S, (nk + rl - 1) / rl);  // runs that hold keys
     }
     float m = NEG_INF;
-    for (int s = tid; s < n; s += blockDim.x) m = fmaxf(m, pt[(long long)s * (Dv + 2)]);
+    for (int s = tid; s < n; s += COMBINE_THREADS) m = fmaxf(m, pt[(long long)s * (Dv + 2)]);
     m = warp_max(m);
     if (lane == 0) red[wid] = m;
     __syncthreads();
-    float M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    float M = red[0];
+#pragma unroll
+    for (int i = 1; i < NWARP; ++i) M = fmaxf(M, red[i]);
     __syncthreads();
     float l = 0.f;
-    for (int s = tid; s < n; s += blockDim.x) {
+    for (int s = tid; s < n; s += COMBINE_THREADS) {
         float ms = pt[(long long)s * (Dv + 2)];
         float e = ms == NEG_INF ? 0.f : __expf(ms - M);
         w[s] = e;
@@ -506,13 +518,17 @@ extern "C" __global__ void attn_combine(const float *part_a, const float *part_b
     l = warp_sum(l);
     if (lane == 0) red[wid] = l;
     __syncthreads();
-    float L = red[0] + red[1] + red[2] + red[3];
-    for (int d = tid; d < Dv; d += blockDim.x) {
+    float L = 0.f;
+#pragma unroll
+    for (int i = 0; i < NWARP; ++i) L += red[i];
+    int g = tid / 128, dt = tid % 128;
+    int s0 = g * n / COMBINE_GROUPS, s1 = (g + 1) * n / COMBINE_GROUPS;
+    for (int d = dt; d < Dv; d += 128) {
         float o = 0.f;
         const float *pd = pt + 2 + d;
-        int s = 0;
+        int s = s0;
         if (gqa) {  // every run read holds keys: no test, 16 loads in flight
-            for (; s + 16 <= n; s += 16) {
+            for (; s + 16 <= s1; s += 16) {
                 float v[16];
 #pragma unroll
                 for (int u = 0; u < 16; ++u) v[u] = pd[(long long)(s + u) * (Dv + 2)];
@@ -520,8 +536,16 @@ extern "C" __global__ void attn_combine(const float *part_a, const float *part_b
                 for (int u = 0; u < 16; ++u) o += v[u] * w[s + u];
             }
         }
-        for (; s < n; ++s)
+        for (; s < s1; ++s)
             if (w[s] != 0.f) o += pd[(long long)s * (Dv + 2)] * w[s];
+        osum[g][d] = o;
+    }
+    __syncthreads();
+    if (tid >= 128) return;
+    for (int d = tid; d < Dv; d += 128) {
+        float o = osum[0][d];
+#pragma unroll
+        for (int k = 1; k < COMBINE_GROUPS; ++k) o += osum[k][d];
         long long at = ((long long)t * H + h) * Dv + d;
         float val = o / L;
         out[at] = val;
