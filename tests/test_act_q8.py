@@ -58,7 +58,8 @@ def test_q8_round_follows_the_rule(seed):
 @pytest.mark.parametrize("n_tok", [1, 5])
 def test_twin_products_round_their_activations(fmt_name, n_tok, seed):
     """NumpyBackend(act_q8=True).matmul of a Q8_ACT format: gguf-py's float64 weights times the rule's
-    activations; ubatches beyond 16 tokens keep float32 activations (as the GPU's prompt path)."""
+    activations; ubatches beyond 16 tokens round weights and activations to float16 instead (the
+    GPU's prompt GEMMs): against gguf-py's weights and x rounded to float16 by numpy, in float64."""
     from moecache.backends.numpy_backend import Linear
 
     rng = np.random.default_rng(seed)
@@ -74,7 +75,12 @@ def test_twin_products_round_their_activations(fmt_name, n_tok, seed):
     flt = x.astype(np.float64) @ w64.T
     assert np.linalg.norm(got - flt) / np.linalg.norm(flt) > 1e-4  # the rounding is there
     big = rng.standard_normal((17, 512)).astype(np.float32)
-    np.testing.assert_allclose(twin.matmul(w, big), NumpyBackend().matmul(w, big), rtol=1e-5, atol=1e-5)
+    h16 = lambda a: a.astype(np.float16).astype(np.float64)  # noqa: E731
+    ref16 = h16(big) @ h16(w64).T
+    got16 = twin.matmul(w, big)
+    assert np.linalg.norm(got16 - ref16) / np.linalg.norm(ref16) < 2e-6
+    flt = big.astype(np.float64) @ w64.T
+    assert 1e-5 < np.linalg.norm(got16 - flt) / np.linalg.norm(flt) < 2e-3  # float16's rounding, no more
 
 
 def test_twin_moe_rounds_input_and_gated_activations(seed):
@@ -103,6 +109,36 @@ def test_twin_moe_rounds_input_and_gated_activations(seed):
     assert err < 1e-3, f"{err:.2e}"  # a gated value on a rounding boundary may round the other way
     flt = NumpyBackend().moe_ffn(g, u, d, types, Routing(ids, wts), h, "silu")
     assert np.linalg.norm(got - flt) / np.linalg.norm(flt) > 1e-4
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q4_0"), ("F16", "F16", "F16")])
+def test_twin_prompt_moe_rounds_to_float16(types, seed):
+    """The twin of the GPU's prompt MoE (more than 16 tokens): h, the weights and each pair's gated
+    activations rounded to float16, float32 products: against a float64 reference from gguf-py's
+    weights rounded by numpy, and near (not equal to) the float32 result."""
+    rng = np.random.default_rng(seed)
+    n_exp, k, n_embd, ff, t = 8, 3, 256, 256, 24
+    fg, fu, fd = (FORMATS[x] for x in types)
+    g = np.stack([random_rows(fg, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
+    u = np.stack([random_rows(fu, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
+    d = np.stack([random_rows(fd, n_embd, ff, rng, std=0.05) for _ in range(n_exp)])
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
+    wts = rng.dirichlet(np.ones(k), t).astype(np.float32)
+    h = rng.standard_normal((t, n_embd)).astype(np.float32)
+    h16 = lambda a: np.asarray(a, np.float32).astype(np.float16).astype(np.float64)  # noqa: E731
+    deq = lambda a, f, r, c: h16(gguf_dequantize(a, f.ggml_type).reshape(r, c))  # noqa: E731
+    ref = np.zeros((t, n_embd))
+    for i in range(t):
+        for s, e in enumerate(ids[i]):
+            gg = deq(g[e], fg, ff, n_embd) @ h16(h[i])
+            a = gg / (1 + np.exp(-gg)) * (deq(u[e], fu, ff, n_embd) @ h16(h[i]))
+            ref[i] += wts[i, s] * (deq(d[e], fd, n_embd, ff) @ h16(a))
+    tt = tuple(FORMATS[x].ggml_type for x in types)
+    got = NumpyBackend(act_q8=True).moe_ffn(g, u, d, tt, Routing(ids, wts), h, "silu")
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 1e-3, f"{err:.2e}"  # a gated value on a rounding boundary may round the other way
+    flt = NumpyBackend().moe_ffn(g, u, d, tt, Routing(ids, wts), h, "silu")
+    assert 1e-5 < np.linalg.norm(got - flt) / np.linalg.norm(flt) < 3e-3
 
 
 def test_twin_model_logits_move_by_the_rounding_only(tmp_path):

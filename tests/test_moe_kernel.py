@@ -145,6 +145,37 @@ def test_moe_prompt_chunks_bound_padding_and_cover_every_expert(rng):
     assert sum(len(ch) * int(counts[ch].max()) for ch in chunks) == counts.sum()  # no padding at all
 
 
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew):
+    """The GPU's prompt-MoE plan (moe_prompt_plan: chunks, each chunk's experts and padded token
+    rows, each pair's output row) run with numpy stand-ins for the GEMMs (a random matrix per
+    expert; the chunks' padded outputs stacked; each token's k rows summed with its weights) equals
+    the direct sum over each token's routed experts; padding stays under the real rows."""
+    from moecache.backends.ops import moe_prompt_plan
+
+    t, k, n_exp, d_in, d_out = 300, 4, 32, 24, 16
+    popular = skew * rng.standard_normal(n_exp)
+    ids = np.stack([rng.choice(n_exp, k, replace=False, p=np.exp(popular) / np.exp(popular).sum())
+                    for _ in range(t)]).astype(np.int32)
+    w = rng.dirichlet(np.ones(k), t)
+    h = rng.standard_normal((t, d_in))
+    mats = rng.standard_normal((n_exp, d_out, d_in))
+    plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, 40 * 4 * d_in)  # <= 7 experts, <= 40 padded rows a chunk
+    assert len(plan.chunks) > 2
+    e_at = r_at = 0
+    outs = []
+    for n_c, m in plan.chunks:
+        e = plan.expert_ids[e_at:e_at + n_c]
+        x = h[plan.token_rows[r_at:r_at + n_c * m]].reshape(n_c, m, d_in)
+        outs.append(np.einsum("cmi,coi->cmo", x, mats[e]).reshape(n_c * m, d_out))
+        e_at, r_at = e_at + n_c, r_at + n_c * m
+    y = np.concatenate(outs)
+    assert y.shape[0] == plan.n_rows <= 2 * t * k and e_at == plan.expert_ids.size == np.unique(ids).size
+    got = (w.reshape(-1, 1) * y[plan.row_of_pair]).reshape(t, k, d_out).sum(1)
+    ref = np.stack([sum(w[i, s] * mats[ids[i, s]] @ h[i] for s in range(k)) for i in range(t)])
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_host_experts_compute_host_adds_the_layer_to_out(rng):
     """CPUExperts.compute_host (what a cut CUDA-graph decode step runs between segments, on host
     arrays) adds the routed experts' sum to ``out``: against the float64 reference above."""

@@ -3,12 +3,12 @@
 Weights are uploaded in their GGUF quant format and dequantized inside the CUDA kernels of
 ``moecache/quants/cuda/dequant.cu`` (every format of :mod:`moecache.quants.formats`, F16/BF16/F32
 included). Up to :data:`GEMV_MAX_TOKENS` tokens a matmul is one fused kernel that reads each
-quantized row once (a warp per output row); larger ubatches dequantize W to a float32 scratch
-matrix and call cuBLAS. The layer operations (RMSNorm, RoPE, gated activation, decode attention,
+quantized row once (a warp per output row); larger ubatches dequantize W to a float16 scratch
+matrix and call cuBLAS on the tensor cores (float16 operands, float32 results: :mod:`.gemm`). The layer operations (RMSNorm, RoPE, gated activation, decode attention,
 softmax top-k routing) are one launch each from ``moecache/backends/cuda/ops.cu``. Routed experts
 resident on the device run through :meth:`CupyBackend.moe_ffn`: two kernels for decode-sized
 ubatches (routing read from device memory, no host round trip), batched cuBLAS over the used
-experts for prompt ubatches.
+experts (float16 operands) for prompt ubatches.
 
 Requires CuPy (``pip install -e '.[cuda]'``); importing this module without it raises ImportError.
 """
@@ -23,10 +23,11 @@ import cupy as cp
 import numba
 import numpy as np
 
+from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
 from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs,
-                                   moe_prompt_chunks)
+                                   moe_prompt_plan)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT  # formats with 8-bit-activation kernels in mmvq.cu
@@ -171,9 +172,12 @@ class CupyBackend(ArrayOps):
     def __init__(self, device: int = 0, log: Callable[[str], None] | None = None, act_q8: bool = True):
         self.device = device
         # the decode products of Q8_ACT formats round their activations to int8 per 32 values (as
-        # llama.cpp's MMVQ kernels do); False keeps float32 activations (the CPU twin's arithmetic)
+        # llama.cpp's MMVQ kernels do) and prompt products round weights and activations to float16
+        # (tensor-core GEMMs, as llama.cpp's cuBLAS path); False keeps float32 (the CPU twin's
+        # arithmetic). NumpyBackend(act_q8=True) is the CPU twin of both roundings.
         self.act_q8 = act_q8
         self._xq: tuple[Any, tuple] | None = None  # the last activation quantized, and its quants
+        self._x16: tuple[Any, Any] | None = None  # the last prompt activation converted, and its copy
         self.log = log or (lambda s: None)
         self._noted: set[str] = set()
         self._cpu = NumpyBackend()
@@ -181,6 +185,12 @@ class CupyBackend(ArrayOps):
         self._inv_freq: dict[bytes, cp.ndarray] = {}
         self._staging = StagingRing(_pinned_bytes)  # page-locked buffers of upload_experts (a mapped file)
         self._copy_stream: cp.cuda.Stream | None = None  # expert-cache uploads
+
+    @property
+    def prompt_dtype(self) -> Any:
+        """The operands' dtype of prompt products (more than GEMV_MAX_TOKENS tokens): float16 with
+        ``act_q8``, else float32."""
+        return cp.float16 if self.act_q8 else cp.float32
 
     def activate(self) -> None:
         """Make this backend's GPU the current CUDA device (before running a layer placed on it)."""
@@ -320,25 +330,32 @@ class CupyBackend(ArrayOps):
     def _suffix(self, w: Linear) -> str:
         return SUFFIX[format_for(w.ggml_type, w.name).name]
 
-    def dequantize(self, w: Linear, idx: cp.ndarray | None = None) -> cp.ndarray:
-        """float32 (n, n_in) of W's rows: all of them, or rows ``idx`` (int64 device array)."""
+    def dequantize(self, w: Linear, idx: cp.ndarray | None = None, dtype: Any = cp.float32) -> cp.ndarray:
+        """``dtype`` (float32, or float16 rounded to nearest) (n, n_in) of W's rows: all of them, or
+        rows ``idx`` (int64 device array)."""
         if w.is_f32:
-            return w.data if idx is None else w.data[idx]
+            out = w.data if idx is None else w.data[idx]
+            return out if dtype == cp.float32 else out.astype(dtype)
         n_rows = w.data.shape[0] if idx is None else idx.shape[0]
-        out = cp.empty((n_rows, w.n_in), cp.float32)
+        out = cp.empty((n_rows, w.n_in), dtype)
         units = n_rows * (w.n_in // 32)
         self._fn("deq_" + self._suffix(w))(
             ((units + THREADS - 1) // THREADS,), (THREADS,),
-            (w.data, NULL if idx is None else idx, out, _i64(n_rows), _i64(w.data.shape[1]), _i64(w.n_in)))
+            (w.data, NULL if idx is None else idx, out, _i64(n_rows), _i64(w.data.shape[1]), _i64(w.n_in),
+             np.int32(out.dtype == cp.float16)))
         return out
 
     def matmul(self, w: Linear, x: cp.ndarray) -> cp.ndarray:
         """``x @ W.T``: float32 (T, n_in) -> (T, n_out). Up to GEMV_MAX_TOKENS tokens a fused kernel
-        reads the quantized rows once; more: dequantize W, then cuBLAS."""
+        reads the quantized rows once; more: W dequantized, one cuBLAS GEMM into float32 (:mod:`.gemm`),
+        with W and x rounded to float16 (tensor cores) unless ``act_q8`` is off."""
         if w.is_f32:
             return x @ w.data.T
         if x.shape[0] > GEMV_MAX_TOKENS:
-            return x @ self.dequantize(w).T
+            y = cp.empty((x.shape[0], w.data.shape[0]), cp.float32)
+            run_gemm(rows_times_weights_t(1, x.shape[0], w.data.shape[0], w.n_in),
+                     self.dequantize(w, dtype=self.prompt_dtype), self._prompt_operand(x), y)
+            return y
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n_rows, row_bytes = w.data.shape
         y = cp.empty((x.shape[0], n_rows), cp.float32)
@@ -356,6 +373,15 @@ class CupyBackend(ArrayOps):
             ((n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,), (32 * WARPS_PER_BLOCK,),
             (w.data, x, y, _i64(n_rows), _i64(row_bytes), _i64(w.n_in), np.int32(x.shape[0])))
         return y
+
+    def _prompt_operand(self, x: cp.ndarray) -> cp.ndarray:
+        """x as a C-contiguous :attr:`prompt_dtype` array, converted once for the products that read
+        the same input (q, k and v; gate and up), keyed by identity as :meth:`_quantized` is."""
+        if self._x16 is not None and self._x16[0] is x:
+            return self._x16[1]
+        xc = cp.ascontiguousarray(x, dtype=self.prompt_dtype)
+        self._x16 = (x, xc)
+        return xc
 
     def _quantized(self, x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
         """``quantize_q8`` of mmvq.cu: x float32 (R, n), n % 32 == 0 -> (int8 (R, n), scales float32
@@ -659,50 +685,63 @@ class CupyBackend(ArrayOps):
         return self._moe_decode(gate, up, down, types, ids, w, h, act, slot_map, ptrs, staged)
 
     def _deq_experts(self, w: cp.ndarray, ggml_type: int, eids: cp.ndarray, n_in: int, out: cp.ndarray) -> cp.ndarray:
+        """Experts ``eids`` of stacked raw ``w`` dequantized into the front of flat ``out`` (float32
+        or float16): a view (n_used, rows, n_in)."""
         n_used = eids.shape[0]
         _, n_rows, rb = w.shape
         units = n_used * n_rows * (n_in // 32)
         self._fn("deq_experts_" + SUFFIX[format_for(ggml_type).name])(
             ((units + THREADS - 1) // THREADS,), (THREADS,),
-            (w, eids, out, _i64(n_used), _i64(n_rows), _i64(rb), _i64(n_rows * rb), _i64(n_in)))
+            (w, eids, out, _i64(n_used), _i64(n_rows), _i64(rb), _i64(n_rows * rb), _i64(n_in),
+             np.int32(out.dtype == cp.float16)))
         return out[:n_used * n_rows * n_in].reshape(n_used, n_rows, n_in)
 
     def _moe_prompt(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray:
         """Prompt-sized ubatches: per chunk of used experts (:func:`moe_prompt_chunks`: hottest first,
-        bounded weights and padded activations), dequantize their weights and run batched cuBLAS
-        GEMMs over their tokens (padded to the chunk's largest group), then sum each token's k
-        outputs with its weights in one pass."""
-        eids, offs, rows, wts = routing.groups()
-        t, n_embd = h.shape
-        k = routing.ids.shape[1]
-        _, ff, _ = gate.shape
-        counts = np.diff(offs)
-        per_expert = 4 * ff * n_embd
+        bounded weights and padded activations), dequantize their weights (to :attr:`prompt_dtype`)
+        and run batched cuBLAS GEMMs (float32 results, :mod:`.gemm`) over their tokens (padded to the
+        chunk's largest group), then sum each token's k outputs with its weights in one pass.
+
+        The host plans the whole layer from the routing (one device-to-host copy) and uploads every
+        index it needs in one array; each chunk's down product writes its padded rows straight into
+        one buffer that ``moe_combine`` reads through each pair's row (no scatter). Host work per
+        layer was the prompt's bottleneck (cProfile on the H200: ~13 uploads, 3 argsorts and a
+        scatter per layer for ~2 ms of Python against ~1.9 ms of kernels)."""
+        hr = routing.host()
+        t, k = hr.ids.shape
+        n_embd = h.shape[1]
+        n_expert, ff, _ = gate.shape
+        dt = self.prompt_dtype
+        per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
-        scratch = cp.empty(min(max_experts, len(eids)) * per_expert // 4, cp.float32)
-        y_pairs = cp.empty((t * k, n_embd), cp.float32)  # row i: the pair at CSR position i
-        for sel in moe_prompt_chunks(counts, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES):
-            c = counts[sel]
-            m = int(c.max())
-            slot = np.arange(m)[None, :]
-            valid = slot < c[:, None]
-            pos = np.where(valid, offs[sel, None] + slot, offs[sel, None])  # padding repeats a real pair
-            xp_ = h[cp.asarray(rows[pos])]  # (C, m, n_embd)
-            e_dev = cp.asarray(eids[sel])
-            wg = self._deq_experts(gate, types[0], e_dev, n_embd, scratch)
-            gg = cp.matmul(xp_, wg.transpose(0, 2, 1))
-            wu = self._deq_experts(up, types[1], e_dev, n_embd, scratch)
-            a = self.glu(gg, cp.matmul(xp_, wu.transpose(0, 2, 1)), act)
-            wd = self._deq_experts(down, types[2], e_dev, ff, scratch)
-            yc = cp.matmul(a, wd.transpose(0, 2, 1))  # (C, m, n_embd)
-            flat_valid = np.flatnonzero(valid.reshape(-1))
-            y_pairs[cp.asarray(pos.reshape(-1)[flat_valid])] = yc.reshape(-1, n_embd)[cp.asarray(flat_valid)]
-        # token t's pairs, in token order: CSR positions sorted by token (stable), k per token
-        by_token = np.argsort(rows, kind="stable").astype(np.int32)
+        plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES)
+        w_host = None if isinstance(routing.weights, cp.ndarray) else np.asarray(hr.weights, np.float32).reshape(-1)
+        pieces = [plan.expert_ids, plan.token_rows, plan.row_of_pair, np.arange(0, t * k + 1, k, dtype=np.int32)]
+        if w_host is not None:
+            pieces.append(w_host.view(np.int32))
+        idx = cp.asarray(np.concatenate(pieces))  # every index of the layer in one upload
+        n_e, n_r = plan.expert_ids.size, plan.token_rows.size
+        wts = (cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1) if w_host is None
+               else idx[idx.size - t * k:].view(cp.float32))
+        scratch = cp.empty(min(max_experts, n_e) * ff * n_embd, dt)
+        h16 = h.astype(dt)
+        y_rows = cp.empty((plan.n_rows, n_embd), cp.float32)  # each chunk's padded outputs, one after another
+        e_at, r_at = 0, n_e
+        for n_c, m in plan.chunks:
+            e_dev, tok = idx[e_at:e_at + n_c], idx[r_at:r_at + n_c * m]
+            y_at = r_at - n_e  # a chunk's outputs sit where its token rows sit in token_rows
+            e_at, r_at = e_at + n_c, r_at + n_c * m
+            xp_ = h16[tok].reshape(n_c, m, n_embd)
+            up_in, down_in = rows_times_weights_t(n_c, m, ff, n_embd), rows_times_weights_t(n_c, m, n_embd, ff)
+            gg, uu = cp.empty((n_c, m, ff), cp.float32), cp.empty((n_c, m, ff), cp.float32)
+            run_gemm(up_in, self._deq_experts(gate, types[0], e_dev, n_embd, scratch), xp_, gg)
+            run_gemm(up_in, self._deq_experts(up, types[1], e_dev, n_embd, scratch), xp_, uu)
+            a = self.glu(gg, uu, act).astype(dt)
+            run_gemm(down_in, self._deq_experts(down, types[2], e_dev, ff, scratch), a, y_rows[y_at:y_at + n_c * m])
         out = cp.empty((t, n_embd), cp.float32)
-        starts = np.arange(0, t * k + 1, k, dtype=np.int32)
+        at = n_e + n_r
         self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, t), (THREADS,),
-                                (y_pairs, cp.asarray(by_token), cp.asarray(wts[by_token]), cp.asarray(starts),
+                                (y_rows, idx[at:at + t * k], wts, idx[at + t * k:at + t * k + t + 1],
                                  out, np.int32(t), _i64(n_embd)))
         return out
 

@@ -55,10 +55,12 @@ class NumpyBackend(ArrayOps):
     """Array operations on the CPU (numpy + Numba kernels).
 
     Args:
-        act_q8: run the GPU's default arithmetic: the products of ubatches of up to
-            :data:`DECODE_MAX_TOKENS` tokens with weights of a :data:`Q8_ACT` format see their
-            activations rounded by :func:`q8_round` (the CPU twin of ``CupyBackend(act_q8=True)``);
-            default False: float32 activations.
+        act_q8: run the GPU's default arithmetic (the CPU twin of ``CupyBackend(act_q8=True)``):
+            the products of ubatches of up to :data:`DECODE_MAX_TOKENS` tokens with weights of a
+            :data:`Q8_ACT` format see their activations rounded by :func:`q8_round`; larger
+            ubatches' products of quantized weights see weights and activations rounded to float16
+            (:func:`f16_round`; the GPU's tensor-core GEMMs, :mod:`moecache.backends.gemm`), float32
+            sums. Default False: float32 activations and weights.
     """
 
     name = "cpu"
@@ -71,6 +73,9 @@ class NumpyBackend(ArrayOps):
 
     def _q8(self, ggml_type: int, name: str | None, n_tok: int) -> bool:
         return self.act_q8 and n_tok <= DECODE_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
+
+    def _f16(self, n_tok: int) -> bool:
+        return self.act_q8 and n_tok > DECODE_MAX_TOKENS
 
     def activate(self) -> None:
         """Make this backend's device current (nothing to do on the CPU)."""
@@ -139,13 +144,16 @@ class NumpyBackend(ArrayOps):
             return x @ w.data.T
         if self._q8(w.ggml_type, w.name, x.shape[0]):
             x = q8_round(x)
-        if x.shape[0] < BLAS_MIN_TOKENS:
+        f16 = self._f16(x.shape[0])
+        if x.shape[0] < BLAS_MIN_TOKENS and not f16:
             return cpu.matmul(w.data, w.ggml_type, x, name=w.name)
+        if f16:
+            x = f16_round(x)
         out = np.empty((x.shape[0], w.n_out), np.float32)
         rows = max(1, TILE_ELEMS // w.n_in)
         for r0 in range(0, w.n_out, rows):
             tile = cpu.dequantize(w.data[r0:r0 + rows], w.ggml_type, w.n_in, w.name)
-            np.matmul(x, tile.T, out=out[:, r0:r0 + rows])
+            np.matmul(x, f16_round(tile).T if f16 else tile.T, out=out[:, r0:r0 + rows])
         return out
 
     def topk_routing(self, logits: np.ndarray, k: int, renorm: bool) -> Routing:
@@ -168,8 +176,27 @@ class NumpyBackend(ArrayOps):
         if types[0] == types[1] and self._q8(types[0], None, h.shape[0]) and self._q8(types[2], None, 1):
             return self._moe_ffn_q8(gate, up, down, types, routing, h, act)
         eids, offs, rows, wts = routing.groups()
+        if self._f16(h.shape[0]):
+            return self._moe_ffn_f16(gate, up, down, types, (eids, offs, rows, wts), h, act)
         return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
                            act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
+
+    def _moe_ffn_f16(self, gate, up, down, types, groups, h: np.ndarray, act: str) -> np.ndarray:
+        """The GPU's prompt MoE with float16 operands (CupyBackend._moe_prompt): per used expert, h
+        and the dequantized weights rounded to float16, float32 products; the gated activations
+        rounded to float16 before the down product; each token's outputs summed with its weights."""
+        eids, offs, rows, wts = groups
+        n_embd = h.shape[1]
+        hh = f16_round(np.ascontiguousarray(h, np.float32))
+        y = np.zeros((h.shape[0], down.shape[1]), np.float32)
+        for g, e in enumerate(eids):
+            r = rows[offs[g]:offs[g + 1]]
+            x = hh[r]
+            wg, wu = (f16_round(cpu.dequantize(m[e], t, n_embd)) for m, t in ((gate, types[0]), (up, types[1])))
+            a = f16_round(self.glu(x @ wg.T, x @ wu.T, act))
+            wd = f16_round(cpu.dequantize(down[e], types[2], gate.shape[1]))
+            np.add.at(y, r, wts[offs[g]:offs[g + 1], None] * (a @ wd.T))
+        return y
 
     def _moe_ffn_q8(self, gate, up, down, types, routing: Routing, h: np.ndarray, act: str) -> np.ndarray:
         """The GPU's decode MoE with 8-bit activations (moeq_glu, moeq_down of mmvq.cu): h rounded by
@@ -236,6 +263,12 @@ class NumpyBackend(ArrayOps):
         if w.is_f32:
             return w.data[ids]
         return cpu.dequantize(w.data[ids], w.ggml_type, w.n_in, w.name)
+
+
+def f16_round(a: np.ndarray) -> np.ndarray:
+    """float32 ``a`` rounded to the nearest float16 (IEEE round-to-nearest-even, as CUDA's
+    ``__float2half_rn`` and CuPy's ``astype(float16)``), returned as float32."""
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
 
 
 class TwinCopy:

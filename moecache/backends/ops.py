@@ -7,6 +7,7 @@ number of tokens in the ubatch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,59 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         out.append(order[i:i + n])
         i += n
     return out
+
+
+@dataclass(frozen=True)
+class MoePromptPlan:
+    """How a prompt ubatch's routed pairs go through batched GEMMs (:func:`moe_prompt_plan`).
+
+    Attributes:
+        chunks: (C experts, m padded rows per expert) of each chunk, in order.
+        expert_ids: int32, each chunk's C expert ids, concatenated.
+        token_rows: int32, each chunk's C * m token rows (expert-major; an expert with fewer than m
+            tokens repeats its first one), concatenated.
+        row_of_pair: int32 (T * k,), pair ``t * k + s`` (token t's s-th expert) -> its row among the
+            chunks' outputs stacked in order (``sum(C * m)`` rows).
+    """
+    chunks: list[tuple[int, int]]
+    expert_ids: np.ndarray
+    token_rows: np.ndarray
+    row_of_pair: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int(sum(c * m for c, m in self.chunks))
+
+
+def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int,
+                    act_bytes: int) -> MoePromptPlan:
+    """The GPU's prompt-MoE plan for routing ``ids`` (int (T, k), values < ``n_expert``): used
+    experts chunked by :func:`moe_prompt_chunks` (``max_experts``, ``row_bytes``, ``act_bytes`` as
+    there), each expert's tokens in increasing order. Plain numpy; the CPU tests run it against a
+    direct per-pair sum."""
+    ids = np.asarray(ids)
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")  # pairs grouped by expert, tokens ascending
+    per_expert = np.bincount(flat, minlength=n_expert)
+    eids = np.flatnonzero(per_expert)
+    counts = per_expert[eids]
+    offs = np.concatenate([[0], np.cumsum(counts)])
+    chunks, e_parts, r_parts, n_rows = [], [], [], 0
+    row_of_pair = np.empty(t * k, np.int32)
+    for sel in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes):
+        c = counts[sel]
+        n_c, m = len(sel), int(c.max())
+        slot = np.arange(m)[None, :]
+        valid = slot < c[:, None]
+        pairs = order[np.where(valid, offs[sel, None] + slot, offs[sel, None])]  # padding repeats a real pair
+        row_of_pair[pairs[valid]] = n_rows + np.flatnonzero(valid.reshape(-1))
+        e_parts.append(eids[sel].astype(np.int32))
+        r_parts.append((pairs // k).reshape(-1).astype(np.int32))
+        chunks.append((n_c, m))
+        n_rows += n_c * m
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int32)  # noqa: E731
+    return MoePromptPlan(chunks, cat(e_parts), cat(r_parts), row_of_pair)
 
 
 def expert_runs(used: np.ndarray) -> list[tuple[int, int, int]]:

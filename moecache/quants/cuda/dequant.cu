@@ -311,24 +311,31 @@ __device__ __forceinline__ const unsigned char *expert_at(const unsigned char *W
 
 // The dequantize kernels: thread i of a block of DEQ_THREADS holds unit blockIdx.x * DEQ_THREADS + i
 // in y; the block's units are one contiguous stretch of out (unit u at out + 32u), written through
-// shared memory so that consecutive threads store consecutive floats (coalesced).
+// shared memory so that consecutive threads store consecutive values (coalesced). out is float32,
+// or float16 (rounded to nearest) when half is nonzero: the prompt's tensor-core GEMMs read those.
 #define DEQ_THREADS 256
-__device__ __forceinline__ void store_units(const float *y, float *out, long long n_units) {
+__device__ __forceinline__ void store_units(const float *y, void *out, long long n_units, int half) {
     __shared__ float stage[DEQ_THREADS * 33];
 #pragma unroll
     for (int i = 0; i < 32; ++i) stage[threadIdx.x * 33 + i] = y[i];
     __syncthreads();
     long long first = (long long)blockIdx.x * DEQ_THREADS;
     long long n = n_units - first < DEQ_THREADS ? n_units - first : DEQ_THREADS;
-    float *o = out + first * 32;
-    for (int j = threadIdx.x; j < n * 32; j += DEQ_THREADS) o[j] = stage[(j >> 5) * 33 + (j & 31)];
+    if (half) {
+        __half *o = (__half *)out + first * 32;
+        for (int j = threadIdx.x; j < n * 32; j += DEQ_THREADS) o[j] = __float2half_rn(stage[(j >> 5) * 33 + (j & 31)]);
+    } else {
+        float *o = (float *)out + first * 32;
+        for (int j = threadIdx.x; j < n * 32; j += DEQ_THREADS) o[j] = stage[(j >> 5) * 33 + (j & 31)];
+    }
 }
 
 #define FORMAT(SUFFIX, UNIT, SUBS, TSZ)                                                              \
-/* dequantize: one thread per 32-weight unit; out float32 (n_rows, n_in), rows optionally          */ \
-/* gathered: row i of out is row idx[i] of W when idx is not null                                  */ \
-extern "C" __global__ void deq_##SUFFIX(const unsigned char *W, const long long *idx, float *out,     \
-                                        long long n_rows, long long row_bytes, long long n_in) {      \
+/* dequantize: one thread per 32-weight unit; out float32 (float16 if half) (n_rows, n_in), rows   */ \
+/* optionally gathered: row i of out is row idx[i] of W when idx is not null                       */ \
+extern "C" __global__ void deq_##SUFFIX(const unsigned char *W, const long long *idx, void *out,      \
+                                        long long n_rows, long long row_bytes, long long n_in,        \
+                                        int half) {                                                   \
     long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                   \
     long long nu = n_in / 32;                                                                         \
     float y[32];                                                                                      \
@@ -337,7 +344,7 @@ extern "C" __global__ void deq_##SUFFIX(const unsigned char *W, const long long 
         long long src = idx ? idx[r] : r;                                                             \
         UNIT(UNIT_PTR(W + src * row_bytes, k, SUBS, TSZ), (int)(k % SUBS), y);                        \
     }                                                                                                 \
-    store_units(y, out, n_rows * nu);                                                                 \
+    store_units(y, out, n_rows * nu, half);                                                           \
 }                                                                                                     \
 /* Y[t, r] = W[r, :] . X[t, :] for t < n_tok <= MAX_TOK: a warp per row, lane l takes units        */ \
 /* l, l + 32, ... of the row                                                                       */ \
@@ -426,12 +433,12 @@ extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int 
     acc = warp_sum(acc);                                                                              \
     if (lane == 0) Y[(long long)t * n_rows + r] = acc;                                                \
 }                                                                                                     \
-/* Dequantize the used experts of a stacked tensor: out float32 (n_used, n_rows, n_in) with        */ \
-/* out[i] = W[eids[i]]; one thread per unit                                                        */ \
-extern "C" __global__ void deq_experts_##SUFFIX(const unsigned char *W, const int *eids, float *out,   \
+/* Dequantize the used experts of a stacked tensor: out float32 (float16 if half)                  */ \
+/* (n_used, n_rows, n_in) with out[i] = W[eids[i]]; one thread per unit                            */ \
+extern "C" __global__ void deq_experts_##SUFFIX(const unsigned char *W, const int *eids, void *out,    \
                                                 long long n_used, long long n_rows,                   \
                                                 long long row_bytes, long long expert_bytes,          \
-                                                long long n_in) {                                     \
+                                                long long n_in, int half) {                           \
     long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                   \
     long long nu = n_in / 32;                                                                         \
     float y[32];                                                                                      \
@@ -441,7 +448,7 @@ extern "C" __global__ void deq_experts_##SUFFIX(const unsigned char *W, const in
         UNIT(UNIT_PTR(W + (long long)eids[i] * expert_bytes + r * row_bytes, k, SUBS, TSZ),           \
              (int)(k % SUBS), y);                                                                     \
     }                                                                                                 \
-    store_units(y, out, n_used * n_rows * nu);                                                        \
+    store_units(y, out, n_used * n_rows * nu, half);                                                  \
 }
 
 FORMAT(f32, unit_f32, 1, 128)
