@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile -n prompts of this many tokens instead")
     ap.add_argument("--vram-budget", type=int, default=0, help="MiB per GPU (0: none): experts in host RAM")
     ap.add_argument("--load-mode", default="mmap", help="mmap or pin (host experts)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
+                         "print its top N functions by own time")
     a = ap.parse_args()
     try:
         import torch
@@ -120,6 +123,17 @@ def profile_prompts(a, torch, profile, activity, eng, rng, depth: int, mode: str
     for p in prompts[1:]:
         one(p)
     wall_plain = time.perf_counter() - t0
+    if a.host_profile:
+        import cProfile
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for p in prompts[1:]:
+            one(p)
+        prof_host.disable()
+        print(f"host profile of {a.n} prompts (cProfile; times inflated by its tracing):")
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(a.host_profile)
     return report(a, torch, prof, depth, f"prefill {a.prefill} (-ub {a.ub})", wall, wall_plain,
                   n=a.n * a.prefill)
 
