@@ -136,7 +136,9 @@ def test_twin_prompt_moe_rounds_to_float16(types, seed):
     tt = tuple(FORMATS[x].ggml_type for x in types)
     got = NumpyBackend(act_q8=True).moe_ffn(g, u, d, tt, Routing(ids, wts), h, "silu")
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    assert err < 1e-3, f"{err:.2e}"  # a gated value on a rounding boundary may round the other way
+    # 1e-6 .. 9e-6 measured (float32 sums, a gated value on a rounding boundary); leaving out any one
+    # of the roundings (h, the weights, the gated activations) moves it to 2e-4 .. 5e-4
+    assert err < 5e-5, f"{err:.2e}"
     flt = NumpyBackend().moe_ffn(g, u, d, tt, Routing(ids, wts), h, "silu")
     assert 1e-5 < np.linalg.norm(got - flt) / np.linalg.norm(flt) < 3e-3
 

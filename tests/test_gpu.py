@@ -388,10 +388,12 @@ def test_prompt_products_in_float16_match_gguf_py(gpu_q8, fmt_name):
     print(f"{fmt_name}: vs float16-operand reference {err:.1e}, vs float {rounding:.1e}")
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ4_XS", "Q4_K", "Q3_K")])
-def test_prompt_moe_in_float16_matches_numpy_twin(gpu_q8, types):
+@pytest.mark.parametrize("types,n_tok", [(("Q4_K", "Q4_K", "Q6_K"), 70), (("IQ4_XS", "Q4_K", "Q3_K"), 70),
+                                         (("IQ4_XS", "Q4_K", "Q3_K"), 5)])
+def test_prompt_moe_in_float16_matches_numpy_twin(gpu_q8, types, n_tok):
     """The default arithmetic's prompt MoE (float16 GEMMs) against its CPU twin
-    (NumpyBackend(act_q8=True), itself checked against gguf-py in tests/test_act_q8.py)."""
+    (NumpyBackend(act_q8=True), itself checked against gguf-py in tests/test_act_q8.py); 5 tokens
+    with gate and up of different types take the batched path too, in float32 on both sides."""
     from moecache.backends import NumpyBackend
     from moecache.moe.routing import topk_routing
     from moecache.quants.formats import FORMATS
@@ -399,7 +401,7 @@ def test_prompt_moe_in_float16_matches_numpy_twin(gpu_q8, types):
 
     seed = _seed()
     rng = np.random.default_rng(seed)
-    n_exp, k, n_embd, ff, n_tok = 16, 4, 512, 256, 70
+    n_exp, k, n_embd, ff = 16, 4, 512, 256
     fg, fu, fd = (FORMATS[t] for t in types)
     g, u, d = (np.stack([random_rows(f, r, c, rng, std=0.05) for _ in range(n_exp)])
                for f, r, c in ((fg, ff, n_embd), (fu, ff, n_embd), (fd, n_embd, ff)))

@@ -3,8 +3,9 @@
 Weights are uploaded in their GGUF quant format and dequantized inside the CUDA kernels of
 ``moecache/quants/cuda/dequant.cu`` (every format of :mod:`moecache.quants.formats`, F16/BF16/F32
 included). Up to :data:`GEMV_MAX_TOKENS` tokens a matmul is one fused kernel that reads each
-quantized row once (a warp per output row); larger ubatches dequantize W to a float16 scratch
-matrix and call cuBLAS on the tensor cores (float16 operands, float32 results: :mod:`.gemm`). The layer operations (RMSNorm, RoPE, gated activation, decode attention,
+quantized row once (a warp per output row); larger ubatches dequantize W to a scratch matrix and
+call cuBLAS: float16 operands on the tensor cores with float32 results by default (``act_q8``),
+float32 operands without it (:mod:`.gemm`). The layer operations (RMSNorm, RoPE, gated activation, decode attention,
 softmax top-k routing) are one launch each from ``moecache/backends/cuda/ops.cu``. Routed experts
 resident on the device run through :meth:`CupyBackend.moe_ffn`: two kernels for decode-sized
 ubatches (routing read from device memory, no host round trip), batched cuBLAS over the used
@@ -64,8 +65,8 @@ COMBINE_THREADS = 512  # COMBINE_THREADS of ops.cu: threads of an attn_combine b
 # 55.7 / 217.7 at 1024 / 4096 / 16000 keys; attn_gqa (K and V staged in shared memory, runs >= 64)
 # 20.3 / 28.2 / 68.9 (the kernel before it 29.5 / 35.5 / 133.9). Chosen with the kernel before it;
 # the new kernel also wins at 1024 keys. With 512-thread merges and GQA_MIN_BLOCKS 1 (session of
-# 2026-12-01): attn_gqa 12.5 / 16.1 / 49.7 at 1024 / 4096 / 16000 keys, attn_decode 20.3 / 48.5 /
-# 211.6; at 0 keys attn_decode 7.3, attn_gqa 15.3
+# 2026-12-01): attn_gqa 12.5 / 16.1 / 49.7 at 1024 / 4096 / 16000 keys, attn_decode 19.9 / 48.5 /
+# 211.6 in the same run; at 0 keys (the run with 4 blocks per SM) attn_decode 7.3, attn_gqa 15.3
 GQA_MIN_KEYS = 1024
 
 
@@ -702,7 +703,7 @@ class CupyBackend(ArrayOps):
         and run batched cuBLAS GEMMs (float32 results, :mod:`.gemm`) over their tokens (padded to the
         chunk's largest group), then sum each token's k outputs with its weights in one pass.
 
-        The host plans the whole layer from the routing (one device-to-host copy) and uploads every
+        The host plans the whole layer from the routing (copied to the host once) and uploads every
         index it needs in one array; each chunk's down product writes its padded rows straight into
         one buffer that ``moe_combine`` reads through each pair's row (no scatter). Host work per
         layer was the prompt's bottleneck (cProfile on the H200: ~13 uploads, 3 argsorts and a
@@ -711,7 +712,9 @@ class CupyBackend(ArrayOps):
         t, k = hr.ids.shape
         n_embd = h.shape[1]
         n_expert, ff, _ = gate.shape
-        dt = self.prompt_dtype
+        # float16 only where the twin rounds too: a decode-sized ubatch comes here when gate and up
+        # differ in type, and keeps float32 (NumpyBackend's float path)
+        dt = self.prompt_dtype if t > GEMV_MAX_TOKENS else cp.float32
         per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
         plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES)

@@ -5,7 +5,9 @@ weight to float16, round the activations to float16 and run ``cublasGemmStridedB
 float16 A and B, a float32 C and float32 accumulation (``CUBLAS_COMPUTE_32F``): the tensor cores'
 rate instead of FP32's (llama.cpp's cuBLAS path for quantized weights also feeds it float16). Each
 product's rounding error is at most that of two float16 roundings per term (relative 2**-11
-each) plus float32 accumulation.
+each) plus float32 accumulation. float16 holds magnitudes up to 65504: an activation beyond that
+becomes inf (llama.cpp's MMQ kernels, its default for these formats, scale per block and do not
+overflow); ``Engine(gpu_act_q8=False)`` keeps every product in float32.
 
 cuBLAS is column-major; our arrays are row-major. A row-major (r, c) array is the column-major
 (c, r) one, so ``Y = X @ W.T`` (row-major) is ``Y^T = W^T(op T) @ X^T`` in cuBLAS's terms.

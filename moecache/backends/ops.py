@@ -20,8 +20,11 @@ DECODE_MAX_TOKENS = 16
 # of them at a time: the queries go in chunks, so the transient stays bounded at any context length
 ATTENTION_SCORE_BYTES = 256 << 20
 # the GPU's prompt MoE (CupyBackend._moe_prompt) takes its used experts in chunks of at most
-# MOE_SCRATCH_BYTES of dequantized float32 weights and MOE_ACT_BYTES of padded float32 rows of its
-# widest activation (moe_prompt_chunks); a chunk holds six such arrays at once
+# MOE_SCRATCH_BYTES of dequantized weights (float16 by default, float32 with act_q8 off) and
+# MOE_ACT_BYTES of padded float32 rows of its widest activation (moe_prompt_chunks); a chunk holds
+# six such arrays at once. The layer's padded down outputs (at most 2 * T * k rows of n_embd float32:
+# 64 MiB for Qwen3-30B-A3B at -ub 512, 256 MiB at -ub 2048) stay until the weighted sum; all of it
+# comes out of placement's RESERVE_BYTES
 MOE_SCRATCH_BYTES = 256 << 20
 MOE_ACT_BYTES = 64 << 20
 

@@ -449,9 +449,10 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
 }
 
 #ifndef GQA_MIN_BLOCKS
-// blocks per SM the registers must leave room for: 1 lets the compiler keep the sums in 183 registers
-// (no spills); on the H200 with 512-thread merges, 12.5 / 16.1 / 49.7 µs per layer at 1024 / 4096 /
-// 16000 keys against 19.6 / 23.3 / 48.6 with 4 (128 registers, 8 bytes spilled), bench/attn_variants.py
+// blocks per SM the registers must leave room for (__launch_bounds__'s minimum): 1 lets the compiler
+// keep the sums in 183 registers (no spills; two blocks of 128 threads still fit an SM); on the H200
+// with 512-thread merges, 12.5 / 16.1 / 49.7 µs per layer at 1024 / 4096 / 16000 keys against 19.6 /
+// 23.3 / 48.6 with 4 (128 registers, 8 bytes spilled), bench/attn_variants.py
 #define GQA_MIN_BLOCKS 1
 #endif
 #define GQA_KERNEL(NAME, KV, D)                                                                       \
