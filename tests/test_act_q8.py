@@ -15,7 +15,7 @@ from moecache.backends import NumpyBackend
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT, q8_round
 from moecache.quants.formats import FORMATS
-from moecache.quants.random_blocks import random_rows
+from moecache.quants.random_blocks import random_experts, random_rows
 
 
 @pytest.fixture
@@ -89,9 +89,7 @@ def test_twin_moe_rounds_input_and_gated_activations(seed):
     rng = np.random.default_rng(seed)
     n_exp, k, n_embd, ff, t = 6, 2, 256, 256, 3
     fq, fd = FORMATS["Q4_K"], FORMATS["Q8_0"]
-    g = np.stack([random_rows(fq, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
-    u = np.stack([random_rows(fq, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
-    d = np.stack([random_rows(fd, n_embd, ff, rng, std=0.05) for _ in range(n_exp)])
+    g, u, d = random_experts((fq, fq, fd), n_exp, n_embd, ff, rng)
     ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
     wts = rng.dirichlet(np.ones(k), t).astype(np.float32)
     h = rng.standard_normal((t, n_embd)).astype(np.float32)
@@ -119,9 +117,7 @@ def test_twin_prompt_moe_rounds_to_float16(types, seed):
     rng = np.random.default_rng(seed)
     n_exp, k, n_embd, ff, t = 8, 3, 256, 256, 24
     fg, fu, fd = (FORMATS[x] for x in types)
-    g = np.stack([random_rows(fg, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
-    u = np.stack([random_rows(fu, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
-    d = np.stack([random_rows(fd, n_embd, ff, rng, std=0.05) for _ in range(n_exp)])
+    g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
     ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
     wts = rng.dirichlet(np.ones(k), t).astype(np.float32)
     h = rng.standard_normal((t, n_embd)).astype(np.float32)

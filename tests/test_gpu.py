@@ -286,15 +286,13 @@ def test_q8_activation_moe_matches_reference(gpu_q8, types, n_tok):
 
     from moecache.moe.routing import Routing
     from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_rows
+    from moecache.quants.random_blocks import random_experts
 
     seed = _seed()
     rng = np.random.default_rng(seed)
     n_exp, k, n_embd, ff = 10, 4, 512, 768
     fg, fu, fd = (FORMATS[t] for t in types)
-    g = np.stack([random_rows(fg, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
-    u = np.stack([random_rows(fu, ff, n_embd, rng, std=0.05) for _ in range(n_exp)])
-    d = np.stack([random_rows(fd, n_embd, ff, rng, std=0.05) for _ in range(n_exp)])
+    g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
     ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(n_tok)]).astype(np.int32)
     wts = rng.dirichlet(np.ones(k), n_tok).astype(np.float32)
     h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
@@ -331,17 +329,13 @@ def test_moe_ffn_gpu_matches_numpy_twin(gpu, types, n_tok, act):
     from moecache.backends import NumpyBackend
     from moecache.moe.routing import topk_routing
     from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_rows
+    from moecache.quants.random_blocks import random_experts
 
     seed = _seed()
     rng = np.random.default_rng(seed)
     n_exp, k, n_embd, ff = 16, 4, 512, 256
     fg, fu, fd = (FORMATS[t] for t in types)
-
-    def stack(fmt, rows, n_in):
-        return np.stack([random_rows(fmt, rows, n_in, rng, std=0.05) for _ in range(n_exp)])
-
-    g, u, d = stack(fg, ff, n_embd), stack(fu, ff, n_embd), stack(fd, n_embd, ff)
+    g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
     tt = (fg.ggml_type, fu.ggml_type, fd.ggml_type)
     h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
     r = topk_routing(rng.dirichlet(np.ones(n_exp), n_tok).astype(np.float32), k, True)
@@ -397,14 +391,13 @@ def test_prompt_moe_in_float16_matches_numpy_twin(gpu_q8, types, n_tok):
     from moecache.backends import NumpyBackend
     from moecache.moe.routing import topk_routing
     from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_rows
+    from moecache.quants.random_blocks import random_experts
 
     seed = _seed()
     rng = np.random.default_rng(seed)
     n_exp, k, n_embd, ff = 16, 4, 512, 256
     fg, fu, fd = (FORMATS[t] for t in types)
-    g, u, d = (np.stack([random_rows(f, r, c, rng, std=0.05) for _ in range(n_exp)])
-               for f, r, c in ((fg, ff, n_embd), (fu, ff, n_embd), (fd, n_embd, ff)))
+    g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
     tt = (fg.ggml_type, fu.ggml_type, fd.ggml_type)
     h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
     r = topk_routing(rng.dirichlet(np.ones(n_exp), n_tok).astype(np.float32), k, True)
@@ -422,14 +415,13 @@ def test_moe_prompt_chunks_under_a_skewed_router_match_numpy_twin(gpu, monkeypat
     from moecache.backends import NumpyBackend, cupy_backend
     from moecache.moe.routing import topk_routing
     from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_rows
+    from moecache.quants.random_blocks import random_experts
 
     seed = _seed()
     rng = np.random.default_rng(seed)
     n_exp, k, n_embd, ff, n_tok = 32, 4, 512, 256, 300
     fmt = FORMATS["Q4_K"]
-    g, u, d = (np.stack([random_rows(fmt, r, c, rng, std=0.05) for _ in range(n_exp)])
-               for r, c in ((ff, n_embd), (ff, n_embd), (n_embd, ff)))
+    g, u, d = random_experts((fmt,) * 3, n_exp, n_embd, ff, rng)
     tt = (fmt.ggml_type,) * 3
     h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
     logits = rng.standard_normal((n_tok, n_exp)) + 1.5 * rng.standard_normal(n_exp)  # popular experts

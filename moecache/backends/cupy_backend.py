@@ -187,11 +187,11 @@ class CupyBackend(ArrayOps):
         self._staging = StagingRing(_pinned_bytes)  # page-locked buffers of upload_experts (a mapped file)
         self._copy_stream: cp.cuda.Stream | None = None  # expert-cache uploads
 
-    @property
-    def prompt_dtype(self) -> Any:
-        """The operands' dtype of prompt products (more than GEMV_MAX_TOKENS tokens): float16 with
-        ``act_q8``, else float32."""
-        return cp.float16 if self.act_q8 else cp.float32
+    def gemm_dtype(self, n_tok: int) -> Any:
+        """The operands' dtype of the cuBLAS products of a ``n_tok``-token ubatch: float16 with
+        ``act_q8`` for prompts (more than GEMV_MAX_TOKENS tokens), else float32; the rule of the
+        CPU twin's ``NumpyBackend._f16``."""
+        return cp.float16 if self.act_q8 and n_tok > GEMV_MAX_TOKENS else cp.float32
 
     def activate(self) -> None:
         """Make this backend's GPU the current CUDA device (before running a layer placed on it)."""
@@ -355,7 +355,7 @@ class CupyBackend(ArrayOps):
         if x.shape[0] > GEMV_MAX_TOKENS:
             y = cp.empty((x.shape[0], w.data.shape[0]), cp.float32)
             run_gemm(rows_times_weights_t(1, x.shape[0], w.data.shape[0], w.n_in),
-                     self.dequantize(w, dtype=self.prompt_dtype), self._prompt_operand(x), y)
+                     self.dequantize(w, dtype=self.gemm_dtype(x.shape[0])), self._prompt_operand(x), y)
             return y
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n_rows, row_bytes = w.data.shape
@@ -376,11 +376,11 @@ class CupyBackend(ArrayOps):
         return y
 
     def _prompt_operand(self, x: cp.ndarray) -> cp.ndarray:
-        """x as a C-contiguous :attr:`prompt_dtype` array, converted once for the products that read
+        """x as a C-contiguous :meth:`gemm_dtype` array, converted once for the products that read
         the same input (q, k and v; gate and up), keyed by identity as :meth:`_quantized` is."""
         if self._x16 is not None and self._x16[0] is x:
             return self._x16[1]
-        xc = cp.ascontiguousarray(x, dtype=self.prompt_dtype)
+        xc = cp.ascontiguousarray(x, dtype=self.gemm_dtype(x.shape[0]))
         self._x16 = (x, xc)
         return xc
 
@@ -699,7 +699,7 @@ class CupyBackend(ArrayOps):
 
     def _moe_prompt(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray:
         """Prompt-sized ubatches: per chunk of used experts (:func:`moe_prompt_chunks`: hottest first,
-        bounded weights and padded activations), dequantize their weights (to :attr:`prompt_dtype`)
+        bounded weights and padded activations), dequantize their weights (to :meth:`gemm_dtype`)
         and run batched cuBLAS GEMMs (float32 results, :mod:`.gemm`) over their tokens (padded to the
         chunk's largest group), then sum each token's k outputs with its weights in one pass.
 
@@ -712,9 +712,7 @@ class CupyBackend(ArrayOps):
         t, k = hr.ids.shape
         n_embd = h.shape[1]
         n_expert, ff, _ = gate.shape
-        # float16 only where the twin rounds too: a decode-sized ubatch comes here when gate and up
-        # differ in type, and keeps float32 (NumpyBackend's float path)
-        dt = self.prompt_dtype if t > GEMV_MAX_TOKENS else cp.float32
+        dt = self.gemm_dtype(t)  # a decode-sized ubatch comes here too when gate and up differ in type
         per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
         plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES)
@@ -727,19 +725,19 @@ class CupyBackend(ArrayOps):
         wts = (cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1) if w_host is None
                else idx[idx.size - t * k:].view(cp.float32))
         scratch = cp.empty(min(max_experts, n_e) * ff * n_embd, dt)
-        h16 = h.astype(dt)
+        hx = self._prompt_operand(h)  # a shared expert reading h converts it once too
         y_rows = cp.empty((plan.n_rows, n_embd), cp.float32)  # each chunk's padded outputs, one after another
         e_at, r_at = 0, n_e
         for n_c, m in plan.chunks:
             e_dev, tok = idx[e_at:e_at + n_c], idx[r_at:r_at + n_c * m]
             y_at = r_at - n_e  # a chunk's outputs sit where its token rows sit in token_rows
             e_at, r_at = e_at + n_c, r_at + n_c * m
-            xp_ = h16[tok].reshape(n_c, m, n_embd)
+            xp_ = hx[tok].reshape(n_c, m, n_embd)
             up_in, down_in = rows_times_weights_t(n_c, m, ff, n_embd), rows_times_weights_t(n_c, m, n_embd, ff)
             gg, uu = cp.empty((n_c, m, ff), cp.float32), cp.empty((n_c, m, ff), cp.float32)
             run_gemm(up_in, self._deq_experts(gate, types[0], e_dev, n_embd, scratch), xp_, gg)
             run_gemm(up_in, self._deq_experts(up, types[1], e_dev, n_embd, scratch), xp_, uu)
-            a = self.glu(gg, uu, act).astype(dt)
+            a = self.glu(gg, uu, act).astype(dt, copy=False)
             run_gemm(down_in, self._deq_experts(down, types[2], e_dev, ff, scratch), a, y_rows[y_at:y_at + n_c * m])
         out = cp.empty((t, n_embd), cp.float32)
         at = n_e + n_r

@@ -105,6 +105,15 @@ def random_rows(fmt: BlockFormat, n_rows: int, n_in: int, rng: np.random.Generat
     return blocks.reshape(n_rows, rb)
 
 
+def random_experts(formats: tuple[BlockFormat, BlockFormat, BlockFormat], n_expert: int, n_embd: int,
+                   ff: int, rng: np.random.Generator, std: float = 0.05) -> tuple[np.ndarray, ...]:
+    """Stacked random experts of an MoE layer in the GGUF layout: (gate, up, down) uint8 of shapes
+    (n_expert, ff, row bytes of n_embd), the same, and (n_expert, n_embd, row bytes of ff), in the
+    ``formats`` of (gate, up, down); weights of about ``std`` (see :func:`random_rows`)."""
+    return tuple(np.stack([random_rows(f, r, c, rng, std=std) for _ in range(n_expert)])
+                 for f, r, c in zip(formats, (ff, ff, n_embd), (n_embd, n_embd, ff)))
+
+
 # Mean of the unsigned quant q in formats whose weights are d*sc*q - dmin*m (K) or d*q + m (_1).
 _Q_MEAN = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": 7.5, "Q5_1": 15.5}
 
