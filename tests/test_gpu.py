@@ -246,7 +246,16 @@ def test_q8_activation_gemv_matches_gguf_py(gpu_q8, gpu, fmt_name, n_tok, n_in):
     exact = x.astype(np.float64) @ w64.T
     rounding = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     print(f"{fmt_name} T={n_tok} n_in {n_in}: vs quantized-activation reference {err:.1e}, vs float {rounding:.1e}")
-    assert rounding < 1e-2, f"{fmt_name}: 8-bit activations moved the product by {rounding:.2e} (seed {seed})"
+    # the rounding moves each activation by at most half its block's step d = amax / 127, so each
+    # output by at most sum_j |w_ij| d_j / 2 (a bound that holds for every seed); the relative norm
+    # is a statistic: over 300 seeds on the CPU, median 5.4e-3, largest 1.24e-2 (Q5_K; the K
+    # formats' rows carry a common offset), so 2.5e-2 catches a gross error without flaking
+    step = np.repeat(np.abs(x.reshape(n_tok, -1, 32)).max(axis=-1) / 127.0, 32, axis=1)
+    bound = (step / 2) @ np.abs(w64).T
+    slack = 1e-5 * np.abs(exact).max()  # float32 sums
+    assert (np.abs(got - exact) <= bound * (1 + 1e-3) + slack).all(), \
+        f"{fmt_name}: 8-bit activations moved the product beyond half a step (seed {seed})"
+    assert rounding < 2.5e-2, f"{fmt_name}: 8-bit activations moved the product by {rounding:.2e} (seed {seed})"
 
 
 @pytest.mark.parametrize("n_tok,n", [(1, 2048), (5, 256), (16, 4096)])
