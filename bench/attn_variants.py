@@ -62,7 +62,7 @@ def main() -> None:
     old_part = cp.empty((1, H, old_S, D + 2), cp.float32)
     print(f"ctx {a.ctx}; attn_decode S={old_S}")
     print("variant".ljust(44) + "regs  local  " + "  ".join(f"d{d:>6}" for d in depths))
-    opts = ("-std=c++17",) + tuple(f"-D{d}" for d in a.defines)
+    opts = ("-std=c++17", f"-DMAX_TOK={cb.DECODE_MAX_TOKENS}") + tuple(f"-D{d}" for d in a.defines)
     ref = None
     for label, path in [("committed", cb.OPS_SRC)] + [(Path(s).name, Path(s)) for s in a.src]:
         mod = cp.RawModule(code=path.read_text(), options=opts)

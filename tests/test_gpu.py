@@ -449,12 +449,89 @@ def test_softmax_topk_kernel_matches_numpy(gpu):
 
     seed = _seed()
     rng = np.random.default_rng(seed)
-    for n_expert, k, renorm in [(128, 8, True), (60, 4, False), (8, 2, True), (256, 8, True)]:
+    for n_expert, k, renorm in [(128, 8, True), (60, 4, False), (8, 2, True), (256, 8, True), (200, 6, False),
+                                (1000, 8, True)]:
         logits = rng.standard_normal((33, n_expert)).astype(np.float32) * 3
         ref = NumpyBackend().topk_routing(logits, k, renorm)
         got = gpu.topk_routing(cp.asarray(logits), k, renorm).host()
         np.testing.assert_array_equal(got.ids, ref.ids, err_msg=f"seed {seed}")
         np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1, 5, 16])
+def test_router_topk_kernel_matches_float64(gpu, n_tok, monkeypatch):
+    """router_topk (the float32 router product and softmax top-k in one launch, the last block
+    choosing) against numpy in float64: the same ids, weights within float32's rounding. Three calls
+    in a row per shape: the blocks' counter must be back at 0 after each launch. Routers of 8 to
+    1000 experts (the three register layouts of topk_warp); a width of 36 (not a multiple of the
+    block's 512 floats per round)."""
+    from moecache.backends.numpy_backend import Linear
+    from moecache.moe.routing import softmax, topk_routing
+
+    def unfused(*a, **kw):
+        raise AssertionError("route() fell back to matmul + topk_routing")
+
+    monkeypatch.setattr(gpu, "topk_routing", unfused)  # every shape below takes router_topk
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for n_expert, n, k, renorm in [(128, 2048, 8, True), (60, 1024, 4, False), (8, 36, 2, True),
+                                   (256, 512, 8, False), (1000, 2048, 8, True)]:
+        for _ in range(3):
+            w = (rng.standard_normal((n_expert, n)) / np.sqrt(n)).astype(np.float32)
+            x = rng.standard_normal((n_tok, n)).astype(np.float32) * 3
+            logits64 = x.astype(np.float64) @ w.astype(np.float64).T
+            ref = topk_routing(softmax(logits64), k, renorm)
+            poison((n_tok, k))
+            # as CupyBackend.linear keeps an F32 router (raw bytes), and as a float32 matrix
+            for data in (cp.asarray(w.view(np.uint8)), cp.asarray(w)):
+                got = gpu.route(Linear("ffn_gate_inp", data, 0, n), cp.asarray(x), k, renorm).host()
+                np.testing.assert_array_equal(got.ids, ref.ids, err_msg=f"E {n_expert} n {n} seed {seed}")
+                np.testing.assert_allclose(got.weights, ref.weights, rtol=2e-5, atol=1e-7,
+                                           err_msg=f"E {n_expert} n {n} seed {seed}")
+            assert int(gpu._router_done.get()[0]) == 0  # the last block reset the count
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 16])
+@pytest.mark.parametrize("fmt_name,rows", [("Q8_0", (301, 37, 64)), ("Q4_K", (130, 31)), ("Q6_K", (64, 64, 7))])
+def test_gemvq_stacked_matrices_match_gguf_py(gpu_q8, fmt_name, rows, n_tok, monkeypatch):
+    """matmuls over 2-3 matrices of one format (q, k, v; gate, up) in one gemvq launch: each output
+    against gguf-py's float64 weights times the activations rounded as quantize_q8 rounds them
+    (the tight bound of the one-matrix test); row counts that end mid-block, so one warp holds rows
+    of two matrices. A mixed list (another format) takes one launch each and agrees too."""
+    from gguf.quants import dequantize
+
+    from moecache.backends.numpy_backend import Linear
+    from moecache.quants.formats import FORMATS
+    from moecache.quants.random_blocks import random_rows
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    fmt = FORMATS[fmt_name]
+    n_in = 1024
+    raws = [random_rows(fmt, r, n_in, rng) for r in rows]
+    ws64 = [dequantize(raw, fmt.ggml_type).astype(np.float64).reshape(r, n_in) for raw, r in zip(raws, rows)]
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    ws = [Linear(f"w{i}", cp.asarray(raw), fmt.ggml_type, n_in) for i, raw in enumerate(raws)]
+    for r in rows:
+        poison((n_tok, r))
+    xg = cp.asarray(x)
+    launched = []
+    fn = gpu_q8._fn
+    monkeypatch.setattr(gpu_q8, "_fn", lambda name: (launched.append(name), fn(name))[1])
+    got = gpu_q8.matmuls(ws, xg)
+    assert len(got) == len(rows) and launched.count("gemvq_" + fmt_name.lower()) == 1, launched
+    for i, (g, w64) in enumerate(zip(got, ws64)):
+        g = cp.asnumpy(g)
+        ref = q8_reference(x) @ w64.T
+        assert g.shape == (n_tok, rows[i]) and np.isfinite(g).all()
+        err = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+        assert err < 2e-6, f"{fmt_name} matrix {i} T={n_tok} seed {seed}: {err:.2e}"
+    other = FORMATS["Q4_0"]
+    raw_o = random_rows(other, 33, n_in, rng)
+    mixed = gpu_q8.matmuls([ws[0], Linear("o", cp.asarray(raw_o), other.ggml_type, n_in)], xg)
+    ref_o = q8_reference(x) @ dequantize(raw_o, other.ggml_type).astype(np.float64).reshape(33, n_in).T
+    assert np.linalg.norm(cp.asnumpy(mixed[1]) - ref_o) / np.linalg.norm(ref_o) < 2e-6, f"seed {seed}"
+    np.testing.assert_array_equal(cp.asnumpy(mixed[0]), cp.asnumpy(got[0]))
 
 
 @pytest.mark.parametrize("n_ctx", [300, 5000, 16384])

@@ -59,6 +59,7 @@ GQA_MAX_G = 16  # GQA_MAX_G of ops.cu: most query heads per KV head attn_gqa tak
 GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_MAX_S of ops.cu) ...
 GQA_MIN_RUN = 64  # ... of at least this many keys
 COMBINE_THREADS = 512  # COMBINE_THREADS of ops.cu: threads of an attn_combine block
+ROUTER_THREADS = 128  # ROUTER_THREADS of ops.cu: threads of a router_topk block (one per expert)
 # decode queries with at least this many keys take attn_gqa, fewer attn_decode (per head, many short
 # runs: the lower latency while the keys are few). H200, Qwen3-30B-A3B's layer, f16 cache, µs per
 # layer with the merge (bench/attn_variants.py, bench/results/attn-gqa-h200.md): attn_decode 27.2 /
@@ -186,6 +187,10 @@ class CupyBackend(ArrayOps):
         self._inv_freq: dict[bytes, cp.ndarray] = {}
         self._staging = StagingRing(_pinned_bytes)  # page-locked buffers of upload_experts (a mapped file)
         self._copy_stream: cp.cuda.Stream | None = None  # expert-cache uploads
+        # router_topk's count of finished blocks (0 between launches; one router launch at a time:
+        # this backend's layers run in order on one stream); made here, never inside a graph's capture
+        with cp.cuda.Device(device):
+            self._router_done = cp.zeros(1, cp.uint32)
 
     def gemm_dtype(self, n_tok: int) -> Any:
         """The operands' dtype of the cuBLAS products of a ``n_tok``-token ubatch: float16 with
@@ -203,7 +208,7 @@ class CupyBackend(ArrayOps):
         with cp.cuda.Device(self.device):
             return (cp.RawModule(code=QUANT_SRC.read_text() + "\n" + MMVQ_SRC.read_text(),
                                  options=("-std=c++17", f"-DMAX_TOK={DECODE_MAX_TOKENS}")),
-                    cp.RawModule(code=OPS_SRC.read_text(), options=("-std=c++17",)))
+                    cp.RawModule(code=OPS_SRC.read_text(), options=("-std=c++17", f"-DMAX_TOK={DECODE_MAX_TOKENS}")))
 
     def _fn(self, name: str) -> Any:
         f = self._fns.get(name)
@@ -359,21 +364,51 @@ class CupyBackend(ArrayOps):
             return y
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n_rows, row_bytes = w.data.shape
+        if self._gemvq_ok([w]):
+            return self._gemvq([w], x)[0]
         y = cp.empty((x.shape[0], n_rows), cp.float32)
-        fmt = format_for(w.ggml_type, w.name).name
-        if self.act_q8 and fmt in Q8_ACT:
-            xq, xd, xs = self._quantized(x)
-            lpr = lanes_per_row(w.n_in, fmt)
-            rows_per_block = 32 * MMVQ_WARPS // lpr
-            self._fn("gemvq_" + SUFFIX[fmt])(
-                ((n_rows + rows_per_block - 1) // rows_per_block,), (32 * MMVQ_WARPS,),
-                (w.data, xq, xd, xs, y, _i64(n_rows), _i64(row_bytes), _i64(w.n_in), np.int32(x.shape[0]),
-                 np.int32(lpr)))
-            return y
         self._fn("gemv_" + self._suffix(w))(
             ((n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,), (32 * WARPS_PER_BLOCK,),
             (w.data, x, y, _i64(n_rows), _i64(row_bytes), _i64(w.n_in), np.int32(x.shape[0])))
         return y
+
+    def matmuls(self, ws: list[Linear], x: cp.ndarray) -> list[cp.ndarray]:
+        """``[x @ W.T for W in ws]`` (the products that read one input: q, k and v; gate and up).
+        Up to GEMV_MAX_TOKENS tokens, with 8-bit activations, two or three matrices of one
+        :data:`Q8_ACT` format and row size take one ``gemvq`` launch (a decode step's launches are
+        latency-bound); otherwise one :meth:`matmul` each."""
+        if len(ws) in (2, 3) and x.shape[0] <= GEMV_MAX_TOKENS and self._gemvq_ok(ws):
+            return self._gemvq(ws, cp.ascontiguousarray(x, dtype=cp.float32))
+        return [self.matmul(w, x) for w in ws]
+
+    def _gemvq_ok(self, ws: list[Linear]) -> bool:
+        """Whether one ``gemvq`` launch takes ``ws``: 8-bit activations on, quantized weights of one
+        :data:`Q8_ACT` format, one row size and input width."""
+        if not self.act_q8 or any(w.is_f32 for w in ws):
+            return False
+        fmts = {format_for(w.ggml_type, w.name).name for w in ws}
+        return (len(fmts) == 1 and fmts <= Q8_ACT.keys() and len({w.data.shape[1] for w in ws}) == 1
+                and len({w.n_in for w in ws}) == 1)
+
+    def _gemvq(self, ws: list[Linear], x: cp.ndarray) -> list[cp.ndarray]:
+        """``gemvq_<fmt>`` of mmvq.cu over 1-3 matrices (:meth:`_gemvq_ok`) for float32 x (T <=
+        GEMV_MAX_TOKENS, C-contiguous): float32 (T, n_out) each."""
+        w0 = ws[0]
+        fmt = format_for(w0.ggml_type, w0.name).name
+        xq, xd, xs = self._quantized(x)
+        ys = [cp.empty((x.shape[0], w.data.shape[0]), cp.float32) for w in ws]
+        lpr = lanes_per_row(w0.n_in, fmt)
+        rows_per_block = 32 * MMVQ_WARPS // lpr
+        total = sum(w.data.shape[0] for w in ws)
+        pad = 3 - len(ws)
+        wts = [w.data for w in ws] + [NULL] * pad
+        outs = list(ys) + [NULL] * pad
+        counts = [_i64(w.data.shape[0]) for w in ws] + [_i64(0)] * pad
+        self._fn("gemvq_" + SUFFIX[fmt])(
+            ((total + rows_per_block - 1) // rows_per_block,), (32 * MMVQ_WARPS,),
+            (*wts, xq, xd, xs, *outs, *counts, _i64(w0.data.shape[1]), _i64(w0.n_in), np.int32(x.shape[0]),
+             np.int32(lpr)))
+        return ys
 
     def _prompt_operand(self, x: cp.ndarray) -> cp.ndarray:
         """x as a C-contiguous :meth:`gemm_dtype` array, converted once for the products that read
@@ -543,6 +578,28 @@ class CupyBackend(ArrayOps):
         if quant[0] is not NULL:
             self._xq = (out, quant)
         return out
+
+    def route(self, w: Linear, x: cp.ndarray, k: int, renorm: bool) -> Routing:
+        """Router product and softmax top-k (:meth:`ArrayOps.route`). A float32 router of up to
+        1024 experts on up to GEMV_MAX_TOKENS tokens is one ``router_topk`` launch (ops.cu); else
+        :meth:`matmul` then :meth:`topk_routing`."""
+        # F32 routers: a float32 matrix, or (as linear() keeps them) its raw bytes
+        wf = w.data if w.is_f32 else None
+        if wf is None and w.data.ndim == 2 and format_for(w.ggml_type, w.name).name == "F32":
+            wf = w.data.view(cp.float32)
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        t = x.shape[0]
+        n_expert, n = wf.shape if wf is not None else (0, 0)
+        if not (0 < n_expert <= 1024 and t <= GEMV_MAX_TOKENS and n % 4 == 0 and n == w.n_in == x.shape[1]
+                and wf.flags.c_contiguous and wf.data.ptr % 16 == 0 and x.data.ptr % 16 == 0):
+            return super().route(w, x, k, renorm)
+        logits = cp.empty((t, n_expert), cp.float32)
+        ids = cp.empty((t, k), cp.int32)
+        wts = cp.empty((t, k), cp.float32)
+        self._fn("router_topk")((n_expert,), (ROUTER_THREADS,), (wf, x, logits, ids, wts, np.int32(n_expert),
+                                                               np.int32(n), np.int32(t), np.int32(k),
+                                                               np.int32(renorm), self._router_done))
+        return Routing(ids, wts)
 
     def topk_routing(self, logits: cp.ndarray, k: int, renorm: bool) -> Routing:
         """Softmax top-k routing on the GPU (ties: lower id first); ids and weights stay on the device."""

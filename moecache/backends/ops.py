@@ -139,6 +139,18 @@ class ArrayOps:
 
     xp: Any = np
 
+    def matmuls(self, ws: list[Any], x: Any) -> list[Any]:
+        """``[self.matmul(w, x) for w in ws]``: the products that read one input (q, k and v; gate
+        and up), which a backend may run as one launch (CupyBackend's decode products)."""
+        return [self.matmul(w, x) for w in ws]
+
+    def route(self, w: Any, x: Any, k: int, renorm: bool) -> Any:
+        """Top-k softmax routing of x float32 (T, n_embd) through the router ``w``
+        (``ffn_gate_inp``, (n_expert, n_embd)): ``topk_routing(matmul(w, x), k, renorm)``, a
+        :class:`~moecache.moe.routing.Routing` of (T, k) ids and weights; a backend may fuse the two
+        (CupyBackend's ``router_topk``)."""
+        return self.topk_routing(self.matmul(w, x), k, renorm)
+
     def rms_norm(self, x: Any, w: Any | None, eps: float) -> Any:
         """``x / sqrt(mean(x^2) + eps) * w`` over the last axis (Zhang & Sennrich 2019)."""
         xp = self.xp

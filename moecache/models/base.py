@@ -404,9 +404,7 @@ class DecoderLM:
         """
         c, be, L = self.cfg, self.be, self.layers[il]
         t = x.shape[0]
-        q = self._proj(L, "attn_q", x)
-        k = self._proj(L, "attn_k", x)
-        v = self._proj(L, "attn_v", x)
+        q, k, v = self._projs(L, ("attn_q", "attn_k", "attn_v"), x)
         if qk_norm == "full":
             q = self.norm(q, L["attn_q_norm"])
             k = self.norm(k, L["attn_k_norm"])
@@ -449,23 +447,29 @@ class DecoderLM:
         return tables
 
     def _proj(self, L: dict[str, Any], name: str, x: Any) -> Any:
-        y = self.be.matmul(L[name], x)
-        b = L.get(name + ".bias")
-        return y + b if b is not None else y
+        return self._projs(L, (name,), x)[0]
+
+    def _projs(self, L: dict[str, Any], names: tuple[str, ...], x: Any) -> list[Any]:
+        """The projections ``names`` of x (one input: the backend may run them as one launch), each
+        with its ``.bias`` added when present."""
+        ys = self.be.matmuls([L[n] for n in names], x) if len(names) > 1 else [self.be.matmul(L[names[0]], x)]
+        out = []
+        for n, y in zip(names, ys):
+            b = L.get(n + ".bias")
+            out.append(y + b if b is not None else y)
+        return out
 
     def dense_ffn(self, il: int, x: Any, prefix: str = "ffn", suffix: str = "") -> Any:
         """Gated FFN ``down(act(gate(x)) * up(x))`` (Shazeer 2020) of ``{prefix}_gate{suffix}`` etc."""
         L, be = self.layers[il], self.be
-        g = be.matmul(L[f"{prefix}_gate{suffix}"], x)
-        u = be.matmul(L[f"{prefix}_up{suffix}"], x)
+        g, u = be.matmuls([L[f"{prefix}_gate{suffix}"], L[f"{prefix}_up{suffix}"]], x)
         return be.matmul(L[f"{prefix}_down{suffix}"], be.glu(g, u, self.act))
 
     def route(self, il: int, x: Any) -> Routing:
         """Top-k softmax routing of the normed input x (T, n_embd) -> ids and weights (T, k), on the
         layer's backend (they stay on the GPU there); ``renorm_topk`` decides renormalising (per
         architecture, as llama.cpp hard-codes it)."""
-        logits = self.be.matmul(self.layers[il]["ffn_gate_inp"], x)
-        return self.be.topk_routing(logits, self.cfg.n_expert_used, self.renorm_topk)
+        return self.be.route(self.layers[il]["ffn_gate_inp"], x, self.cfg.n_expert_used, self.renorm_topk)
 
     def moe(self, il: int, x: Any) -> Any:
         """Routed experts of block ``il`` on the normed input x (T, n_embd) -> (T, n_embd): route,

@@ -1,11 +1,15 @@
 // The non-quantized layer operations of the CuPy backend, one launch each: RMSNorm, RoPE, gated
-// activations, decode attention over the KV cache and softmax top-k routing. float32 throughout.
+// activations, decode attention over the KV cache and softmax top-k routing (with the router product
+// of a decode step: router_topk). float32 throughout.
 // Formulas: the numpy twins in moecache/backends/ops.py and moecache/models/base.py (the tests
 // compare against them). Written for moecache.
 
 #include <cuda_fp16.h>
 
 #define NEG_INF (-__int_as_float(0x7f800000))  // nvrtc has no math.h INFINITY
+#ifndef MAX_TOK
+#define MAX_TOK 16  // tokens of a decode step (router_topk): DECODE_MAX_TOKENS of moecache/backends/ops.py,
+#endif              // which the backend passes as -DMAX_TOK when it compiles this file
 
 // KV cache elements: float32 (default) or float16 (-ctk/-ctv f16), read and written as float
 __device__ __forceinline__ float kv_load(const float *p) { return *p; }
@@ -567,22 +571,25 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine(
 }
 
 // Router: softmax over n_expert logits per token, then the k largest (ties: lower id first) with
-// their probabilities, divided by their sum when renorm. One warp per token; n_expert <= 1024.
-extern "C" __global__ void softmax_topk(const float *logits, int *ids, float *weights, int n_expert, int k,
-                                        int renorm) {
-    int t = blockIdx.x, lane = threadIdx.x;
-    const float *x = logits + (long long)t * n_expert;
-    float v[32];
-    int per = (n_expert + 31) / 32;
+// their probabilities, divided by their sum when renorm. One warp per token; n_expert <= 32 * PER.
+// A lane holds experts lane, lane + 32, ... in registers (every index below is a compile-time
+// constant after unrolling: a dynamically indexed array would live in local memory). The logits
+// are read through L2 (__ldcg): router_topk's last block reads what the other blocks wrote.
+template <int PER>
+__device__ __forceinline__ void topk_warp(const float *x, int *ids, float *weights, int n_expert, int k,
+                                          int renorm, int lane) {
+    float v[PER];
     float mx = NEG_INF;
-    for (int i = 0; i < per; ++i) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
         int e = lane + 32 * i;
-        v[i] = e < n_expert ? x[e] : NEG_INF;
+        v[i] = e < n_expert ? __ldcg(x + e) : NEG_INF;
         mx = fmaxf(mx, v[i]);
     }
     mx = warp_max(mx);
     float sum = 0.f;
-    for (int i = 0; i < per; ++i) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
         int e = lane + 32 * i;
         v[i] = e < n_expert ? __expf(v[i] - mx) : -1.f;  // probabilities are >= 0; -1 marks "taken"
         sum += e < n_expert ? v[i] : 0.f;
@@ -592,13 +599,15 @@ extern "C" __global__ void softmax_topk(const float *logits, int *ids, float *we
     for (int s = 0; s < k; ++s) {
         float best = -1.f;
         int bi = 0x7fffffff;
-        for (int i = 0; i < per; ++i) {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
             int e = lane + 32 * i;
             if (v[i] > best || (v[i] == best && e < bi)) {
                 best = v[i];
                 bi = e;
             }
         }
+#pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             float ob = __shfl_xor_sync(0xffffffffu, best, o);
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
@@ -607,16 +616,86 @@ extern "C" __global__ void softmax_topk(const float *logits, int *ids, float *we
                 bi = oi;
             }
         }
-        if (bi % 32 == lane) v[bi / 32] = -1.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            if (lane + 32 * i == bi) v[i] = -1.f;
         float pr = best / sum;
         chosen += pr;
         if (lane == 0) {
-            ids[t * k + s] = bi;
-            weights[t * k + s] = pr;
+            ids[s] = bi;
+            weights[s] = pr;
         }
     }
     if (renorm && lane == 0)
-        for (int s = 0; s < k; ++s) weights[t * k + s] /= chosen;
+        for (int s = 0; s < k; ++s) weights[s] /= chosen;
+}
+
+__device__ __forceinline__ void topk_any(const float *x, int *ids, float *weights, int n_expert, int k, int renorm,
+                                         int lane) {
+    if (n_expert <= 128) topk_warp<4>(x, ids, weights, n_expert, k, renorm, lane);
+    else if (n_expert <= 256) topk_warp<8>(x, ids, weights, n_expert, k, renorm, lane);
+    else topk_warp<32>(x, ids, weights, n_expert, k, renorm, lane);
+}
+
+extern "C" __global__ void softmax_topk(const float *logits, int *ids, float *weights, int n_expert, int k,
+                                        int renorm) {
+    int t = blockIdx.x;
+    topk_any(logits + (long long)t * n_expert, ids + t * k, weights + t * k, n_expert, k, renorm, threadIdx.x);
+}
+
+// The router of a decode step in one launch: logits[t, e] = W[e, :] . X[t, :] (W float32 (E, n),
+// X float32 (T, n), T <= MAX_TOK, n % 4 == 0, both 16-byte aligned), then softmax_topk's choice for
+// every token, made by the block that finishes last. Grid (E), ROUTER_THREADS threads: a block's
+// threads share one row (4 floats each per load, 4 loads in flight), summed through
+// shared memory. The blocks count themselves in *done (0 before the launch); the last one resets it,
+// so the launch can be replayed from a CUDA graph (one launch at a time per counter).
+#define ROUTER_THREADS 128
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) router_topk(
+        const float *W, const float *X, float *logits, int *ids, float *weights, int n_expert, int n, int T, int k,
+        int renorm, unsigned int *done) {
+    constexpr int NW = ROUTER_THREADS / 32;
+    __shared__ float red[MAX_TOK][NW];
+    __shared__ int last;
+    int e = blockIdx.x, tid = threadIdx.x, lane = tid % 32, wid = tid / 32;
+    const float4 *w4 = (const float4 *)(W + (long long)e * n);
+    int n4 = n / 4;
+    float acc[MAX_TOK];
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.f;
+#pragma unroll 4  // ROUTER_UNROLL
+    for (int j = tid; j < n4; j += ROUTER_THREADS) {
+        float4 a = w4[j];
+#pragma unroll
+        for (int t = 0; t < MAX_TOK; ++t) {
+            if (t < T) {
+                float4 b = ((const float4 *)(X + (long long)t * n))[j];
+                acc[t] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MAX_TOK; ++t) {
+        if (t < T) {
+            float v = warp_sum(acc[t]);
+            if (lane == 0) red[t][wid] = v;
+        }
+    }
+    __syncthreads();
+    if (tid < T) {
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < NW; ++i) v += red[tid][i];
+        logits[(long long)tid * n_expert + e] = v;
+    }
+    __threadfence();  // the logits are visible to every block before this block counts itself
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = wid; t < T; t += NW)
+        topk_any(logits + (long long)t * n_expert, ids + t * k, weights + t * k, n_expert, k, renorm, lane);
+    if (tid == 0) *done = 0;
 }
 
 // Weighted scatter-add of the prefill MoE path: out[rows[i]] += w[i] * Y[i], i < P, in the order

@@ -211,14 +211,24 @@ __device__ __forceinline__ float lanes_sum(float v, int lpr) {
 }
 
 #define VFORMAT(SUFFIX, VDOT, PPB, QK, TSZ)                                                          \
-/* Y[t, r] = W[r, :] . X[t, :] for t < n_tok <= MAX_TOK, X given as quantize_q8's XQ, XD, XS     */ \
-extern "C" __global__ void gemvq_##SUFFIX(const unsigned char *W, const signed char *XQ,              \
-                                          const float *XD, const float *XS, float *Y,                 \
-                                          long long n_rows, long long row_bytes, long long n_in,      \
-                                          int n_tok, int lpr) {                                       \
+/* Y[t, r] = W[r, :] . X[t, :] for t < n_tok <= MAX_TOK, X given as quantize_q8's XQ, XD, XS,  */ \
+/* for up to three matrices of one format and width that read the same X (q, k, v; gate, up) in */ \
+/* one launch: their rows stacked (W0's n0, then W1's n1, then W2's n2; unused: n = 0, null)     */ \
+extern "C" __global__ void gemvq_##SUFFIX(const unsigned char *W0, const unsigned char *W1,           \
+                                          const unsigned char *W2, const signed char *XQ,             \
+                                          const float *XD, const float *XS, float *Y0, float *Y1,     \
+                                          float *Y2, long long n0, long long n1, long long n2,        \
+                                          long long row_bytes, long long n_in, int n_tok, int lpr) {  \
     int lane = threadIdx.x % 32;                                                                      \
     long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                    \
     long long r = warp * (32 / lpr) + lane / lpr;                                                     \
+    const unsigned char *W = W0;                                                                      \
+    float *Y = Y0;                                                                                    \
+    long long n_rows = n0;                                                                            \
+    if (r >= n0) {                                                                                    \
+        r -= n0; W = W1; Y = Y1; n_rows = n1;                                                         \
+        if (r >= n1) { r -= n1; W = W2; Y = Y2; n_rows = n2; }                                        \
+    }                                                                                                 \
     int sl = lane % lpr;                                                                              \
     float acc[MAX_TOK];                                                                               \
     _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.f;                                 \
