@@ -63,6 +63,26 @@ def test_code_moe_tiny_logits_and_routing_match_float64_reference(tiny_lm, code_
         assert np.array_equal(np.sort(seen[il], axis=1), np.sort(ref.expert_ids[il], axis=1)), f"layer {il}"
 
 
+def test_residual_sum_is_taken_by_the_next_blocks_norm(code_moe_tiny):
+    """A block returns its residual sum untaken (models.base.Pending) and the next block's first
+    RMSNorm takes it (one add_rms_norm: one launch on the GPU): 2 * n_layer - 1 sums-with-norm per
+    forward pass, and the same logits as the float64 reference (which adds, then norms)."""
+    class Counting(NumpyBackend):
+        n_add_norm = 0
+
+        def add_rms_norm(self, x, r, w, eps):
+            Counting.n_add_norm += 1
+            return super().add_rms_norm(x, r, w, eps)
+
+    tokens = np.array([0, 474, 2465, 198, 474, 25], dtype=np.int64)
+    with open_gguf(code_moe_tiny) as m:
+        lm = build_model(m, Counting())
+        logits = lm.forward(tokens, lm.new_kv_cache(16), logits="all")
+    assert Counting.n_add_norm == 2 * lm.cfg.n_layer - 1
+    ref = reference.forward(code_moe_tiny, tokens)
+    assert np.abs(logits - ref.logits).max() / np.abs(ref.logits).max() < 1e-5
+
+
 def test_prefill_in_pieces_and_decode_equal_one_pass(tiny_lm):
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, tiny_lm.cfg.n_vocab, 40)

@@ -57,6 +57,16 @@ class RopeSpec:
         return self.freq_scale * inv
 
 
+@dataclass(frozen=True)
+class Pending:
+    """The residual stream as a sum not yet taken, ``h + d`` (both float32 (T, n_embd)), as a block
+    returns it: the next block's first RMSNorm takes the sum with it (:meth:`DecoderLM.enter`: one
+    launch on the GPU instead of an add and a norm)."""
+
+    h: Any
+    d: Any
+
+
 @dataclass
 class ForwardPass:
     """What one forward pass shares between its layers, passed down to every block (the model keeps
@@ -202,8 +212,9 @@ class DecoderLM:
 
     # ---- the pieces an architecture file may override ------------------------------------------
     def block(self, il: int, x: Any, fp: ForwardPass, kv: KVCache) -> Any:
-        """One transformer block: float32 (T, n_embd) -> (T, n_embd) of the pass ``fp``. Subclasses
-        write it."""
+        """One transformer block of the pass ``fp``: the residual stream float32 (T, n_embd), or the
+        previous block's :class:`Pending` sum, -> the next one (an array or a :class:`Pending`; a
+        block starts with :meth:`enter`). Subclasses write it."""
         raise NotImplementedError
 
     def embed_scale(self) -> float | None:
@@ -342,9 +353,11 @@ class DecoderLM:
             x = x * np.float32(s)
         for il in range(self.cfg.n_layer):
             if self.layer_be[il] is not self.be:
+                x = self.settled(x)
                 self._use(self.layer_be[il])
                 x = self.be.adopt(x)
             x = self.block(il, x, fp, kv)
+        x = self.settled(x)
         if self.output_be is not self.be:
             self._use(self.output_be)
             x = self.be.adopt(x)
@@ -381,6 +394,19 @@ class DecoderLM:
         return y
 
     # ---- building blocks ---------------------------------------------------------------------------
+    @staticmethod
+    def settled(x: Any) -> Any:
+        """The residual stream as an array: a :class:`Pending` sum taken (``h + d``), else x."""
+        return x.h + x.d if isinstance(x, Pending) else x
+
+    def enter(self, x: Any, w: Any) -> tuple[Any, Any]:
+        """A block's start: (the residual stream as an array, its RMSNorm with weight ``w``). A
+        :class:`Pending` sum from the previous block is taken in the same launch as the norm
+        (:meth:`add_norm`; the CPU twin's arithmetic is the same: ``h + d``, then the norm)."""
+        if isinstance(x, Pending):
+            return self.add_norm(x.h, x.d, w)
+        return x, self.norm(x, w)
+
     def norm(self, x: Any, w: Any) -> Any:
         """RMSNorm with the model's epsilon."""
         return self.be.rms_norm(x, w, self.cfg.norm_eps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from moecache.arch import ModelConfig
-from moecache.models.base import DecoderLM, RopeSpec
+from moecache.models.base import DecoderLM, Pending, RopeSpec
 
 SWA_PATTERN = 6          # default of attention.sliding_window_pattern: layer il is global when il % 6 == 5
 SWA_ROPE_BASE = 10000.0  # default of rope.freq_base_swa
@@ -54,7 +54,8 @@ class Gemma3(DecoderLM):
     def block(self, il, x, fp, kv):
         L = self.layers[il]
         scale = attention_scale(self.cfg)
-        a = self.attention(il, self.norm(x, L["attn_norm"]), fp, kv, qk_norm="head", scale=scale)
+        x, xn = self.enter(x, L["attn_norm"])
+        a = self.attention(il, xn, fp, kv, qk_norm="head", scale=scale)
         h = x + self.norm(a, L["post_attention_norm"])
         f = self.dense_ffn(il, self.norm(h, L["ffn_norm"]))
-        return h + self.norm(f, L["post_ffw_norm"])
+        return Pending(h, self.norm(f, L["post_ffw_norm"]))

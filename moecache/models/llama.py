@@ -6,7 +6,7 @@ Source: llama.cpp ``src/models/llama.cpp``; Touvron et al., "LLaMA" (2023).
 
 from __future__ import annotations
 
-from moecache.models.base import DecoderLM
+from moecache.models.base import DecoderLM, Pending
 
 
 class Llama(DecoderLM):
@@ -14,5 +14,6 @@ class Llama(DecoderLM):
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]
-        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), fp, kv), L["ffn_norm"])
-        return h + self.dense_ffn(il, y)
+        x, xn = self.enter(x, L["attn_norm"])
+        h, y = self.add_norm(x, self.attention(il, xn, fp, kv), L["ffn_norm"])
+        return Pending(h, self.dense_ffn(il, y))

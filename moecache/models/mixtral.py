@@ -6,7 +6,7 @@ Source: llama.cpp ``src/models/llama.cpp`` (the MoE branch); Jiang et al., "Mixt
 
 from __future__ import annotations
 
-from moecache.models.base import DecoderLM
+from moecache.models.base import DecoderLM, Pending
 
 
 class Mixtral(DecoderLM):
@@ -15,5 +15,6 @@ class Mixtral(DecoderLM):
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]
-        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), fp, kv), L["ffn_norm"])
-        return h + (self.moe(il, y) if "ffn_gate_inp" in L else self.dense_ffn(il, y))
+        x, xn = self.enter(x, L["attn_norm"])
+        h, y = self.add_norm(x, self.attention(il, xn, fp, kv), L["ffn_norm"])
+        return Pending(h, self.moe(il, y) if "ffn_gate_inp" in L else self.dense_ffn(il, y))

@@ -6,7 +6,7 @@ Source: llama.cpp ``src/models/olmoe.cpp``; Muennighoff et al., "OLMoE" (2024).
 
 from __future__ import annotations
 
-from moecache.models.base import DecoderLM
+from moecache.models.base import DecoderLM, Pending
 
 
 class Olmoe(DecoderLM):
@@ -15,6 +15,7 @@ class Olmoe(DecoderLM):
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]
-        a = self.attention(il, self.norm(x, L["attn_norm"]), fp, kv, qk_norm="full")
+        x, xn = self.enter(x, L["attn_norm"])
+        a = self.attention(il, xn, fp, kv, qk_norm="full")
         h, y = self.add_norm(x, a, L["ffn_norm"])
-        return h + self.moe(il, y)
+        return Pending(h, self.moe(il, y))

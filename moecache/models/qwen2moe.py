@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moecache.models.base import DecoderLM
+from moecache.models.base import DecoderLM, Pending
 
 
 class Qwen2Moe(DecoderLM):
@@ -17,7 +17,8 @@ class Qwen2Moe(DecoderLM):
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]
-        h, y = self.add_norm(x, self.attention(il, self.norm(x, L["attn_norm"]), fp, kv), L["ffn_norm"])
+        x, xn = self.enter(x, L["attn_norm"])
+        h, y = self.add_norm(x, self.attention(il, xn, fp, kv), L["ffn_norm"])
         out = self.moe(il, y)
         if "ffn_gate_shexp" in L:
             # ffn_gate_inp_shexp is one float row (n_embd,): a plain dot product, (T, 1), written with
@@ -25,4 +26,4 @@ class Qwen2Moe(DecoderLM):
             gate = (y * L["ffn_gate_inp_shexp"]).sum(axis=-1, keepdims=True)
             shared = self.dense_ffn(il, y, suffix="_shexp")
             out = out + shared / (np.float32(1.0) + self.be.xp.exp(-gate))
-        return h + out
+        return Pending(h, out)

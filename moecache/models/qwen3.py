@@ -5,7 +5,7 @@ Source: llama.cpp ``src/models/qwen3.cpp``; Qwen3 technical report (2025).
 
 from __future__ import annotations
 
-from moecache.models.base import DecoderLM
+from moecache.models.base import DecoderLM, Pending
 
 
 class Qwen3(DecoderLM):
@@ -13,6 +13,7 @@ class Qwen3(DecoderLM):
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]
-        a = self.attention(il, self.norm(x, L["attn_norm"]), fp, kv, qk_norm="head")
+        x, xn = self.enter(x, L["attn_norm"])
+        a = self.attention(il, xn, fp, kv, qk_norm="head")
         h, y = self.add_norm(x, a, L["ffn_norm"])
-        return h + self.dense_ffn(il, y)
+        return Pending(h, self.dense_ffn(il, y))
