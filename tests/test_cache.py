@@ -127,6 +127,39 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
         cache.close()
 
 
+def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path):
+    """After a prompt ubatch (op offload: it admits nothing), the first decode pass fills the empty
+    slots with the experts the prompt used most (by the policy's usage after the prompt) and waits
+    for their copies: that decode pass reads them as hits, and its output still equals the all-CPU
+    output. A later prompt with every slot full changes nothing."""
+    rng = np.random.default_rng(11)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = c.n_layer * c.n_expert // 4
+        cache = _cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)  # decode itself admits nothing
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache, pass_hooks=[cache])
+        kv_ref, kv = ref_lm.new_kv_cache(128), lm.new_kv_cache(128)
+        prompt = rng.integers(0, c.n_vocab, 40)
+        np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
+        assert cache.stats.uploads == 0 and (cache.slot_of < 0).all()  # the prompt admitted nothing
+        usage = cache.policy.usage.copy()
+        want = set(divmod(int(f), c.n_expert) for f in np.argsort(-usage, axis=None, kind="stable")[:n_slots]
+                   if usage.flat[f] > 0)
+        tok = np.array([int(prompt[-1])])
+        np.testing.assert_allclose(lm.forward(tok, kv), ref_lm.forward(tok, kv_ref), rtol=1e-4, atol=1e-5)
+        loaded = {(il, e) for il, e in zip(*np.nonzero(cache.slot_of >= 0))}
+        assert cache.prompt_fills == len(want) == len(loaded) and loaded == want
+        assert cache.stats.hits > 0  # the decode pass read the filled slots
+        uploads = cache.stats.uploads
+        more = rng.integers(0, c.n_vocab, 40)
+        lm.forward(more, kv)
+        lm.forward(np.array([int(more[-1])]), kv)
+        assert cache.stats.uploads == uploads and cache.prompt_fills == len(want)  # no empty slot: no fill
+        cache.close()
+
+
 def _zero_copy_cache(ew, n_layer, n_expert, n_slots, cfg=PolicyConfig(), stage=False):
     return CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(n_layer, n_expert, n_slots, cfg), 32,
                          zero_copy=True, top_k=4, stage_misses=stage)

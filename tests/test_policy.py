@@ -249,3 +249,22 @@ def test_restart_routes_the_same_request_whatever_came_before():
     other = RoutingProcess(PRESETS["qwen3-moe"], 4, 32, 4, seed=1)
     other.restart(99)
     assert not np.array_equal(a.next_token()[0], other.next_token()[0])
+
+
+def test_prompt_warm_replay_fills_only_empty_slots():
+    """bench/prompt_warm.py's arms on a small qwen3-moe-preset model: into empty slots the fill loads
+    exactly the slots' worth of experts at the prompt's end and raises the decode's early hit rate
+    (the prompt and its decode share a hot set in the preset); 'now' loads nothing then."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import prompt_warm
+
+    a = argparse.Namespace(layers=4, experts=32, k=4, p=256, n=64, ub=128, requests=2, window=64)
+    res = prompt_warm.run("qwen3-moe", 0.25, 0, a)
+    n_slots = 8 * 4
+    assert res["now"].warm_uploads == 0 and res["fill"].warm_uploads == 2 * n_slots
+    assert res["fill"].hits64 > res["now"].hits64
+    assert res["now"].total64 == res["fill"].total64 == 2 * 64 * 4 * 4
