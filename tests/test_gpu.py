@@ -884,7 +884,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
-    experts three at a time (the grouped path: a token's pairs in one group summed on the GPU)."""
+    experts three at a time (the grouped path: a token's pairs in one group summed on the GPU); the
+    first decode step after the prompt fills the empty slots with the prompt's most-used experts."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
     from moecache.engine import Engine, EngineConfig
@@ -916,6 +917,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"step {step}")
         s = cache.stats
         assert s.hits > 0 and s.misses > 0 and s.uploads > eng.placement.cache_slots[0][1]
+        # the first decode pass after the prompt filled the empty slots (before a graph's capture on pin)
+        assert 0 < cache.prompt_fills <= eng.placement.cache_slots[0][1]
         if stage:  # the scratch starts zeroed: staged misses wrote into it
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if load_mode == "pin":
