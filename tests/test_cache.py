@@ -127,17 +127,20 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
         cache.close()
 
 
-def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path):
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path, zero_copy):
     """After a prompt ubatch (op offload: it admits nothing), the first decode pass fills the empty
     slots with the experts the prompt used most (by the policy's usage after the prompt) and waits
-    for their copies: that decode pass reads them as hits, and its output still equals the all-CPU
-    output. A later prompt with every slot full changes nothing."""
+    for their copies: that decode pass reads them as hits (hybrid and zero-copy paths), and its
+    output still equals the all-CPU output. A later prompt with every slot full changes nothing."""
     rng = np.random.default_rng(11)
     with open_gguf(model_path) as m:
         c = m.config
         ew = expert_weights(m, "silu")
         n_slots = c.n_layer * c.n_expert // 4
-        cache = _cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)  # decode itself admits nothing
+        make = _zero_copy_cache if zero_copy else _cache
+        cache = make(ew, c.n_layer, c.n_expert, n_slots, NEVER)  # decode itself admits nothing
+        assert cache.zero_copy == zero_copy
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache, pass_hooks=[cache])
         kv_ref, kv = ref_lm.new_kv_cache(128), lm.new_kv_cache(128)
@@ -151,6 +154,7 @@ def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path):
         np.testing.assert_allclose(lm.forward(tok, kv), ref_lm.forward(tok, kv_ref), rtol=1e-4, atol=1e-5)
         loaded = {(il, e) for il, e in zip(*np.nonzero(cache.slot_of >= 0))}
         assert cache.prompt_fills == len(want) == len(loaded) and loaded == want
+        cache.flush()  # the zero-copy path accounts a pass at the next launch
         assert cache.stats.hits > 0  # the decode pass read the filled slots
         uploads = cache.stats.uploads
         more = rng.integers(0, c.n_vocab, 40)

@@ -268,3 +268,24 @@ def test_prompt_warm_replay_fills_only_empty_slots():
     assert res["now"].warm_uploads == 0 and res["fill"].warm_uploads == 2 * n_slots
     assert res["fill"].hits64 > res["now"].hits64
     assert res["now"].total64 == res["fill"].total64 == 2 * 64 * 4 * 4
+
+
+def test_prompt_warm_fill_takes_only_empty_slots():
+    """prompt_warm's 'fill' arm (CachePolicy.preload of the usage after the prompt) loads the most-used
+    non-resident experts into the empty slots only: residents stay, a full cache loads nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import prompt_warm
+
+    pol = CachePolicy(2, 8, 4)
+    pol.usage[:] = np.arange(16, dtype=float).reshape(2, 8) / 16  # expert (1, 7) most used, then (1, 6) ...
+    for layer, e in [(0, 0), (0, 1)]:  # two residents, the least used of all
+        pol.resident[layer, e] = True
+        pol.n_resident += 1
+    visible = pol.resident.copy()
+    assert prompt_warm._warm(pol, visible, "fill") == 2
+    assert {tuple(p) for p in np.argwhere(visible)} == {(0, 0), (0, 1), (1, 7), (1, 6)}
+    assert prompt_warm._warm(pol, visible, "fill") == 0  # full: nothing moves
+    assert prompt_warm._warm(pol, visible, "now") == 0

@@ -374,12 +374,25 @@ class CupyBackend(ArrayOps):
 
     def matmuls(self, ws: list[Linear], x: cp.ndarray) -> list[cp.ndarray]:
         """``[x @ W.T for W in ws]`` (the products that read one input: q, k and v; gate and up).
-        Up to GEMV_MAX_TOKENS tokens, with 8-bit activations, two or three matrices of one
-        :data:`Q8_ACT` format and row size take one ``gemvq`` launch (a decode step's launches are
-        latency-bound); otherwise one :meth:`matmul` each."""
-        if len(ws) in (2, 3) and x.shape[0] <= GEMV_MAX_TOKENS and self._gemvq_ok(ws):
-            return self._gemvq(ws, cp.ascontiguousarray(x, dtype=cp.float32))
-        return [self.matmul(w, x) for w in ws]
+        Up to GEMV_MAX_TOKENS tokens, with 8-bit activations, the matrices that share a
+        :data:`Q8_ACT` format and row size take one ``gemvq`` launch per group of up to three (a
+        decode step's launches are latency-bound: a Q4_K_M file's Q6_K attn_v goes apart from its
+        Q4_K q and k); the others one :meth:`matmul` each."""
+        if x.shape[0] > GEMV_MAX_TOKENS or not self.act_q8:
+            return [self.matmul(w, x) for w in ws]
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        groups: dict[tuple, list[int]] = {}
+        for i, w in enumerate(ws):
+            key = (format_for(w.ggml_type, w.name).name, w.data.shape[1:], w.n_in) if self._gemvq_ok([w]) else ("-", i)
+            groups.setdefault(key, []).append(i)
+        out: list[Any] = [None] * len(ws)
+        for idx in groups.values():
+            for a in range(0, len(idx), 3):
+                part = idx[a:a + 3]
+                ys = self._gemvq([ws[i] for i in part], x) if len(part) > 1 else [self.matmul(ws[part[0]], x)]
+                for i, y in zip(part, ys):
+                    out[i] = y
+        return out
 
     def _gemvq_ok(self, ws: list[Linear]) -> bool:
         """Whether one ``gemvq`` launch takes ``ws``: 8-bit activations on, quantized weights of one
@@ -585,7 +598,8 @@ class CupyBackend(ArrayOps):
         :meth:`matmul` then :meth:`topk_routing`."""
         # F32 routers: a float32 matrix, or (as linear() keeps them) its raw bytes
         wf = w.data if w.is_f32 else None
-        if wf is None and w.data.ndim == 2 and format_for(w.ggml_type, w.name).name == "F32":
+        raw_f32 = w.data.ndim == 2 and w.data.flags.c_contiguous and format_for(w.ggml_type, w.name).name == "F32"
+        if wf is None and raw_f32:
             wf = w.data.view(cp.float32)
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         t = x.shape[0]

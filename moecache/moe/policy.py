@@ -202,7 +202,8 @@ class CachePolicy:
 
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
-        usage), most used first; the usage becomes the starting statistics."""
+        usage), most used first; the usage becomes the starting statistics. The loaded experts are
+        admitted now (``min_residency`` protects them as it protects a decode admission)."""
         self.usage[...] = usage
         self._vc = False
         order = np.argsort(-usage, axis=None, kind="stable")
@@ -213,6 +214,7 @@ class CachePolicy:
             layer, e = divmod(int(flat), usage.shape[1])
             if not self.resident[layer, e]:
                 self.resident[layer, e] = True
+                self.admitted_at[layer, e] = self.clock[layer]
                 self.n_resident += 1
                 out.append(Admission(layer, e, None))
         return out
