@@ -147,11 +147,12 @@ def _dot_tokens(buf, n, X, t0, base, acc):
         acc[u] += s
 
 
-@njit(**_INLINE)
+@njit(**_KERNEL)
 def _dot_tokens2(b0, b1, n, X, t0, acc0, acc1):
     """``acc0[t] += b0[:n] @ X[t0 + t, :n]`` and ``acc1[t] += b1[:n] @ X[t0 + t, :n]`` for every
     token t: two rows and four tokens per pass (each load of a token's activations feeds both rows,
-    each load of a row's weights four tokens)."""
+    each load of a row's weights four tokens). Not inlined: one compilation serves every format's
+    row kernel."""
     nt = acc0.shape[0]
     t = 0
     while t + 4 <= nt:
