@@ -49,6 +49,20 @@ def _seed() -> int:
     return int(np.random.SeedSequence().entropy % 2**32)
 
 
+def _random_moe_case(types, n_tok, rng):
+    """Random stacked experts of ``types`` (gate, up, down format names: 16 experts, n_embd 512,
+    ff 256), their GGML type ids, n_tok random activations and a top-4 routing."""
+    from moecache.moe.routing import topk_routing
+    from moecache.quants.formats import FORMATS
+    from moecache.quants.random_blocks import random_experts
+
+    fg, fu, fd = (FORMATS[t] for t in types)
+    g, u, d = random_experts((fg, fu, fd), 16, 512, 256, rng)
+    h = rng.standard_normal((n_tok, 512)).astype(np.float32)
+    r = topk_routing(rng.dirichlet(np.ones(16), n_tok).astype(np.float32), 4, True)
+    return g, u, d, (fg.ggml_type, fu.ggml_type, fd.ggml_type), h, r
+
+
 @pytest.mark.parametrize("fmt_name", ALL_FORMATS)
 def test_dequant_kernels_match_gguf_py(gpu, fmt_name):
     from gguf.quants import dequantize
@@ -337,20 +351,11 @@ def test_moe_ffn_gpu_matches_numpy_twin(gpu, types, n_tok, act):
     """Both GPU MoE paths (decode kernels up to 16 tokens, batched cuBLAS beyond) against the CPU
     kernel, itself tested against gguf-py in tests/test_moe_kernel.py."""
     from moecache.backends import NumpyBackend
-    from moecache.moe.routing import topk_routing
-    from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_experts
 
     seed = _seed()
-    rng = np.random.default_rng(seed)
-    n_exp, k, n_embd, ff = 16, 4, 512, 256
-    fg, fu, fd = (FORMATS[t] for t in types)
-    g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
-    tt = (fg.ggml_type, fu.ggml_type, fd.ggml_type)
-    h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
-    r = topk_routing(rng.dirichlet(np.ones(n_exp), n_tok).astype(np.float32), k, True)
+    g, u, d, tt, h, r = _random_moe_case(types, n_tok, np.random.default_rng(seed))
     ref = NumpyBackend().moe_ffn(g, u, d, tt, r, h, act)
-    poison((n_tok, n_embd))
+    poison(h.shape)
     got = cp.asnumpy(gpu.moe_ffn(gpu.upload(g), gpu.upload(u), gpu.upload(d), tt, r, cp.asarray(h), act))
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
@@ -399,20 +404,11 @@ def test_prompt_moe_in_float16_matches_numpy_twin(gpu_q8, types, n_tok):
     (NumpyBackend(act_q8=True), itself checked against gguf-py in tests/test_act_q8.py); 5 tokens
     with gate and up of different types take the batched path too, in float32 on both sides."""
     from moecache.backends import NumpyBackend
-    from moecache.moe.routing import topk_routing
-    from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_experts
 
     seed = _seed()
-    rng = np.random.default_rng(seed)
-    n_exp, k, n_embd, ff = 16, 4, 512, 256
-    fg, fu, fd = (FORMATS[t] for t in types)
-    g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
-    tt = (fg.ggml_type, fu.ggml_type, fd.ggml_type)
-    h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
-    r = topk_routing(rng.dirichlet(np.ones(n_exp), n_tok).astype(np.float32), k, True)
+    g, u, d, tt, h, r = _random_moe_case(types, n_tok, np.random.default_rng(seed))
     ref = NumpyBackend(act_q8=True).moe_ffn(g, u, d, tt, r, h, "silu")
-    poison((n_tok, n_embd))
+    poison(h.shape)
     got = cp.asnumpy(gpu_q8.moe_ffn(gpu_q8.upload(g), gpu_q8.upload(u), gpu_q8.upload(d), tt, r, cp.asarray(h), "silu"))
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)

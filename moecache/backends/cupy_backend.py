@@ -364,7 +364,7 @@ class CupyBackend(ArrayOps):
             return y
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n_rows, row_bytes = w.data.shape
-        if self._gemvq_ok([w]):
+        if self._gemvq_ok(w):
             return self._gemvq([w], x)[0]
         y = cp.empty((x.shape[0], n_rows), cp.float32)
         self._fn("gemv_" + self._suffix(w))(
@@ -383,7 +383,7 @@ class CupyBackend(ArrayOps):
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         groups: dict[tuple, list[int]] = {}
         for i, w in enumerate(ws):
-            key = (format_for(w.ggml_type, w.name).name, w.data.shape[1:], w.n_in) if self._gemvq_ok([w]) else ("-", i)
+            key = (format_for(w.ggml_type, w.name).name, w.data.shape[1:], w.n_in) if self._gemvq_ok(w) else ("-", i)
             groups.setdefault(key, []).append(i)
         out: list[Any] = [None] * len(ws)
         for idx in groups.values():
@@ -394,17 +394,14 @@ class CupyBackend(ArrayOps):
                     out[i] = y
         return out
 
-    def _gemvq_ok(self, ws: list[Linear]) -> bool:
-        """Whether one ``gemvq`` launch takes ``ws``: 8-bit activations on, quantized weights of one
-        :data:`Q8_ACT` format, one row size and input width."""
-        if not self.act_q8 or any(w.is_f32 for w in ws):
-            return False
-        fmts = {format_for(w.ggml_type, w.name).name for w in ws}
-        return (len(fmts) == 1 and fmts <= Q8_ACT.keys() and len({w.data.shape[1] for w in ws}) == 1
-                and len({w.n_in for w in ws}) == 1)
+    def _gemvq_ok(self, w: Linear) -> bool:
+        """Whether ``gemvq`` takes ``w``: 8-bit activations on, quantized weights of a :data:`Q8_ACT`
+        format (:meth:`matmuls` stacks only matrices of one format, row size and width)."""
+        return self.act_q8 and not w.is_f32 and format_for(w.ggml_type, w.name).name in Q8_ACT
 
     def _gemvq(self, ws: list[Linear], x: cp.ndarray) -> list[cp.ndarray]:
-        """``gemvq_<fmt>`` of mmvq.cu over 1-3 matrices (:meth:`_gemvq_ok`) for float32 x (T <=
+        """``gemvq_<fmt>`` of mmvq.cu over 1-3 matrices of one format, row size and width
+        (:meth:`_gemvq_ok` each) for float32 x (T <=
         GEMV_MAX_TOKENS, C-contiguous): float32 (T, n_out) each."""
         w0 = ws[0]
         fmt = format_for(w0.ggml_type, w0.name).name

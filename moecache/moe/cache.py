@@ -252,10 +252,15 @@ class CachedExperts:
         rows = sorted(il for il in self.cached_layers if il < usage.shape[0])
         mine[rows] = usage[rows, :mine.shape[1]]
         adm = self.policy.preload(mine)
-        for i in range(0, len(adm), PRELOAD_BATCH):  # bounded page-locked staging at a time
+        self._load(adm, t_end)
+        return len(adm)
+
+    def _load(self, adm: list[Admission], t_end: float) -> None:
+        """Copy the admitted experts into their slots and publish them, :data:`PRELOAD_BATCH` at a
+        time (bounded page-locked staging), waiting for each batch (until ``t_end``)."""
+        for i in range(0, len(adm), PRELOAD_BATCH):
             self._apply(adm[i:i + PRELOAD_BATCH])
             self._settle(t_end)
-        return len(adm)
 
     def _settle(self, t_end: float) -> None:
         """Poll until every upload in flight is published (or ``t_end``, perf_counter seconds)."""
@@ -285,9 +290,7 @@ class CachedExperts:
             return 0
         t_end = time.perf_counter() + timeout_s
         adm = self.policy.preload(self.policy.usage.copy())
-        for i in range(0, len(adm), PRELOAD_BATCH):  # bounded page-locked staging at a time
-            self._apply(adm[i:i + PRELOAD_BATCH])
-            self._settle(t_end)
+        self._load(adm, t_end)
         self.prompt_fills += len(adm)
         return len(adm)
 
