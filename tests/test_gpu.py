@@ -691,6 +691,29 @@ def test_qk_rope_store_kernel_matches_numpy_twin(gpu, kv, n_tok, d, dv, n_rot):
         np.testing.assert_array_equal(cp.asnumpy(v_all), v_ref, err_msg=msg)
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 30.0), (5, 20.0)])
+def test_prompt_masked_softmax_kernel_matches_numpy_twin(gpu, window, softcap, monkeypatch):
+    """masked_softmax (the prompt attention's scale, softcap, causal and window mask and softmax in
+    one launch) against ArrayOps._masked_softmax in numpy: 700 keys (rows longer than a block's 256
+    threads), queries from position 650 over keys from 40 (a window's first key inside the span)."""
+    from moecache.backends import NumpyBackend
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    h, t, n, pos0, start = 6, 50, 700, 650, 40
+    assert pos0 + t - start == n
+    s = (rng.standard_normal((h, t, n)) * 8).astype(np.float32)
+    ref = s.copy()
+    NumpyBackend()._masked_softmax(ref, pos0, start, window, 0.09, softcap)
+    launched = []
+    fn = gpu._fn
+    monkeypatch.setattr(gpu, "_fn", lambda name: (launched.append(name), fn(name))[1])
+    got = cp.asarray(s)
+    gpu._masked_softmax(got, pos0, start, window, 0.09, softcap)
+    assert launched == ["masked_softmax"]
+    np.testing.assert_allclose(cp.asnumpy(got), ref, rtol=2e-5, atol=1e-7, err_msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("n_tok", [1, 4, 16, 40])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])
 def test_layer_ops_match_numpy_twin(gpu, n_tok, window, softcap):

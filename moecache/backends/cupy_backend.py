@@ -60,6 +60,7 @@ GQA_MAX_SPLITS = 256  # attn_gqa: at most this many key runs per query (COMBINE_
 GQA_MIN_RUN = 64  # ... of at least this many keys
 COMBINE_THREADS = 512  # COMBINE_THREADS of ops.cu: threads of an attn_combine block
 ROUTER_THREADS = 128  # ROUTER_THREADS of ops.cu: threads of a router_topk block (one per expert)
+SOFTMAX_THREADS = 256  # SOFTMAX_THREADS of ops.cu: threads of a masked_softmax block (one per row)
 # decode queries with at least this many keys take attn_gqa, fewer attn_decode (per head, many short
 # runs: the lower latency while the keys are few). H200, Qwen3-30B-A3B's layer, f16 cache, µs per
 # layer with the merge (bench/attn_variants.py, bench/results/attn-gqa-h200.md): attn_decode 27.2 /
@@ -611,6 +612,17 @@ class CupyBackend(ArrayOps):
                                                                np.int32(n), np.int32(t), np.int32(k),
                                                                np.int32(renorm), self._router_done))
         return Routing(ids, wts)
+
+    def _masked_softmax(self, s: cp.ndarray, pos0: int, start: int, window: int | None, scale: float,
+                        softcap: float | None) -> None:
+        """:meth:`ArrayOps._masked_softmax` in one ``masked_softmax`` launch (ops.cu) instead of ~10
+        CuPy calls (the prompt is host-bound: bench/results/decode-profile-h200.md)."""
+        if not s.flags.c_contiguous or s.dtype != cp.float32:
+            return super()._masked_softmax(s, pos0, start, window, scale, softcap)
+        h, t, n = s.shape
+        self._fn("masked_softmax")((h * t,), (SOFTMAX_THREADS,), (s, np.int32(t), _i64(n), np.int32(pos0),
+                                                                 np.int32(start), np.int32(window or 0),
+                                                                 np.float32(scale), np.float32(softcap or 0.0)))
 
     def topk_routing(self, logits: cp.ndarray, k: int, renorm: bool) -> Routing:
         """Softmax top-k routing on the GPU (ties: lower id first); ids and weights stay on the device."""

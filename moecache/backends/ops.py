@@ -300,12 +300,25 @@ class ArrayOps:
         qh = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3).reshape(n_kv, g * t, d)
         s = _scratch(xp, (n_kv, g * t, n), np.float32)
         xp.matmul(qh, k.transpose(0, 2, 1), out=s)
+        self._masked_softmax(s.reshape(n_kv * g, t, n), pos0, start, window, scale, softcap)
+        o = xp.matmul(s, v)  # (n_kv, g*t, dv)
+        return xp.ascontiguousarray(o.reshape(n_kv, g, t, dv).transpose(2, 0, 1, 3)).reshape(t, n_head * dv)
+
+    def _masked_softmax(self, s: Any, pos0: int, start: int, window: int | None, scale: float,
+                        softcap: float | None) -> None:
+        """In place on the scores s float32 (heads, T, n) of T queries at positions ``pos0 ..`` over
+        the keys at ``start .. start + n - 1``: ``x = s * scale``, then ``softcap * tanh(x /
+        softcap)`` if set, keys after the query (or before its window) to -inf, softmax over each
+        row."""
+        xp = self.xp
+        t, n = s.shape[1], s.shape[2]
+        end = start + n
         s *= np.float32(scale)
         if softcap:
             s /= np.float32(softcap)
             xp.tanh(s, out=s)
             s *= np.float32(softcap)
-        qpos = xp.arange(pos0, end)[:, None]
+        qpos = xp.arange(pos0, pos0 + t)[:, None]
         kpos = xp.arange(start, end)[None, :]
         allowed = _scratch(xp, (t, n), np.bool_)
         xp.less_equal(kpos, qpos, out=allowed)
@@ -316,13 +329,10 @@ class ArrayOps:
         mask = _scratch(xp, (t, n), np.float32)
         mask.fill(np.float32(-np.inf))
         xp.copyto(mask, np.float32(0), where=allowed)
-        s4 = s.reshape(n_kv, g, t, n)
-        s4 += mask
-        s4 -= s4.max(axis=-1, keepdims=True)
+        s += mask
+        s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
-        s4 /= s4.sum(axis=-1, keepdims=True)
-        o = xp.matmul(s, v)  # (n_kv, g*t, dv)
-        return xp.ascontiguousarray(o.reshape(n_kv, g, t, dv).transpose(2, 0, 1, 3)).reshape(t, n_head * dv)
+        s /= s.sum(axis=-1, keepdims=True)
 
     def glu(self, gate: Any, up: Any, act: str) -> Any:
         """``act(gate) * up``; act "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation as ggml_gelu)."""

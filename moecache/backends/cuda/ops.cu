@@ -698,6 +698,53 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) router_topk(
     if (tid == 0) *done = 0;
 }
 
+// The prompt attention's scores, in place: S (H, T, n) float32, query t at position pos0 + t, key j
+// at start + j: x = S * scale, softcap * tanh(x / softcap) when softcap > 0, keys after the query or
+// at or before pos - window (window > 0) excluded, then softmax over the row (the excluded keys 0).
+// One block of SOFTMAX_THREADS per row (h, t); ArrayOps._masked_softmax is the numpy twin.
+#define SOFTMAX_THREADS 256
+extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS) masked_softmax(
+        float *S, int T, long long n, int pos0, int start, int window, float scale, float softcap) {
+    __shared__ float red[SOFTMAX_THREADS / 32];
+    long long row = blockIdx.x;
+    int t = (int)(row % T), tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
+    float *x = S + row * n;
+    int p = pos0 + t;
+    long long lo = window > 0 ? (long long)(p - window + 1 - start) : 0;  // first key it sees
+    long long hi = (long long)(p - start);                                // last key it sees
+    if (lo < 0) lo = 0;
+    if (hi > n - 1) hi = n - 1;
+    float m = NEG_INF;
+    for (long long j = tid; j < n; j += SOFTMAX_THREADS) {
+        float v = x[j] * scale;
+        if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+        v = (j < lo || j > hi) ? NEG_INF : v;
+        x[j] = v;
+        m = fmaxf(m, v);
+    }
+    m = warp_max(m);
+    if (lane == 0) red[wid] = m;
+    __syncthreads();
+    float M = red[0];
+#pragma unroll
+    for (int i = 1; i < SOFTMAX_THREADS / 32; ++i) M = fmaxf(M, red[i]);
+    __syncthreads();
+    float l = 0.f;
+    for (long long j = tid; j < n; j += SOFTMAX_THREADS) {
+        float e = (j < lo || j > hi) ? 0.f : expf(x[j] - M);
+        x[j] = e;
+        l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) red[wid] = l;
+    __syncthreads();
+    float L = 0.f;
+#pragma unroll
+    for (int i = 0; i < SOFTMAX_THREADS / 32; ++i) L += red[i];
+    float inv = 1.f / L;
+    for (long long j = tid; j < n; j += SOFTMAX_THREADS) x[j] *= inv;
+}
+
 // Weighted scatter-add of the prefill MoE path: out[rows[i]] += w[i] * Y[i], i < P, in the order
 // given (one thread per output column, a loop over pairs: deterministic, no atomics).
 // Pairs are sorted by token (rows nondecreasing), starts[t] .. starts[t+1] the pairs of token t.
