@@ -94,8 +94,9 @@ def gqa_splits(n_ctx: int) -> tuple[int, int]:
     """(runs S, min_run) of grouped decode attention (``attn_gqa``) for a KV cache of ``n_ctx``
     positions. The grid holds S runs per (KV head, query), fixed by the cache's capacity (a captured
     graph replays at every position); the kernel cuts the query's n keys into runs of
-    max(min_run, ceil(n / S)) keys, so short contexts use many short runs (one block's serial
-    latency is small) and long ones at most :data:`GQA_MAX_SPLITS` runs (the merge stays small)."""
+    max(min_run, ceil(n / S)) keys rounded up to a multiple of min_run (whole 64-key chunks), so short
+    contexts use many short runs (one block's serial latency is small) and long ones at most
+    :data:`GQA_MAX_SPLITS` runs (the merge stays small)."""
     return max(1, min(GQA_MAX_SPLITS, -(-n_ctx // GQA_MIN_RUN))), GQA_MIN_RUN
 
 

@@ -278,9 +278,12 @@ extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, cons
 #define GQA_THREADS 128
 #define GQA_MAX_G 16
 
-// keys per run of a query with n_keys keys, S runs, at least min_run keys per run
+// keys per run of a query with n_keys keys, S runs: ceil(n_keys / S) rounded up to a multiple of
+// min_run (a block's keys are whole chunks: 16448 keys in 256 runs are 129 runs of 128, not 256 runs
+// of 64 keys and a chunk of one)
 __device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
-    return max(min_run, (n_keys + S - 1) / S);
+    int r = max(min_run, (n_keys + S - 1) / S);
+    return (r + min_run - 1) / min_run * min_run;
 }
 
 // elements 2w, 2w + 1 of a K or V row staged in shared memory as 32-bit words
@@ -468,9 +471,254 @@ extern "C" __global__ void __launch_bounds__(GQA_THREADS, GQA_MIN_BLOCKS) NAME(c
 GQA_KERNEL(attn_gqa_d2, float, 64)
 GQA_KERNEL(attn_gqa_d4, float, 128)
 GQA_KERNEL(attn_gqa_d8, float, 256)
-GQA_KERNEL(attn_gqa_d2_f16, __half, 64)
-GQA_KERNEL(attn_gqa_d4_f16, __half, 128)
-GQA_KERNEL(attn_gqa_d8_f16, __half, 256)
+
+// The float16 cache's attn_gqa on tensor cores (sm_80+; older GPUs take attn_gqa_t): same grid, runs,
+// chunks and partials as attn_gqa_t, and the same online softmax (step 2 is attn_gqa_t's), but both
+// products are warp-level m16n8k16 MMAs (f16 inputs, f32 sums; PTX ISA, "Matrix fragments for
+// mma.m16n8k16"): the group's G <= 16 query heads are the 16 rows of A (rows >= G zero).
+//   scores (16 x CH) = Q (16 x D) K^T: warp w takes keys w*CH/4 .. (w+1)*CH/4 - 1, K rows from shared
+//     memory are B's columns as they lie (two dims per 32-bit word);
+//   o (16 x D) += P (16 x CH) V: warp w takes dims w*D/4 .. (w+1)*D/4 - 1, B's pairs of keys gathered
+//     from V's rows in shared memory.
+// Q and P are float32 split in two float16 parts, x = hi + lo with hi = f16(x), lo = f16(x - hi), and
+// each product is the sum of the two MMAs: the result carries ~2^-22 of |x| (f16's 11-bit significand,
+// twice) instead of f16 rounding's 2^-11, so the partials match attn_gqa_t's float32 sums to float
+// rounding (K and V are float16 already: exact in the MMA). Limits: |q| < 65504 (f16's range, as the
+// cache's K and V); lo below f16's normal range (|x - hi| < 6.1e-5) keeps 2^-24 absolute.
+// Shared-memory rows are padded to 4 words mod 32 (K and V), 4 (Q) and 8 (P): the fragment loads of
+// 8 rows x 4 words fall in 32 different banks. V rows past the run are stored as zeros (P is 0 there,
+// and 0 x NaN from stale shared memory would be NaN).
+__device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x, y) as two float16 pairs: hi = f16(x, y), lo = f16 of the remainders (low half: x)
+__device__ __forceinline__ void split_f16x2(float x, float y, unsigned &hi, unsigned &lo) {
+    __half2 h = __floats2half2_rn(x, y);
+    float2 hf = __half22float2(h);
+    __half2 l = __floats2half2_rn(x - hf.x, y - hf.y);
+    hi = *reinterpret_cast<unsigned *>(&h);
+    lo = *reinterpret_cast<unsigned *>(&l);
+}
+
+template <int D>
+__device__ void attn_gqa_mma_t(const float *q, const __half *K, const __half *V, float *part, const int *pos, int H,
+                               int Hkv, float scale, int window, float softcap, int run, int min_keys,
+                               const int *kvb) {
+    constexpr int NT = GQA_THREADS;                    // 4 warps
+    constexpr int W = D / 2;                           // 32-bit words per K or V row
+    constexpr int RS = W + 4;                          // padded row stride (words), 4 mod 32
+    constexpr int CH = W <= 64 ? 64 : 32;              // keys per chunk (as attn_gqa_t's)
+    constexpr int W4 = W / 4;                          // 16-byte pieces per row
+    constexpr int LPT = CH * W4 / NT;                  // pieces per thread per chunk (of K, and of V)
+    constexpr int QR = 2048 / D < 16 ? 2048 / D : 16;  // query rows held: G <= QR (G * D <= 2048)
+    constexpr int SCS = CH + 8;                        // score row stride (floats), 8 mod 32
+    constexpr int KPW = CH / 4, NKT = KPW / 8;         // scores: keys per warp, n-tiles of 8 keys
+    constexpr int DPW = D / 4, NDT = DPW / 8;          // sums: dims per warp, n-tiles of 8 dims
+    static_assert(LPT * NT == CH * W4 && NKT >= 1 && NDT >= 1 && CH % 16 == 0, "shapes");
+    __shared__ __align__(16) unsigned ks[CH * RS], vs[CH * RS];
+    __shared__ unsigned qh[QR * RS], ql[QR * RS];
+    __shared__ __align__(16) float sc[QR * SCS];
+    __shared__ float sM[GQA_MAX_G], sL[GQA_MAX_G], sA[GQA_MAX_G];
+    int hk = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
+    int G = H / Hkv, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
+    int gid = lane / 4, tig = lane % 4;  // the fragments' row (group) and pair-in-row indices
+    int p = pos[t];
+    int start = window > 0 ? max(0, p - window + 1) : 0;
+    if (p - start + 1 < min_keys) return;  // attn_decode takes this query
+    if (kvb != nullptr) {
+        K += (long long)kvb[t] * Hkv * D;
+        V += (long long)kvb[t] * Hkv * D;
+    }
+    run = gqa_run(p - start + 1, S, run);
+    int j0 = start + s * run, j1 = min(p + 1, j0 + run);
+    if (j0 >= j1) return;
+    const float *qg = q + ((long long)t * H + (long long)hk * G) * D;
+    for (int i = tid; i < QR * W; i += NT) {  // Q as hi + lo float16 pairs, rows >= G zero
+        int g = i / W, w = i % W;
+        float2 x = g < G ? *(const float2 *)(qg + g * D + 2 * w) : make_float2(0.f, 0.f);
+        split_f16x2(x.x, x.y, qh[g * RS + w], ql[g * RS + w]);
+    }
+    if (tid < GQA_MAX_G) {
+        sM[tid] = NEG_INF;
+        sL[tid] = 0.f;
+    }
+    long long rstride = (long long)Hkv * D;
+    uint4 kr[LPT], vr[LPT];
+    auto fetch = [&](int c0) {
+        int n = min(CH, j1 - c0);
+#pragma unroll
+        for (int k = 0; k < LPT; ++k) {
+            int u = tid + k * NT, r = u / W4, c = u % W4;
+            if (r < n) {
+                long long at = (long long)(c0 + r) * rstride + (long long)hk * D;
+                kr[k] = ((const uint4 *)(K + at))[c];
+                vr[k] = ((const uint4 *)(V + at))[c];
+            }
+        }
+    };
+    fetch(j0);
+    float acc[NDT][4];
+#pragma unroll
+    for (int k = 0; k < NDT; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+    bool lo_row = gid + 8 < QR;  // A's rows gid + 8 exist (QR 16)
+    for (int c0 = j0; c0 < j1; c0 += CH) {
+        int n = min(CH, j1 - c0);
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < LPT; ++k) {
+            int u = tid + k * NT, r = u / W4, c = u % W4;
+            uint4 z = make_uint4(0u, 0u, 0u, 0u);
+            *(uint4 *)(ks + r * RS + 4 * c) = r < n ? kr[k] : z;
+            *(uint4 *)(vs + r * RS + 4 * c) = r < n ? vr[k] : z;
+        }
+        __syncthreads();
+        if (c0 + CH < j1) fetch(c0 + CH);
+        // 1. scores of this warp's keys for the 16 rows
+        {
+            float sa[NKT][4];
+#pragma unroll
+            for (int nt = 0; nt < NKT; ++nt) sa[nt][0] = sa[nt][1] = sa[nt][2] = sa[nt][3] = 0.f;
+#pragma unroll 4
+            for (int kk = 0; kk < D / 16; ++kk) {
+                int wq = kk * 8 + tig;  // the word of dims 16 kk + 2 tig, + 1
+                unsigned ah[4], al[4];
+                ah[0] = qh[gid * RS + wq];
+                ah[2] = qh[gid * RS + wq + 4];
+                al[0] = ql[gid * RS + wq];
+                al[2] = ql[gid * RS + wq + 4];
+                ah[1] = lo_row ? qh[(gid + 8) * RS + wq] : 0u;
+                ah[3] = lo_row ? qh[(gid + 8) * RS + wq + 4] : 0u;
+                al[1] = lo_row ? ql[(gid + 8) * RS + wq] : 0u;
+                al[3] = lo_row ? ql[(gid + 8) * RS + wq + 4] : 0u;
+#pragma unroll
+                for (int nt = 0; nt < NKT; ++nt) {
+                    const unsigned *kro = ks + (wid * KPW + nt * 8 + gid) * RS + wq;
+                    unsigned b0 = kro[0], b1 = kro[4];
+                    mma_16816(sa[nt], ah, b0, b1);
+                    mma_16816(sa[nt], al, b0, b1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NKT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int g = gid + (e >= 2 ? 8 : 0), i = wid * KPW + nt * 8 + 2 * tig + (e & 1);
+                    if (g < G) {
+                        float v = sa[nt][e] * scale;
+                        if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                        sc[g * SCS + i] = i < n ? v : NEG_INF;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // 2. a warp per head: the chunk's max, p = e^(x - M), the running M and L (as attn_gqa_t)
+        for (int g = wid; g < G; g += NT / 32) {
+            float m = NEG_INF;
+            for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[g * SCS + i]);
+            m = warp_max(m);
+            float M = fmaxf(sM[g], m);
+            float sum = 0.f;
+            for (int i = lane; i < CH; i += 32) {
+                float e = i < n ? __expf(sc[g * SCS + i] - M) : 0.f;
+                sc[g * SCS + i] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                float a = sM[g] == NEG_INF ? 0.f : __expf(sM[g] - M);
+                sA[g] = a;
+                sL[g] = sL[g] * a + sum;
+                sM[g] = M;
+            }
+        }
+        __syncthreads();
+        // 3. o += P V for this warp's dims
+        {
+            float a0 = gid < G ? sA[gid] : 0.f, a1 = gid + 8 < G ? sA[gid + 8] : 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NDT; ++nt) {
+                acc[nt][0] *= a0;
+                acc[nt][1] *= a0;
+                acc[nt][2] *= a1;
+                acc[nt][3] *= a1;
+            }
+            const unsigned short *vh = (const unsigned short *)vs;
+#pragma unroll
+            for (int kk = 0; kk < CH / 16; ++kk) {
+                int i0 = kk * 16 + 2 * tig;  // keys i0, i0 + 1 (and + 8, + 9)
+                float2 z = make_float2(0.f, 0.f);
+                float2 p00 = gid < G ? *(const float2 *)(sc + gid * SCS + i0) : z;
+                float2 p01 = gid < G ? *(const float2 *)(sc + gid * SCS + i0 + 8) : z;
+                float2 p10 = gid + 8 < G ? *(const float2 *)(sc + (gid + 8) * SCS + i0) : z;
+                float2 p11 = gid + 8 < G ? *(const float2 *)(sc + (gid + 8) * SCS + i0 + 8) : z;
+                unsigned ph[4], pl[4];
+                split_f16x2(p00.x, p00.y, ph[0], pl[0]);
+                split_f16x2(p10.x, p10.y, ph[1], pl[1]);
+                split_f16x2(p01.x, p01.y, ph[2], pl[2]);
+                split_f16x2(p11.x, p11.y, ph[3], pl[3]);
+#pragma unroll
+                for (int nt = 0; nt < NDT; ++nt) {
+                    int dim = wid * DPW + nt * 8 + gid;
+                    const unsigned short *vc = vh + i0 * 2 * RS + dim;  // V[i0][dim]
+                    unsigned b0 = (unsigned)vc[0] | ((unsigned)vc[2 * RS] << 16);
+                    unsigned b1 = (unsigned)vc[16 * RS] | ((unsigned)vc[18 * RS] << 16);
+                    mma_16816(acc[nt], ph, b0, b1);
+                    mma_16816(acc[nt], pl, b0, b1);
+                }
+            }
+        }
+    }
+    // rows gid, gid + 8 of this warp's dims; M and L per head
+#pragma unroll
+    for (int nt = 0; nt < NDT; ++nt) {
+        int d = wid * DPW + nt * 8 + 2 * tig;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            int g = gid + 8 * hh;
+            if (g < G) {
+                float *ps = part + (((long long)t * H + (long long)hk * G + g) * S + s) * (D + 2);
+                ps[2 + d] = acc[nt][2 * hh];
+                ps[3 + d] = acc[nt][2 * hh + 1];
+            }
+        }
+    }
+    if (tid < G) {
+        float *ps = part + (((long long)t * H + (long long)hk * G + tid) * S + s) * (D + 2);
+        ps[0] = sM[tid];
+        ps[1] = sL[tid];
+    }
+}
+
+// sm_80+: the tensor-core kernel; older GPUs: attn_gqa_t (mma.m16n8k16 needs sm_80)
+template <int D>
+__device__ __forceinline__ void attn_gqa_f16(const float *q, const __half *K, const __half *V, float *part,
+                                             const int *pos, int H, int Hkv, float scale, int window,
+                                             float softcap, int run, int min_keys, const int *kvb) {
+#if __CUDA_ARCH__ >= 800
+    attn_gqa_mma_t<D>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);
+#else
+    attn_gqa_t<__half, D>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);
+#endif
+}
+
+#ifndef GQA_MMA_MIN_BLOCKS
+#define GQA_MMA_MIN_BLOCKS 3
+#endif
+#define GQA_MMA_KERNEL(NAME, D)                                                                        \
+extern "C" __global__ void __launch_bounds__(GQA_THREADS, GQA_MMA_MIN_BLOCKS) NAME(const float *q,       \
+        const __half *K, const __half *V, float *part, const int *pos, int H, int Hkv, int D_, int Dv,      \
+        float scale, int window, float softcap, int run, int min_keys, const int *kvb) {                  \
+    attn_gqa_f16<D>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);          \
+}
+GQA_MMA_KERNEL(attn_gqa_d2_f16, 64)
+GQA_MMA_KERNEL(attn_gqa_d4_f16, 128)
+GQA_MMA_KERNEL(attn_gqa_d8_f16, 256)
 
 // Merges the partials of attn_decode (part_a (T, H, S_a, Dv + 2)) or attn_gqa (part_b (T, H, S_b,
 // Dv + 2), may be null) of each query: out[t, h*Dv + d] = sum_s o_s[d] e^(M_s - M) / sum_s L_s
