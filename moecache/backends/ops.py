@@ -100,7 +100,9 @@ def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes:
     ids = np.asarray(ids)
     t, k = ids.shape
     flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")  # pairs grouped by expert, tokens ascending
+    # pairs grouped by expert, tokens ascending; ids as uint16 take numpy's radix sort (one pass per
+    # byte: 38 -> 7 µs for 512 x 8 pairs on the development VM; a prompt ubatch plans every layer)
+    order = np.argsort(flat.astype(np.uint16) if n_expert <= 1 << 16 else flat, kind="stable")
     per_expert = np.bincount(flat, minlength=n_expert)
     eids = np.flatnonzero(per_expert)
     counts = per_expert[eids]
