@@ -286,6 +286,45 @@ __device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
     return (r + min_run - 1) / min_run * min_run;
 }
 
+// The keys j0 .. j1 - 1 of attn_gqa's block (query t, run s of S): false when the block has none
+// (a query of fewer than min_keys keys is attn_decode's; runs past the query's keys are empty); K
+// and V are moved to the query's rows (kvb: as in attn_split_t; D = Dv)
+template <typename KV>
+__device__ __forceinline__ bool gqa_keys(const int *pos, const int *kvb, int t, int s, int S, int window,
+                                         int min_keys, int run, long long row_elems, const KV *&K,
+                                         const KV *&V, int &j0, int &j1) {
+    int p = pos[t];
+    int start = window > 0 ? max(0, p - window + 1) : 0;
+    if (p - start + 1 < min_keys) return false;
+    if (kvb != nullptr) {
+        K += (long long)kvb[t] * row_elems;
+        V += (long long)kvb[t] * row_elems;
+    }
+    run = gqa_run(p - start + 1, S, run);
+    j0 = start + s * run;
+    j1 = min(p + 1, j0 + run);
+    return j0 < j1;
+}
+
+// Issues the loads of the chunk at key c0 (keys c0 .. min(c0 + CH, j1) - 1; pieces past the run:
+// none): each thread's LPT 16-byte pieces of K and of V (W4 pieces per row, rows rstride elements
+// apart, KV head hk's D elements at hk * D), into kr and vr
+template <typename KV, int D, int CH, int LPT, int NT>
+__device__ __forceinline__ void gqa_fetch(const KV *K, const KV *V, long long rstride, int hk, int c0, int j1,
+                                          int tid, uint4 (&kr)[LPT], uint4 (&vr)[LPT]) {
+    constexpr int W4 = D * (int)sizeof(KV) / 16;
+    int n = min(CH, j1 - c0);
+#pragma unroll
+    for (int k = 0; k < LPT; ++k) {
+        int u = tid + k * NT, r = u / W4, c = u % W4;
+        if (r < n) {
+            long long at = (long long)(c0 + r) * rstride + (long long)hk * D;
+            kr[k] = ((const uint4 *)(K + at))[c];
+            vr[k] = ((const uint4 *)(V + at))[c];
+        }
+    }
+}
+
 // elements 2w, 2w + 1 of a K or V row staged in shared memory as 32-bit words
 __device__ __forceinline__ float2 kv_pair(const unsigned *row, int w, __half) {
     return __half22float2(*(const __half2 *)(row + w));
@@ -315,37 +354,18 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
     __shared__ float sM[GQA_MAX_G], sL[GQA_MAX_G], sA[GQA_MAX_G];
     int hk = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     int G = H / Hkv, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
-    int p = pos[t];
-    int start = window > 0 ? max(0, p - window + 1) : 0;
-    if (p - start + 1 < min_keys) return;  // attn_decode takes this query
-    if (kvb != nullptr) {  // D = Dv here
-        K += (long long)kvb[t] * Hkv * D;
-        V += (long long)kvb[t] * Hkv * D;
-    }
-    run = gqa_run(p - start + 1, S, run);
-    int j0 = start + s * run, j1 = min(p + 1, j0 + run);
-    if (j0 >= j1) return;  // past the query's keys: attn_combine reads only the runs that hold keys
+    long long rstride = (long long)Hkv * D;  // elements between one key's rows
+    int j0, j1;
+    // attn_combine reads only the runs that hold keys
+    if (!gqa_keys(pos, kvb, t, s, S, window, min_keys, run, rstride, K, V, j0, j1)) return;
     const float *qg = q + ((long long)t * H + (long long)hk * G) * D;
     for (int i = tid; i < G * D; i += NT) qs[i] = qg[i];
     if (tid < GQA_MAX_G) {
         sM[tid] = NEG_INF;
         sL[tid] = 0.f;
     }
-    long long rstride = (long long)Hkv * D;  // elements between one key's rows
     uint4 kr[LPT], vr[LPT];
-    auto fetch = [&](int c0) {  // issue the loads of the chunk at key c0 (pieces past the run: none)
-        int n = min(CH, j1 - c0);
-#pragma unroll
-        for (int k = 0; k < LPT; ++k) {
-            int u = tid + k * NT, r = u / W4, c = u % W4;
-            if (r < n) {
-                long long at = (long long)(c0 + r) * rstride + (long long)hk * D;
-                kr[k] = ((const uint4 *)(K + at))[c];
-                vr[k] = ((const uint4 *)(V + at))[c];
-            }
-        }
-    };
-    fetch(j0);
+    gqa_fetch<KV, D, CH, LPT, NT>(K, V, rstride, hk, j0, j1, tid, kr, vr);
     // the dims and heads of this thread in the sums
     int dp = tid % P, dg = tid / P;
     float acc[HPG][2];
@@ -364,7 +384,8 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
             }
         }
         __syncthreads();
-        if (c0 + CH < j1) fetch(c0 + CH);  // in flight while this chunk is computed
+        if (c0 + CH < j1) gqa_fetch<KV, D, CH, LPT, NT>(K, V, rstride, hk, c0 + CH, j1, tid, kr, vr);  // in flight
+                                                                                                    // while this chunk is computed
         // 1. scores of key i for heads hs, hs + HS, ...
         {
             int i = tid % CH, hs = tid / CH;
@@ -526,16 +547,9 @@ __device__ void attn_gqa_mma_t(const float *q, const __half *K, const __half *V,
     int hk = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     int G = H / Hkv, tid = threadIdx.x, wid = tid / 32, lane = tid % 32;
     int gid = lane / 4, tig = lane % 4;  // the fragments' row (group) and pair-in-row indices
-    int p = pos[t];
-    int start = window > 0 ? max(0, p - window + 1) : 0;
-    if (p - start + 1 < min_keys) return;  // attn_decode takes this query
-    if (kvb != nullptr) {
-        K += (long long)kvb[t] * Hkv * D;
-        V += (long long)kvb[t] * Hkv * D;
-    }
-    run = gqa_run(p - start + 1, S, run);
-    int j0 = start + s * run, j1 = min(p + 1, j0 + run);
-    if (j0 >= j1) return;
+    long long rstride = (long long)Hkv * D;
+    int j0, j1;
+    if (!gqa_keys(pos, kvb, t, s, S, window, min_keys, run, rstride, K, V, j0, j1)) return;
     const float *qg = q + ((long long)t * H + (long long)hk * G) * D;
     for (int i = tid; i < QR * W; i += NT) {  // Q as hi + lo float16 pairs, rows >= G zero
         int g = i / W, w = i % W;
@@ -546,21 +560,8 @@ __device__ void attn_gqa_mma_t(const float *q, const __half *K, const __half *V,
         sM[tid] = NEG_INF;
         sL[tid] = 0.f;
     }
-    long long rstride = (long long)Hkv * D;
     uint4 kr[LPT], vr[LPT];
-    auto fetch = [&](int c0) {
-        int n = min(CH, j1 - c0);
-#pragma unroll
-        for (int k = 0; k < LPT; ++k) {
-            int u = tid + k * NT, r = u / W4, c = u % W4;
-            if (r < n) {
-                long long at = (long long)(c0 + r) * rstride + (long long)hk * D;
-                kr[k] = ((const uint4 *)(K + at))[c];
-                vr[k] = ((const uint4 *)(V + at))[c];
-            }
-        }
-    };
-    fetch(j0);
+    gqa_fetch<__half, D, CH, LPT, NT>(K, V, rstride, hk, j0, j1, tid, kr, vr);
     float acc[NDT][4];
 #pragma unroll
     for (int k = 0; k < NDT; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
@@ -576,7 +577,7 @@ __device__ void attn_gqa_mma_t(const float *q, const __half *K, const __half *V,
             *(uint4 *)(vs + r * RS + 4 * c) = r < n ? vr[k] : z;
         }
         __syncthreads();
-        if (c0 + CH < j1) fetch(c0 + CH);
+        if (c0 + CH < j1) gqa_fetch<__half, D, CH, LPT, NT>(K, V, rstride, hk, c0 + CH, j1, tid, kr, vr);
         // 1. scores of this warp's keys for the 16 rows
         {
             float sa[NKT][4];
