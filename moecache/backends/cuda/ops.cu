@@ -325,6 +325,36 @@ __device__ __forceinline__ void gqa_fetch(const KV *K, const KV *V, long long rs
     }
 }
 
+// Step 2 of attn_gqa (online softmax, Milakov & Gimelshein 2018): warp w takes heads w, w + NT/32,
+// ...: over the chunk's n scores of head g (row g of sc, rows scs floats apart) the max, then
+// p = e^(x - M) in place (0 past n, up to CH), the running max M, sum L and the factor A = e^(M_old
+// - M) that rescales the head's sums (sM, sL, sA: shared memory, GQA_MAX_G entries)
+template <int CH, int NT>
+__device__ __forceinline__ void gqa_softmax_chunk(float *sc, int scs, int G, int n, int wid, int lane, float *sM,
+                                                  float *sL, float *sA) {
+    for (int g = wid; g < G; g += NT / 32) {
+        float *row = sc + g * scs;
+        float m = NEG_INF;
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, row[i]);
+        m = warp_max(m);
+        float M = fmaxf(sM[g], m);
+        float sum = 0.f;
+        for (int i = lane; i < CH; i += 32) {
+            float e = i < n ? __expf(row[i] - M) : 0.f;
+            row[i] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        __syncwarp();
+        if (lane == 0) {
+            float a = sM[g] == NEG_INF ? 0.f : __expf(sM[g] - M);
+            sA[g] = a;
+            sL[g] = sL[g] * a + sum;
+            sM[g] = M;
+        }
+    }
+}
+
 // elements 2w, 2w + 1 of a K or V row staged in shared memory as 32-bit words
 __device__ __forceinline__ float2 kv_pair(const unsigned *row, int w, __half) {
     return __half22float2(*(const __half2 *)(row + w));
@@ -417,26 +447,7 @@ __device__ void attn_gqa_t(const float *q, const KV *K, const KV *V, float *part
         }
         __syncthreads();
         // 2. a warp per head: the chunk's max, p = e^(x - M), the running M and L
-        for (int g = wid; g < G; g += NT / 32) {
-            float m = NEG_INF;
-            for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[g][i]);
-            m = warp_max(m);
-            float M = fmaxf(sM[g], m);
-            float sum = 0.f;
-            for (int i = lane; i < CH; i += 32) {
-                float e = i < n ? __expf(sc[g][i] - M) : 0.f;
-                sc[g][i] = e;
-                sum += e;
-            }
-            sum = warp_sum(sum);
-            __syncwarp();
-            if (lane == 0) {
-                float a = sM[g] == NEG_INF ? 0.f : __expf(sM[g] - M);
-                sA[g] = a;
-                sL[g] = sL[g] * a + sum;
-                sM[g] = M;
-            }
-        }
+        gqa_softmax_chunk<CH, NT>(&sc[0][0], CH, G, n, wid, lane, sM, sL, sA);
         __syncthreads();
         // 3. o += p V for dims 2 dp, 2 dp + 1 of heads dg, dg + HG, ...
 #pragma unroll
@@ -618,26 +629,7 @@ __device__ void attn_gqa_mma_t(const float *q, const __half *K, const __half *V,
         }
         __syncthreads();
         // 2. a warp per head: the chunk's max, p = e^(x - M), the running M and L (as attn_gqa_t)
-        for (int g = wid; g < G; g += NT / 32) {
-            float m = NEG_INF;
-            for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[g * SCS + i]);
-            m = warp_max(m);
-            float M = fmaxf(sM[g], m);
-            float sum = 0.f;
-            for (int i = lane; i < CH; i += 32) {
-                float e = i < n ? __expf(sc[g * SCS + i] - M) : 0.f;
-                sc[g * SCS + i] = e;
-                sum += e;
-            }
-            sum = warp_sum(sum);
-            __syncwarp();
-            if (lane == 0) {
-                float a = sM[g] == NEG_INF ? 0.f : __expf(sM[g] - M);
-                sA[g] = a;
-                sL[g] = sL[g] * a + sum;
-                sM[g] = M;
-            }
-        }
+        gqa_softmax_chunk<CH, NT>(sc, SCS, G, n, wid, lane, sM, sL, sA);
         __syncthreads();
         // 3. o += P V for this warp's dims
         {
