@@ -455,6 +455,25 @@ def test_softmax_topk_kernel_matches_numpy(gpu):
         np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
 
 
+def test_softmax_topk_with_nan_logits_gives_valid_ids_and_nan_weights(gpu):
+    """A token whose router logits are all NaN (a broken upstream layer) gets ids of real experts and
+    NaN weights, so the NaN reaches the logits (which the engine checks) instead of an id past the
+    experts (0x7fffffff before: the MoE kernels would have read far outside the weights); the other
+    tokens route as the numpy twin does. Every register layout of topk_warp (8, 200, 1000 experts)."""
+    from moecache.backends import NumpyBackend
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for n_expert, k in [(8, 2), (200, 6), (1000, 8)]:
+        logits = rng.standard_normal((3, n_expert)).astype(np.float32)
+        logits[1] = np.nan
+        got = gpu.topk_routing(cp.asarray(logits), k, True).host()
+        assert ((got.ids >= 0) & (got.ids < n_expert)).all(), f"seed {seed}: {got.ids}"
+        assert np.isnan(got.weights[1]).all() and np.isfinite(got.weights[[0, 2]]).all()
+        ref = NumpyBackend().topk_routing(logits[[0, 2]], k, True)
+        np.testing.assert_array_equal(got.ids[[0, 2]], ref.ids, err_msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("n_tok", [1, 5, 16])
 def test_router_topk_kernel_matches_float64(gpu, n_tok, monkeypatch):
     """router_topk (the float32 router product and softmax top-k in one launch, the last block

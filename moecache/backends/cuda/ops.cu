@@ -861,6 +861,10 @@ __device__ __forceinline__ void topk_warp(const float *x, int *ids, float *weigh
         for (int i = 0; i < PER; ++i)
             if (lane + 32 * i == bi) v[i] = -1.f;
         float pr = best / sum;
+        if (bi >= n_expert) {  // nothing left that compares (NaN logits): a valid id with a NaN weight,
+            bi = 0;            // which reaches the logits (the engine checks them) instead of an id
+            pr = __int_as_float(0x7fc00000);  // past the experts that the MoE kernels would read
+        }
         chosen += pr;
         if (lane == 0) {
             ids[s] = bi;
