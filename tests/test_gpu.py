@@ -587,7 +587,9 @@ def test_decode_attention_key_runs(gpu, n_ctx, kv, heads):
         q = rng.standard_normal((n_tok, n_head, d)).astype(np.float32)
         ref = NumpyBackend().attention(q, k.astype(np.float32), v.astype(np.float32), pos0, 0.09, window, softcap)
         got = cp.asnumpy(gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos0, 0.09, window, softcap))
-        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5,
+        # float32-level: the tensor-core attn_gqa splits Q and P into float16 hi + lo parts; a kernel
+        # that rounded either to float16 alone is off by 2-5e-4 (emulated in numpy) and fails here
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6,
                                    err_msg=f"seed {seed}, n_ctx {n_ctx}, {kv}, pos0 {pos0}, window {window}")
     # head sizes that are not multiples of 32, K and V of different widths (d 80, dv 48)
     k2 = rng.standard_normal((n_ctx, n_kv, 80)).astype(dt)

@@ -290,7 +290,7 @@ class ArrayOps:
         xp = self.xp
         t, n_head, d = q.shape
         end = pos0 + t
-        start = 0 if window is None else max(0, pos0 - window + 1)
+        start = 0 if not window else max(0, pos0 - window + 1)  # window 0 or None: all keys (as the kernels)
         n, n_kv, dv = end - start, k_all.shape[1], v_all.shape[2]
         g = n_head // n_kv
         # the span per KV head as float32 (a float16 cache is converted here; the decode kernels of
@@ -324,7 +324,7 @@ class ArrayOps:
         kpos = xp.arange(start, end)[None, :]
         allowed = _scratch(xp, (t, n), np.bool_)
         xp.less_equal(kpos, qpos, out=allowed)
-        if window is not None:
+        if window:  # 0 or None: no window (the kernels read 0 so)
             near = _scratch(xp, (t, n), np.bool_)
             xp.greater(kpos, qpos - window, out=near)
             allowed &= near

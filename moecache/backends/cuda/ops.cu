@@ -259,9 +259,9 @@ extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, cons
 
 // Decode attention that reads each KV head once for its whole query group (grouped-query attention:
 // G = H / Hkv query heads share a KV head), split over keys as flash-decoding does. Grid (Hkv, T, S),
-// GQA_THREADS threads; the query's keys go in runs of max(min_run, ceil(n_keys / S)) keys (gqa_run:
-// from the position in device memory, so a captured graph replays at any position; blocks past the
-// last run return at once); block s of (kv head hk, query t) takes run s for the G heads
+// GQA_THREADS threads; the query's keys go in runs of gqa_run(n_keys, S, min_run) keys (ceil(n_keys / S)
+// in whole chunks; n_keys from the position in device memory, so a captured graph replays at any
+// position; blocks past the last run return at once); block s of (kv head hk, query t) takes run s for the G heads
 // hk*G .. hk*G + G - 1, in chunks of CH keys with an online softmax (Milakov & Gimelshein 2018):
 //   0. the chunk's K and V rows are loaded into shared memory by every thread at once, 16 bytes per
 //      load, all of a thread's loads issued before any is stored (a block keeps ~2 * CH * D * size
@@ -278,10 +278,12 @@ extern "C" __global__ void attn_decode_f16(const float *q, const __half *K, cons
 #define GQA_THREADS 128
 #define GQA_MAX_G 16
 
-// keys per run of a query with n_keys keys, S runs: ceil(n_keys / S) rounded up to a multiple of
-// min_run (a block's keys are whole chunks: 16448 keys in 256 runs are 129 runs of 128, not 256 runs
-// of 64 keys and a chunk of one)
+// keys per run of a query with n_keys keys, S runs: ceil(n_keys / S), at least min_run, rounded up
+// to a multiple of min_run (a block's keys are whole 64-key chunks: 16448 keys in 256 runs are 129
+// runs of 128, where they were 254 runs of 65 keys, each a 64-key chunk and a 1-key chunk). Below
+// 64 * S keys every run is min_run keys, as before the rounding.
 __device__ __forceinline__ int gqa_run(int n_keys, int S, int min_run) {
+    min_run = max(1, min_run);
     int r = max(min_run, (n_keys + S - 1) / S);
     return (r + min_run - 1) / min_run * min_run;
 }
@@ -517,8 +519,9 @@ GQA_KERNEL(attn_gqa_d8, float, 256)
 // twice) instead of f16 rounding's 2^-11, so the partials match attn_gqa_t's float32 sums to float
 // rounding (K and V are float16 already: exact in the MMA). Limits: |q| < 65504 (f16's range, as the
 // cache's K and V); lo below f16's normal range (|x - hi| < 6.1e-5) keeps 2^-24 absolute.
-// Shared-memory rows are padded to 4 words mod 32 (K and V), 4 (Q) and 8 (P): the fragment loads of
-// 8 rows x 4 words fall in 32 different banks. V rows past the run are stored as zeros (P is 0 there,
+// Shared-memory rows are padded to 4 words mod 32 (K and V), 4 (Q) and 8 (P): a warp's K and Q
+// fragment loads (8 rows x 4 words) fall in 32 different banks, its P loads (8-byte, by half warps)
+// and its V gathers (4 key pairs x 8 dims) without conflicts too; the score stores are 2-way. V rows past the run are stored as zeros (P is 0 there,
 // and 0 x NaN from stale shared memory would be NaN).
 __device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -703,8 +706,15 @@ __device__ __forceinline__ void attn_gqa_f16(const float *q, const __half *K, co
 #ifndef GQA_MMA_MIN_BLOCKS
 #define GQA_MMA_MIN_BLOCKS 3
 #endif
+// the float16 kernels' __launch_bounds__ minimum: the tensor-core kernel's, or attn_gqa_t's on GPUs
+// before sm_80 (which take attn_gqa_t, compiled as the float32 ones are)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define GQA_F16_MIN_BLOCKS GQA_MIN_BLOCKS
+#else
+#define GQA_F16_MIN_BLOCKS GQA_MMA_MIN_BLOCKS
+#endif
 #define GQA_MMA_KERNEL(NAME, D)                                                                        \
-extern "C" __global__ void __launch_bounds__(GQA_THREADS, GQA_MMA_MIN_BLOCKS) NAME(const float *q,       \
+extern "C" __global__ void __launch_bounds__(GQA_THREADS, GQA_F16_MIN_BLOCKS) NAME(const float *q,       \
         const __half *K, const __half *V, float *part, const int *pos, int H, int Hkv, int D_, int Dv,      \
         float scale, int window, float softcap, int run, int min_keys, const int *kvb) {                  \
     attn_gqa_f16<D>(q, K, V, part, pos, H, Hkv, scale, window, softcap, run, min_keys, kvb);          \
