@@ -14,11 +14,18 @@ from moecache.placement import CPU
 from moecache.probe import gpu_infos
 
 
-def gpu_free_bytes() -> tuple[list[int], str]:
-    """Free memory of each visible CUDA device in bytes, and a reason when the list is empty
-    (:func:`moecache.probe.gpu_infos` without measuring links)."""
+def gpu_memory() -> tuple[list[int], list[int], str]:
+    """(free bytes, bytes already in use) of each visible CUDA device, and a reason when the lists are
+    empty (:func:`moecache.probe.gpu_infos` without measuring links; in use = total - free: this
+    process's CUDA context, which the query itself creates, and whatever else holds the device)."""
     gpus, why = gpu_infos(0, 1, full=False)
-    return [g.vram_free for g in gpus], why
+    return [g.vram_free for g in gpus], [max(0, g.vram_total - g.vram_free) for g in gpus], why
+
+
+def gpu_free_bytes() -> tuple[list[int], str]:
+    """Free memory of each visible CUDA device in bytes, and a reason when the list is empty."""
+    free, _, why = gpu_memory()
+    return free, why
 
 
 def gpu_name(device: int) -> str:

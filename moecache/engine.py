@@ -23,7 +23,7 @@ from moecache.backends.ops import DECODE_MAX_TOKENS
 from moecache.errors import InsufficientMemoryError, NonFiniteError
 from moecache.gguf_file import GGUFModel, open_gguf
 from moecache.kv_cache import ContextFullError, KVCache
-from moecache.devices import gpu_free_bytes, make_backends
+from moecache.devices import gpu_memory, make_backends
 from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
 from moecache.models.base import expert_weights
@@ -271,10 +271,11 @@ class Engine:
 
     def _place(self, opts: PlacementOptions) -> Any:
         """Plan the placement on the free GPU memory, build the backends and the model on them."""
-        free, why = gpu_free_bytes()
+        free, used, why = gpu_memory()
         if not free and opts.n_gpu_layers != 0:
             self.log(f"note: no usable GPU: {why}; running on the CPU")
-        pl = plan(opts, model_sizes(self.gguf, self.n_ctx, np.dtype(KV_TYPES[self.config.cache_type]).itemsize), free)
+        pl = plan(opts, model_sizes(self.gguf, self.n_ctx, np.dtype(KV_TYPES[self.config.cache_type]).itemsize), free,
+                  used)
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl

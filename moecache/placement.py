@@ -33,6 +33,9 @@ CPU = -1  # device id of the host in Placement.layer_device
 
 RESERVE_BYTES = 1 << 30  # per GPU: activations, cuBLAS workspace, the prompt-MoE scratch, CUDA context
 USABLE_FRACTION = 0.95  # of each GPU's free memory
+# a CUDA context's device memory, as a process finds it in use before loading anything (526 MiB on the
+# H200 with CuPy, bench/results/vram-peak-h200.txt): the what-if of `profile` assumes it, a run measures it
+CUDA_CONTEXT_BYTES = 526 << 20
 
 
 class PlacementError(ValueError):
@@ -220,14 +223,24 @@ def _split(layers: list[int], gpus: list[int], weights: list[float], n_total: in
     return out
 
 
-def budgeted_free(gpu_free: list[int] | tuple[int, ...], vram_budget: int) -> list[int]:
-    """Free bytes per GPU as a run may use them: ``--vram-budget`` (bytes, 0 = none) caps each GPU's
-    free memory (an emulated smaller GPU). The one place the budget is applied: the placement and
-    the resolution of defaults both read it."""
-    return [min(int(f), vram_budget) if vram_budget else int(f) for f in gpu_free]
+def budgeted_free(gpu_free: list[int] | tuple[int, ...], vram_budget: int,
+                  gpu_used: list[int] | tuple[int, ...] | None = None) -> list[int]:
+    """Free bytes per GPU as a run may use them: ``--vram-budget`` (bytes, 0 = none) caps what the
+    run holds on each GPU (an emulated smaller GPU), so what is already in use there when the GPU is
+    probed (``gpu_used``, bytes per GPU, None = nothing: this process's own CUDA context, ~0.5 GiB
+    on the H200, and any other process) counts against it: min(free, budget - used). The budget is
+    checked against the measured device memory, context included (``../shared/vs-llamacpp.md``);
+    before this the context was left out and a long prompt ran 200-290 MiB over an 8 GiB budget
+    (bench/results/vs-llamacpp-h200.md, run ``h200-s9m``). The one place the budget is applied: the
+    placement and the resolution of defaults both read it."""
+    used = list(gpu_used) if gpu_used is not None else [0] * len(gpu_free)
+    if len(used) != len(gpu_free):
+        raise ValueError(f"gpu_used has {len(used)} entries for {len(gpu_free)} GPUs")
+    return [max(0, min(int(f), vram_budget - int(u))) if vram_budget else int(f) for f, u in zip(gpu_free, used)]
 
 
-def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Placement:
+def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int],
+         gpu_used: list[int] | None = None) -> Placement:
     """Place the model (see the module docstring for the rules), in three steps: the dense layers
     (:func:`_fit_dense`), the routed experts (:func:`_place_experts`), the expert caches
     (:func:`_cache_slots`).
@@ -236,6 +249,8 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
         opts: the flags.
         sizes: what the model needs (:func:`model_sizes`).
         gpu_free: free bytes of each visible GPU (empty: no GPU).
+        gpu_used: bytes already in use on each GPU when it was probed (:func:`budgeted_free`: they
+            count against ``--vram-budget``); None = nothing.
 
     Raises:
         PlacementError: impossible flags, or dense layers asked for with ``-ngl N`` that do not fit.
@@ -246,7 +261,7 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     if not gpu_free or opts.n_gpu_layers == 0:
         return Placement((CPU,) * n, (False,) * n, CPU, None, tuple(notes))
     gpus, weights = _split_gpus(opts, gpu_free)
-    free = budgeted_free(gpu_free, opts.vram_budget)
+    free = budgeted_free(gpu_free, opts.vram_budget, gpu_used)
     if opts.vram_budget:
         notes.append(f"--vram-budget {opts.vram_budget / 2**30:.1f} GiB per GPU")
     budget = {g: int(free[g] * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32 for g in gpus}
@@ -265,7 +280,8 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> Plac
     return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache)
 
 
-def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -> bool:
+def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int],
+               gpu_used: list[int] | None = None) -> bool:
     """The plan's verdict on whether the whole model fits: with ``-ngl`` auto and no ``--cpu-moe`` /
     ``--n-cpu-moe`` / expert cache, :func:`plan` puts every layer, the output and every routed expert
     on the GPUs (``opts``' split, main GPU and ``--vram-budget`` kept). The resolution of defaults
@@ -275,7 +291,7 @@ def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int]) -
     GPU."""
     if not gpu_free:
         return False
-    whole = plan(replace(opts, n_gpu_layers=-1, cpu_moe=False, n_cpu_moe=0, moe_cache=0), sizes, gpu_free)
+    whole = plan(replace(opts, n_gpu_layers=-1, cpu_moe=False, n_cpu_moe=0, moe_cache=0), sizes, gpu_free, gpu_used)
     return (whole.output_device != CPU and whole.n_gpu_layers == sizes.n_layer
             and all(on or not e for on, e in zip(whole.experts_on_device, sizes.experts)))
 

@@ -44,7 +44,7 @@ from moecache.sizes import parse_moe_cache, parse_size
 if TYPE_CHECKING:
     from moecache.moe.policy import PolicyConfig
     from moecache.placement import ModelSizes, PlacementOptions
-    from moecache.probe import Probe
+    from moecache.probe import GpuInfo, Probe
 
 GiB = 1 << 30
 PIN_HEADROOM_BYTES = 4 * GiB  # RAM left free after pinning a whole model (or 10% of RAM if larger)
@@ -307,18 +307,39 @@ def policy_config(expert_bytes: int, probe: Probe, *, window: int | None, determ
                         t_gpu=expert_bytes / GPU_EXPERT_BYTES_S, t_upload=expert_bytes / link, adaptive=not deterministic)
 
 
-def _big_moe_ctx(model: ModelFacts) -> int:
-    """-c for a MoE model that does not fit, before the quarter-of-the-VRAM halving: 32768, at most
-    the trained context."""
-    return min(32768, model.context_length) if model.context_length else 32768
+def _big_moe_ctx(model: ModelFacts, free_total: int, n_gpus: int) -> tuple[int, str]:
+    """(-c, its reason) for a MoE model whose experts go to host RAM: 32768, at most the trained
+    context, halved (not below 4096) while its KV cache would take more than a quarter of the VRAM
+    left after the dense weights and the reserve (``free_total``: the GPUs' free bytes, the
+    ``--vram-budget`` applied); the expert cache gets the rest."""
+    from moecache.placement import RESERVE_BYTES
+
+    ctx = min(32768, model.context_length) if model.context_length else 32768
+    why = "32768 for MoE models that do not fit in VRAM" + (
+        f" (capped at the trained {model.context_length})" if ctx < 32768 else "")
+    left = free_total - (model.n_bytes - model.expert_bytes) - RESERVE_BYTES * n_gpus
+    first = ctx
+    while ctx > 4096 and ctx * model.kv_bytes_per_token > left / 4:
+        ctx //= 2
+    if ctx < first:
+        why += (f", halved to {ctx}: a KV cache of {first * model.kv_bytes_per_token / GiB:.1f} GiB "
+                f"would take more than a quarter of the {max(0, left) / GiB:.1f} GiB of VRAM left "
+                f"after the dense weights (the expert cache gets the rest)")
+    return ctx, why
+
+
+def _used(g: GpuInfo) -> int:
+    """Bytes already in use on a probed GPU (total - free), which count against ``--vram-budget``."""
+    return max(0, g.vram_total - g.vram_free)
 
 
 def _experts_in_ram(settings: Settings, model: ModelFacts, placement: PlacementOptions,
-                    gpu_free: list[int]) -> tuple[bool, int]:
+                    gpu_free: list[int], gpu_used: list[int], lower: int) -> tuple[bool, int]:
     """(routed experts go to host RAM, a -c lowered so that the whole model fits or 0), from the
     placement's verdict (:func:`moecache.placement.fits_whole`) at the context the run would use:
     ``-c`` when given, else the trained context, else (a MoE model that does not fit there)
-    :func:`_big_moe_ctx`'s. Only a MoE model on a GPU can be "big"."""
+    ``lower``, the context :func:`_big_moe_ctx` gives a big model (when the whole model fits at it,
+    it is not big: -c is lowered to it). Only a MoE model on a GPU can be "big"."""
     if not gpu_free or not model.is_moe:
         return False, 0
     if model.sizes is None:
@@ -326,13 +347,12 @@ def _experts_in_ram(settings: Settings, model: ModelFacts, placement: PlacementO
     from moecache.placement import fits_whole
 
     def fits(n_ctx: int) -> bool:
-        return fits_whole(placement, model.sizes.with_context(n_ctx), gpu_free)
+        return fits_whole(placement, model.sizes.with_context(n_ctx), gpu_free, gpu_used)
 
     if settings.n_ctx is not None:  # -c given (0 = the trained context)
         return not fits(settings.n_ctx or model.context_length), 0
     if fits(model.context_length):
         return False, 0
-    lower = _big_moe_ctx(model)
     if model.context_length and lower < model.context_length and fits(lower):
         return False, lower
     return True, 0
@@ -359,13 +379,15 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     if placement.vram_budget:
         from moecache.placement import budgeted_free
 
-        free = budgeted_free([g.vram_free for g in gpus], placement.vram_budget)
+        free = budgeted_free([g.vram_free for g in gpus], placement.vram_budget, [_used(g) for g in gpus])
         gpus = tuple(replace(g, vram_free=f) for g, f in zip(gpus, free))
     free_total = sum(g.vram_free for g in gpus)
     # the raw free memory: the plan caps it by --vram-budget itself and splits layers by it, as the
     # engine's plan does
-    raw_free = [g.vram_free for g in (() if placement.n_gpu_layers == 0 else probe.gpus)]
-    big, lowered_ctx = _experts_in_ram(settings, model, placement, raw_free)
+    raw = () if placement.n_gpu_layers == 0 else probe.gpus
+    big_ctx, big_ctx_why = _big_moe_ctx(model, free_total, len(gpus))
+    big, lowered_ctx = _experts_in_ram(settings, model, placement, [g.vram_free for g in raw], [_used(g) for g in raw],
+                                       big_ctx)
     host = probe.host
     # -ub
     if settings.n_ubatch is not None:
@@ -390,19 +412,7 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         reasons["n_ctx"] = (f"lowered from the trained {model.context_length} so that the whole model and its KV "
                             f"cache fit in VRAM (the placement's verdict)")
     elif big:
-        ctx = _big_moe_ctx(model)
-        reasons["n_ctx"] = "32768 for MoE models that do not fit in VRAM" + (
-            f" (capped at the trained {model.context_length})" if ctx < 32768 else "")
-        from moecache.placement import RESERVE_BYTES
-
-        left = free_total - (model.n_bytes - model.expert_bytes) - RESERVE_BYTES * len(gpus)
-        first = ctx
-        while ctx > 4096 and ctx * model.kv_bytes_per_token > left / 4:
-            ctx //= 2
-        if ctx < first:
-            reasons["n_ctx"] += (f", halved to {ctx}: a KV cache of {first * model.kv_bytes_per_token / GiB:.1f} GiB "
-                                 f"would take more than a quarter of the {max(0, left) / GiB:.1f} GiB of VRAM left "
-                                 f"after the dense weights (the expert cache gets the rest)")
+        ctx, reasons["n_ctx"] = big_ctx, big_ctx_why
     else:
         ctx, reasons["n_ctx"] = 0, "the model's trained context"
     # -t

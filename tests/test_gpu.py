@@ -943,11 +943,11 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
 
     path = tmp_path / "moe.gguf"
     write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=21)
-    budget = third_of_experts_budget(path, 128)
     rng = np.random.default_rng(5)
     with Engine(path, EngineConfig(n_ctx=128)) as ref, \
-            Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=budget), load_mode=load_mode,
-                   policy_config=PolicyConfig(**CHURN), stage_misses=stage, gpu_act_q8=False) as eng:
+            Engine(path, EngineConfig(n_ctx=128),
+                   placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 128)),  # after ref's start
+                   load_mode=load_mode, policy_config=PolicyConfig(**CHURN), stage_misses=stage, gpu_act_q8=False) as eng:
         cache = eng.caches[0]
         monkeypatch.setattr("moecache.moe.cache.PROMPT_GROUP_BYTES",
                             3 * cache._expert_bytes(next(iter(cache.layers.values()))))
@@ -993,9 +993,9 @@ def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
 
     path = tmp_path / "moe.gguf"
     write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=22)
-    budget = third_of_experts_budget(path, 64)
-    engines = [Engine(path, EngineConfig(n_ctx=64), placement=PlacementOptions(vram_budget=budget), load_mode="pin",
-                      cuda_graph=g) for g in (False, True)]
+    engines = [Engine(path, EngineConfig(n_ctx=64),
+                      placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 64)),  # after the first's start
+                      load_mode="pin", cuda_graph=g) for g in (False, True)]
     try:
         outs = []
         for eng in engines:

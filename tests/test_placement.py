@@ -194,7 +194,7 @@ def test_engine_without_a_gpu_says_so_once_and_runs_on_the_cpu(tiny_moe, monkeyp
     import moecache.engine as engine_mod
     from moecache.engine import Engine, EngineConfig
 
-    monkeypatch.setattr(engine_mod, "gpu_free_bytes", lambda: ([], "CuPy is not installed (cupy)"))
+    monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([], [], "CuPy is not installed (cupy)"))
     notes: list[str] = []
     with Engine(tiny_moe, EngineConfig(n_ctx=32), log=notes.append, placement=PlacementOptions()) as e:
         assert e.placement is not None and e.placement.devices == []
@@ -233,3 +233,31 @@ def test_prompt_gpu_is_the_fastest_link_and_offload_goes_there(tiny_moe):
         ref = CPUExperts({il: ew[il]}, NumpyBackend())(il, h, r)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
     assert fast.adopted == 1 and layer_be.adopted == 1  # h went to the prompt GPU, the result came back
+
+
+def test_memory_in_use_when_probed_counts_against_the_vram_budget():
+    """--vram-budget is checked against the measured device memory, CUDA context included: what is in
+    use when the GPU is probed comes out of the budget (a long prompt ran 200-290 MiB over 8 GiB while
+    the ~0.5 GiB context was left out, bench/results/vs-llamacpp-h200.md, run h200-s9m)."""
+    from moecache.placement import USABLE_FRACTION, budgeted_free
+
+    mib = 1 << 20
+    assert budgeted_free([80 * GiB], 8 * GiB, [512 * mib]) == [8 * GiB - 512 * mib]
+    assert budgeted_free([80 * GiB], 8 * GiB) == [8 * GiB]
+    assert budgeted_free([80 * GiB], 0, [512 * mib]) == [80 * GiB]  # no budget: free is what is free
+    assert budgeted_free([6 * GiB], 8 * GiB, [512 * mib]) == [6 * GiB]  # the GPU has less than the budget leaves
+    assert budgeted_free([80 * GiB], 8 * GiB, [9 * GiB]) == [0]
+    with pytest.raises(ValueError, match="2 GPUs"):
+        budgeted_free([GiB, GiB], 8 * GiB, [0])
+    each = 16 * mib
+    sz = ModelSizes((GiB // 4,) * 8, (128 * each,) * 8, GiB // 64, GiB // 4, 0, each)
+
+    def slots(used):
+        p = plan(PlacementOptions(vram_budget=8 * GiB), sz, [80 * GiB], used)
+        assert not any(p.experts_on_device)
+        return dict(p.cache_slots)[0]
+
+    # 512 MiB in use leaves 0.95 * 512 MiB less to plan: 30.4 slots of 16 MiB
+    assert 512 * mib * USABLE_FRACTION / each == pytest.approx(30.4)
+    assert slots(None) - slots([512 * mib]) in (30, 31)
+    assert slots([0]) == slots(None)

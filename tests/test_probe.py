@@ -211,7 +211,8 @@ def test_experts_in_ram_is_what_the_placement_then_does(gpus_gib, flags):
         for trained, ctx in ((40960, None), (262144, None), (8192, None), (40960, 4096), (40960, 0)):
             model = moe_facts(model_gib * GiB, (model_gib - 1) * GiB, trained, 96 * 1024)
             r = resolve(Settings(n_ctx=ctx, **flags), model, Probe(HOST, tuple(gpu(i, g) for i, g in enumerate(gpus_gib))))
-            placed = plan(r.placement, model.sizes.with_context(r.n_ctx or trained), free)
+            # in use on each GPU (total - free: gpu() leaves 1 GiB), as the engine's probe passes it
+            placed = plan(r.placement, model.sizes.with_context(r.n_ctx or trained), free, [GiB] * len(free))
             on = placed.experts_on_device
             case = (model_gib, trained, ctx, r.reasons)
             if r.experts_in_ram:

@@ -391,14 +391,15 @@ def cache_at_vram(facts: Any, vram_bytes: int, settings: Any, host: Any) -> Vram
     :class:`moecache.probe.HostInfo`). ``facts``: the model's :class:`moecache.settings.ModelFacts`."""
     from dataclasses import replace
 
-    from moecache.placement import plan
+    from moecache.placement import CUDA_CONTEXT_BYTES, plan
     from moecache.probe import GpuInfo, Probe
     from moecache.settings import resolve
 
-    gpu = GpuInfo(0, "what-if", "", int(vram_bytes), int(vram_bytes))
+    # a run finds its own CUDA context in use, and it counts against the budget
+    gpu = GpuInfo(0, "what-if", "", int(vram_bytes) - CUDA_CONTEXT_BYTES, int(vram_bytes))
     res = resolve(replace(settings, vram_budget=int(vram_bytes)), facts, Probe(host, (gpu,)))
     ctx = res.n_ctx or facts.context_length
-    pl = plan(res.placement, facts.sizes.with_context(ctx), [int(vram_bytes)])
+    pl = plan(res.placement, facts.sizes.with_context(ctx), [gpu.vram_free], [CUDA_CONTEXT_BYTES])
     if not pl.n_gpu_layers:
         return VramCache(int(vram_bytes), 0, ctx, False, on_gpu=False)
     on = [e for e, d in zip(pl.experts_on_device, facts.sizes.experts) if d]

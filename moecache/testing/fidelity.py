@@ -24,14 +24,20 @@ UBATCHES = (16, 32, 64, 256)
 
 
 def third_of_experts_budget(path: str | Path, n_ctx: int) -> int:
-    """A ``--vram-budget`` (bytes) that leaves the expert cache room for about a third of the experts."""
+    """A ``--vram-budget`` (bytes) that leaves the expert cache room for about a third of the experts,
+    for an engine built next: what is in use on the GPUs now (the CUDA context, engines still open)
+    counts against a budget (:func:`moecache.placement.budgeted_free`), so it is added (the most of
+    any GPU's), and anything allocated between this call and the engine's start shrinks the cache."""
+    from moecache.devices import gpu_memory
     from moecache.gguf_file import open_gguf
     from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, model_sizes
 
     with open_gguf(path) as m:
         sz = model_sizes(m, n_ctx)
     need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
-    return int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
+    _, used, _ = gpu_memory()
+    planned = RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3
+    return int(planned / USABLE_FRACTION) + max(used, default=0)
 
 
 def greedy(eng: Engine, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
