@@ -36,14 +36,16 @@ def gpu_name(device: int) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def make_backends(devices: list[int], log: Callable[[str], None], act_q8: bool = True) -> dict[int, Any]:
+def make_backends(devices: list[int], log: Callable[[str], None], act_q8: bool = True,
+                  prompt_q8: bool = False) -> dict[int, Any]:
     """One backend per device id: ``CPU`` -> NumpyBackend, a GPU ordinal -> CupyBackend on it
-    (``act_q8``: the GPU's decode products round activations to int8, see CupyBackend)."""
+    (``act_q8``: the GPU's decode products round activations to int8; ``prompt_q8``: its prompt MoE
+    runs the grouped 8-bit kernels; see CupyBackend)."""
     out: dict[int, Any] = {CPU: NumpyBackend()}
     if any(d != CPU for d in devices):
         from moecache.backends.cupy_backend import CupyBackend
 
         for d in devices:
             if d != CPU:
-                out[d] = CupyBackend(d, log=log, act_q8=act_q8)
+                out[d] = CupyBackend(d, log=log, act_q8=act_q8, prompt_q8=prompt_q8)
     return out

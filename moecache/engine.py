@@ -171,6 +171,10 @@ class Engine:
             their activations to int8 per 32 values and multiply in integers, as llama.cpp's CUDA
             MMVQ kernels do (logits move by that rounding); False keeps float32 activations, the
             CPU backend's arithmetic (the tests that compare the two use it).
+        gpu_prompt_q8: with ``gpu_act_q8``, the GPU's prompt MoE (ubatches of more than 16 tokens)
+            rounds activations to int8 too and reads the quantized experts in place, grouped by
+            expert (``CupyBackend.prompt_q8``), instead of float16 tensor-core GEMMs of dequantized
+            experts; off by default until measured on a GPU (``bench/prompt_q8.py``).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -183,7 +187,7 @@ class Engine:
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
                  policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True,
-                 batch_graph: bool = True):
+                 batch_graph: bool = True, gpu_prompt_q8: bool = False):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -200,6 +204,7 @@ class Engine:
         self.policy_config = policy_config or PolicyConfig()
         self.stage_misses = stage_misses
         self.gpu_act_q8 = gpu_act_q8
+        self.gpu_prompt_q8 = gpu_prompt_q8
         try:
             if load_mode not in LOAD_MODES:
                 raise ValueError(f"load_mode must be {' or '.join(LOAD_MODES)}, got {load_mode!r}")
@@ -279,7 +284,7 @@ class Engine:
         for n in pl.notes:
             self.log("note: " + n)
         self.placement = pl
-        bes = make_backends(pl.devices + [CPU], self.log, self.gpu_act_q8)
+        bes = make_backends(pl.devices + [CPU], self.log, self.gpu_act_q8, self.gpu_prompt_q8)
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,

@@ -319,7 +319,7 @@ def test_engine_places_the_cache_when_the_model_does_not_fit(model_path, monkeyp
     need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
     free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
     monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
-    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True: {-1: NumpyBackend(), 0: Twin()})
+    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: Twin()})
     notes: list[str] = []
     rng = np.random.default_rng(5)
     with Engine(model_path, EngineConfig(n_ctx=96)) as ref, \

@@ -306,6 +306,24 @@ def test_fused_add_norm_q8_matches_numpy(gpu_q8, n_tok, n):
 def test_q8_activation_moe_matches_reference(gpu_q8, types, n_tok):
     """moeq_glu / moeq_down (the decode MoE with 8-bit activations) against a float64 reference that
     rounds h and the gated activations the same way: gguf-py's weights, SwiGLU, weighted sum."""
+    _check_q8_moe(gpu_q8, types, n_tok, 10)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q5_K", "Q5_K", "Q4_0")])
+@pytest.mark.parametrize("n_tok,n_exp", [(40, 10), (300, 10), (70, 64)])
+def test_grouped_q8_prompt_moe_matches_reference(gpu, types, n_tok, n_exp):
+    """The prompt MoE grouped by expert (CupyBackend(prompt_q8=True): moeq_gglu / moeq_gdown, each
+    expert's rows read once per group of up to 16 tokens) against the same float64 reference as the
+    decode kernels: 300 tokens over 10 experts give groups of 16 and a remainder per expert, 70
+    tokens over 64 experts groups of 1-16 tokens."""
+    from moecache.backends.cupy_backend import CupyBackend
+
+    _check_q8_moe(CupyBackend(act_q8=True, prompt_q8=True), types, n_tok, n_exp)
+
+
+def _check_q8_moe(be, types, n_tok, n_exp):
+    """``be.moe_ffn`` on random experts of ``types`` (gguf-py's quants) and routing against float64
+    with h and the gated activations rounded as quantize_q8 rounds them."""
     from gguf.quants import dequantize
 
     from moecache.moe.routing import Routing
@@ -314,27 +332,28 @@ def test_q8_activation_moe_matches_reference(gpu_q8, types, n_tok):
 
     seed = _seed()
     rng = np.random.default_rng(seed)
-    n_exp, k, n_embd, ff = 10, 4, 512, 768
+    k, n_embd, ff = 4, 512, 768
     fg, fu, fd = (FORMATS[t] for t in types)
     g, u, d = random_experts((fg, fu, fd), n_exp, n_embd, ff, rng)
     ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(n_tok)]).astype(np.int32)
     wts = rng.dirichlet(np.ones(k), n_tok).astype(np.float32)
     h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
-    deq = lambda a, f, r, c: dequantize(a, f.ggml_type).astype(np.float64).reshape(r, c)  # noqa: E731
+    deq = lambda a, f, r, c: [dequantize(x, f.ggml_type).astype(np.float64).reshape(r, c) for x in a]  # noqa: E731
+    wg, wu, wd = deq(g, fg, ff, n_embd), deq(u, fu, ff, n_embd), deq(d, fd, n_embd, ff)
     hq = q8_reference(h)
     a = np.zeros((n_tok * k, ff), np.float64)
     for t in range(n_tok):
         for s, e in enumerate(ids[t]):
-            gg = deq(g[e], fg, ff, n_embd) @ hq[t]
-            a[t * k + s] = gg / (1 + np.exp(-gg)) * (deq(u[e], fu, ff, n_embd) @ hq[t])
+            gg = wg[e] @ hq[t]
+            a[t * k + s] = gg / (1 + np.exp(-gg)) * (wu[e] @ hq[t])
     aq = q8_reference(a.astype(np.float32))
     ref = np.zeros((n_tok, n_embd))
     for t in range(n_tok):
         for s, e in enumerate(ids[t]):
-            ref[t] += wts[t, s] * (deq(d[e], fd, n_embd, ff) @ aq[t * k + s])
+            ref[t] += wts[t, s] * (wd[e] @ aq[t * k + s])
     tt = tuple(FORMATS[x].ggml_type for x in types)
-    got = cp.asnumpy(gpu_q8.moe_ffn(cp.asarray(g), cp.asarray(u), cp.asarray(d), tt,
-                                    Routing(cp.asarray(ids), cp.asarray(wts)), cp.asarray(h), "silu"))
+    got = cp.asnumpy(be.moe_ffn(cp.asarray(g), cp.asarray(u), cp.asarray(d), tt,
+                                Routing(cp.asarray(ids), cp.asarray(wts)), cp.asarray(h), "silu"))
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     # the gated activations are float32 on the GPU: a value within ~1e-6 of a rounding boundary of
     # quantize_q8 may round the other way than in the float64 reference (one quantum of one value,

@@ -36,7 +36,7 @@ def cached_engine(model_path, monkeypatch, log):
     need = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
     free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need + sum(sz.experts) // 3) / USABLE_FRACTION)
     monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
-    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True: {-1: NumpyBackend(), 0: Twin()})
+    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: Twin()})
     eng = Engine(model_path, EngineConfig(n_ctx=96), log=log, placement=PlacementOptions())
     assert len(eng.caches) == 1 and eng.caches[0].pool is not None
     return eng

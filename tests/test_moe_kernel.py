@@ -197,3 +197,40 @@ def test_host_experts_compute_host_adds_the_layer_to_out(rng):
     ref = base + _reference(Rg, Ru, Rd, np.array([1, 5]), np.array([0, 1, 2]), np.array([0, 0]),
                             np.array([0.3, 0.7]), h, cpu.ACT_SILU)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref - base) < 1e-5
+
+
+@pytest.mark.parametrize("skew,max_tok", [(0.0, 16), (3.0, 16), (0.0, 1), (3.0, 5)])
+def test_moe_prompt_groups_executed_in_numpy_give_every_pairs_sum(rng, skew, max_tok):
+    """The grouped 8-bit prompt MoE's plan (moe_prompt_groups: pairs sorted by expert, groups of at
+    most max_tok rows of one expert) run with numpy stand-ins for the kernels (each group's rows
+    times its expert's matrix, written at its rows; each token's k rows summed with its weights via
+    row_of_pair) equals the direct sum over each token's routed experts; every pair is in exactly one
+    group, groups never mix experts and never exceed max_tok rows."""
+    from moecache.backends.ops import moe_prompt_groups
+
+    t, k, n_exp, d_in, d_out = 300, 4, 32, 24, 16
+    popular = skew * rng.standard_normal(n_exp)
+    ids = np.stack([rng.choice(n_exp, k, replace=False, p=np.exp(popular) / np.exp(popular).sum())
+                    for _ in range(t)]).astype(np.int32)
+    w = rng.dirichlet(np.ones(k), t)
+    h = rng.standard_normal((t, d_in))
+    mats = rng.standard_normal((n_exp, d_out, d_in))
+    pg = moe_prompt_groups(ids, n_exp, max_tok)
+    assert pg.groups.dtype == pg.token_of_row.dtype == pg.row_of_pair.dtype == np.int32
+    e, first, n = pg.groups.T
+    assert (n >= 1).all() and (n <= max_tok).all() and n.sum() == t * k
+    assert (first == np.concatenate([[0], np.cumsum(n)[:-1]])).all()  # the groups tile the rows in order
+    assert sorted(pg.row_of_pair.tolist()) == list(range(t * k))
+    pair_of_row = np.argsort(pg.row_of_pair)
+    expert_of_row = np.repeat(e, n)
+    assert (ids.reshape(-1)[pair_of_row] == expert_of_row).all() and (pair_of_row // k == pg.token_of_row).all()
+    y = np.full((t * k, d_out), np.nan)
+    for ex, f, m in pg.groups:
+        y[f:f + m] = h[pg.token_of_row[f:f + m]] @ mats[ex].T
+    got = (w.reshape(-1, 1) * y[pg.row_of_pair]).reshape(t, k, d_out).sum(1)
+    ref = np.stack([sum(w[i, s] * mats[ids[i, s]] @ h[i] for s in range(k)) for i in range(t)])
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="expert ids"):
+        moe_prompt_groups(ids, 3, max_tok)
+    with pytest.raises(ValueError, match="max_tok"):
+        moe_prompt_groups(ids, n_exp, 0)

@@ -28,7 +28,7 @@ from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
 from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs,
-                                   moe_prompt_plan)
+                                   moe_prompt_groups, moe_prompt_plan)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT  # formats with 8-bit-activation kernels in mmvq.cu
@@ -173,8 +173,13 @@ class CupyBackend(ArrayOps):
     name = "cuda"
     xp = cp
 
-    def __init__(self, device: int = 0, log: Callable[[str], None] | None = None, act_q8: bool = True):
+    def __init__(self, device: int = 0, log: Callable[[str], None] | None = None, act_q8: bool = True,
+                 prompt_q8: bool = False):
         self.device = device
+        # with act_q8, the prompt MoE of Q8_ACT experts runs the grouped 8-bit kernels (moeq_gglu,
+        # moeq_gdown: each expert's rows read once per group of up to DECODE_MAX_TOKENS tokens, no
+        # dequantized weights, no GEMM) instead of float16 GEMMs; off until measured on a GPU
+        self.prompt_q8 = prompt_q8
         # the decode products of Q8_ACT formats round their activations to int8 per 32 values (as
         # llama.cpp's MMVQ kernels do) and prompt products round weights and activations to float16
         # (tensor-core GEMMs, as llama.cpp's cuBLAS path); False keeps float32 (the CPU twin's
@@ -441,13 +446,19 @@ class CupyBackend(ArrayOps):
         captured decode step starting from arrays made inside the capture."""
         if self._xq is not None and self._xq[0] is x:
             return self._xq[1]
+        out = self._quantize_rows(x)
+        self._xq = (x, out)
+        return out
+
+    def _quantize_rows(self, x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+        """``quantize_q8`` of x float32 (R, n) (C-contiguous, n % 32 == 0, else ValueError), nothing
+        kept (:meth:`_quantized` keeps the last input's quants)."""
         r, n = x.shape
         if n % 32:
             raise ValueError(f"quantize_q8: rows of {n} values are not a multiple of 32")
         units = r * n // 32
         out = (cp.empty((r, n), cp.int8), cp.empty((r, n // 32), cp.float32), cp.empty((r, n // 32), cp.float32))
         self._fn("quantize_q8")(((units + 7) // 8,), (256,), (x, *out, _i64(units)))
-        self._xq = (x, out)
         return out
 
     def embed(self, w: Linear, ids: Any) -> cp.ndarray:
@@ -789,6 +800,10 @@ class CupyBackend(ArrayOps):
         one buffer that ``moe_combine`` reads through each pair's row (no scatter). Host work per
         layer was the prompt's bottleneck (cProfile on the H200: ~13 uploads, 3 argsorts and a
         scatter per layer for ~2 ms of Python against ~1.9 ms of kernels)."""
+        if self.prompt_q8 and self.act_q8:
+            out = self._moe_prompt_grouped(gate, up, down, types, routing, h, act)
+            if out is not None:
+                return out
         hr = routing.host()
         t, k = hr.ids.shape
         n_embd = h.shape[1]
@@ -825,6 +840,60 @@ class CupyBackend(ArrayOps):
         self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, t), (THREADS,),
                                 (y_rows, idx[at:at + t * k], wts, idx[at + t * k:at + t * k + t + 1],
                                  out, np.int32(t), _i64(n_embd)))
+        return out
+
+
+    def _moe_prompt_grouped(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray | None:
+        """The prompt MoE with 8-bit activations, grouped by expert (``prompt_q8``; llama.cpp's MMQ
+        idea of reading quantized weights directly, as MMVQ-style kernels: our own code): the pairs
+        sorted by expert (:func:`moe_prompt_groups`), h's rows gathered in that order and quantized
+        once (quantize_q8), ``moeq_gglu`` reads each expert's gate and up rows once per group of up
+        to DECODE_MAX_TOKENS rows, the gated activations are quantized, ``moeq_gdown`` likewise, and
+        ``moe_combine`` sums each token's k rows with its weights: 6 launches and one upload a layer,
+        no dequantized weights. The arithmetic of the decode kernels (moeq_glu / moeq_down) for
+        every pair: h (T, n_embd) float32 C-contiguous -> float32 (T, n_embd). None (the caller takes
+        the GEMM path) when gate and up differ in type, a type has no 8-bit kernel, or the groups
+        exceed the grid's 65535 rows."""
+        fmt_g, fmt_u, fmt_d = (format_for(tp).name for tp in types)
+        if fmt_g != fmt_u or fmt_g not in Q8_ACT or fmt_d not in Q8_ACT:
+            return None
+        hr = routing.host()
+        t, k = hr.ids.shape
+        n_embd = h.shape[1]
+        n_expert, ff, rb = gate.shape
+        rbd = down.shape[2]
+        pg = moe_prompt_groups(hr.ids, n_expert, DECODE_MAX_TOKENS)
+        n_g, p = pg.groups.shape[0], t * k
+        if n_g > 65535:
+            return None
+        w_host = None if isinstance(routing.weights, cp.ndarray) else np.asarray(hr.weights, np.float32).reshape(-1)
+        pieces = [pg.token_of_row, pg.row_of_pair, np.arange(0, p + 1, k, dtype=np.int32), pg.groups.reshape(-1)]
+        if w_host is not None:
+            pieces.append(w_host.view(np.int32))
+        idx = cp.asarray(np.concatenate(pieces))  # every index of the layer in one upload
+        tok_rows, pair_rows, starts = idx[:p], idx[p:2 * p], idx[2 * p:2 * p + t + 1]
+        grp = idx[2 * p + t + 1:2 * p + t + 1 + 3 * n_g]
+        wts = (cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1) if w_host is None
+               else idx[idx.size - p:].view(cp.float32))
+        h = cp.ascontiguousarray(h, dtype=cp.float32)
+        xq, xd, xs = self._quantize_rows(cp.take(h, tok_rows, axis=0))  # (P, n_embd): row i = pair i's token
+        a = cp.empty((p, ff), cp.float32)
+        lpr = lanes_per_row(n_embd, fmt_g)
+        rpb = 32 * MMVQ_WARPS // lpr
+        self._fn("moeq_gglu_" + SUFFIX[fmt_g])(
+            ((ff + rpb - 1) // rpb, n_g), (32 * MMVQ_WARPS,),
+            (gate, up, grp, xq, xd, xs, a, _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
+             np.int32(act != "silu"), np.int32(lpr)))
+        aq, ad, as_ = self._quantize_rows(a)
+        lpr = lanes_per_row(ff, fmt_d)
+        rpb = 32 * MMVQ_WARPS // lpr
+        y_rows = cp.empty((p, n_embd), cp.float32)
+        self._fn("moeq_gdown_" + SUFFIX[fmt_d])(
+            ((n_embd + rpb - 1) // rpb, n_g), (32 * MMVQ_WARPS,),
+            (down, grp, aq, ad, as_, y_rows, _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), np.int32(lpr)))
+        out = cp.empty((t, n_embd), cp.float32)
+        self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, t), (THREADS,),
+                                (y_rows, pair_rows, wts, starts, out, np.int32(t), _i64(n_embd)))
         return out
 
 

@@ -124,6 +124,53 @@ def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes:
     return MoePromptPlan(chunks, cat(e_parts), cat(r_parts), row_of_pair)
 
 
+@dataclass(frozen=True)
+class MoeGroups:
+    """A prompt ubatch's routed pairs grouped by expert for the grouped 8-bit kernels
+    (:func:`moe_prompt_groups`; ``moeq_gglu`` / ``moeq_gdown`` of mmvq.cu).
+
+    Attributes:
+        token_of_row: int32 (T * k,), the token each row reads: the pairs sorted by expert (stable:
+            an expert's tokens ascending); row i holds one pair.
+        row_of_pair: int32 (T * k,), pair ``t * k + s`` (token t's s-th expert) -> its row.
+        groups: int32 (G, 3), (expert, first row, rows): each expert's rows cut into runs of at most
+            ``max_tok``; a group's rows are read with the expert's weights once.
+    """
+    token_of_row: np.ndarray
+    row_of_pair: np.ndarray
+    groups: np.ndarray
+
+
+def moe_prompt_groups(ids: np.ndarray, n_expert: int, max_tok: int) -> MoeGroups:
+    """The grouped prompt-MoE plan for routing ``ids`` (int (T, k), values in [0, ``n_expert``)):
+    pairs sorted by expert, each expert's run of rows cut into groups of at most ``max_tok`` (the
+    kernels' accumulators per lane, DECODE_MAX_TOKENS). Plain numpy; the CPU tests run it against a
+    direct per-pair sum.
+
+    Raises:
+        ValueError: an id outside [0, n_expert), or ``max_tok`` < 1.
+    """
+    ids = np.asarray(ids)
+    if max_tok < 1:
+        raise ValueError(f"max_tok must be >= 1, got {max_tok}")
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= n_expert):
+        raise ValueError(f"expert ids must lie in [0, {n_expert}), got {flat.min()}..{flat.max()}")
+    order = np.argsort(flat.astype(np.uint16) if n_expert <= 1 << 16 else flat, kind="stable")
+    row_of_pair = np.empty(t * k, np.int32)
+    row_of_pair[order] = np.arange(t * k, dtype=np.int32)
+    per_expert = np.bincount(flat, minlength=n_expert)
+    eids = np.flatnonzero(per_expert)
+    counts = per_expert[eids]
+    first_row = np.cumsum(counts) - counts
+    n_g = -(-counts // max_tok)  # groups per used expert
+    j = np.arange(int(n_g.sum())) - np.repeat(np.cumsum(n_g) - n_g, n_g)  # a group's index within its expert
+    groups = np.stack([np.repeat(eids, n_g), np.repeat(first_row, n_g) + j * max_tok,
+                       np.minimum(max_tok, np.repeat(counts, n_g) - j * max_tok)], axis=1).astype(np.int32)
+    return MoeGroups((order // k).astype(np.int32), row_of_pair, groups.reshape(-1, 3))
+
+
 def expert_runs(used: np.ndarray) -> list[tuple[int, int, int]]:
     """The runs of consecutive ids in ``used`` (int, ascending, unique) as (position in ``used``,
     first id, length): copying ``w[id:id + length]`` to ``out[position:position + length]`` for

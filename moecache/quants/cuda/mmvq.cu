@@ -317,6 +317,75 @@ extern "C" __global__ void moeq_down_##SUFFIX(const unsigned char *Wd, const int
     }                                                                                                 \
     acc = lanes_sum(acc, lpr);                                                                        \
     if (r < n_rows && sl == 0) Y[(long long)t * n_rows + r] = acc;                                    \
+}                                                                                                     \
+/* Prompt MoE gate/up, grouped by expert (moe_prompt_groups of ops.py): group g = GR[3g ..] =     */  \
+/* (expert e, first row p0, n <= MAX_TOK rows) of X (quantize_q8 of the gathered rows: row p0 + t */  \
+/* is the t-th pair routed to e); every row r of e's gate and up is read once for the n rows:     */  \
+/* A[p0 + t, r] = act(gate_r . x) * (up_r . x). Grid (row blocks, groups)                         */  \
+extern "C" __global__ void moeq_gglu_##SUFFIX(const unsigned char *Wg, const unsigned char *Wu,       \
+                                              const int *GR, const signed char *XQ, const float *XD,  \
+                                              const float *XS, float *A, long long n_rows,            \
+                                              long long row_bytes, long long expert_bytes,            \
+                                              long long n_in, int act, int lpr) {                     \
+    int lane = threadIdx.x % 32;                                                                      \
+    long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                    \
+    long long r = warp * (32 / lpr) + lane / lpr;                                                     \
+    int sl = lane % lpr;                                                                              \
+    const int *gr = GR + 3 * (long long)blockIdx.y;                                                   \
+    long long e = gr[0], p0 = gr[1], nd = n_in / 32, npc = n_in / QK * PPB;                           \
+    int n = gr[2];                                                                                    \
+    float g[MAX_TOK], u[MAX_TOK];                                                                     \
+    _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) g[t] = u[t] = 0.f;                            \
+    if (r < n_rows) {                                                                                 \
+        const unsigned char *G = Wg + e * expert_bytes + r * row_bytes;                               \
+        const unsigned char *U = Wu + e * expert_bytes + r * row_bytes;                               \
+        const signed char *xq = XQ + p0 * n_in;                                                       \
+        const float *xd = XD + p0 * nd, *xs = XS + p0 * nd;                                           \
+        for (long long pc = sl; pc < npc; pc += lpr) {                                                \
+            long long b = pc / PPB;                                                                   \
+            int sub = (int)(pc % PPB);                                                                \
+            VDOT(G + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), n_in, nd, n, g);\
+            VDOT(U + b * TSZ, sub, xq + b * QK, xd + b * (QK / 32), xs + b * (QK / 32), n_in, nd, n, u);\
+        }                                                                                             \
+    }                                                                                                 \
+    _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) {                                             \
+        if (t < n) {                                                                                  \
+            float gs = lanes_sum(g[t], lpr), us = lanes_sum(u[t], lpr);                               \
+            if (r < n_rows && sl == 0) A[(p0 + t) * n_rows + r] = activate(gs, act) * us;             \
+        }                                                                                             \
+    }                                                                                                 \
+}                                                                                                     \
+/* Prompt MoE down, grouped as moeq_gglu: Y[p0 + t, r] = down_r of expert e . A[p0 + t] (A given   */ \
+/* as quantize_q8's AQ, AD, AS); moe_combine then sums each token's k rows with its weights        */ \
+extern "C" __global__ void moeq_gdown_##SUFFIX(const unsigned char *Wd, const int *GR, const signed char *AQ,\
+                                               const float *AD, const float *AS, float *Y, long long n_rows,\
+                                               long long row_bytes, long long expert_bytes, long long n_in,\
+                                               int lpr) {                                             \
+    int lane = threadIdx.x % 32;                                                                      \
+    long long warp = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                    \
+    long long r = warp * (32 / lpr) + lane / lpr;                                                     \
+    int sl = lane % lpr;                                                                              \
+    const int *gr = GR + 3 * (long long)blockIdx.y;                                                   \
+    long long e = gr[0], p0 = gr[1], nd = n_in / 32, npc = n_in / QK * PPB;                           \
+    int n = gr[2];                                                                                    \
+    float acc[MAX_TOK];                                                                               \
+    _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) acc[t] = 0.f;                                 \
+    if (r < n_rows) {                                                                                 \
+        const unsigned char *D = Wd + e * expert_bytes + r * row_bytes;                               \
+        const signed char *aq = AQ + p0 * n_in;                                                       \
+        const float *ad = AD + p0 * nd, *as = AS + p0 * nd;                                           \
+        for (long long pc = sl; pc < npc; pc += lpr) {                                                \
+            long long b = pc / PPB;                                                                   \
+            VDOT(D + b * TSZ, (int)(pc % PPB), aq + b * QK, ad + b * (QK / 32), as + b * (QK / 32), n_in, nd, n,\
+                 acc);                                                                                \
+        }                                                                                             \
+    }                                                                                                 \
+    _Pragma("unroll") for (int t = 0; t < MAX_TOK; ++t) {                                             \
+        if (t < n) {                                                                                  \
+            float v = lanes_sum(acc[t], lpr);                                                         \
+            if (r < n_rows && sl == 0) Y[(p0 + t) * n_rows + r] = v;                                  \
+        }                                                                                             \
+    }                                                                                                 \
 }
 
 VFORMAT(q8_0, vdot_q8_0, 1, 32, 34)

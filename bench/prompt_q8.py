@@ -1,0 +1,84 @@
+"""Same-lease A/B of the two GPU prompt-MoE paths: float16 tensor-core GEMMs of dequantized experts
+(the default) against the grouped 8-bit kernels (``Engine(gpu_prompt_q8=True)``: each expert's
+quantized rows read in place once per group of up to 16 tokens, activations rounded to int8).
+
+Loads one engine with every layer on the GPU and switches each GPU backend's ``prompt_q8`` between
+repetitions (same weights, same KV cache size). Per path: pp t/s of a ``-p``-token prompt in
+``-ub`` ubatches (median and spread of ``-r`` runs after one warm-up each), the last token's logits
+against the other path's (max |diff| relative to the logits' spread, top-1 agreement), and the pool
+memory CuPy held after the prompt. ``--vram-budget``/``--load-mode`` put the routed experts behind
+the expert cache as ``run`` does (the prompt then goes through the cache's prompt path).
+
+    python bench/prompt_q8.py -m /tmp/q30.gguf -p 512 -r 5 [-ub 512] [--vram-budget 8GiB --load-mode pin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+
+def main() -> None:
+    import cupy as cp
+
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.sizes import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("-p", type=int, default=512, help="prompt tokens")
+    ap.add_argument("-ub", type=int, default=512, help="ubatch")
+    ap.add_argument("-r", type=int, default=5, help="timed prompts per path")
+    ap.add_argument("--vram-budget", default=None)
+    ap.add_argument("--load-mode", default="mmap")
+    a = ap.parse_args()
+    opts = PlacementOptions(n_gpu_layers=99) if a.vram_budget is None else \
+        PlacementOptions(vram_budget=parse_size(a.vram_budget, "--vram-budget"))
+    cfg = EngineConfig(n_ctx=a.p + 16, n_batch=max(a.p, a.ub), n_ubatch=a.ub)
+    rng = np.random.default_rng(0)
+    pool = cp.get_default_memory_pool()
+    with Engine(a.model, cfg, placement=opts, load_mode=a.load_mode, log=print) as eng:
+        toks = rng.integers(0, eng.gguf.config.n_vocab, a.p)
+        bes = {id(b): b for b in eng.model.layer_be if hasattr(b, "prompt_q8")}
+        print(f"{len(bes)} GPU backend(s); prompt {a.p} tokens, -ub {a.ub}")
+
+        def prompt(grouped: bool) -> tuple[float, np.ndarray]:
+            for b in bes.values():
+                b.prompt_q8 = grouped
+            eng.reset()
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            lg = eng.eval(toks)[-1]
+            cp.cuda.Device().synchronize()
+            return a.p / (time.perf_counter() - t0), np.asarray(lg, np.float64)
+
+        ts: dict[bool, list[float]] = {False: [], True: []}
+        logits: dict[bool, np.ndarray] = {}
+        held: dict[bool, int] = {}
+        for grouped in (False, True):  # warm-up: kernels compiled, pool blocks made
+            _, logits[grouped] = prompt(grouped)
+            held[grouped] = pool.total_bytes() - pool.used_bytes()
+        for _ in range(a.r):  # alternated, so drift hits both paths alike
+            for grouped in (False, True):
+                ts[grouped].append(prompt(grouped)[0])
+        for grouped, name in ((False, "float16 GEMMs"), (True, "grouped 8-bit")):
+            v = ts[grouped]
+            print(f"{name:14s} pp{a.p}: median {statistics.median(v):8.1f} t/s (min {min(v):.1f}, max {max(v):.1f}; "
+                  f"{', '.join(f'{x:.0f}' for x in v)}); CuPy pool blocks held after the prompt "
+                  f"{held[grouped] >> 20} MiB")
+        d = logits[True] - logits[False]
+        spread = float(logits[False].std())
+        print(f"last-token logits: max |diff| {np.abs(d).max():.4f} ({np.abs(d).max() / spread:.2e} of their std), "
+              f"rms diff {np.sqrt((d * d).mean()):.4f}, top-1 {'equal' if logits[True].argmax() == logits[False].argmax() else 'DIFFERENT'}")
+
+
+if __name__ == "__main__":
+    main()
