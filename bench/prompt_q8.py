@@ -3,10 +3,11 @@
 quantized rows read in place once per group of up to 16 tokens, activations rounded to int8).
 
 Loads one engine with every layer on the GPU and switches each GPU backend's ``prompt_q8`` between
-repetitions (same weights, same KV cache size). Per path: pp t/s of a ``-p``-token prompt in
+repetitions (same weights, same KV cache size); with an expert cache a third arm also triples the
+cache's prompt group bytes (what ``Engine(gpu_prompt_q8=True)`` sets). Per arm: pp t/s of a ``-p``-token prompt in
 ``-ub`` ubatches (median and spread of ``-r`` runs after one warm-up each), the last token's logits
-against the other path's (max |diff| relative to the logits' spread, top-1 agreement), and the pool
-memory CuPy held after the prompt. ``--vram-budget``/``--load-mode`` put the routed experts behind
+against the first arm's (max |diff| relative to the logits' spread, top-1 agreement), and the pool
+memory CuPy held free after the warm-up. ``--vram-budget``/``--load-mode`` put the routed experts behind
 the expert cache as ``run`` does (the prompt then goes through the cache's prompt path).
 
     python bench/prompt_q8.py -m /tmp/q30.gguf -p 512 -r 5 [-ub 512] [--vram-budget 8GiB --load-mode pin]
@@ -50,9 +51,16 @@ def main() -> None:
         bes = {id(b): b for b in eng.model.layer_be if hasattr(b, "prompt_q8")}
         print(f"{len(bes)} GPU backend(s); prompt {a.p} tokens, -ub {a.ub}")
 
-        def prompt(grouped: bool) -> tuple[float, np.ndarray]:
+        arms = [("float16 GEMMs", False, 1), ("grouped 8-bit", True, 1)]
+        if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group (what the engine gives gpu_prompt_q8)
+            arms.append(("grouped 8-bit, 3x group bytes", True, 3))
+        base_group = {id(c): c.prompt_group_bytes for c in eng.caches}
+
+        def prompt(arm: tuple[str, bool, int]) -> tuple[float, np.ndarray]:
             for b in bes.values():
-                b.prompt_q8 = grouped
+                b.prompt_q8 = arm[1]
+            for c in eng.caches:
+                c.prompt_group_bytes = base_group[id(c)] * arm[2]
             eng.reset()
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
@@ -60,24 +68,24 @@ def main() -> None:
             cp.cuda.Device().synchronize()
             return a.p / (time.perf_counter() - t0), np.asarray(lg, np.float64)
 
-        ts: dict[bool, list[float]] = {False: [], True: []}
-        logits: dict[bool, np.ndarray] = {}
-        held: dict[bool, int] = {}
-        for grouped in (False, True):  # warm-up: kernels compiled, pool blocks made
-            _, logits[grouped] = prompt(grouped)
-            held[grouped] = pool.total_bytes() - pool.used_bytes()
-        for _ in range(a.r):  # alternated, so drift hits both paths alike
-            for grouped in (False, True):
-                ts[grouped].append(prompt(grouped)[0])
-        for grouped, name in ((False, "float16 GEMMs"), (True, "grouped 8-bit")):
-            v = ts[grouped]
-            print(f"{name:14s} pp{a.p}: median {statistics.median(v):8.1f} t/s (min {min(v):.1f}, max {max(v):.1f}; "
-                  f"{', '.join(f'{x:.0f}' for x in v)}); CuPy pool blocks held after the prompt "
-                  f"{held[grouped] >> 20} MiB")
-        d = logits[True] - logits[False]
-        spread = float(logits[False].std())
-        print(f"last-token logits: max |diff| {np.abs(d).max():.4f} ({np.abs(d).max() / spread:.2e} of their std), "
-              f"rms diff {np.sqrt((d * d).mean()):.4f}, top-1 {'equal' if logits[True].argmax() == logits[False].argmax() else 'DIFFERENT'}")
+        ts: dict[str, list[float]] = {arm[0]: [] for arm in arms}
+        logits: dict[str, np.ndarray] = {}
+        held: dict[str, int] = {}
+        for arm in arms:  # warm-up: kernels compiled, pool blocks made
+            _, logits[arm[0]] = prompt(arm)
+            held[arm[0]] = pool.total_bytes() - pool.used_bytes()
+        for _ in range(a.r):  # alternated, so drift hits every arm alike
+            for arm in arms:
+                ts[arm[0]].append(prompt(arm)[0])
+        ref = logits[arms[0][0]]
+        for name, _, _ in arms:
+            v = ts[name]
+            d = logits[name] - ref
+            print(f"{name:30s} pp{a.p}: median {statistics.median(v):8.1f} t/s (min {min(v):.1f}, max {max(v):.1f}; "
+                  f"{', '.join(f'{x:.0f}' for x in v)}); CuPy pool blocks free after the warm-up prompt "
+                  f"{held[name] >> 20} MiB; last-token logits vs the first arm: max |diff| {np.abs(d).max():.4f} "
+                  f"({np.abs(d).max() / float(ref.std()):.2e} of their std), top-1 "
+                  f"{'equal' if logits[name].argmax() == ref.argmax() else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

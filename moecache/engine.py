@@ -27,7 +27,7 @@ from moecache.devices import gpu_memory, make_backends
 from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
 from moecache.models.base import expert_weights
-from moecache.moe.cache import CachedExperts
+from moecache.moe.cache import PROMPT_GROUP_BYTES, CachedExperts
 from moecache.moe.executor import placed_experts
 from moecache.moe.policy import CachePolicy, PolicyConfig
 from moecache.placement import CPU, Placement, PlacementOptions, model_sizes, plan
@@ -295,8 +295,11 @@ class Engine:
             layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
             if self.stage_misses and slots > 4 * c.n_expert_used:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
+            # the grouped 8-bit prompt MoE holds no dequantized weights (~256 MiB less at once than
+            # the float16 GEMMs): its prompt ubatches bring 3x the experts per group, ~one group a layer
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
-                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses)
+                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
+                                  prompt_group_bytes=3 * PROMPT_GROUP_BYTES if self.gpu_prompt_q8 else None)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

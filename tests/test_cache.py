@@ -437,3 +437,30 @@ def test_executors_say_whether_a_decode_step_can_be_captured(model_path):
         assert ExpertsByLayer({}).graph_capturable() is None  # a dense model
         cpu_cache.close()
         twin.close()
+
+
+def test_prompt_group_bytes_is_a_per_cache_setting(model_path, monkeypatch):
+    """prompt_group_bytes (the engine raises it for the grouped 8-bit prompt MoE): None takes the
+    module's PROMPT_GROUP_BYTES at construction, a value caps each prompt group to that many bytes
+    of experts, and the output stays the all-CPU output; a cap below one byte is refused."""
+    import moecache.moe.cache as cache_mod
+
+    rng = np.random.default_rng(6)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        per = CachedExperts._expert_bytes(ew[0])
+        assert _cache(ew, c.n_layer, c.n_expert, 8, NEVER).prompt_group_bytes == cache_mod.PROMPT_GROUP_BYTES
+        cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        cache.prompt_group_bytes = 2 * per
+        sizes = []
+        real = cache._prompt_group
+        monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (sizes.append(used.size), real(il, e, h, r, used))[1])
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache)
+        prompt = rng.integers(0, c.n_vocab, 40)
+        np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
+                                   ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+        assert max(sizes) == 2
+    with pytest.raises(ValueError, match="prompt_group_bytes"):
+        CachedExperts(ew, NumpyBackend(), 8, cache.policy, prompt_group_bytes=0)

@@ -945,7 +945,7 @@ CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit 
 
 
 @pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged"])
-def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode, monkeypatch):
+def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
@@ -968,8 +968,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
                    placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 128)),  # after ref's start
                    load_mode=load_mode, policy_config=PolicyConfig(**CHURN), stage_misses=stage, gpu_act_q8=False) as eng:
         cache = eng.caches[0]
-        monkeypatch.setattr("moecache.moe.cache.PROMPT_GROUP_BYTES",
-                            3 * cache._expert_bytes(next(iter(cache.layers.values()))))
+        cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
         assert cache.zero_copy == (load_mode == "pin")

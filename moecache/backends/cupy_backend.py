@@ -270,11 +270,16 @@ class CupyBackend(ArrayOps):
         n = int(used.size)
         if n and _is_pinned(w):
             # --load-mode pin: the experts are DMA-able where they are (a CPU gather of a layer's
-            # ~90 missing experts would copy ~240 MB through the CPU first)
+            # ~90 missing experts would copy ~240 MB through the CPU first). The copies are queued on
+            # the current stream without a wait (nothing writes the weights; the kernels queued after
+            # them read the experts in order), so the host plans and queues on while the DMA runs:
+            # the expert cache's prompt groups upload scattered experts, one run each, and each run
+            # was a synchronous copy
             with cp.cuda.Device(self.device):
+                stream = cp.cuda.get_current_stream()
                 out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
                 for at, first, length in expert_runs(used):
-                    out[at:at + length].set(w[first:first + length])
+                    out[at:at + length].set(w[first:first + length], stream=stream)
             return out
         # a mapped file: CPU threads gather the experts into a page-locked staging buffer, then one copy
         # at pinned speed (pageable copies run ~8x slower, ../shared/anchors.md). The copy is

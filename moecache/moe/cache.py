@@ -125,14 +125,21 @@ class CachedExperts:
             scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
             of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
+        prompt_group_bytes: a prompt ubatch brings its used experts to the device this many bytes
+            at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the
+            backend: fewer, larger groups cost fewer launches and more VRAM at once).
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
-                 stage_misses: bool = False):
+                 stage_misses: bool = False, prompt_group_bytes: int | None = None):
+        prompt_group_bytes = PROMPT_GROUP_BYTES if prompt_group_bytes is None else prompt_group_bytes
+        if prompt_group_bytes < 1:
+            raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
         self.layers = layers
         self.be = backend
         self.policy = policy
+        self.prompt_group_bytes = prompt_group_bytes
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
         self.stats = CacheStats()  # tokens of every pass; hits and misses of decode ubatches
@@ -456,14 +463,14 @@ class CachedExperts:
         """A prompt ubatch: every used expert computed on the backend; the resident ones are read from
         their slots (a device-side gather), only the others are copied from the host.
 
-        The used experts' weights are brought to the device :data:`PROMPT_GROUP_BYTES` at a time, so
+        The used experts' weights are brought to the device ``prompt_group_bytes`` at a time, so
         a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
         prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise). Each group computes
         its own (token, expert) pairs, weighted, and adds them into the output (in a fixed order: the
         same sums on every run, as the ungrouped path)."""
         used = np.unique(r.ids)
         per = self._expert_bytes(e)
-        group = max(1, PROMPT_GROUP_BYTES // per)
+        group = max(1, self.prompt_group_bytes // per)
         if used.size <= group:
             return self._prompt_group(il, e, h, r, used)
         be = self.be
