@@ -374,6 +374,20 @@ def test_cli_cache_flags(model_path):
         assert r.exit_code == 1 and msg in r.output, r.output
 
 
+def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
+    """A 40-token prompt through a model whose experts are ``cache``, checked against the all-CPU
+    logits; the number of experts each prompt group brought, in call order."""
+    sizes: list[int] = []
+    real = cache._prompt_group
+    monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (sizes.append(used.size), real(il, e, h, r, used))[1])
+    ref_lm = build_model(m, NumpyBackend())
+    lm = build_model(m, NumpyBackend(), experts=cache)
+    prompt = rng.integers(0, m.config.n_vocab, 40)
+    np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
+                               ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+    return sizes
+
+
 def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch):
     """A prompt ubatch whose used experts exceed PROMPT_GROUP_BYTES computes them group by group (each
     group's pairs scatter-added); the output is the all-CPU output, and no group brings more than the
@@ -388,14 +402,7 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
         _fill(cache, ew, [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8])
-        biggest = []
-        real = cache._prompt_group
-        monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (biggest.append(used.size), real(il, e, h, r, used))[1])
-        ref_lm = build_model(m, NumpyBackend())
-        lm = build_model(m, NumpyBackend(), experts=cache)
-        prompt = rng.integers(0, c.n_vocab, 40)
-        np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
-                                   ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+        biggest = _prompt_group_sizes(m, cache, rng, monkeypatch)
         assert max(biggest) == 3 and len(biggest) >= c.n_layer * 2  # every layer split, none over the cap
         assert cache.prompt_slot_reads > 0  # resident experts still read from their slots
         cache.close()
@@ -453,14 +460,6 @@ def test_prompt_group_bytes_is_a_per_cache_setting(model_path, monkeypatch):
         assert _cache(ew, c.n_layer, c.n_expert, 8, NEVER).prompt_group_bytes == cache_mod.PROMPT_GROUP_BYTES
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
         cache.prompt_group_bytes = 2 * per
-        sizes = []
-        real = cache._prompt_group
-        monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (sizes.append(used.size), real(il, e, h, r, used))[1])
-        ref_lm = build_model(m, NumpyBackend())
-        lm = build_model(m, NumpyBackend(), experts=cache)
-        prompt = rng.integers(0, c.n_vocab, 40)
-        np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
-                                   ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
-        assert max(sizes) == 2
+        assert max(_prompt_group_sizes(m, cache, rng, monkeypatch)) == 2
     with pytest.raises(ValueError, match="prompt_group_bytes"):
         CachedExperts(ew, NumpyBackend(), 8, cache.policy, prompt_group_bytes=0)

@@ -145,6 +145,19 @@ def test_moe_prompt_chunks_bound_padding_and_cover_every_expert(rng):
     assert sum(len(ch) * int(counts[ch].max()) for ch in chunks) == counts.sum()  # no padding at all
 
 
+def _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out):
+    """Routing ids (t, k) drawn with expert popularity ~ exp(skew * N(0, 1)), weights, float64 rows h,
+    a random matrix per expert, and the direct sum over each token's routed experts."""
+    popular = skew * rng.standard_normal(n_exp)
+    ids = np.stack([rng.choice(n_exp, k, replace=False, p=np.exp(popular) / np.exp(popular).sum())
+                    for _ in range(t)]).astype(np.int32)
+    w = rng.dirichlet(np.ones(k), t)
+    h = rng.standard_normal((t, d_in))
+    mats = rng.standard_normal((n_exp, d_out, d_in))
+    ref = np.stack([sum(w[i, s] * mats[ids[i, s]] @ h[i] for s in range(k)) for i in range(t)])
+    return ids, w, h, mats, ref
+
+
 @pytest.mark.parametrize("skew", [0.0, 3.0])
 def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew):
     """The GPU's prompt-MoE plan (moe_prompt_plan: chunks, each chunk's experts and padded token
@@ -154,12 +167,7 @@ def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew):
     from moecache.backends.ops import moe_prompt_plan
 
     t, k, n_exp, d_in, d_out = 300, 4, 32, 24, 16
-    popular = skew * rng.standard_normal(n_exp)
-    ids = np.stack([rng.choice(n_exp, k, replace=False, p=np.exp(popular) / np.exp(popular).sum())
-                    for _ in range(t)]).astype(np.int32)
-    w = rng.dirichlet(np.ones(k), t)
-    h = rng.standard_normal((t, d_in))
-    mats = rng.standard_normal((n_exp, d_out, d_in))
+    ids, w, h, mats, ref = _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out)
     plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, 40 * 4 * d_in)  # <= 7 experts, <= 40 padded rows a chunk
     assert len(plan.chunks) > 2
     e_at = r_at = 0
@@ -172,7 +180,6 @@ def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew):
     y = np.concatenate(outs)
     assert y.shape[0] == plan.n_rows <= 2 * t * k and e_at == plan.expert_ids.size == np.unique(ids).size
     got = (w.reshape(-1, 1) * y[plan.row_of_pair]).reshape(t, k, d_out).sum(1)
-    ref = np.stack([sum(w[i, s] * mats[ids[i, s]] @ h[i] for s in range(k)) for i in range(t)])
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 
@@ -209,12 +216,7 @@ def test_moe_prompt_groups_executed_in_numpy_give_every_pairs_sum(rng, skew, max
     from moecache.backends.ops import moe_prompt_groups
 
     t, k, n_exp, d_in, d_out = 300, 4, 32, 24, 16
-    popular = skew * rng.standard_normal(n_exp)
-    ids = np.stack([rng.choice(n_exp, k, replace=False, p=np.exp(popular) / np.exp(popular).sum())
-                    for _ in range(t)]).astype(np.int32)
-    w = rng.dirichlet(np.ones(k), t)
-    h = rng.standard_normal((t, d_in))
-    mats = rng.standard_normal((n_exp, d_out, d_in))
+    ids, w, h, mats, ref = _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out)
     pg = moe_prompt_groups(ids, n_exp, max_tok)
     assert pg.groups.dtype == pg.token_of_row.dtype == pg.row_of_pair.dtype == np.int32
     e, first, n = pg.groups.T
@@ -228,7 +230,6 @@ def test_moe_prompt_groups_executed_in_numpy_give_every_pairs_sum(rng, skew, max
     for ex, f, m in pg.groups:
         y[f:f + m] = h[pg.token_of_row[f:f + m]] @ mats[ex].T
     got = (w.reshape(-1, 1) * y[pg.row_of_pair]).reshape(t, k, d_out).sum(1)
-    ref = np.stack([sum(w[i, s] * mats[ids[i, s]] @ h[i] for s in range(k)) for i in range(t)])
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="expert ids"):
         moe_prompt_groups(ids, 3, max_tok)
