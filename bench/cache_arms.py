@@ -53,16 +53,19 @@ def prompt_tokens(model: Path, name: str) -> int:
         return len(Tokenizer.from_gguf(m).encode((ROOT / "prompts" / name).read_text()))
 
 
-def best_static(model: Path, n_ctx: int, budget: int, free: int, kv_itemsize: int = 2) -> int:
+def best_static(model: Path, n_ctx: int, budget: int, free: int, used: int, kv_itemsize: int = 2) -> int:
     """The smallest --n-cpu-moe whose placement fits ``budget`` with the cache off (the most expert
-    layers on the GPU): the planner's own choice for --moe-cache 0, as an explicit N."""
+    layers on the GPU): the planner's own choice for --moe-cache 0, as an explicit N, planned as the
+    ``moecache bench`` child will plan it: ``used`` (bytes in use on the GPU now, this process's
+    CUDA context among them) plus the child's own context count against the budget."""
     from moecache.gguf_file import open_gguf
-    from moecache.placement import PlacementError, PlacementOptions, model_sizes, plan
+    from moecache.placement import CUDA_CONTEXT_BYTES, PlacementError, PlacementOptions, model_sizes, plan
 
     with open_gguf(model) as m:
         sizes = model_sizes(m, n_ctx, kv_itemsize)
     try:
-        pl = plan(PlacementOptions(n_gpu_layers=99, moe_cache=0, vram_budget=budget), sizes, [free])
+        pl = plan(PlacementOptions(n_gpu_layers=99, moe_cache=0, vram_budget=budget), sizes, [free],
+                  [used + CUDA_CONTEXT_BYTES])
     except PlacementError as e:
         raise SystemExit(f"no static placement fits the budget: {e}") from None
     host = [il for il, on in enumerate(pl.experts_on_device) if not on and sizes.experts[il]]
@@ -128,7 +131,7 @@ def main() -> None:
     from moecache.sizes import parse_size
     import numpy as np
 
-    from moecache.devices import gpu_free_bytes
+    from moecache.devices import gpu_memory
     from moecache.engine import KV_TYPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,7 +156,7 @@ def main() -> None:
     if a.cache_type not in KV_TYPES:
         raise SystemExit(f"-ctk must be one of {', '.join(KV_TYPES)}, got {a.cache_type!r}")
     kv_itemsize = np.dtype(KV_TYPES[a.cache_type]).itemsize
-    free, why = gpu_free_bytes()
+    free, used, why = gpu_memory()
     if not free:
         raise SystemExit(f"no GPU: {why}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +181,7 @@ def main() -> None:
                              f"the {test} test runs at {n_ctx}")
         for budget_text in a.vram_budget.split(","):
             budget = parse_size(budget_text, "--vram-budget")
-            static_n = best_static(a.model, n_ctx, budget, free[0], kv_itemsize)
+            static_n = best_static(a.model, n_ctx, budget, free[0], used[0], kv_itemsize)
             for routing in a.routing.split(","):
                 common = ["-r", str(a.r), "-c", str(n_ctx), "--vram-budget", budget_text, "--routing", routing, "--load-mode", a.load_mode,
                           "-ngl", "99", "-ctk", a.cache_type, "-ctv", a.cache_type]
@@ -218,7 +221,7 @@ def main() -> None:
         n_prompt = prompt_tokens(a.model, tests["short"][0])
         n_ctx = tests["short"][1]
         ncmoe = best_static(a.model, n_ctx, parse_size(a.vram_budget.split(",")[0], "--vram-budget"), free[0],
-                            kv_itemsize)
+                            used[0], kv_itemsize)
         out = subprocess.run([str(a.llama_bench), "-m", str(a.model), "-p", str(n_prompt), "-n", str(a.n), "-ngl",
                               "99", "-ncmoe", str(ncmoe), "-ctk", a.cache_type, "-ctv", a.cache_type, "-o", "md"],
                              capture_output=True, text=True, env=env)

@@ -6,8 +6,9 @@ Loads one engine with every layer on the GPU and switches each GPU backend's ``p
 repetitions (same weights, same KV cache size); with an expert cache a third arm also triples the
 cache's prompt group bytes (what ``Engine(gpu_prompt_q8=True)`` sets). Per arm: pp t/s of a ``-p``-token prompt in
 ``-ub`` ubatches (median and spread of ``-r`` runs after one warm-up each), the last token's logits
-against the first arm's (max |diff| relative to the logits' spread, top-1 agreement), and the pool
-memory CuPy held free after the warm-up. ``--vram-budget``/``--load-mode`` put the routed experts behind
+against the first arm's (max |diff| relative to the logits' spread, top-1 agreement), and how much
+CuPy's pool grew during the arm's warm-up prompt (started from an emptied pool: the prompt's
+transient VRAM beyond the live arrays). ``--vram-budget``/``--load-mode`` put the routed experts behind
 the expert cache as ``run`` does (the prompt then goes through the cache's prompt path).
 
     python bench/prompt_q8.py -m /tmp/q30.gguf -p 512 -r 5 [-ub 512] [--vram-budget 8GiB --load-mode pin]
@@ -71,9 +72,11 @@ def main() -> None:
         ts: dict[str, list[float]] = {arm[0]: [] for arm in arms}
         logits: dict[str, np.ndarray] = {}
         held: dict[str, int] = {}
-        for arm in arms:  # warm-up: kernels compiled, pool blocks made
+        for arm in arms:  # warm-up: kernels compiled, pool blocks made (each arm from an emptied pool)
+            pool.free_all_blocks()
+            before = pool.total_bytes()
             _, logits[arm[0]] = prompt(arm)
-            held[arm[0]] = pool.total_bytes() - pool.used_bytes()
+            held[arm[0]] = pool.total_bytes() - before
         for _ in range(a.r):  # alternated, so drift hits every arm alike
             for arm in arms:
                 ts[arm[0]].append(prompt(arm)[0])
@@ -82,8 +85,9 @@ def main() -> None:
             v = ts[name]
             d = logits[name] - ref
             print(f"{name:30s} pp{a.p}: median {statistics.median(v):8.1f} t/s (min {min(v):.1f}, max {max(v):.1f}; "
-                  f"{', '.join(f'{x:.0f}' for x in v)}); CuPy pool blocks free after the warm-up prompt "
-                  f"{held[name] >> 20} MiB; last-token logits vs the first arm: max |diff| {np.abs(d).max():.4f} "
+                  f"{', '.join(f'{x:.0f}' for x in v)}); CuPy pool grew by "
+                  f"{held[name] >> 20} MiB in its warm-up prompt; last-token logits vs the first arm: max |diff| "
+                  f"{np.abs(d).max():.4f} "
                   f"({np.abs(d).max() / float(ref.std()):.2e} of their std), top-1 "
                   f"{'equal' if logits[name].argmax() == ref.argmax() else 'DIFFERENT'}")
 

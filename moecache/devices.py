@@ -16,10 +16,27 @@ from moecache.probe import gpu_infos
 
 def gpu_memory() -> tuple[list[int], list[int], str]:
     """(free bytes, bytes already in use) of each visible CUDA device, and a reason when the lists are
-    empty (:func:`moecache.probe.gpu_infos` without measuring links; in use = total - free: this
-    process's CUDA context, which the query itself creates, and whatever else holds the device)."""
+    empty (:func:`moecache.probe.gpu_infos` without measuring links). In use = total - free - the
+    free blocks CuPy's default pool holds on the device (a new engine reuses those): this process's
+    CUDA context, which the query itself creates, live arrays, and whatever else holds the device."""
     gpus, why = gpu_infos(0, 1, full=False)
-    return [g.vram_free for g in gpus], [max(0, g.vram_total - g.vram_free) for g in gpus], why
+    cached = _pool_free_bytes(len(gpus))
+    return ([g.vram_free for g in gpus],
+            [max(0, g.vram_total - g.vram_free - c) for g, c in zip(gpus, cached)], why)
+
+
+def _pool_free_bytes(n: int) -> list[int]:
+    """Bytes of freed blocks CuPy's default memory pool keeps on each of the first ``n`` devices."""
+    if not n:
+        return []
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    out = []
+    for i in range(n):
+        with cp.cuda.Device(i):
+            out.append(int(pool.free_bytes()))
+    return out
 
 
 def gpu_free_bytes() -> tuple[list[int], str]:

@@ -337,9 +337,10 @@ def _experts_in_ram(settings: Settings, model: ModelFacts, placement: PlacementO
                     gpu_free: list[int], gpu_used: list[int], lower: int) -> tuple[bool, int]:
     """(routed experts go to host RAM, a -c lowered so that the whole model fits or 0), from the
     placement's verdict (:func:`moecache.placement.fits_whole`) at the context the run would use:
-    ``-c`` when given, else the trained context, else (a MoE model that does not fit there)
-    ``lower``, the context :func:`_big_moe_ctx` gives a big model (when the whole model fits at it,
-    it is not big: -c is lowered to it). Only a MoE model on a GPU can be "big"."""
+    ``-c`` when given, else the trained context, else (a MoE model that does not fit there) the
+    largest of 32768 (at most the trained context) and its halvings down to ``lower`` (the context
+    :func:`_big_moe_ctx` gives a big model) at which the whole model fits: -c is lowered to it, and
+    the model is not big. Only a MoE model on a GPU can be "big"."""
     if not gpu_free or not model.is_moe:
         return False, 0
     if model.sizes is None:
@@ -353,8 +354,14 @@ def _experts_in_ram(settings: Settings, model: ModelFacts, placement: PlacementO
         return not fits(settings.n_ctx or model.context_length), 0
     if fits(model.context_length):
         return False, 0
-    if model.context_length and lower < model.context_length and fits(lower):
-        return False, lower
+    if model.context_length:
+        ctx = min(32768, model.context_length)
+        while ctx >= lower:
+            if ctx < model.context_length and fits(ctx):
+                return False, ctx
+            if ctx == lower:
+                break
+            ctx = max(lower, ctx // 2)
     return True, 0
 
 

@@ -154,3 +154,17 @@ def test_twin_model_logits_move_by_the_rounding_only(tmp_path):
         lb = b.forward(toks, b.new_kv_cache(16), logits="all")
     rel = np.abs(la - lb).max() / np.abs(la).max()
     assert np.isfinite(lb).all() and 1e-5 < rel < 5e-2, rel
+
+
+def test_grouped_prompt_ok_takes_gate_and_up_of_one_8bit_format():
+    """The grouped 8-bit prompt MoE runs on experts whose gate and up share a format and whose three
+    formats all have 8-bit kernels (Q8_ACT); anything else takes the float16 GEMMs."""
+    from moecache.quants.act_q8 import grouped_prompt_ok
+    from moecache.quants.formats import FORMATS
+
+    def t(*names):
+        return tuple(FORMATS[n].ggml_type for n in names)
+
+    assert grouped_prompt_ok(t("Q4_K", "Q4_K", "Q6_K")) and grouped_prompt_ok(t("Q8_0", "Q8_0", "Q4_0"))
+    assert not grouped_prompt_ok(t("Q4_K", "Q5_K", "Q6_K"))  # gate and up differ
+    assert not grouped_prompt_ok(t("IQ4_XS", "IQ4_XS", "Q6_K")) and not grouped_prompt_ok(t("Q4_K", "Q4_K", "Q3_K"))

@@ -96,10 +96,12 @@ def _cache_arms():
 
 def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
     """bench/cache_arms.py: the static arm is the smallest --n-cpu-moe whose placement fits the
-    budget (one layer fewer on the CPU would not fit), at the arms' KV type; the table gives the
-    cache-on ratios of the same run."""
+    budget (one layer fewer on the CPU would not fit), at the arms' KV type, planned as the bench
+    child plans it (what is in use now plus the child's own CUDA context count against the budget);
+    the table gives the cache-on ratios of the same run."""
     from moecache.gguf_file import open_gguf
-    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementError, PlacementOptions, model_sizes, plan
+    from moecache.placement import (CUDA_CONTEXT_BYTES, RESERVE_BYTES, USABLE_FRACTION, PlacementError,
+                                    PlacementOptions, model_sizes, plan)
 
     arms = _cache_arms()
     with open_gguf(tiny) as m:
@@ -108,13 +110,16 @@ def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
     # a budget that holds the dense part and about half the experts
 
     need = sum(sizes.dense) + n * sizes.kv + sizes.output + sizes.token_embd
+    used = 100 << 20  # in use on the GPU now (this process's context, say)
     budget = int((RESERVE_BYTES + sizes.largest_matrix_f32 + need + sum(sizes.experts) // 2) / USABLE_FRACTION)
-    k = arms.best_static(tiny, 256, budget, 1 << 41, 2)
+    budget += used + CUDA_CONTEXT_BYTES
+    k = arms.best_static(tiny, 256, budget, 1 << 41, used, 2)
     assert 0 < k < n
 
     def fits(n_cpu):
         try:
-            plan(PlacementOptions(n_gpu_layers=99, n_cpu_moe=n_cpu, vram_budget=budget), sizes, [1 << 41])
+            plan(PlacementOptions(n_gpu_layers=99, n_cpu_moe=n_cpu, vram_budget=budget), sizes, [1 << 41],
+                 [used + CUDA_CONTEXT_BYTES])
             return True
         except PlacementError:
             return False

@@ -219,3 +219,20 @@ def test_experts_in_ram_is_what_the_placement_then_does(gpus_gib, flags):
                 assert not any(on) and placed.cache_slots, case
             else:
                 assert all(on) and placed.n_gpu_layers == 48, case
+
+
+def test_a_lowered_context_is_the_largest_at_which_the_whole_model_fits():
+    """A MoE that does not fit at its 262144-token trained context but fits whole at 32768 gets -c
+    32768, not a halving of it (the halving is the expert cache's rule for big models); one that
+    fits only at 16384 gets 16384; the plan at the resolved context keeps every expert on the GPU."""
+    from moecache.placement import fits_whole, plan
+
+    for model_gib, free_gib in ((4, 12), (14, 24)):
+        model = moe_facts(model_gib * GiB, (model_gib - 1) * GiB, 262144, 96 * 1024)
+        r = resolve(Settings(), model, Probe(HOST, (gpu(0, free_gib),)))
+        assert not r.experts_in_ram and "lowered from the trained 262144" in r.reasons["n_ctx"], (model_gib, r.reasons)
+        fits = [c for c in (32768, 16384, 8192, 4096)
+                if fits_whole(r.placement, model.sizes.with_context(c), [free_gib * GiB], [GiB])]
+        assert r.n_ctx == max(fits), (model_gib, r.n_ctx, fits)
+        placed = plan(r.placement, model.sizes.with_context(r.n_ctx), [free_gib * GiB], [GiB])
+        assert all(placed.experts_on_device)

@@ -31,7 +31,7 @@ from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH
                                    moe_prompt_groups, moe_prompt_plan)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
-from moecache.quants.act_q8 import Q8_ACT  # formats with 8-bit-activation kernels in mmvq.cu
+from moecache.quants.act_q8 import Q8_ACT, grouped_prompt_ok  # formats with 8-bit-activation kernels in mmvq.cu
 from moecache.quants.formats import FORMATS, format_for
 
 QUANT_SRC = Path(__file__).resolve().parents[1] / "quants" / "cuda" / "dequant.cu"
@@ -271,10 +271,9 @@ class CupyBackend(ArrayOps):
         if n and _is_pinned(w):
             # --load-mode pin: the experts are DMA-able where they are (a CPU gather of a layer's
             # ~90 missing experts would copy ~240 MB through the CPU first). The copies are queued on
-            # the current stream without a wait (nothing writes the weights; the kernels queued after
-            # them read the experts in order), so the host plans and queues on while the DMA runs:
-            # the expert cache's prompt groups upload scattered experts, one run each, and each run
-            # was a synchronous copy
+            # the current stream without a host wait (nothing writes the weights; the kernels queued
+            # after them read the experts in order); CuPy >= 13's set() does so without a stream
+            # argument too, the explicit stream keeps it so on any version
             with cp.cuda.Device(self.device):
                 stream = cp.cuda.get_current_stream()
                 out = cp.empty((n,) + tuple(w.shape[1:]), cp.uint8)
@@ -859,9 +858,9 @@ class CupyBackend(ArrayOps):
         every pair: h (T, n_embd) float32 C-contiguous -> float32 (T, n_embd). None (the caller takes
         the GEMM path) when gate and up differ in type, a type has no 8-bit kernel, or the groups
         exceed the grid's 65535 rows."""
-        fmt_g, fmt_u, fmt_d = (format_for(tp).name for tp in types)
-        if fmt_g != fmt_u or fmt_g not in Q8_ACT or fmt_d not in Q8_ACT:
+        if not grouped_prompt_ok(types):
             return None
+        fmt_g, fmt_d = format_for(types[0]).name, format_for(types[2]).name
         hr = routing.host()
         t, k = hr.ids.shape
         n_embd = h.shape[1]

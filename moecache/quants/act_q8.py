@@ -22,6 +22,16 @@ Q8_ACT: dict[str, tuple[int, int]] = {"Q8_0": (1, 32), "Q4_0": (1, 32), "Q4_K": 
                                       "Q6_K": (4, 256)}
 
 
+def grouped_prompt_ok(types: tuple[int, int, int]) -> bool:
+    """Whether the GPU's grouped 8-bit prompt MoE (``CupyBackend.prompt_q8``: moeq_gglu / moeq_gdown
+    of mmvq.cu) takes experts of these GGML types (gate, up, down): gate and up of one format, all
+    three in :data:`Q8_ACT`. Others take the float16 GEMMs."""
+    from moecache.quants.formats import format_for
+
+    g, u, d = (format_for(t).name for t in types)
+    return g == u and g in Q8_ACT and d in Q8_ACT
+
+
 def q8_round(x: Any) -> Any:
     """float32 (..., n), n % 32 == 0 -> float32 (..., n): each value replaced by ``q * d`` of its
     32-value unit (the module's rule). Works on numpy and CuPy arrays.
