@@ -850,10 +850,10 @@ class CupyBackend(ArrayOps):
     def _moe_prompt_grouped(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray | None:
         """The prompt MoE with 8-bit activations, grouped by expert (``prompt_q8``; llama.cpp's MMQ
         idea of reading quantized weights directly, as MMVQ-style kernels: our own code): the pairs
-        sorted by expert (:func:`moe_prompt_groups`), h's rows gathered in that order and quantized
-        once (quantize_q8), ``moeq_gglu`` reads each expert's gate and up rows once per group of up
+        sorted by expert (:func:`moe_prompt_groups`), h quantized (quantize_q8) and its quants gathered
+        in that order, ``moeq_gglu`` reads each expert's gate and up rows once per group of up
         to DECODE_MAX_TOKENS rows, the gated activations are quantized, ``moeq_gdown`` likewise, and
-        ``moe_combine`` sums each token's k rows with its weights: 6 launches and one upload a layer,
+        ``moe_combine`` sums each token's k rows with its weights: 8 launches and one upload a layer,
         no dequantized weights. The arithmetic of the decode kernels (moeq_glu / moeq_down) for
         every pair: h (T, n_embd) float32 C-contiguous -> float32 (T, n_embd). None (the caller takes
         the GEMM path) when gate and up differ in type, a type has no 8-bit kernel, or the groups
@@ -879,8 +879,10 @@ class CupyBackend(ArrayOps):
         grp = idx[2 * p + t + 1:2 * p + t + 1 + 3 * n_g]
         wts = (cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1) if w_host is None
                else idx[idx.size - p:].view(cp.float32))
-        h = cp.ascontiguousarray(h, dtype=cp.float32)
-        xq, xd, xs = self._quantize_rows(cp.take(h, tok_rows, axis=0))  # (P, n_embd): row i = pair i's token
+        # h quantized once (T rows), its quants gathered in pair order: row i = pair i's token (the
+        # same values as quantizing the gathered float rows, a k-th of the work, a quarter of the bytes)
+        xq, xd, xs = (cp.take(q, tok_rows, axis=0)
+                      for q in self._quantize_rows(cp.ascontiguousarray(h, dtype=cp.float32)))
         a = cp.empty((p, ff), cp.float32)
         lpr = lanes_per_row(n_embd, fmt_g)
         rpb = 32 * MMVQ_WARPS // lpr
