@@ -77,7 +77,8 @@ MoeCacheOpt = Annotated[Optional[str], typer.Option("--moe-cache", help="Expert 
                                                     "(default when the model does not fit), 0 = off, or at most this "
                                                     "size (12GB, 8GiB, 8000 = MiB).")]
 VramBudgetOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Use at most this much of each GPU "
-                                                      "(e.g. 8GiB, 12GB, 12000 = MiB): emulates a smaller card.")]
+                                                      "(e.g. 8GiB, 12GB, 12000 = MiB): emulates a smaller card; "
+                                                      "memory already in use on it (the CUDA context) counts.")]
 MoeWindowOpt = Annotated[Optional[int], typer.Option("--moe-cache-window", min=1, max=INT32_MAX, help="Tokens of expert-usage history the cache "
                                            "policy weighs (default 64).")]
 MoeStatsOpt = Annotated[int, typer.Option("--moe-cache-stats", min=-1, max=INT32_MAX, help="Print the cache's hit rate and uploads every N "
