@@ -839,12 +839,8 @@ class CupyBackend(ArrayOps):
             run_gemm(up_in, self._deq_experts(up, types[1], e_dev, n_embd, scratch), xp_, uu)
             a = self.glu(gg, uu, act).astype(dt, copy=False)
             run_gemm(down_in, self._deq_experts(down, types[2], e_dev, ff, scratch), a, y_rows[y_at:y_at + n_c * m])
-        out = cp.empty((t, n_embd), cp.float32)
         at = n_e + n_r
-        self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, t), (THREADS,),
-                                (y_rows, idx[at:at + t * k], wts, idx[at + t * k:at + t * k + t + 1],
-                                 out, np.int32(t), _i64(n_embd)))
-        return out
+        return self._combine(y_rows, idx[at:at + t * k], wts, idx[at + t * k:at + t * k + t + 1], t)
 
 
     def _moe_prompt_grouped(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray | None:
@@ -897,9 +893,19 @@ class CupyBackend(ArrayOps):
         self._fn("moeq_gdown_" + SUFFIX[fmt_d])(
             ((n_embd + rpb - 1) // rpb, n_g), (32 * MMVQ_WARPS,),
             (down, grp, aq, ad, as_, y_rows, _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), np.int32(lpr)))
+        return self._combine(y_rows, pair_rows, wts, starts, t)
+
+    def _combine(self, y_rows: cp.ndarray, pair_rows: cp.ndarray, wts: cp.ndarray, starts: cp.ndarray,
+                 t: int) -> cp.ndarray:
+        """``moe_combine``: out[i] = sum over pairs p in starts[i] .. starts[i + 1] of wts[p] *
+        y_rows[pair_rows[p]], float32 (t, n_embd); a launch per 65535 tokens (the grid's y limit),
+        each given its tokens' slice of ``starts`` and of the output."""
+        n_embd = y_rows.shape[1]
         out = cp.empty((t, n_embd), cp.float32)
-        self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, t), (THREADS,),
-                                (y_rows, pair_rows, wts, starts, out, np.int32(t), _i64(n_embd)))
+        for t0 in range(0, t, 65535):
+            n = min(65535, t - t0)
+            self._fn("moe_combine")(((n_embd + THREADS - 1) // THREADS, n), (THREADS,),
+                                    (y_rows, pair_rows, wts, starts[t0:], out[t0:], np.int32(n), _i64(n_embd)))
         return out
 
 
