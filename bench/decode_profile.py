@@ -15,7 +15,7 @@ expert cache, as ``run --vram-budget`` does (``--load-mode``: how the host exper
 Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
 
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 -d 0 -n 32 [--modes graph,eager] [--json out.json]
-    python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 --prefill 512 -n 2 [--vram-budget 8192 --load-mode pin]
+    python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 --prefill 512 -n 2 [--vram-budget 8192 --load-mode pin] [--prompt-q8]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile -n prompts of this many tokens instead")
     ap.add_argument("--vram-budget", type=int, default=0, help="MiB per GPU (0: none): experts in host RAM")
     ap.add_argument("--load-mode", default="mmap", help="mmap or pin (host experts)")
+    ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
                          "print its top N functions by own time")
@@ -73,7 +74,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     cfg = EngineConfig(n_ctx=a.c, n_ubatch=a.ub, n_batch=max(a.ub, 2048), cache_type=a.ctk)
     placement = PlacementOptions(n_gpu_layers=99, vram_budget=a.vram_budget << 20)
-    with Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode) as eng:
+    with Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode,
+                gpu_prompt_q8=a.prompt_q8) as eng:
         vocab = eng.gguf.config.n_vocab
         results = []
         graph = eng.model.decode_graph
