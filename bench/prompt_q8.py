@@ -4,7 +4,8 @@ quantized rows read in place once per group of up to 16 tokens, activations roun
 
 Loads one engine with every layer on the GPU and switches each GPU backend's ``prompt_q8`` between
 repetitions (same weights, same KV cache size); with an expert cache a third arm also triples the
-cache's prompt group bytes (what ``Engine(gpu_prompt_q8=True)`` sets). Per arm: pp t/s of a ``-p``-token prompt in
+cache's prompt group bytes (fewer, larger groups: fewer launches, more VRAM at once; the pieces and
+their concatenation are both held). Per arm: pp t/s of a ``-p``-token prompt in
 ``-ub`` ubatches (median and spread of ``-r`` runs after one warm-up each), the last token's logits
 against the first arm's (max |diff| relative to the logits' spread, top-1 agreement), and how much
 CuPy's pool grew during the arm's warm-up prompt (started from an emptied pool: the prompt's
@@ -53,7 +54,7 @@ def main() -> None:
         print(f"{len(bes)} GPU backend(s); prompt {a.p} tokens, -ub {a.ub}")
 
         arms = [("float16 GEMMs", False, 1), ("grouped 8-bit", True, 1)]
-        if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group (what the engine gives gpu_prompt_q8)
+        if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
             arms.append(("grouped 8-bit, 3x group bytes", True, 3))
         base_group = {id(c): c.prompt_group_bytes for c in eng.caches}
 

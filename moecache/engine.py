@@ -27,12 +27,10 @@ from moecache.devices import gpu_memory, make_backends
 from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
 from moecache.models.base import expert_weights
-from moecache.moe import cache as moe_cache
 from moecache.moe.cache import CachedExperts
 from moecache.moe.executor import placed_experts
 from moecache.moe.policy import CachePolicy, PolicyConfig
 from moecache.placement import CPU, Placement, PlacementOptions, model_sizes, plan
-from moecache.quants.act_q8 import grouped_prompt_ok
 from moecache.sampling import Sampler
 from moecache.settings import LOAD_MODES
 from moecache.tokenizer import Tokenizer
@@ -297,12 +295,8 @@ class Engine:
             layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
             if self.stage_misses and slots > 4 * c.n_expert_used:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
-            # the grouped 8-bit prompt MoE holds no dequantized weights (~256 MiB less at once than
-            # the float16 GEMMs): where it runs, prompt ubatches bring 3x the experts per group
-            grouped = self.gpu_act_q8 and self.gpu_prompt_q8 and all(grouped_prompt_ok(e.types) for e in layers.values())
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
-                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
-                                  prompt_group_bytes=3 * moe_cache.PROMPT_GROUP_BYTES if grouped else None)
+                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")
