@@ -39,12 +39,6 @@ def _pool_free_bytes(n: int) -> list[int]:
     return out
 
 
-def gpu_free_bytes() -> tuple[list[int], str]:
-    """Free memory of each visible CUDA device in bytes, and a reason when the list is empty."""
-    free, _, why = gpu_memory()
-    return free, why
-
-
 def gpu_name(device: int) -> str:
     """The CUDA device's name (for notes)."""
     import cupy as cp

@@ -842,7 +842,6 @@ class CupyBackend(ArrayOps):
         at = n_e + n_r
         return self._combine(y_rows, idx[at:at + t * k], wts, idx[at + t * k:at + t * k + t + 1], t)
 
-
     def _moe_prompt_grouped(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray | None:
         """The prompt MoE with 8-bit activations, grouped by expert (``prompt_q8``; llama.cpp's MMQ
         idea of reading quantized weights directly, as MMVQ-style kernels: our own code): the pairs
