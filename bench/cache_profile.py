@@ -128,10 +128,7 @@ def decode_args(ap: argparse.ArgumentParser, routing: str, n: int) -> None:
 
 def main() -> None:
     from moecache.sizes import parse_size
-    from moecache.engine import Engine, EngineConfig
     from moecache.benchmark import release_gpu_memory
-    from moecache.moe.policy import PolicyConfig
-    from moecache.moe.routing_process import make_routing
     from moecache.placement import PlacementOptions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,29 +149,9 @@ def main() -> None:
     first_kv = a.cache_type.split(",")[0]
     arms.append((f"all in VRAM, KV {first_kv}", PlacementOptions(), "mmap", False, first_kv))
     for label, opts, mode, stage, kv in arms:
-        with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t, cache_type=kv), placement=opts, load_mode=mode,
-                    policy_config=PolicyConfig(adaptive=True), stage_misses=stage) as eng:
-            c = eng.gguf.config
-            eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
-            rng = np.random.default_rng(0)
-            if stage and not all(cc.scratch is not None for cc in eng.caches):
-                label += " (staging unavailable: direct reads)"
-            res = profile(eng, a.n, a.warmup, rng)
-            label += f" ({sum(cc.policy.n_slots for cc in eng.caches)} slots)" if eng.caches else ""
-            hits = [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]
-            rows.append((label, res, hits))
-            for cap in (float(x) for x in a.upload_caps.split(",") if x) if eng.caches else ():
-                # a fixed upload budget (0: uploads frozen, the misses' own cost)
-                for cc in eng.caches:
-                    cc.flush()  # the adaptive run's last pass is accounted under its own budget
-                    cc.policy.uploads_per_token = cap
-                    cc.policy.credit = 0.0
-                    cc.policy.cfg = PolicyConfig(**{**cc.policy.cfg.__dict__, "adaptive": False, "burst": cap,
-                                                    "uploads_per_token": cap})
-                res = profile(eng, a.n, 0, rng)
-                rows.append((label + (", uploads frozen" if cap == 0 else f", <= {cap:g} uploads/token"), res,
-                             [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
-        del eng  # the next arm pins the model again: give this one's pinned RAM back first
+        # one function call per arm: none of its objects outlive it (a loop variable of main's scope
+        # kept the first arm's expert cache alive, and the staged arm, planned after it, got 40 slots)
+        rows.extend(_run_arm(a, label, opts, mode, stage, kv))
         release_gpu_memory()
     print(f"# Decode time per token: {a.model.name}, --routing {a.routing}, -c {a.c}\n")
     print("| engine | t/s | wall ms | GPU replay ms | feed ms | ahead ms | begin ms | flush ms | end ms | hit rate | "
@@ -185,6 +162,42 @@ def main() -> None:
         up = ", ".join(f"{u:.2f}" for _, u in hits) or "-"
         print(f"| {label} | {1e3 / r['wall']:.1f} | {r['wall']:.2f} | {r['gpu']:.2f} | {r['draw']:.2f} | {r['ahead']:.2f} | "
               f"{r['begin']:.2f} | {r['flush']:.2f} | {r['end']:.2f} | {hr} | {up} |")
+
+
+def _run_arm(a: argparse.Namespace, label: str, opts: Any, mode: str, stage: bool, kv: str) -> list[tuple]:
+    """One engine: its adaptive run, then one run per upload cap. Returns the table rows."""
+    from moecache.devices import gpu_memory
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe.policy import PolicyConfig
+    from moecache.moe.routing_process import make_routing
+
+    if opts.vram_budget:
+        _, used, _ = gpu_memory()
+        print(f"note: {label}: {used[0] / 2**20:.0f} MiB in use on GPU 0 before loading (counted against the "
+              f"budget)" if used else f"note: {label}: no GPU", flush=True)
+    rows = []
+    with Engine(a.model, EngineConfig(n_ctx=a.c, n_threads=a.t, cache_type=kv), placement=opts, load_mode=mode,
+                policy_config=PolicyConfig(adaptive=True), stage_misses=stage) as eng:
+        c = eng.gguf.config
+        eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
+        rng = np.random.default_rng(0)
+        if stage and not all(cc.scratch is not None for cc in eng.caches):
+            label += " (staging unavailable: direct reads)"
+        res = profile(eng, a.n, a.warmup, rng)
+        label += f" ({sum(cc.policy.n_slots for cc in eng.caches)} slots)" if eng.caches else ""
+        rows.append((label, res, [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
+        for cap in (float(x) for x in a.upload_caps.split(",") if x) if eng.caches else ():
+            # a fixed upload budget (0: uploads frozen, the misses' own cost)
+            for cc in eng.caches:
+                cc.flush()  # the adaptive run's last pass is accounted under its own budget
+                cc.policy.uploads_per_token = cap
+                cc.policy.credit = 0.0
+                cc.policy.cfg = PolicyConfig(**{**cc.policy.cfg.__dict__, "adaptive": False, "burst": cap,
+                                                "uploads_per_token": cap})
+            res = profile(eng, a.n, 0, rng)
+            rows.append((label + (", uploads frozen" if cap == 0 else f", <= {cap:g} uploads/token"), res,
+                         [(cc.stats.hit_rate, cc.stats.uploads / max(1, cc.stats.tokens)) for cc in eng.caches]))
+    return rows
 
 
 if __name__ == "__main__":
