@@ -13,6 +13,13 @@ transient VRAM beyond the live arrays). ``--vram-budget``/``--load-mode`` put th
 the expert cache as ``run`` does (the prompt then goes through the cache's prompt path).
 
     python bench/prompt_q8.py -m /tmp/q30.gguf -p 512 -r 5 [-ub 512] [--vram-budget 8GiB --load-mode pin]
+
+``--ab prefetch`` compares instead, with every routed expert in host RAM (``--cpu-moe``, the
+``pinned-*`` cases of ``../shared/vs-llamacpp.md``), the op offload that copies each layer's used
+experts before computing them against ``Engine(prefetch_experts=True)``, which copies the next
+layer's experts on a copy stream while the current layer computes (``moecache/moe/prefetch.py``):
+
+    python bench/prompt_q8.py -m /tmp/q30.gguf --ab prefetch --load-mode pin -p 2048 -ub 2048 -r 3
 """
 
 from __future__ import annotations
@@ -42,27 +49,45 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5, help="timed prompts per path")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--load-mode", default="mmap")
+    ap.add_argument("--ab", choices=("q8", "prefetch"), default="q8",
+                    help="q8: float16 GEMMs vs the grouped 8-bit kernels; prefetch: --cpu-moe op offload "
+                         "without and with the next layer's experts copied during the current one")
     a = ap.parse_args()
-    opts = PlacementOptions(n_gpu_layers=99) if a.vram_budget is None else \
-        PlacementOptions(vram_budget=parse_size(a.vram_budget, "--vram-budget"))
+    prefetch = a.ab == "prefetch"
+    if prefetch:
+        opts = PlacementOptions(n_gpu_layers=99, cpu_moe=True)
+    elif a.vram_budget is None:
+        opts = PlacementOptions(n_gpu_layers=99)
+    else:
+        opts = PlacementOptions(vram_budget=parse_size(a.vram_budget, "--vram-budget"))
     cfg = EngineConfig(n_ctx=a.p + 16, n_batch=max(a.p, a.ub), n_ubatch=a.ub)
     rng = np.random.default_rng(0)
     pool = cp.get_default_memory_pool()
-    with Engine(a.model, cfg, placement=opts, load_mode=a.load_mode, log=print) as eng:
+    with Engine(a.model, cfg, placement=opts, load_mode=a.load_mode, log=print, prefetch_experts=prefetch) as eng:
         toks = rng.integers(0, eng.gguf.config.n_vocab, a.p)
         bes = {id(b): b for b in eng.model.layer_be if hasattr(b, "prompt_q8")}
         print(f"{len(bes)} GPU backend(s); prompt {a.p} tokens, -ub {a.ub}")
+        host = [e for e in eng.model.experts.executors.values() if getattr(e, "prefetch", None) is not None]
+        shared = host[0].prefetch if host else None
+        if prefetch and shared is None:
+            raise SystemExit("--ab prefetch: no host-expert layer offloads its prompts to a GPU here")
 
-        arms = [("float16 GEMMs", False, 1), ("grouped 8-bit", True, 1)]
-        if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
-            arms.append(("grouped 8-bit, 3x group bytes", True, 3))
+        # (name, grouped 8-bit, cache group bytes factor, next layer prefetched)
+        if prefetch:
+            arms = [("op offload", False, 1, False), ("prefetch next layer", False, 1, True)]
+        else:
+            arms = [("float16 GEMMs", False, 1, False), ("grouped 8-bit", True, 1, False)]
+            if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
+                arms.append(("grouped 8-bit, 3x group bytes", True, 3, False))
         base_group = {id(c): c.prompt_group_bytes for c in eng.caches}
 
-        def prompt(arm: tuple[str, bool, int]) -> tuple[float, np.ndarray]:
+        def prompt(arm: tuple[str, bool, int, bool]) -> tuple[float, np.ndarray]:
             for b in bes.values():
                 b.prompt_q8 = arm[1]
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
+            for e in host:
+                e.prefetch = shared if arm[3] else None
             eng.reset()
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
@@ -81,8 +106,11 @@ def main() -> None:
         for _ in range(a.r):  # alternated, so drift hits every arm alike
             for arm in arms:
                 ts[arm[0]].append(prompt(arm)[0])
+        if prefetch:
+            print(f"prefetch: {shared.started} uploads begun, {shared.used} used, {shared.dropped} dropped, "
+                  f"{shared.bytes / 2**30:.1f} GiB")
         ref = logits[arms[0][0]]
-        for name, _, _ in arms:
+        for name, *_ in arms:
             v = ts[name]
             d = logits[name] - ref
             print(f"{name:30s} pp{a.p}: median {statistics.median(v):8.1f} t/s (min {min(v):.1f}, max {max(v):.1f}; "

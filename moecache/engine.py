@@ -174,7 +174,13 @@ class Engine:
         gpu_prompt_q8: with ``gpu_act_q8``, the GPU's prompt MoE (ubatches of more than 16 tokens)
             rounds activations to int8 too and reads the quantized experts in place, grouped by
             expert (``CupyBackend.prompt_q8``), instead of float16 tensor-core GEMMs of dequantized
-            experts; off by default until measured on a GPU (``bench/prompt_q8.py``).
+            experts; off by default: it measured slower on the H200 (``bench/prompt_q8.py``,
+            ``bench/results/prompt-q8-h200.md``).
+        prefetch_experts: prompt ubatches whose routed experts stay in host RAM (``--cpu-moe``,
+            ``--n-cpu-moe``; op offload) copy the next such layer's experts to the GPU on a copy
+            stream while the current layer computes (:mod:`moecache.moe.prefetch`; page-locked
+            weights only, ``--load-mode pin``); one more layer of experts in VRAM during a prompt.
+            Off by default until measured on a GPU (``bench/prompt_q8.py --ab prefetch``).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -187,7 +193,7 @@ class Engine:
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
                  policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True,
-                 batch_graph: bool = True, gpu_prompt_q8: bool = False):
+                 batch_graph: bool = True, gpu_prompt_q8: bool = False, prefetch_experts: bool = False):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -205,6 +211,7 @@ class Engine:
         self.stage_misses = stage_misses
         self.gpu_act_q8 = gpu_act_q8
         self.gpu_prompt_q8 = gpu_prompt_q8
+        self.prefetch_experts = prefetch_experts
         try:
             if load_mode not in LOAD_MODES:
                 raise ValueError(f"load_mode must be {' or '.join(LOAD_MODES)}, got {load_mode!r}")
@@ -288,7 +295,9 @@ class Engine:
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,
-                                 bes[pl.prompt_gpu] if pl.prompt_gpu is not None else None)
+                                 bes[pl.prompt_gpu] if pl.prompt_gpu is not None else None,
+                                 # with an expert cache its own prompt path copies the host experts
+                                 self.prefetch_experts and not pl.cache_slots)
         self.caches = []
         c = self.gguf.config
         for g, slots in pl.cache_slots:

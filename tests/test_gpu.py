@@ -941,6 +941,42 @@ def test_pinned_weights_give_the_same_logits(gpu, tmp_path):
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
+@pytest.mark.parametrize("load_mode", ["pin", "mmap"])
+def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_mode):
+    """Engine(prefetch_experts=True) with --cpu-moe: each offloaded prompt ubatch copies the next
+    layer's experts on the copy stream while the current layer computes (moecache/moe/prefetch.py).
+    Three 40-token ubatches and decode steps give the CPU's logits and the plain offload's; with
+    pinned weights every layer after the first computes from the upload begun during the layer
+    before; a mapped file cannot be copied asynchronously and uploads as before."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, P["tiny"], seed=14)
+    tokens = np.random.default_rng(15).integers(0, 200, 124)
+    cfg = EngineConfig(n_ctx=160, n_batch=120, n_ubatch=40)
+    opts = PlacementOptions(cpu_moe=True)
+    outs = {}
+    with Engine(path, cfg) as c:
+        ref = np.vstack([c.eval(tokens[:120], logits="all")] + [c.eval(tokens[i:i + 1]) for i in range(120, 124)])
+    for prefetch in (False, True):
+        with Engine(path, cfg, placement=opts, load_mode=load_mode, gpu_act_q8=False, prefetch_experts=prefetch) as g:
+            outs[prefetch] = np.vstack([g.eval(tokens[:120], logits="all")]
+                                       + [g.eval(tokens[i:i + 1]) for i in range(120, 124)])
+            shared = {id(e.prefetch): e.prefetch for e in g.model.experts.executors.values()
+                      if getattr(e, "prefetch", None) is not None}
+            n_host = sum(1 for e in g.model.experts.executors.values() if hasattr(e, "offloaded_bytes"))
+    assert len(shared) == 1 and n_host >= 2
+    pf = next(iter(shared.values()))
+    print(f"{load_mode}: started {pf.started}, used {pf.used}, dropped {pf.dropped}, {pf.bytes} B")
+    assert pf.started == pf.used == (3 * (n_host - 1) if load_mode == "pin" else 0) and pf.dropped == 0
+    for got in outs.values():
+        assert np.isfinite(got).all() and np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 

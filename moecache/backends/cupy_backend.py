@@ -131,6 +131,13 @@ class _SlotCopy:
         return False
 
 
+class _Upload:
+    """A whole-array upload on the copy stream: the device arrays and the copy's completion event."""
+
+    def __init__(self, arrays: tuple[cp.ndarray, ...], event: cp.cuda.Event):
+        self.arrays, self.event = arrays, event
+
+
 def _pinned_bytes(nbytes: int) -> np.ndarray:
     """A uint8 (nbytes,) host array in page-locked memory (CuPy's pinned pool)."""
     import cupyx
@@ -293,15 +300,47 @@ class CupyBackend(ArrayOps):
 
             return staged_gather_upload(self._staging, w, used, _gather_rows, copy_async)
 
+    def _copies(self) -> cp.cuda.Stream:
+        """This GPU's copy stream (made on first use; call with the device current)."""
+        if self._copy_stream is None:
+            self._copy_stream = cp.cuda.Stream(non_blocking=True)
+        return self._copy_stream
+
+    def start_upload(self, ws: tuple[np.ndarray, ...]) -> "_Upload | None":
+        """Begin copying whole page-locked host arrays ``ws`` (a layer's stacked experts, uint8) to
+        this GPU on its copy stream, so that the copy runs while the compute stream works (the next
+        host-expert layer of a prompt while this one computes: :mod:`moecache.moe.prefetch`).
+        :meth:`finish_upload` makes the compute stream wait for it and gives the arrays. None when
+        a source is not page-locked (``--load-mode mmap``: an asynchronous copy needs pinned
+        memory; the caller uploads as before).
+
+        The arrays are allocated on the compute stream (CuPy's pool is per stream), and the copy
+        waits for the compute stream's work queued so far: the memory may have been freed by
+        arrays that kernels queued before still read."""
+        if not all(_is_pinned(w) for w in ws):
+            return None
+        with cp.cuda.Device(self.device):
+            cs = self._copies()
+            outs = tuple(cp.empty(w.shape, cp.uint8) for w in ws)
+            cs.wait_event(cp.cuda.get_current_stream().record())
+            for o, w in zip(outs, ws):
+                o.set(w, stream=cs)
+            return _Upload(outs, cs.record())
+
+    def finish_upload(self, up: "_Upload") -> tuple[cp.ndarray, ...]:
+        """The arrays of :meth:`start_upload`; the work queued after this on the compute stream runs
+        once the copy has completed (no host wait)."""
+        with cp.cuda.Device(self.device):
+            cp.cuda.get_current_stream().wait_event(up.event)
+        return up.arrays
+
     def start_slot_copy(self, dsts: tuple[cp.ndarray, ...], slot: int, srcs: tuple[np.ndarray, ...]) -> "_SlotCopy":
         """Copy host ``srcs[i]`` into ``dsts[i][slot]`` on this GPU's copy stream, asynchronously; the
         copy waits for the work already queued on the compute stream (a kernel may still read the
         slot's previous expert). Pageable sources go through pinned buffers from CuPy's pinned pool.
         ``done()`` of the result says when the slot may be read."""
         with cp.cuda.Device(self.device):
-            if self._copy_stream is None:
-                self._copy_stream = cp.cuda.Stream(non_blocking=True)
-            cs = self._copy_stream
+            cs = self._copies()
             cs.wait_event(cp.cuda.get_current_stream().record())
             keep = []
             for dst, src in zip(dsts, srcs):

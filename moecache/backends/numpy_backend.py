@@ -92,6 +92,18 @@ class NumpyBackend(ArrayOps):
         """``w[used]`` of stacked experts as this backend keeps them (a host copy here)."""
         return np.take(w, used, axis=0)
 
+    def start_upload(self, ws: tuple[np.ndarray, ...]) -> "TwinUpload | None":
+        """Begin copying whole host arrays ``ws`` (a layer's stacked experts, uint8) to this backend;
+        :meth:`finish_upload` gives them. The CPU twin of the GPU's copy-stream upload: the arrays
+        it will give are filled with 0xFF bytes (NaN scales) until then, so a caller that reads
+        them before :meth:`finish_upload` gets NaNs, as it could read half-copied bytes on the
+        GPU."""
+        return TwinUpload(ws)
+
+    def finish_upload(self, up: "TwinUpload") -> tuple[np.ndarray, ...]:
+        """The arrays of :meth:`start_upload`, ready to read."""
+        return up.finish()
+
     def start_slot_copy(self, dsts: tuple[np.ndarray, ...], slot: int, srcs: tuple[np.ndarray, ...]) -> "TwinCopy":
         """Copy ``srcs[i]`` into ``dsts[i][slot]`` (an expert into a cache slot). The CPU twin of the
         GPU's asynchronous copy: the slot holds garbage (0xFF bytes: NaN scales) from the start and
@@ -288,3 +300,19 @@ class TwinCopy:
                 d[self.slot] = s
             self.srcs = None
         return True
+
+
+class TwinUpload:
+    """A whole-array upload in flight (see :meth:`NumpyBackend.start_upload`): its arrays hold 0xFF
+    bytes until :meth:`finish`."""
+
+    def __init__(self, ws: tuple[np.ndarray, ...]):
+        self.srcs = ws
+        self.arrays = tuple(np.full(w.shape, 0xFF, np.uint8) for w in ws)
+
+    def finish(self) -> tuple[np.ndarray, ...]:
+        if self.srcs is not None:
+            for d, s in zip(self.arrays, self.srcs):
+                d[...] = s
+            self.srcs = None
+        return self.arrays

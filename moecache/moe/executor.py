@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from moecache.moe.prefetch import LayerPrefetch
 from moecache.moe.routing import Routing
 from moecache.quants import cpu
 
@@ -66,19 +67,24 @@ class CPUExperts:
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None,
-                 offload_backend: Any = None):
+                 offload_backend: Any = None, prefetch: LayerPrefetch | None = None):
         self.layers = layers
         self.backend = backend
         self.offload_min_batch = offload_min_batch
         self.offload_backend = offload_backend if offload_backend is not None else backend
         self.offloaded_bytes = 0  # expert bytes copied to the backend so far (op offload)
+        # offloaded ubatches: the next host-expert layer's experts copied while this one computes
+        # (shared by the layers of a placement); None = each layer copies its own used experts
+        self.prefetch = prefetch
 
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
         r = routing.host()
         be = self.backend
         if be is not None and self.offload_min_batch is not None and r.ids.shape[0] >= self.offload_min_batch:
-            return self._offload(e, h, r)
+            return self._offload(il, e, h, r)
+        if self.prefetch is not None:
+            self.prefetch.drop()  # a ubatch computed here never reaches an upload's layer
         hh = np.ascontiguousarray(be.to_host(h) if be is not None else h, dtype=np.float32)
         out = self.compute_host(il, hh, r, np.zeros((hh.shape[0], e.down.shape[1]), np.float32))
         return be.asarray(out) if be is not None else out
@@ -95,16 +101,23 @@ class CPUExperts:
         act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
         return cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h, out=out, act=act)
 
-    def _offload(self, e: ExpertWeights, h: Any, r: Routing) -> Any:
+    def _offload(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         ob = self.offload_backend
-        used = np.unique(r.ids)
         moved = ob is not self.backend
         if moved:
             ob.activate()
             h = ob.adopt(h)
-        parts = [ob.upload_experts(w, used) for w in (e.gate, e.up, e.down)]
-        self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
-        local = Routing(np.searchsorted(used, r.ids).astype(np.int32), r.weights)
+        whole = self.prefetch.take(il) if self.prefetch is not None else None
+        if whole is not None:  # every expert of the layer, copied while the layer before computed
+            parts, local = list(whole), Routing(np.ascontiguousarray(r.ids, dtype=np.int32), r.weights)
+            self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
+        else:
+            used = np.unique(r.ids)
+            parts = [ob.upload_experts(w, used) for w in (e.gate, e.up, e.down)]
+            self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
+            local = Routing(np.searchsorted(used, r.ids).astype(np.int32), r.weights)
+        if self.prefetch is not None:
+            self.prefetch.start_after(il, r.ids.size)  # queued before this layer's compute: they overlap
         out = ob.moe_ffn(*parts, e.types, local, h, e.act)
         if moved:
             self.backend.activate()
@@ -160,17 +173,26 @@ class ExpertsByLayer:
 
 def placed_experts(layers: dict[int, ExpertWeights], on_device: list[bool] | tuple[bool, ...],
                    layer_backends: list[Any], offload_min_batch: int | None,
-                   offload_backend: Any = None) -> ExpertsByLayer:
+                   offload_backend: Any = None, prefetch: bool = False) -> ExpertsByLayer:
     """The executor of a placement: each MoE layer's experts resident on its backend
     (:class:`DeviceExperts`) where ``on_device[il]``, else in host RAM (:class:`CPUExperts`, op
     offload from ``offload_min_batch`` tokens to ``offload_backend``, default the layer's GPU;
-    never on a CPU layer)."""
+    never on a CPU layer). With ``prefetch`` the host-expert GPU layers share one
+    :class:`~moecache.moe.prefetch.LayerPrefetch`: an offloaded ubatch copies the next such layer's
+    experts while the current one computes."""
     ex: dict[int, ExpertExecutor] = {}
+    host: dict[int, tuple[ExpertWeights, Any]] = {}
     for il, e in layers.items():
         be = layer_backends[il]
         if on_device[il]:
             ex[il] = DeviceExperts({il: e}, be)
         else:
-            ex[il] = CPUExperts({il: e}, be, offload_min_batch if be.device is not None else None,
-                                offload_backend if be.device is not None else None)
+            gpu = be.device is not None
+            ex[il] = CPUExperts({il: e}, be, offload_min_batch if gpu else None, offload_backend if gpu else None)
+            if gpu and offload_min_batch is not None:
+                host[il] = (e, ex[il].offload_backend)
+    if prefetch and host:
+        shared = LayerPrefetch(host)
+        for il in host:
+            ex[il].prefetch = shared
     return ExpertsByLayer(ex)

@@ -1,0 +1,100 @@
+"""The next host-expert layer's experts on their way to the GPU while this layer computes.
+
+A prompt ubatch whose routed experts stay in host RAM (``--cpu-moe``, ``--n-cpu-moe``) copies the
+experts it uses to the GPU, layer by layer (op offload, :class:`~moecache.moe.executor.CPUExperts`).
+Without this module the copy and the compute of a layer run one after the other on one stream: on
+the H200 machine an 8 GiB prompt spent 574 of its 1029 µs per token in host-to-device copies, none
+of them overlapped (``bench/results/prompt-q8-h200.md``). The next layer's routing is unknown until
+its router runs, but a ubatch of T tokens with k experts each uses nearly every expert of a layer
+once T * k is a few times the layer's experts (1 - exp(-T * k / n_expert) of them under uniform
+routing): so while layer il computes, all of layer il+1's experts are copied on the GPU's copy
+stream, and layer il+1 computes from them without a copy of its own. The cost: one more layer of
+experts in VRAM during the prompt, and the bytes of the experts the ubatch does not use.
+
+:class:`LayerPrefetch` is shared by the host-expert layers of a placement (one upload in flight at
+a time); the backends' ``start_upload`` / ``finish_upload`` do the copying (the CPU twin's arrays
+hold NaN bytes until finished, so a use before the copy shows in the CPU tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moecache.moe.executor import ExpertWeights
+
+# prefetch when a ubatch's (token, expert) pairs are at least this many times the experts of a
+# layer: under uniform routing 1 - exp(-2) = 86% of them are then used
+MIN_PAIRS_PER_EXPERT = 2
+
+
+@dataclass
+class _Flight:
+    layer: int
+    upload: Any  # the backend's handle (start_upload)
+    backend: Any
+
+
+class LayerPrefetch:
+    """Copies the next host-expert layer's experts to its GPU during the current layer's compute.
+
+    Args:
+        layers: layer index -> (its host experts, the backend its offloaded ubatches run on); the
+            layers whose prompt ubatches copy their experts to a GPU.
+        min_pairs_per_expert: prefetch only for ubatches with at least this many (token, expert)
+            pairs per expert of the next layer.
+
+    Attributes:
+        started, used, dropped: uploads begun, uploads a layer computed from, uploads discarded (the
+            next call was not the layer they were for, or a ubatch too small to offload).
+        bytes: expert bytes copied by the uploads begun.
+    """
+
+    def __init__(self, layers: dict[int, tuple[ExpertWeights, Any]],
+                 min_pairs_per_expert: float = MIN_PAIRS_PER_EXPERT):
+        self.layers = layers
+        self.order = sorted(layers)
+        self._next = {il: nxt for il, nxt in zip(self.order, self.order[1:])}
+        self.min_pairs_per_expert = min_pairs_per_expert
+        self._flight: _Flight | None = None
+        self.started = self.used = self.dropped = 0
+        self.bytes = 0
+
+    def take(self, il: int) -> tuple[Any, Any, Any] | None:
+        """Layer ``il``'s experts (gate, up, down), whole stacks on its offload backend, if an upload of
+        them is in flight; None otherwise. Any other upload in flight is dropped (its arrays are
+        released once the work queued before is done)."""
+        f, self._flight = self._flight, None
+        if f is None:
+            return None
+        if f.layer != il:
+            self.dropped += 1
+            return None
+        self.used += 1
+        return f.backend.finish_upload(f.upload)
+
+    def start_after(self, il: int, n_pairs: int) -> bool:
+        """Begin the upload of the host-expert layer after ``il`` (in layer order) for a ubatch of
+        ``n_pairs`` (token, expert) pairs; call it before queueing layer ``il``'s compute. Returns
+        whether an upload began (not for the last layer, a small ubatch, or a backend that cannot
+        copy asynchronously from these weights)."""
+        nxt = self._next.get(il)
+        if nxt is None:
+            return False
+        e, be = self.layers[nxt]
+        if n_pairs < self.min_pairs_per_expert * e.gate.shape[0]:
+            return False
+        up = be.start_upload((e.gate, e.up, e.down))
+        if up is None:
+            return False
+        self._flight = _Flight(nxt, up, be)
+        self.started += 1
+        self.bytes += int(e.gate.nbytes + e.up.nbytes + e.down.nbytes)
+        return True
+
+    def drop(self) -> None:
+        """Discard the upload in flight (a ubatch that will not reach its layer)."""
+        if self._flight is not None:
+            self._flight = None
+            self.dropped += 1
