@@ -142,8 +142,15 @@ class RoutingProcess:
             logits[:, t] = base + p.g * x
         self.x = x
         logits += self.rng.gumbel(size=logits.shape)
-        ids = np.argsort(-logits, axis=2, kind="stable")[:, :, :self.k]
-        chosen = np.take_along_axis(logits, ids, axis=2)
+        # the k largest of each token, best first: a partition, then a sort of those k only (a full
+        # sort of the n_expert logits took ~170 of ~330 ms for a 512-token pass of a 48-layer,
+        # 128-expert model on a 2-core VM; ties have probability 0 with the Gumbel noise)
+        top = np.argpartition(-logits, self.k - 1, axis=2)[:, :, :self.k] if self.k < self.n_expert \
+            else np.broadcast_to(np.arange(self.n_expert), logits.shape).copy()
+        part = np.take_along_axis(logits, top, axis=2)
+        best = np.argsort(-part, axis=2, kind="stable")
+        ids = np.take_along_axis(top, best, axis=2)
+        chosen = np.take_along_axis(part, best, axis=2)
         w = np.exp(chosen - chosen.max(axis=2, keepdims=True))
         w /= w.sum(axis=2, keepdims=True)
         return ids.astype(np.int32), w.astype(np.float32)
