@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile -n prompts of this many tokens instead")
     ap.add_argument("--vram-budget", type=int, default=0, help="MiB per GPU (0: none): experts in host RAM")
     ap.add_argument("--load-mode", default="mmap", help="mmap or pin (host experts)")
+    ap.add_argument("--routing", default=None, help="replace the routers' choices by this routing process "
+                    "(qwen3-moe, low-locality, uniform: as bench --routing; the routing draws count in the wall time)")
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
@@ -77,6 +79,11 @@ def main() -> None:
     with Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode,
                 gpu_prompt_q8=a.prompt_q8) as eng:
         vocab = eng.gguf.config.n_vocab
+        if a.routing:
+            from moecache.moe.routing_process import make_routing
+
+            c = eng.gguf.config
+            eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
         results = []
         graph = eng.model.decode_graph
         for depth, mode in [(int(d), m) for d in a.d.split(",") for m in a.modes.split(",")]:
