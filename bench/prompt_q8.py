@@ -54,6 +54,9 @@ def main() -> None:
                          "without and with the next layer's experts copied during the current one")
     a = ap.parse_args()
     prefetch = a.ab == "prefetch"
+    if prefetch and (a.load_mode != "pin" or a.vram_budget is not None):
+        raise SystemExit("--ab prefetch needs --load-mode pin (an asynchronous copy needs page-locked weights) and "
+                         "no --vram-budget (every expert in host RAM, --cpu-moe)")
     if prefetch:
         opts = PlacementOptions(n_gpu_layers=99, cpu_moe=True)
     elif a.vram_budget is None:
@@ -96,6 +99,7 @@ def main() -> None:
             return a.p / (time.perf_counter() - t0), np.asarray(lg, np.float64)
 
         ts: dict[str, list[float]] = {arm[0]: [] for arm in arms}
+        started = shared.started if prefetch else 0
         logits: dict[str, np.ndarray] = {}
         held: dict[str, int] = {}
         for arm in arms:  # warm-up: kernels compiled, pool blocks made (each arm from an emptied pool)
@@ -103,6 +107,9 @@ def main() -> None:
             before = pool.total_bytes()
             _, logits[arm[0]] = prompt(arm)
             held[arm[0]] = pool.total_bytes() - before
+        if prefetch and shared.started == started:
+            raise SystemExit("--ab prefetch: the warm-up prompt began no upload (ubatch too small, or the weights "
+                             "are not page-locked): the two arms would be the same")
         for _ in range(a.r):  # alternated, so drift hits every arm alike
             for arm in arms:
                 ts[arm[0]].append(prompt(arm)[0])

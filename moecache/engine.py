@@ -179,8 +179,10 @@ class Engine:
         prefetch_experts: prompt ubatches whose routed experts stay in host RAM (``--cpu-moe``,
             ``--n-cpu-moe``; op offload) copy the next such layer's experts to the GPU on a copy
             stream while the current layer computes (:mod:`moecache.moe.prefetch`; page-locked
-            weights only, ``--load-mode pin``); one more layer of experts in VRAM during a prompt.
-            Off by default until measured on a GPU (``bench/prompt_q8.py --ab prefetch``).
+            weights only, ``--load-mode pin``); one more layer of experts in VRAM during a prompt,
+            kept by CuPy's pool afterwards and not counted in the placement's reserve or
+            ``--vram-budget``. Not used with an expert cache (a note says so). Off by default until
+            measured on a GPU (``bench/prompt_q8.py --ab prefetch``).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,
@@ -294,6 +296,8 @@ class Engine:
         bes = make_backends(pl.devices + [CPU], self.log, self.gpu_act_q8, self.gpu_prompt_q8)
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
+        if self.prefetch_experts and pl.cache_slots:
+            self.log("note: prefetch_experts is not used: the expert cache's own prompt path copies the host experts")
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,
                                  bes[pl.prompt_gpu] if pl.prompt_gpu is not None else None,
                                  # with an expert cache its own prompt path copies the host experts

@@ -947,7 +947,12 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
     layer's experts on the copy stream while the current layer computes (moecache/moe/prefetch.py).
     Three 40-token ubatches and decode steps give the CPU's logits and the plain offload's; with
     pinned weights every layer after the first computes from the upload begun during the layer
-    before; a mapped file cannot be copied asynchronously and uploads as before."""
+    before; a mapped file cannot be copied asynchronously and uploads as before. The copy stream
+    is held up by a 300 ms spin kernel before the prompt, so every upload lands long after the
+    compute stream reaches its layer: only the compute stream's wait for the copy's event
+    (finish_upload) keeps the logits right."""
+    import cupy as cp
+
     from moecache.engine import Engine, EngineConfig
     from moecache.placement import PlacementOptions
     from moecache.testing.synth import PRESETS as P
@@ -963,6 +968,13 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
         ref = np.vstack([c.eval(tokens[:120], logits="all")] + [c.eval(tokens[i:i + 1]) for i in range(120, 124)])
     for prefetch in (False, True):
         with Engine(path, cfg, placement=opts, load_mode=load_mode, gpu_act_q8=False, prefetch_experts=prefetch) as g:
+            if prefetch:
+                be = next(e.offload_backend for e in g.model.experts.executors.values() if hasattr(e, "prefetch"))
+                with cp.cuda.Device(be.device):
+                    cp.get_default_memory_pool().free_all_blocks()  # no block still holding the other engine's experts
+                    spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
+                                        '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
+                    spin((1,), (1,), (np.int64(600_000_000),), stream=be._copies())  # ~300 ms at ~2 GHz
             outs[prefetch] = np.vstack([g.eval(tokens[:120], logits="all")]
                                        + [g.eval(tokens[i:i + 1]) for i in range(120, 124)])
             shared = {id(e.prefetch): e.prefetch for e in g.model.experts.executors.values()

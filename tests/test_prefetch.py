@@ -107,7 +107,7 @@ def test_small_ubatches_and_other_layers_do_not_use_an_upload(opened, rng):
     assert shared.dropped == 1 and shared.used == 0
     # layer 2 began layers[3]'s upload if there is one; a small ubatch computed on the CPU drops it
     check(layers[0], 3)
-    assert shared._flight is None
+    assert shared._flight is None and shared.dropped == 2 and shared.started == 2
     # too few pairs for the next layer's experts: nothing starts
     few = LayerPrefetch({il: (ew[il], gpu) for il in layers}, min_pairs_per_expert=1e9)
     assert few.start_after(layers[0], 40 * c.n_expert_used) is False and few.started == 0

@@ -58,7 +58,9 @@ class ArrayBackend(Protocol):
 
 @runtime_checkable
 class SlotBackend(Protocol):
-    """The expert cache's side: slots, copies into them, and the kernels that read them."""
+    """The expert cache's side: slots, copies into them, and the kernels that read them; and the
+    copies of host experts that prompt ubatches compute on the GPU (op offload: ``upload_experts``,
+    and ``start_upload`` / ``finish_upload`` of :mod:`moecache.moe.prefetch`)."""
 
     def zeros_u8(self, shape: tuple[int, ...]) -> Any: ...
     def upload_experts(self, w: Any, used: Any) -> Any: ...

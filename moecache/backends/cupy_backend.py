@@ -318,14 +318,21 @@ class CupyBackend(ArrayOps):
         waits for the compute stream's work queued so far: the memory may have been freed by
         arrays that kernels queued before still read."""
         if not all(_is_pinned(w) for w in ws):
+            self._note("the next host-expert layer's experts are not prefetched: they are not in page-locked "
+                       "memory (--load-mode pin); each layer copies its own")
             return None
         with cp.cuda.Device(self.device):
             cs = self._copies()
-            outs = tuple(cp.empty(w.shape, cp.uint8) for w in ws)
-            cs.wait_event(cp.cuda.get_current_stream().record())
+            try:
+                outs = tuple(cp.empty(w.shape, cp.uint8) for w in ws)
+            except cp.cuda.memory.OutOfMemoryError:
+                self._note(f"GPU {self.device} has no room for the next host-expert layer's experts "
+                           f"({sum(w.nbytes for w in ws) >> 20} MiB): those prompt layers copy their own used experts")
+                return None
+            cs.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
             for o, w in zip(outs, ws):
                 o.set(w, stream=cs)
-            return _Upload(outs, cs.record())
+            return _Upload(outs, cs.record(cp.cuda.Event(disable_timing=True)))
 
     def finish_upload(self, up: "_Upload") -> tuple[cp.ndarray, ...]:
         """The arrays of :meth:`start_upload`; the work queued after this on the compute stream runs

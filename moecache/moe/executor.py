@@ -110,12 +110,11 @@ class CPUExperts:
         whole = self.prefetch.take(il) if self.prefetch is not None else None
         if whole is not None:  # every expert of the layer, copied while the layer before computed
             parts, local = list(whole), Routing(np.ascontiguousarray(r.ids, dtype=np.int32), r.weights)
-            self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
         else:
             used = np.unique(r.ids)
             parts = [ob.upload_experts(w, used) for w in (e.gate, e.up, e.down)]
-            self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
             local = Routing(np.searchsorted(used, r.ids).astype(np.int32), r.weights)
+        self.offloaded_bytes += sum(int(p.nbytes) for p in parts)
         if self.prefetch is not None:
             self.prefetch.start_after(il, r.ids.size)  # queued before this layer's compute: they overlap
         out = ob.moe_ffn(*parts, e.types, local, h, e.act)

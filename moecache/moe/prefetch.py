@@ -3,13 +3,20 @@
 A prompt ubatch whose routed experts stay in host RAM (``--cpu-moe``, ``--n-cpu-moe``) copies the
 experts it uses to the GPU, layer by layer (op offload, :class:`~moecache.moe.executor.CPUExperts`).
 Without this module the copy and the compute of a layer run one after the other on one stream: on
-the H200 machine an 8 GiB prompt spent 574 of its 1029 µs per token in host-to-device copies, none
-of them overlapped (``bench/results/prompt-q8-h200.md``). The next layer's routing is unknown until
+the H200 machine the ``pinned-*`` cases of ``../shared/vs-llamacpp.md`` (every expert in page-locked
+host RAM) make 3797 t/s at pp2048 (-ub 2048), while copying the 16.3 GB of experts alone takes
+~330 ms of a ubatch's ~540 (``bench/results/vs-llamacpp-h200.md``, run ``h200-s9m``). (The expert
+cache's own prompt path, the 8 GiB cases, copies its misses in groups of its own: an 8 GiB prompt
+spent 574 of its 1029 µs per token in those copies, and its kernels 824 µs in all,
+``bench/results/prompt-q8-h200.md``; this module does not apply there.) The next layer's routing is unknown until
 its router runs, but a ubatch of T tokens with k experts each uses nearly every expert of a layer
 once T * k is a few times the layer's experts (1 - exp(-T * k / n_expert) of them under uniform
 routing): so while layer il computes, all of layer il+1's experts are copied on the GPU's copy
 stream, and layer il+1 computes from them without a copy of its own. The cost: one more layer of
-experts in VRAM during the prompt, and the bytes of the experts the ubatch does not use.
+experts in VRAM while a prompt runs (CuPy's pool keeps the blocks afterwards; not counted in the
+placement's reserve or in ``--vram-budget``), and the bytes of the experts the ubatch does not use.
+An upload left in flight when a forward pass stops early (an exception) holds its layer's memory
+until the next offloaded ubatch drops it.
 
 :class:`LayerPrefetch` is shared by the host-expert layers of a placement (one upload in flight at
 a time); the backends' ``start_upload`` / ``finish_upload`` do the copying (the CPU twin's arrays
@@ -63,16 +70,14 @@ class LayerPrefetch:
 
     def take(self, il: int) -> tuple[Any, Any, Any] | None:
         """Layer ``il``'s experts (gate, up, down), whole stacks on its offload backend, if an upload of
-        them is in flight; None otherwise. Any other upload in flight is dropped (its arrays are
-        released once the work queued before is done)."""
-        f, self._flight = self._flight, None
-        if f is None:
-            return None
-        if f.layer != il:
-            self.dropped += 1
-            return None
-        self.used += 1
-        return f.backend.finish_upload(f.upload)
+        them is in flight; None otherwise. Any other upload in flight is dropped (:meth:`drop`)."""
+        f = self._flight
+        if f is not None and f.layer == il:
+            self._flight = None
+            self.used += 1
+            return f.backend.finish_upload(f.upload)
+        self.drop()
+        return None
 
     def start_after(self, il: int, n_pairs: int) -> bool:
         """Begin the upload of the host-expert layer after ``il`` (in layer order) for a ubatch of
@@ -94,7 +99,11 @@ class LayerPrefetch:
         return True
 
     def drop(self) -> None:
-        """Discard the upload in flight (a ubatch that will not reach its layer)."""
-        if self._flight is not None:
-            self._flight = None
+        """Discard the upload in flight (a ubatch that will not reach its layer, or one an exception
+        cut short). The compute stream first waits for its copy (``finish_upload``, no host wait):
+        its arrays go back to the compute stream's memory pool, and the next allocation there must
+        not get memory the copy stream is still writing."""
+        f, self._flight = self._flight, None
+        if f is not None:
+            f.backend.finish_upload(f.upload)
             self.dropped += 1
