@@ -20,6 +20,16 @@ experts before computing them against ``Engine(prefetch_experts=True)``, which c
 layer's experts on a copy stream while the current layer computes (``moecache/moe/prefetch.py``):
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab prefetch --load-mode pin -p 2048 -ub 2048 -r 3
+
+``--ab cache`` compares, behind the expert cache (``--vram-budget``), the default prompt path against
+``CachedExperts.prompt_in_place`` (resident experts computed from the slots in place, and uploaded
+experts left in empty slots). Each arm starts from empty slots and runs its warm-up and its
+repetitions in a row, as ``bench -p N -r R`` would in that mode: the default path never fills a
+slot during a prompt, the other fills them in its warm-up and reads them in place afterwards.
+``--routing`` replaces the routers' choices as ``bench --routing`` does (the ``8g-*`` cases use
+qwen3-moe):
+
+    python bench/prompt_q8.py -m /tmp/q30.gguf --ab cache --vram-budget 8GiB --load-mode pin --routing qwen3-moe -r 3
 """
 
 from __future__ import annotations
@@ -49,11 +59,15 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5, help="timed prompts per path")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--load-mode", default="mmap")
-    ap.add_argument("--ab", choices=("q8", "prefetch"), default="q8",
+    ap.add_argument("--ab", choices=("q8", "prefetch", "cache"), default="q8",
                     help="q8: float16 GEMMs vs the grouped 8-bit kernels; prefetch: --cpu-moe op offload "
-                         "without and with the next layer's experts copied during the current one")
+                         "without and with the next layer's experts copied during the current one; cache: the "
+                         "expert cache's prompt groups gathering resident experts vs reading them in place")
+    ap.add_argument("--routing", default=None, help="replace the routers' choices (qwen3-moe, low-locality, uniform)")
     a = ap.parse_args()
     prefetch = a.ab == "prefetch"
+    if a.ab == "cache" and a.vram_budget is None:
+        raise SystemExit("--ab cache needs --vram-budget (the expert cache exists only when the model does not fit)")
     if prefetch and (a.load_mode != "pin" or a.vram_budget is not None):
         raise SystemExit("--ab prefetch needs --load-mode pin (an asynchronous copy needs page-locked weights) and "
                          "no --vram-budget (every expert in host RAM, --cpu-moe)")
@@ -68,6 +82,13 @@ def main() -> None:
     pool = cp.get_default_memory_pool()
     with Engine(a.model, cfg, placement=opts, load_mode=a.load_mode, log=print, prefetch_experts=prefetch) as eng:
         toks = rng.integers(0, eng.gguf.config.n_vocab, a.p)
+        if a.routing:
+            from moecache.moe.routing_process import make_routing
+
+            c = eng.gguf.config
+            eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
+        if a.ab == "cache" and not eng.caches:
+            raise SystemExit("--ab cache: the model fits at this budget, there is no expert cache")
         bes = {id(b): b for b in eng.model.layer_be if hasattr(b, "prompt_q8")}
         print(f"{len(bes)} GPU backend(s); prompt {a.p} tokens, -ub {a.ub}")
         host = [e for e in eng.model.experts.executors.values() if getattr(e, "prefetch", None) is not None]
@@ -75,9 +96,11 @@ def main() -> None:
         if prefetch and shared is None:
             raise SystemExit("--ab prefetch: no host-expert layer offloads its prompts to a GPU here")
 
-        # (name, grouped 8-bit, cache group bytes factor, next layer prefetched)
+        # (name, grouped 8-bit, cache group bytes factor, next layer prefetched or cache slots read in place)
         if prefetch:
             arms = [("op offload", False, 1, False), ("prefetch next layer", False, 1, True)]
+        elif a.ab == "cache":
+            arms = [("groups gather resident experts", False, 1, False), ("resident experts in place", False, 1, True)]
         else:
             arms = [("float16 GEMMs", False, 1, False), ("grouped 8-bit", True, 1, False)]
             if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
@@ -91,6 +114,8 @@ def main() -> None:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
             for e in host:
                 e.prefetch = shared if arm[3] else None
+            for c in eng.caches:
+                c.prompt_in_place = arm[3] and a.ab == "cache"
             eng.reset()
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
@@ -102,17 +127,31 @@ def main() -> None:
         started = shared.started if prefetch else 0
         logits: dict[str, np.ndarray] = {}
         held: dict[str, int] = {}
-        for arm in arms:  # warm-up: kernels compiled, pool blocks made (each arm from an emptied pool)
+        def warm_up(arm: tuple[str, bool, int, bool]) -> None:
+            """Kernels compiled, pool blocks made (each arm from an emptied pool); with --ab cache from
+            empty slots."""
+            for c in eng.caches if a.ab == "cache" else ():
+                c.preload(np.zeros_like(c.policy.usage))
             pool.free_all_blocks()
             before = pool.total_bytes()
             _, logits[arm[0]] = prompt(arm)
             held[arm[0]] = pool.total_bytes() - before
-        if prefetch and shared.started == started:
-            raise SystemExit("--ab prefetch: the warm-up prompt began no upload (ubatch too small, or the weights "
-                             "are not page-locked): the two arms would be the same")
-        for _ in range(a.r):  # alternated, so drift hits every arm alike
+
+        if a.ab == "cache":  # each arm's own cache state: its warm-up and repetitions in a row
             for arm in arms:
-                ts[arm[0]].append(prompt(arm)[0])
+                warm_up(arm)
+                ts[arm[0]] = [prompt(arm)[0] for _ in range(a.r)]
+                print(f"{arm[0]}: {sum(c.prompt_kept for c in eng.caches)} experts kept in slots so far, "
+                      f"{sum(c.prompt_slot_reads for c in eng.caches)} read from slots")
+        else:
+            for arm in arms:
+                warm_up(arm)
+            if prefetch and shared.started == started:
+                raise SystemExit("--ab prefetch: the warm-up prompt began no upload (ubatch too small, or the "
+                                 "weights are not page-locked): the two arms would be the same")
+            for _ in range(a.r):  # alternated, so drift hits every arm alike
+                for arm in arms:
+                    ts[arm[0]].append(prompt(arm)[0])
         if prefetch:
             print(f"prefetch: {shared.started} uploads begun, {shared.used} used, {shared.dropped} dropped, "
                   f"{shared.bytes / 2**30:.1f} GiB")

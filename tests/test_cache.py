@@ -379,7 +379,7 @@ def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
     logits; the number of experts each prompt group brought, in call order."""
     sizes: list[int] = []
     real = cache._prompt_group
-    monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (sizes.append(used.size), real(il, e, h, r, used))[1])
+    monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used, *keep: (sizes.append(used.size), real(il, e, h, r, used, *keep))[1])
     ref_lm = build_model(m, NumpyBackend())
     lm = build_model(m, NumpyBackend(), experts=cache)
     prompt = rng.integers(0, m.config.n_vocab, 40)
@@ -388,10 +388,12 @@ def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
     return sizes
 
 
-def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch, in_place):
     """A prompt ubatch whose used experts exceed PROMPT_GROUP_BYTES computes them group by group (each
     group's pairs scatter-added); the output is the all-CPU output, and no group brings more than the
-    cap's worth of experts to the backend."""
+    cap's worth of experts to the backend. With ``prompt_in_place`` the resident experts are computed
+    from the slots in one call and the groups hold only the others."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(5)
@@ -401,10 +403,59 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         per = CachedExperts._expert_bytes(ew[0])
         monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
-        _fill(cache, ew, [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8])
+        cache.prompt_in_place = in_place
+        resident = [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8]
+        _fill(cache, ew, resident)
+        groups: list[np.ndarray] = []
+        real = cache._prompt_group
+        monkeypatch.setattr(cache, "_prompt_group",
+                            lambda il, e, h, r, used, *keep: (groups.append((il, used.copy())), real(il, e, h, r, used, *keep))[1])
         biggest = _prompt_group_sizes(m, cache, rng, monkeypatch)
         assert max(biggest) == 3 and len(biggest) >= c.n_layer * 2  # every layer split, none over the cap
         assert cache.prompt_slot_reads > 0  # resident experts still read from their slots
+        in_groups = {(il, int(x)) for il, used in groups for x in used}
+        # in place: no resident expert is gathered into a group; gathered: the prompt uses them all
+        assert (in_groups & set(resident) == set()) if in_place else set(resident) <= in_groups
+        cache.close()
+
+
+def test_prompt_in_place_leaves_its_most_used_uploads_in_empty_slots(model_path, rng):
+    """prompt_in_place with empty slots: each layer's prompt ubatch keeps its most-used uploaded experts
+    in empty slots (at most slots // layers per layer, device copies of its upload), owned and mapped
+    and resident for the policy; the output equals the all-CPU output before and after, and the next
+    prompt reads the kept experts from their slots."""
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = 2 * len(ew) + 1  # two per layer, one left over
+        cache = _cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)
+        cache.prompt_in_place = True
+        ref_ex = CPUExperts(ew, NumpyBackend())
+        expect = {}
+        for rep in range(2):
+            for il in ew:
+                h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
+                r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)
+                if rep == 0:
+                    ids, counts = np.unique(r.ids, return_counts=True)
+                    expect[il] = set(ids[np.argsort(-counts, kind="stable")][:2].tolist())
+                reads = cache.prompt_slot_reads
+                np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+                if rep == 1:
+                    assert cache.prompt_slot_reads > reads or not np.isin(r.ids, list(expect[il])).any()
+        assert cache.prompt_kept == 2 * len(ew) and cache.policy.n_resident == 2 * len(ew)
+        for il in ew:
+            kept = set(np.flatnonzero(cache.slot_of[il] >= 0).tolist())
+            assert kept == expect[il] and cache.policy.resident[il].sum() == 2
+            for x in kept:
+                slot = int(cache.slot_of[il, x])
+                assert cache.pool.owner[slot] == (il, x)
+                for pool_arr, src in zip((cache.pool.gate, cache.pool.up, cache.pool.down),
+                                         (ew[il].gate, ew[il].up, ew[il].down)):
+                    np.testing.assert_array_equal(pool_arr[slot], src[x])  # the right expert in the right slot
+        assert cache.pool.owner.count(None) == 1
+        with pytest.raises(ValueError, match="admit_free"):
+            cache.policy.admit_free(0, np.array(sorted(expect[0])[:1]))  # already resident
         cache.close()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -989,6 +991,24 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@contextlib.contextmanager
+def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, **engine_kw):
+    """A tiny qwen3moe of 16 experts (top-4) written with ``seed``: a CPU engine, and a GPU engine whose
+    --vram-budget leaves its expert cache a third of the experts (taken after the first engine's
+    start), float32 activations."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import SynthConfig, write_model
+
+    path = tmp_path / "moe.gguf"
+    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=seed)
+    with Engine(path, EngineConfig(n_ctx=128)) as ref, \
+            Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 128)),
+                   load_mode=load_mode, policy_config=policy_config, gpu_act_q8=False, **engine_kw) as eng:
+        yield ref, eng
+
+
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 
@@ -999,22 +1019,14 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
     experts three at a time (the grouped path: a token's pairs in one group summed on the GPU); the
-    first decode step after the prompt fills the empty slots with the prompt's most-used experts."""
+    first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
+    last prompt reads the resident experts from the slots in place (``prompt_in_place``)."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
-    from moecache.engine import Engine, EngineConfig
     from moecache.moe.policy import PolicyConfig
-    from moecache.placement import PlacementOptions
-    from moecache.testing.synth import PRESETS as P
-    from moecache.testing.synth import SynthConfig, write_model
 
-    path = tmp_path / "moe.gguf"
-    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=21)
     rng = np.random.default_rng(5)
-    with Engine(path, EngineConfig(n_ctx=128)) as ref, \
-            Engine(path, EngineConfig(n_ctx=128),
-                   placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 128)),  # after ref's start
-                   load_mode=load_mode, policy_config=PolicyConfig(**CHURN), stage_misses=stage, gpu_act_q8=False) as eng:
+    with _cache_pair(tmp_path, 21, load_mode, PolicyConfig(**CHURN), stage_misses=stage) as (ref, eng):
         cache = eng.caches[0]
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         assert (cache.scratch is not None) == stage
@@ -1045,6 +1057,50 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if load_mode == "pin":
             assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
+        # a second prompt with the resident experts computed from the slots in place (prompt_in_place)
+        cache.prompt_in_place = True
+        reads, resident = cache.prompt_slot_reads, int((cache.slot_of >= 0).sum())
+        toks = rng.integers(0, 200, 40)
+        b = ref.eval(toks)
+        np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+        assert resident > 0 and cache.prompt_slot_reads > reads
+
+
+@pytest.mark.parametrize("load_mode", ["pin", "mmap"])
+def test_prompt_in_place_keeps_uploads_in_empty_slots_on_the_gpu(gpu, tmp_path, load_mode):
+    """prompt_in_place on the GPU with empty slots: a 40-token prompt equals the CPU's logits, leaves
+    its most-used uploaded experts in empty slots (device copies: the slots' bytes are the host
+    experts'), and the next prompt reads them in place and still equals the CPU."""
+    import cupy as cp
+
+    from moecache.moe.policy import PolicyConfig
+
+    rng = np.random.default_rng(6)
+    with _cache_pair(tmp_path, 22, load_mode, PolicyConfig(t_upload=1.0)) as (ref, eng):
+        cache = eng.caches[0]
+        cache.preload(np.zeros_like(cache.policy.usage))  # empty slots (the warm-up token's admissions out)
+        cache.prompt_in_place = True
+        for rep in range(2):
+            reads = cache.prompt_slot_reads
+            ref.reset()
+            eng.reset()
+            toks = rng.integers(0, 200, 40)
+            b = ref.eval(toks)
+            np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+            if rep == 0:
+                kept = cache.prompt_kept
+                assert 0 < kept <= cache.policy.n_slots and cache.policy.n_resident == kept
+            else:
+                assert cache.prompt_slot_reads > reads
+        for slot, own in enumerate(cache.pool.owner):
+            if own is None:
+                continue
+            il, x = own
+            assert cache.slot_of[il, x] == slot
+            e = cache.layers[il]
+            for pool_arr, src in zip((cache.pool.gate, cache.pool.up, cache.pool.down), (e.gate, e.up, e.down)):
+                np.testing.assert_array_equal(cp.asnumpy(pool_arr[slot]), src[x])
+    print(f"{load_mode}: {kept} experts kept of {cache.policy.n_slots} slots")
 
 
 def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):

@@ -128,6 +128,13 @@ class CachedExperts:
         prompt_group_bytes: a prompt ubatch brings its used experts to the device this many bytes
             at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the
             backend: fewer, larger groups cost fewer launches and more VRAM at once).
+
+    Attributes:
+        prompt_in_place: prompt ubatches compute the resident experts from their slots in place and
+            leave the uploaded experts they use most in empty slots (:meth:`_prompt_in_place`);
+            False (default) until measured on a GPU.
+        prompt_kept, prompt_fills, prompt_slot_reads: experts a prompt left in empty slots, experts
+            loaded into empty slots after a prompt, experts prompt ubatches read from slots.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
@@ -140,6 +147,10 @@ class CachedExperts:
         self.be = backend
         self.policy = policy
         self.prompt_group_bytes = prompt_group_bytes
+        # prompt ubatches compute the resident experts from the slots in place (one call) instead of
+        # gathering them into each group, and leave the uploaded experts they use most in empty slots;
+        # off until measured on a GPU (bench/prompt_q8.py --ab cache)
+        self.prompt_in_place = False
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
         self.stats = CacheStats()  # tokens of every pass; hits and misses of decode ubatches
@@ -183,6 +194,7 @@ class CachedExperts:
         self._expect = 0  # tokens of this pass whose routing the device logs (0: not a zero-copy pass)
         self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
         self.prompt_fills = 0  # experts loaded into empty slots after prompts (:meth:`fill_after_prompt`)
+        self.prompt_kept = 0  # experts a prompt's upload left in empty slots (``prompt_in_place``)
         self._prompt_seen = False  # a prompt ubatch ran since the last decode pass
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
         if stage_misses and self.zero_copy:
@@ -467,12 +479,64 @@ class CachedExperts:
         a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
         prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise). Each group computes
         its own (token, expert) pairs, weighted, and adds them into the output (in a fixed order: the
-        same sums on every run, as the ungrouped path)."""
+        same sums on every run, as the ungrouped path). With ``prompt_in_place`` the resident
+        experts are not gathered: :meth:`_prompt_in_place`."""
+        if self.prompt_in_place:
+            return self._prompt_in_place(il, e, h, r)
         used = np.unique(r.ids)
+        return self._prompt_groups(il, e, h, r, used, whole=True)
+
+    def _prompt_in_place(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
+        """A prompt ubatch whose resident experts are computed straight from the slot pool in one
+        backend call (no gather into a group, no concatenation: the pool is a stack of experts like
+        any other, indexed by slot), a non-resident pair riding along with weight 0 on a resident
+        slot as a decode ubatch's misses do; the non-resident experts then come from the host in
+        groups (:meth:`_prompt_groups`) and their sum is added. While slots are empty, the
+        uploaded experts this ubatch uses most stay in them (:meth:`_prompt_keep`), so the next
+        ubatch of a long prompt, or the next prompt, reads them in place."""
+        slots = self.slot_of[il][r.ids]
+        hit = slots >= 0
+        keep = self._prompt_keep(il, r, hit)
+        out = None
+        if hit.any():
+            pool = self.pool
+            fill = int(slots[hit][0])  # visible (fully copied): finite weights for the weight-0 pairs
+            local = Routing(np.where(hit, slots, fill).astype(np.int32),
+                            np.where(hit, r.weights, 0.0).astype(np.float32))
+            out = self.be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, local, h, e.act)
+            self.prompt_slot_reads += int(np.unique(slots[hit]).size)
+        if not hit.all():
+            rest = self._prompt_groups(il, e, h, r, np.unique(r.ids[~hit]), whole=False, keep=keep)
+            out = rest if out is None else out + rest
+        return out
+
+    def _prompt_keep(self, il: int, r: Routing, hit: np.ndarray) -> dict[int, int]:
+        """Empty slots for the non-resident experts layer ``il``'s prompt ubatch uses most: expert ->
+        slot. Each cached layer fills at most its share of the slots (slots // cached layers), so
+        the first layers of a prompt do not take every slot; none is evicted (decode's hot set
+        survives a prompt). Experts with a copy in flight are skipped."""
+        pool, pol = self.pool, self.policy
+        if pool is None or pol.n_resident >= pol.n_slots:
+            return {}
+        quota = pol.n_slots // max(1, len(self.cached_layers)) - int(pol.resident[il].sum())
+        if quota <= 0:
+            return {}
+        ids, counts = np.unique(r.ids[~hit], return_counts=True)
+        ok = ~pol.resident[il, ids]
+        cand = ids[ok][np.argsort(-counts[ok], kind="stable")]
+        free = [slot for slot, own in enumerate(pool.owner) if own is None]
+        n = min(quota, cand.size, len(free), pol.n_slots - pol.n_resident)
+        return {int(x): slot for x, slot in zip(cand[:n], free[:n])}
+
+    def _prompt_groups(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray, whole: bool,
+                       keep: dict[int, int] | None = None) -> Any:
+        """The pairs of ``r`` whose expert is in ``used`` (ascending), ``prompt_group_bytes`` of experts
+        at a time; ``whole``: ``used`` is every expert of ``r`` (one group may then take ``r`` as it is);
+        ``keep``: uploaded experts to leave in empty slots (:meth:`_prompt_keep`)."""
         per = self._expert_bytes(e)
         group = max(1, self.prompt_group_bytes // per)
-        if used.size <= group:
-            return self._prompt_group(il, e, h, r, used)
+        if whole and used.size <= group:
+            return self._prompt_group(il, e, h, r, used, keep)
         be = self.be
         out = be.zeros((h.shape[0], h.shape[1]), np.float32)
         flat = r.ids.reshape(-1)
@@ -482,7 +546,7 @@ class CachedExperts:
             rows = (sel // k).astype(np.int64)
             sub = Routing(flat[sel].reshape(-1, 1).astype(np.int32),
                           r.weights.reshape(-1)[sel].reshape(-1, 1).astype(np.float32))
-            y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group])
+            y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group], keep)
             _add_rows(be, out, rows, y)
         return out
 
@@ -490,14 +554,19 @@ class CachedExperts:
     def _expert_bytes(e: ExpertWeights) -> int:
         return sum(int(np.prod(w.shape[1:])) * w.itemsize for w in (e.gate, e.up, e.down))
 
-    def _prompt_group(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray) -> Any:
-        """The pairs of ``r`` (whose experts are all in ``used``, ascending) on the backend."""
+    def _prompt_group(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray,
+                      keep: dict[int, int] | None = None) -> Any:
+        """The pairs of ``r`` (whose experts are all in ``used``, ascending) on the backend; the
+        uploaded experts named in ``keep`` are copied on the device into their empty slots and
+        published (queued before any later reader of the slots on this stream)."""
         be = self.be
         slots = self.slot_of[il][used]
         res = slots >= 0
         order = np.concatenate([used[res], used[~res]])
         local = np.zeros(self.slot_of.shape[1], np.int32)
         local[order] = np.arange(order.size, dtype=np.int32)
+        up = used[~res]
+        kept = [j for j, x in enumerate(up.tolist()) if keep and x in keep]
         parts = []
         pool = self.pool
         for w, pool_arr in zip((e.gate, e.up, e.down), (pool.gate, pool.up, pool.down)):
@@ -505,12 +574,27 @@ class CachedExperts:
             if res.any():
                 pieces.append(pool_arr[be.asarray(slots[res].astype(np.int64))] if be.device is not None
                               else pool_arr[slots[res]])
-            if (~res).any():
-                pieces.append(be.upload_experts(w, used[~res]))
+            if up.size:
+                pieces.append(be.upload_experts(w, up))
                 self.offload.offloaded_bytes += int(pieces[-1].nbytes)
+                if kept:
+                    dst = np.array([keep[int(up[j])] for j in kept], np.int64)
+                    pool_arr[be.asarray(dst)] = pieces[-1][be.asarray(np.array(kept, np.int64))]
             parts.append(pieces[0] if len(pieces) == 1 else be.xp.concatenate(pieces))
         self.prompt_slot_reads += int(res.sum())
+        if kept:
+            self._publish_kept(il, [int(up[j]) for j in kept], keep)
         return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
+
+    def _publish_kept(self, il: int, experts: list[int], keep: dict[int, int]) -> None:
+        """Experts a prompt left in empty slots: resident for the policy (no upload credit spent),
+        owners of their slots, and in the map."""
+        self.policy.admit_free(il, np.array(experts, np.int64))
+        for x in experts:
+            self.pool.owner[keep[x]] = (il, x)
+            self.slot_of[il, x] = keep[x]
+        self._map_dirty = True
+        self.prompt_kept += len(experts)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
