@@ -23,11 +23,13 @@ layer's experts on a copy stream while the current layer computes (``moecache/mo
 
 ``--ab cache`` compares, behind the expert cache (``--vram-budget``), the default prompt path against
 ``CachedExperts.prompt_in_place`` (resident experts computed from the slots in place, and uploaded
-experts left in empty slots). Each arm starts from empty slots and runs its warm-up and its
-repetitions in a row, as ``bench -p N -r R`` would in that mode: the default path never fills a
-slot during a prompt, the other fills them in its warm-up and reads them in place afterwards.
-``--routing`` replaces the routers' choices as ``bench --routing`` does (the ``8g-*`` cases use
-qwen3-moe):
+experts left in empty slots), each arm's warm-up and repetitions in a row, a different prompt each
+(the same list in every arm): the default path from empty slots (as ``bench -p N -r R`` runs it:
+it never fills a slot during a prompt), ``prompt_in_place`` from empty slots (its warm-up fills
+them), and the default path again with the slots the second arm left (what reading residents in
+place saves over gathering them). ``--routing`` replaces the routers' choices as ``bench --routing``
+does (the ``8g-*`` cases use qwen3-moe), restarted at the same seed for the same prompt in every
+arm, so the arms' last logits compare:
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab cache --vram-budget 8GiB --load-mode pin --routing qwen3-moe -r 3
 """
@@ -62,7 +64,8 @@ def main() -> None:
     ap.add_argument("--ab", choices=("q8", "prefetch", "cache"), default="q8",
                     help="q8: float16 GEMMs vs the grouped 8-bit kernels; prefetch: --cpu-moe op offload "
                          "without and with the next layer's experts copied during the current one; cache: the "
-                         "expert cache's prompt groups gathering resident experts vs reading them in place")
+                         "expert cache's default prompt path vs prompt_in_place (residents read in place, uploads "
+                         "kept in empty slots)")
     ap.add_argument("--routing", default=None, help="replace the routers' choices (qwen3-moe, low-locality, uniform)")
     a = ap.parse_args()
     prefetch = a.ab == "prefetch"
@@ -81,7 +84,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pool = cp.get_default_memory_pool()
     with Engine(a.model, cfg, placement=opts, load_mode=a.load_mode, log=print, prefetch_experts=prefetch) as eng:
-        toks = rng.integers(0, eng.gguf.config.n_vocab, a.p)
+        prompts = [rng.integers(0, eng.gguf.config.n_vocab, a.p) for _ in range(a.r + 1)]
         if a.routing:
             from moecache.moe.routing_process import make_routing
 
@@ -96,26 +99,32 @@ def main() -> None:
         if prefetch and shared is None:
             raise SystemExit("--ab prefetch: no host-expert layer offloads its prompts to a GPU here")
 
-        # (name, grouped 8-bit, cache group bytes factor, next layer prefetched or cache slots read in place)
+        # (name, grouped 8-bit, cache group bytes factor, next layer prefetched / slots read in place,
+        #  from empty slots)
         if prefetch:
-            arms = [("op offload", False, 1, False), ("prefetch next layer", False, 1, True)]
+            arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
         elif a.ab == "cache":
-            arms = [("groups gather resident experts", False, 1, False), ("resident experts in place", False, 1, True)]
+            arms = [("default, empty slots", False, 1, False, True), ("in place, from empty slots", False, 1, True, True),
+                    ("default, the slots in place left", False, 1, False, False)]
         else:
-            arms = [("float16 GEMMs", False, 1, False), ("grouped 8-bit", True, 1, False)]
+            arms = [("float16 GEMMs", False, 1, False, False), ("grouped 8-bit", True, 1, False, False)]
             if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
-                arms.append(("grouped 8-bit, 3x group bytes", True, 3, False))
+                arms.append(("grouped 8-bit, 3x group bytes", True, 3, False, False))
         base_group = {id(c): c.prompt_group_bytes for c in eng.caches}
 
-        def prompt(arm: tuple[str, bool, int, bool]) -> tuple[float, np.ndarray]:
+        def prompt(arm: tuple, i: int) -> tuple[float, np.ndarray]:
+            """Prompt i (always the first but with --ab cache) through arm's setting: t/s, last logits."""
             for b in bes.values():
                 b.prompt_q8 = arm[1]
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
+                c.prompt_in_place = arm[3] and a.ab == "cache"
             for e in host:
                 e.prefetch = shared if arm[3] else None
-            for c in eng.caches:
-                c.prompt_in_place = arm[3] and a.ab == "cache"
+            toks = prompts[i if a.ab == "cache" else 0]
+            restart = getattr(eng.model.routing_override, "restart", None)  # a trace file replays as it is
+            if restart is not None:
+                restart(i)
             eng.reset()
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
@@ -127,22 +136,25 @@ def main() -> None:
         started = shared.started if prefetch else 0
         logits: dict[str, np.ndarray] = {}
         held: dict[str, int] = {}
-        def warm_up(arm: tuple[str, bool, int, bool]) -> None:
-            """Kernels compiled, pool blocks made (each arm from an emptied pool); with --ab cache from
-            empty slots."""
-            for c in eng.caches if a.ab == "cache" else ():
+
+        def warm_up(arm: tuple) -> None:
+            """Kernels compiled, pool blocks made (each arm from an emptied pool; from empty slots if
+            the arm says so)."""
+            for c in eng.caches if arm[4] else ():
                 c.preload(np.zeros_like(c.policy.usage))
             pool.free_all_blocks()
             before = pool.total_bytes()
-            _, logits[arm[0]] = prompt(arm)
+            _, logits[arm[0]] = prompt(arm, 0)
             held[arm[0]] = pool.total_bytes() - before
 
         if a.ab == "cache":  # each arm's own cache state: its warm-up and repetitions in a row
             for arm in arms:
                 warm_up(arm)
-                ts[arm[0]] = [prompt(arm)[0] for _ in range(a.r)]
+                for i in range(1, a.r + 1):
+                    t, logits[arm[0]] = prompt(arm, i)  # the last prompt's logits are compared
+                    ts[arm[0]].append(t)
                 print(f"{arm[0]}: {sum(c.prompt_kept for c in eng.caches)} experts kept in slots so far, "
-                      f"{sum(c.prompt_slot_reads for c in eng.caches)} read from slots")
+                      f"{sum(c.prompt_slot_reads for c in eng.caches)} read from slots so far")
         else:
             for arm in arms:
                 warm_up(arm)
@@ -151,7 +163,7 @@ def main() -> None:
                                  "weights are not page-locked): the two arms would be the same")
             for _ in range(a.r):  # alternated, so drift hits every arm alike
                 for arm in arms:
-                    ts[arm[0]].append(prompt(arm)[0])
+                    ts[arm[0]].append(prompt(arm, 0)[0])
         if prefetch:
             print(f"prefetch: {shared.started} uploads begun, {shared.used} used, {shared.dropped} dropped, "
                   f"{shared.bytes / 2**30:.1f} GiB")

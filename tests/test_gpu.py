@@ -1057,9 +1057,12 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if load_mode == "pin":
             assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
-        # a second prompt with the resident experts computed from the slots in place (prompt_in_place)
+        # a new sequence's prompt with the resident experts computed from the slots in place
+        # (prompt_in_place; the cache keeps its residents across reset())
         cache.prompt_in_place = True
         reads, resident = cache.prompt_slot_reads, int((cache.slot_of >= 0).sum())
+        ref.reset()
+        eng.reset()
         toks = rng.integers(0, 200, 40)
         b = ref.eval(toks)
         np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
@@ -1089,7 +1092,16 @@ def test_prompt_in_place_keeps_uploads_in_empty_slots_on_the_gpu(gpu, tmp_path, 
             np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
             if rep == 0:
                 kept = cache.prompt_kept
+                quota = cache.policy.n_slots // len(cache.cached_layers)
                 assert 0 < kept <= cache.policy.n_slots and cache.policy.n_resident == kept
+                assert all((cache.slot_of[il] >= 0).sum() <= quota for il in cache.cached_layers)
+                hits = cache.stats.hits
+                for i in range(4):  # decode through the map that now shows the kept slots (a graph on pin)
+                    t = [int(rng.integers(0, 200))]
+                    b = ref.eval(t)
+                    np.testing.assert_allclose(eng.eval(t), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+                cache.flush()
+                assert cache.stats.hits > hits
             else:
                 assert cache.prompt_slot_reads > reads
         for slot, own in enumerate(cache.pool.owner):

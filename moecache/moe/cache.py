@@ -34,7 +34,11 @@ its slot's copy waits for the pass that could still read it.
 Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend:
 resident ones are gathered from their slots on the device, the others copied from the host (op
 offload). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
-to decode's hot set; routing.md).
+to decode's hot set; routing.md). With ``prompt_in_place`` (opt-in) the resident ones are read in
+place instead, and while slots are empty the uploaded experts a ubatch uses most are copied into
+them on the device; those slots are published as soon as that copy is queued on the compute
+stream, which is safe because every reader of a slot runs on that stream or waits for it (a
+decode graph's stream waits for an event of the null stream before each replay).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
 ``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
@@ -195,6 +199,7 @@ class CachedExperts:
         self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
         self.prompt_fills = 0  # experts loaded into empty slots after prompts (:meth:`fill_after_prompt`)
         self.prompt_kept = 0  # experts a prompt's upload left in empty slots (``prompt_in_place``)
+        self._kept: list[tuple[int, int, int]] = []  # (layer, expert, slot) copied, not yet published
         self._prompt_seen = False  # a prompt ubatch ran since the last decode pass
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
         if stage_misses and self.zero_copy:
@@ -394,6 +399,7 @@ class CachedExperts:
         if self.offload_min_batch is not None and t >= self.offload_min_batch:
             out = self._prompt(il, e, h, r)
             self.policy.observe(il, r.ids)
+            self._publish_kept()  # after observe: a kept expert's age starts after this ubatch
             self._prompt_seen = True
             return out
         slots = self.slot_of[il][r.ids]
@@ -494,36 +500,45 @@ class CachedExperts:
         groups (:meth:`_prompt_groups`) and their sum is added. While slots are empty, the
         uploaded experts this ubatch uses most stay in them (:meth:`_prompt_keep`), so the next
         ubatch of a long prompt, or the next prompt, reads them in place."""
+        self._kept = []  # copies of a call an exception cut short: never published, their slots still empty
         slots = self.slot_of[il][r.ids]
         hit = slots >= 0
-        keep = self._prompt_keep(il, r, hit)
+        miss = np.unique(r.ids[~hit])
+        keep = self._prompt_keep(il, r, miss)
+        be, pool = self.be, self.pool
         out = None
+        if hit.all():  # every pair resident: the routing as it is, on slot ids
+            out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, Routing(slots.astype(np.int32), r.weights),
+                             h, e.act)
+        elif hit.any():  # the resident pairs only (no pair computed twice), each pair a row
+            sel = np.flatnonzero(hit.reshape(-1))
+            rows = (sel // r.ids.shape[1]).astype(np.int64)
+            sub = Routing(slots.reshape(-1)[sel].reshape(-1, 1).astype(np.int32),
+                          np.asarray(r.weights, np.float32).reshape(-1)[sel].reshape(-1, 1))
+            y = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, sub, h[be.asarray(rows)], e.act)
+            out = be.zeros((h.shape[0], h.shape[1]), np.float32)
+            _add_rows(be, out, rows, y)
         if hit.any():
-            pool = self.pool
-            fill = int(slots[hit][0])  # visible (fully copied): finite weights for the weight-0 pairs
-            local = Routing(np.where(hit, slots, fill).astype(np.int32),
-                            np.where(hit, r.weights, 0.0).astype(np.float32))
-            out = self.be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, local, h, e.act)
             self.prompt_slot_reads += int(np.unique(slots[hit]).size)
-        if not hit.all():
-            rest = self._prompt_groups(il, e, h, r, np.unique(r.ids[~hit]), whole=False, keep=keep)
+        if miss.size:
+            rest = self._prompt_groups(il, e, h, r, miss, whole=False, keep=keep)
             out = rest if out is None else out + rest
         return out
 
-    def _prompt_keep(self, il: int, r: Routing, hit: np.ndarray) -> dict[int, int]:
-        """Empty slots for the non-resident experts layer ``il``'s prompt ubatch uses most: expert ->
-        slot. Each cached layer fills at most its share of the slots (slots // cached layers), so
-        the first layers of a prompt do not take every slot; none is evicted (decode's hot set
-        survives a prompt). Experts with a copy in flight are skipped."""
+    def _prompt_keep(self, il: int, r: Routing, miss: np.ndarray) -> dict[int, int]:
+        """Empty slots for the non-resident experts (``miss``, ascending) layer ``il``'s prompt
+        ubatch uses most: expert -> slot. Each cached layer fills at most its share of the slots
+        (slots // cached layers), so the first layers of a prompt do not take every slot; none is
+        evicted (decode's hot set survives a prompt). Experts with a copy in flight are skipped."""
         pool, pol = self.pool, self.policy
-        if pool is None or pol.n_resident >= pol.n_slots:
+        if pool is None or not miss.size or pol.n_resident >= pol.n_slots:
             return {}
         quota = pol.n_slots // max(1, len(self.cached_layers)) - int(pol.resident[il].sum())
         if quota <= 0:
             return {}
-        ids, counts = np.unique(r.ids[~hit], return_counts=True)
-        ok = ~pol.resident[il, ids]
-        cand = ids[ok][np.argsort(-counts[ok], kind="stable")]
+        counts = np.bincount(r.ids.reshape(-1), minlength=self.slot_of.shape[1])[miss]
+        ok = ~pol.resident[il, miss]
+        cand = miss[ok][np.argsort(-counts[ok], kind="stable")]
         free = [slot for slot, own in enumerate(pool.owner) if own is None]
         n = min(quota, cand.size, len(free), pol.n_slots - pol.n_resident)
         return {int(x): slot for x, slot in zip(cand[:n], free[:n])}
@@ -582,19 +597,22 @@ class CachedExperts:
                     pool_arr[be.asarray(dst)] = pieces[-1][be.asarray(np.array(kept, np.int64))]
             parts.append(pieces[0] if len(pieces) == 1 else be.xp.concatenate(pieces))
         self.prompt_slot_reads += int(res.sum())
-        if kept:
-            self._publish_kept(il, [int(up[j]) for j in kept], keep)
+        self._kept += [(il, int(up[j]), keep[int(up[j])]) for j in kept]
         return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
 
-    def _publish_kept(self, il: int, experts: list[int], keep: dict[int, int]) -> None:
-        """Experts a prompt left in empty slots: resident for the policy (no upload credit spent),
-        owners of their slots, and in the map."""
-        self.policy.admit_free(il, np.array(experts, np.int64))
-        for x in experts:
-            self.pool.owner[keep[x]] = (il, x)
-            self.slot_of[il, x] = keep[x]
-        self._map_dirty = True
-        self.prompt_kept += len(experts)
+    def _publish_kept(self) -> None:
+        """The experts this prompt ubatch's layer left in empty slots (their device copies queued):
+        resident for the policy from now (no upload credit spent; called after the policy observed
+        the ubatch, so ``min_residency`` counts from its end), owners of their slots, and in the map."""
+        kept, self._kept = self._kept, []
+        for il in sorted({k[0] for k in kept}):
+            self.policy.admit_free(il, np.array([x for j, x, _ in kept if j == il], np.int64))
+        for il, x, slot in kept:
+            self.pool.owner[slot] = (il, x)
+            self.slot_of[il, x] = slot
+        if kept:
+            self._map_dirty = True
+            self.prompt_kept += len(kept)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
