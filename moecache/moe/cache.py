@@ -494,10 +494,11 @@ class CachedExperts:
 
     def _prompt_in_place(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt ubatch whose resident experts are computed straight from the slot pool in one
-        backend call (no gather into a group, no concatenation: the pool is a stack of experts like
-        any other, indexed by slot), a non-resident pair riding along with weight 0 on a resident
-        slot as a decode ubatch's misses do; the non-resident experts then come from the host in
-        groups (:meth:`_prompt_groups`) and their sum is added. While slots are empty, the
+        backend call on their pairs only (no gather into a group, no concatenation: the pool is a
+        stack of experts like any other, indexed by slot; no pair rides along at weight 0 as in
+        decode, which would compute it twice and, in float16 GEMMs, risk 0 x inf); the non-resident
+        experts then come from the host in groups (:meth:`_prompt_groups`) and their sum is added.
+        While slots are empty, the
         uploaded experts this ubatch uses most stay in them (:meth:`_prompt_keep`), so the next
         ubatch of a long prompt, or the next prompt, reads them in place."""
         self._kept = []  # copies of a call an exception cut short: never published, their slots still empty
