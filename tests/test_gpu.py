@@ -976,7 +976,8 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
                     cp.get_default_memory_pool().free_all_blocks()  # no block still holding the other engine's experts
                     spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
                                         '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
-                    spin((1,), (1,), (np.int64(600_000_000),), stream=be._copies())  # ~300 ms at ~2 GHz
+                    with be._copies():  # RawKernel launches on the current stream
+                        spin((1,), (1,), (np.int64(600_000_000),))  # ~300 ms at ~2 GHz
             outs[prefetch] = np.vstack([g.eval(tokens[:120], logits="all")]
                                        + [g.eval(tokens[i:i + 1]) for i in range(120, 124)])
             shared = {id(e.prefetch): e.prefetch for e in g.model.experts.executors.values()
