@@ -4,6 +4,7 @@ the warm-up that loads the prompt path's kernels before anything is timed."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -47,6 +48,41 @@ def uncompiled_kernels(names: set[str]) -> set[str]:
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     have = {p.name.split("-")[0].removeprefix("cpu.") for p in sub.glob(f"cpu.*.{py}.nbi")} if sub.is_dir() else set()
     return {n for n in names if n not in have}
+
+
+class CompileCounter:
+    """Counts the Numba compilations of moecache's kernels while installed (:func:`count_compiles`):
+    Numba fires its ``numba:compile`` event only for a real compilation, not for a kernel loaded from
+    its on-disk cache. :func:`uncompiled_kernels` sees whether a kernel has a cache entry at all;
+    this also sees a kernel cached for other argument types only (a test run's), which compiles
+    again for the run's own."""
+
+    def __init__(self, prefix: str = "moecache."):
+        from numba.core import event
+
+        class _Listener(event.Listener):
+            def on_start(inner, ev) -> None:  # noqa: N805 - the counter is the outer self
+                disp = (ev.data or {}).get("dispatcher")
+                mod = getattr(getattr(disp, "py_func", None), "__module__", "") or ""
+                if mod.startswith(prefix):
+                    self.count += 1
+
+            def on_end(inner, ev) -> None:  # noqa: N805
+                pass
+
+        self.count = 0
+        self.listener = _Listener()
+
+
+@contextmanager
+def count_compiles(prefix: str = "moecache."):
+    """A :class:`CompileCounter` of the kernels (module names starting with ``prefix``) that Numba
+    compiles inside the ``with`` block."""
+    from numba.core import event
+
+    counter = CompileCounter(prefix)
+    with event.install_listener("numba:compile", counter.listener):
+        yield counter
 
 
 def warm_prompt_path(eng) -> None:

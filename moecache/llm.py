@@ -224,7 +224,7 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         GGUFError and the other :class:`moecache.errors.MoecacheError`: the model cannot be run.
         MemoryError: an allocation failed.
     """
-    from moecache.cpu_kernels import cpu_kernel_names, uncompiled_kernels, warm_prompt_path
+    from moecache.cpu_kernels import count_compiles, cpu_kernel_names, uncompiled_kernels, warm_prompt_path
     from moecache.engine import Engine
     from moecache.gguf_file import open_gguf
     from moecache.probe import startup_probe
@@ -258,9 +258,15 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         if cold:
             log(f"compiling CPU kernels, first run only ({len(cold)} to compile; cached for later runs)...")
         t0 = time.perf_counter()
-        eng = Engine(gguf, res.engine_config(), log=once, placement=res.placement, load_mode=res.load_mode,
-                     pin_progress=pin_progress() if pin_progress is not None and res.load_mode == "pin" else None,
-                     policy_config=res.policy)
+        counting = count_compiles()
+        compiled = counting.__enter__()
+        try:
+            eng = Engine(gguf, res.engine_config(), log=once, placement=res.placement, load_mode=res.load_mode,
+                         pin_progress=pin_progress() if pin_progress is not None and res.load_mode == "pin" else None,
+                         policy_config=res.policy)
+        except BaseException:
+            counting.__exit__(None, None, None)
+            raise
     except BaseException:
         gguf.close()
         raise
@@ -270,9 +276,14 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
     except BaseException:
         eng.close()
         raise
-    if cold:
-        log(f"compiled CPU kernels: load and compile took {time.perf_counter() - t0:.1f} s in all (not counted in any "
-            f"speed below; the model line's load time includes the decode kernels' compile, not the prompt path's)")
+    finally:
+        counting.__exit__(None, None, None)
+    if cold or compiled.count:
+        why = "" if cold else (" (Numba's cache held them for other argument types only, e.g. a test run's; "
+                               "cached now for later runs)")
+        log(f"compiled {compiled.count} CPU kernel(s){why}: load and compile took {time.perf_counter() - t0:.1f} s "
+            f"in all (not counted in any speed below; the model line's load time includes the decode kernels' "
+            f"compile, not the prompt path's)")
     for line in ineffective_flag_notes(eng, settings):
         once(line)
     if override is not None:

@@ -375,6 +375,28 @@ def test_compile_status_line_before_the_load_and_none_when_cached(tiny, monkeypa
     assert status < done < model < speeds
 
 
+def test_compiles_are_counted_per_signature_not_per_cache_file():
+    """count_compiles sees a real compilation (a new argument type of an already compiled kernel too,
+    which uncompiled_kernels' cache-file check cannot), and nothing for a call it has compiled."""
+    from numba import njit
+
+    from moecache.cpu_kernels import count_compiles
+
+    @njit(cache=False)
+    def plus_one(x):
+        return x + 1
+
+    with count_compiles(prefix=__name__) as first:
+        plus_one(1)
+    with count_compiles(prefix=__name__) as again:
+        plus_one(2)
+    with count_compiles(prefix=__name__) as other_type:
+        plus_one(1.5)
+    with count_compiles(prefix="no.such.module") as elsewhere:
+        plus_one(True)
+    assert (first.count, again.count, other_type.count, elsewhere.count) == (1, 0, 1, 0)
+
+
 def test_prompt_kernels_are_loaded_before_anything_is_timed(tmp_path):
     """In a fresh process (no kernel loaded yet), moecache.load leaves the prompt path's dequantize
     kernels loaded and the sequence empty: the first prompt's timing holds no compile or load.
