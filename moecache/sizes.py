@@ -1,4 +1,5 @@
-"""Sizes as the flags write them (``--vram-budget 8GiB``, ``--moe-cache 12GB``): text -> bytes or MiB.
+"""Sizes as the flags write them (``--vram-budget 8GiB``, ``--moe-cache 12GB``): text -> bytes or MiB;
+and bytes as a reader reads them (:func:`format_size`).
 
 Pure functions; every bad value is a ValueError naming the flag and the accepted forms.
 """
@@ -52,3 +53,12 @@ def parse_moe_cache(text: str | int | None, flag: str = "--moe-cache") -> int | 
     if mib < 1:
         raise ValueError(f"{flag} {text!r}: less than 1 MiB; give -1 (fill free VRAM), 0 (off) or {SIZE_HELP}")
     return mib
+
+
+def format_size(n_bytes: int | float) -> str:
+    """Bytes for a reader: two decimals in the largest binary unit (GiB, MiB, KiB) the value reaches,
+    else bytes (a tiny model's tensors read "0.41 MiB", not "0.00 GiB")."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n_bytes >= 1 << shift:
+            return f"{n_bytes / (1 << shift):.2f} {unit}"
+    return f"{int(n_bytes)} B"

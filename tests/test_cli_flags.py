@@ -469,3 +469,10 @@ def test_bench_moe_cache_takes_ranges_and_sizes():
     assert moe_cache_list("512-2048*2,8GiB,-1,0") == [512, 1024, 2048, 8192, -1, 0]
     with pytest.raises(ValueError):
         moe_cache_list("12XB")
+
+
+def test_sizes_read_in_the_largest_unit_they_reach():
+    from moecache.sizes import format_size
+
+    assert [format_size(b) for b in (0, 1023, 1024, 214_620, 3 << 20, 17_459 << 20)] == \
+        ["0 B", "1023 B", "1.00 KiB", "209.59 KiB", "3.00 MiB", "17.05 GiB"]
