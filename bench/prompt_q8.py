@@ -67,6 +67,8 @@ def main() -> None:
                          "expert cache's default prompt path vs prompt_in_place (residents read in place, uploads "
                          "kept in empty slots)")
     ap.add_argument("--routing", default=None, help="replace the routers' choices (qwen3-moe, low-locality, uniform)")
+    ap.add_argument("--fresh", action="store_true", help="a different prompt for each repetition (as `moecache bench` "
+                    "draws them; default: the warm-up's prompt again, except with --ab cache)")
     a = ap.parse_args()
     prefetch = a.ab == "prefetch"
     if a.ab == "cache" and a.vram_budget is None:
@@ -113,7 +115,7 @@ def main() -> None:
         base_group = {id(c): c.prompt_group_bytes for c in eng.caches}
 
         def prompt(arm: tuple, i: int) -> tuple[float, np.ndarray]:
-            """Prompt i (always the first but with --ab cache) through arm's setting: t/s, last logits."""
+            """Prompt i (the first again unless --fresh or --ab cache) through arm's setting: t/s, last logits."""
             for b in bes.values():
                 b.prompt_q8 = arm[1]
             for c in eng.caches:
@@ -121,7 +123,7 @@ def main() -> None:
                 c.prompt_in_place = arm[3] and a.ab == "cache"
             for e in host:
                 e.prefetch = shared if arm[3] else None
-            toks = prompts[i if a.ab == "cache" else 0]
+            toks = prompts[i if a.ab == "cache" or a.fresh else 0]
             restart = getattr(eng.model.routing_override, "restart", None)  # a trace file replays as it is
             if restart is not None:
                 restart(i)
@@ -161,9 +163,9 @@ def main() -> None:
             if prefetch and shared.started == started:
                 raise SystemExit("--ab prefetch: the warm-up prompt began no upload (ubatch too small, or the "
                                  "weights are not page-locked): the two arms would be the same")
-            for _ in range(a.r):  # alternated, so drift hits every arm alike
+            for i in range(1, a.r + 1):  # alternated, so drift hits every arm alike
                 for arm in arms:
-                    ts[arm[0]].append(prompt(arm, 0)[0])
+                    ts[arm[0]].append(prompt(arm, i)[0])
         if prefetch:
             print(f"prefetch: {shared.started} uploads begun, {shared.used} used, {shared.dropped} dropped, "
                   f"{shared.bytes / 2**30:.1f} GiB")
