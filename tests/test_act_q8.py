@@ -131,10 +131,14 @@ def test_twin_prompt_moe_rounds_to_float16(types, seed):
             ref[i] += wts[i, s] * (deq(d[e], fd, n_embd, ff) @ h16(a))
     tt = tuple(FORMATS[x].ggml_type for x in types)
     got = NumpyBackend(act_q8=True).moe_ffn(g, u, d, tt, Routing(ids, wts), h, "silu")
-    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    # 1e-6 .. 9e-6 measured (float32 sums, a gated value on a rounding boundary); leaving out any one
-    # of the roundings (h, the weights, the gated activations) moves it to 2e-4 .. 5e-4
-    assert err < 5e-5, f"{err:.2e}"
+    err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)  # per token
+    # per token 2.5e-7 .. 3.5e-7 (median) measured; leaving out any one of the roundings (h, the
+    # weights, the gated activations) moves every token to 1.9e-4 .. 5e-4. A value computed in float32
+    # (a dequantized weight, a gated activation) that lies on a float16 rounding boundary may round
+    # the other way than its float64 twin: one or two tokens in 24, up to 5e-4, in ~1% of the seeds
+    # (a whole-output norm then failed at random, 300 cases replayed)
+    assert np.median(err) < 5e-6 and (err > 5e-5).sum() <= 4 and err.max() < 2e-3, \
+        f"median {np.median(err):.2e}, {(err > 5e-5).sum()} tokens > 5e-5, max {err.max():.2e}"
     flt = NumpyBackend().moe_ffn(g, u, d, tt, Routing(ids, wts), h, "silu")
     assert 1e-5 < np.linalg.norm(got - flt) / np.linalg.norm(flt) < 3e-3
 
