@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -50,39 +51,31 @@ def uncompiled_kernels(names: set[str]) -> set[str]:
     return {n for n in names if n not in have}
 
 
-class CompileCounter:
-    """Counts the Numba compilations of moecache's kernels while installed (:func:`count_compiles`):
-    Numba fires its ``numba:compile`` event only for a real compilation, not for a kernel loaded from
-    its on-disk cache. :func:`uncompiled_kernels` sees whether a kernel has a cache entry at all;
-    this also sees a kernel cached for other argument types only (a test run's), which compiles
-    again for the run's own."""
+@dataclass
+class Compiles:
+    """The Numba compilations of moecache's kernels inside a :func:`count_compiles` block (set when
+    the block ends)."""
 
-    def __init__(self, prefix: str = "moecache."):
-        from numba.core import event
-
-        class _Listener(event.Listener):
-            def on_start(inner, ev) -> None:  # noqa: N805 - the counter is the outer self
-                disp = (ev.data or {}).get("dispatcher")
-                mod = getattr(getattr(disp, "py_func", None), "__module__", "") or ""
-                if mod.startswith(prefix):
-                    self.count += 1
-
-            def on_end(inner, ev) -> None:  # noqa: N805
-                pass
-
-        self.count = 0
-        self.listener = _Listener()
+    count: int = 0
 
 
 @contextmanager
 def count_compiles(prefix: str = "moecache."):
-    """A :class:`CompileCounter` of the kernels (module names starting with ``prefix``) that Numba
-    compiles inside the ``with`` block."""
+    """Count the kernels (module names starting with ``prefix``) Numba compiles inside the ``with``
+    block: its ``numba:compile`` event fires for a real compilation only, not for a kernel loaded
+    from the on-disk cache. :func:`uncompiled_kernels` sees whether a kernel has a cache entry at
+    all; this also sees a kernel cached for other argument types only (a test run's), which
+    compiles again for the run's own. Yields a :class:`Compiles`."""
     from numba.core import event
 
-    counter = CompileCounter(prefix)
-    with event.install_listener("numba:compile", counter.listener):
-        yield counter
+    out = Compiles()
+    with event.install_recorder("numba:compile") as rec:
+        try:
+            yield out
+        finally:
+            mods = (getattr(getattr((ev.data or {}).get("dispatcher"), "py_func", None), "__module__", "") or ""
+                    for _, ev in rec.buffer if ev.is_start)
+            out.count = sum(m.startswith(prefix) for m in mods)
 
 
 def warm_prompt_path(eng) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,7 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
     if settings.flash_attn == "on":
         log(f"note: -fa {settings.flash_attn} ignored: one attention implementation per backend for now")
     gguf = open_gguf(path)
+    counting = ExitStack()
     try:
         facts = model_facts(gguf, settings.kv_type())
         placement = settings.placement_options()
@@ -258,16 +260,12 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         if cold:
             log(f"compiling CPU kernels, first run only ({len(cold)} to compile; cached for later runs)...")
         t0 = time.perf_counter()
-        counting = count_compiles()
-        compiled = counting.__enter__()
-        try:
-            eng = Engine(gguf, res.engine_config(), log=once, placement=res.placement, load_mode=res.load_mode,
-                         pin_progress=pin_progress() if pin_progress is not None and res.load_mode == "pin" else None,
-                         policy_config=res.policy)
-        except BaseException:
-            counting.__exit__(None, None, None)
-            raise
+        compiled = counting.enter_context(count_compiles())  # the load's and the warm-up's compilations
+        eng = Engine(gguf, res.engine_config(), log=once, placement=res.placement, load_mode=res.load_mode,
+                     pin_progress=pin_progress() if pin_progress is not None and res.load_mode == "pin" else None,
+                     policy_config=res.policy)
     except BaseException:
+        counting.close()
         gguf.close()
         raise
     try:
@@ -277,7 +275,7 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         eng.close()
         raise
     finally:
-        counting.__exit__(None, None, None)
+        counting.close()
     if cold or compiled.count:
         why = "" if cold else (" (Numba's cache held them for other argument types only, e.g. a test run's; "
                                "cached now for later runs)")

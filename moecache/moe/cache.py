@@ -98,6 +98,16 @@ class _Pool:
     owner: list = field(default_factory=list)  # slot -> (layer, expert) or None
 
 
+def _pair_rows(r: Routing, sel: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, Routing]:
+    """The (token, expert) pairs ``sel`` (indices into the flattened (T, k) routing ``r``, host
+    arrays) as a one-expert-per-row routing: (int64 (P,) token of each pair, Routing (P, 1) of their
+    experts, or of ``ids`` (T, k) in their place, and weights)."""
+    rows = (sel // r.ids.shape[1]).astype(np.int64)
+    ids = r.ids if ids is None else ids
+    return rows, Routing(ids.reshape(-1)[sel].reshape(-1, 1).astype(np.int32),
+                         np.asarray(r.weights, np.float32).reshape(-1)[sel].reshape(-1, 1))
+
+
 def _add_rows(be: Any, out: Any, rows: np.ndarray, y: Any) -> None:
     """``out[rows[i]] += y[i]`` for every i, with ``rows`` non-decreasing (a row repeats for each of
     its pairs): the repeats are summed in pair order (a padded gather and a reduction, no atomics),
@@ -512,10 +522,7 @@ class CachedExperts:
             out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, Routing(slots.astype(np.int32), r.weights),
                              h, e.act)
         elif hit.any():  # the resident pairs only (no pair computed twice), each pair a row
-            sel = np.flatnonzero(hit.reshape(-1))
-            rows = (sel // r.ids.shape[1]).astype(np.int64)
-            sub = Routing(slots.reshape(-1)[sel].reshape(-1, 1).astype(np.int32),
-                          np.asarray(r.weights, np.float32).reshape(-1)[sel].reshape(-1, 1))
+            rows, sub = _pair_rows(r, np.flatnonzero(hit.reshape(-1)), slots)
             y = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, sub, h[be.asarray(rows)], e.act)
             out = be.zeros((h.shape[0], h.shape[1]), np.float32)
             _add_rows(be, out, rows, y)
@@ -556,12 +563,8 @@ class CachedExperts:
         be = self.be
         out = be.zeros((h.shape[0], h.shape[1]), np.float32)
         flat = r.ids.reshape(-1)
-        k = r.ids.shape[1]
         for g0 in range(0, used.size, group):
-            sel = np.flatnonzero(np.isin(flat, used[g0:g0 + group]))  # this group's pairs
-            rows = (sel // k).astype(np.int64)
-            sub = Routing(flat[sel].reshape(-1, 1).astype(np.int32),
-                          r.weights.reshape(-1)[sel].reshape(-1, 1).astype(np.float32))
+            rows, sub = _pair_rows(r, np.flatnonzero(np.isin(flat, used[g0:g0 + group])))  # this group's pairs
             y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group], keep)
             _add_rows(be, out, rows, y)
         return out
