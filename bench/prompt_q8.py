@@ -21,13 +21,13 @@ layer's experts on a copy stream while the current layer computes (``moecache/mo
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab prefetch --load-mode pin -p 2048 -ub 2048 -r 3
 
-``--ab cache`` compares, behind the expert cache (``--vram-budget``), the default prompt path against
-``CachedExperts.prompt_in_place`` (resident experts computed from the slots in place, and uploaded
-experts left in empty slots), each arm's warm-up and repetitions in a row, a different prompt each
-(the same list in every arm): the default path from empty slots (as ``bench -p N -r R`` runs it:
-it never fills a slot during a prompt), ``prompt_in_place`` from empty slots (its warm-up fills
-them), and the default path again with the slots the second arm left (what reading residents in
-place saves over gathering them). ``--routing`` replaces the routers' choices as ``bench --routing``
+``--ab cache`` compares, behind the expert cache (``--vram-budget``), its two prompt paths from
+empty slots (as ``bench -p N -r R`` runs it: a prompt fills no slot), each arm's warm-up and
+repetitions in a row, a different prompt each (the same list in every arm): the groups of
+``prompt_group_bytes`` (``prompt_stacks`` False: each group's experts copied, then computed, on one
+stream) against the stacks (``CachedExperts.prompt_stacks``, the default: one stack of the layer's
+experts per layer, the next layer's non-resident ones copied on the copy stream while this one
+computes). ``--routing`` replaces the routers' choices as ``bench --routing``
 does (the ``8g-*`` cases use qwen3-moe), restarted at the same seed for the same prompt in every
 arm, so the arms' last logits compare:
 
@@ -105,9 +105,8 @@ def main() -> None:
         #  from empty slots)
         if prefetch:
             arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
-        elif a.ab == "cache":
-            arms = [("default, empty slots", False, 1, False, True), ("in place, from empty slots", False, 1, True, True),
-                    ("default, the slots in place left", False, 1, False, False)]
+        elif a.ab == "cache":  # the fourth field: prompt_stacks
+            arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True)]
         else:
             arms = [("float16 GEMMs", False, 1, False, False), ("grouped 8-bit", True, 1, False, False)]
             if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
@@ -120,7 +119,7 @@ def main() -> None:
                 b.prompt_q8 = arm[1]
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
-                c.prompt_in_place = arm[3] and a.ab == "cache"
+                c.prompt_stacks = arm[3] if a.ab == "cache" else c.prompt_stacks
             for e in host:
                 e.prefetch = shared if arm[3] else None
             toks = prompts[i if a.ab == "cache" or a.fresh else 0]
@@ -155,8 +154,10 @@ def main() -> None:
                 for i in range(1, a.r + 1):
                     t, logits[arm[0]] = prompt(arm, i)  # the last prompt's logits are compared
                     ts[arm[0]].append(t)
-                print(f"{arm[0]}: {sum(c.prompt_kept for c in eng.caches)} experts kept in slots so far, "
-                      f"{sum(c.prompt_slot_reads for c in eng.caches)} read from slots so far")
+                free, total = cp.cuda.runtime.memGetInfo()
+                print(f"{arm[0]}: {sum(c.prompt_slot_reads for c in eng.caches)} experts read from slots so far; "
+                      f"next-layer copies (started, used, dropped) {[c.stack_prefetch for c in eng.caches]}; "
+                      f"GPU memory in use now {(total - free) >> 20} MiB, CuPy pool {pool.total_bytes() >> 20} MiB")
         else:
             for arm in arms:
                 warm_up(arm)

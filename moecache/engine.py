@@ -309,7 +309,8 @@ class Engine:
             if self.stage_misses and slots > 4 * c.n_expert_used:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
-                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses)
+                                  pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
+                                  vram_limit=opts.vram_budget or None)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

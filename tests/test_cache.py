@@ -403,6 +403,7 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         per = CachedExperts._expert_bytes(ew[0])
         monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        cache.prompt_stacks = False  # the groups (the path when a stack has no room)
         cache.prompt_in_place = in_place
         resident = [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8]
         _fill(cache, ew, resident)
@@ -469,6 +470,89 @@ def test_prompt_in_place_leaves_its_most_used_uploads_in_empty_slots(model_path,
         cache.close()
 
 
+def _spy(monkeypatch, obj, name, calls):
+    real = getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda *a: (calls.append(a), real(*a))[1])
+
+
+@pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack"])
+def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(model_path, monkeypatch, limit):
+    """prompt_stacks (the default): a 40-token prompt gives the all-CPU logits with every layer computed
+    from one stack of its experts; the resident experts come from their slots (device copies), never
+    from the host; each layer after the first computes from the copy of its non-resident experts
+    begun while the layer before computed (the twin's copies read 0xFF bytes, NaN, until finished,
+    and wherever no expert was copied). With --vram-budget's room for one stack only, no copy runs
+    ahead; with room for none, the layer falls back to the groups."""
+    rng = np.random.default_rng(8)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
+        vram_limit = {"none": None, "two stacks": 2 * stack, "one stack": stack, "no stack": stack - 1}[limit]
+        cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
+                              vram_limit=vram_limit)
+        assert cache.prompt_stacks
+        resident = [(il, e) for il in range(c.n_layer) for e in (2, 5)][:8]
+        _fill(cache, ew, resident)
+        if limit in ("two stacks", "one stack"):
+            real_start = cache.be.start_upload
+
+            def start(ws, experts=None, lim=None):  # one stack is in use while the next layer's is copied
+                cache.be.in_use = stack
+                try:
+                    return real_start(ws, experts, lim)
+                finally:
+                    cache.be.in_use = 0
+            monkeypatch.setattr(cache.be, "start_upload", start)
+        uploads, gathers, groups = [], [], []
+        _spy(monkeypatch, cache.be, "upload_experts_into", uploads)
+        _spy(monkeypatch, cache.be, "gather_into", gathers)
+        _spy(monkeypatch, cache, "_prompt_group", groups)
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache)
+        prompt = rng.integers(0, c.n_vocab, 40)
+        got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
+        np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
+                                   rtol=1e-4, atol=1e-5)
+        started, used, dropped = cache.stack_prefetch
+        if limit == "no stack":
+            assert not uploads and not gathers and len(groups) >= c.n_layer and started == 0
+            return
+        assert not groups and dropped == 0
+        ahead = limit in ("none", "two stacks")
+        assert started == used == (c.n_layer - 1 if ahead else 0)
+        res = {(il, e) for il, e in resident}
+        for dst, w, ids in [u for u in uploads if u[2].size]:  # host copies: never a resident expert
+            il = next(i for i in ew if w is ew[i].gate or w is ew[i].up or w is ew[i].down)
+            assert not {(il, int(x)) for x in ids} & res
+            assert not ahead or il == min(ew)  # with copies ahead only the first layer copies its own
+        assert cache.prompt_slot_reads > 0
+        assert len(gathers) == 3 * c.n_layer  # gate, up, down of every layer from the slots
+        cache.close()
+
+
+def test_a_copy_left_in_flight_is_dropped_by_the_next_pass(model_path):
+    """A prompt pass cut short after a layer began the next one's copy: the next pass's begin drops it
+    (counted), and a later prompt ubatch still equals the CPU."""
+    rng = np.random.default_rng(9)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        ref_ex = CPUExperts(ew, NumpyBackend())
+        first = min(ew)
+        h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
+        r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)
+        np.testing.assert_allclose(cache(first, h, r), ref_ex(first, h, r), rtol=1e-5, atol=1e-6)
+        assert cache.stack_prefetch == [1, 0, 0] and cache._flight is not None
+        cache.begin_pass(40)
+        assert cache.stack_prefetch == [1, 0, 1] and cache._flight is None
+        for il in ew:
+            np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+        assert cache.stack_prefetch == [1 + c.n_layer - 1, c.n_layer - 1, 1]
+        cache.close()
+
+
 def test_add_rows_sums_repeated_rows_in_order(rng):
     from moecache.moe.cache import _add_rows
 
@@ -520,6 +604,7 @@ def test_prompt_group_bytes_is_a_per_cache_setting(model_path, monkeypatch):
         per = CachedExperts._expert_bytes(ew[0])
         assert _cache(ew, c.n_layer, c.n_expert, 8, NEVER).prompt_group_bytes == cache_mod.PROMPT_GROUP_BYTES
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        cache.prompt_stacks = False
         cache.prompt_group_bytes = 2 * per
         assert max(_prompt_group_sizes(m, cache, rng, monkeypatch)) == 2
     with pytest.raises(ValueError, match="prompt_group_bytes"):

@@ -1018,9 +1018,9 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
-    pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
-    experts three at a time (the grouped path: a token's pairs in one group summed on the GPU); the
-    first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
+    pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches compute each
+    layer from a stack of its experts (prompt_stacks, the default; the groups of three experts are
+    test_prompt_stacks_on_the_gpu_match_cpu's other arm); the first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt reads the resident experts from the slots in place (``prompt_in_place``)."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
@@ -1068,6 +1068,47 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         b = ref.eval(toks)
         np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
         assert resident > 0 and cache.prompt_slot_reads > reads
+
+
+@pytest.mark.parametrize("load_mode", ["pin", "mmap"])
+@pytest.mark.parametrize("stacks", [True, False])
+def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
+    """The expert cache's prompt ubatches on the GPU: with prompt_stacks (the default) each layer is
+    computed from a stack of its experts (residents copied from their slots on the device, the rest
+    from the host), the next layer's non-resident experts copied on the copy stream ahead (pin only:
+    a mapped file copies each layer's own); without, the groups of three experts. Two 40-token
+    prompts and decode steps give the CPU's logits. The copy stream is held up by a 300 ms spin
+    kernel before each prompt, so only the compute stream's wait for the copy keeps them right."""
+    import cupy as cp
+
+    from moecache.moe.policy import PolicyConfig
+
+    rng = np.random.default_rng(7)
+    with _cache_pair(tmp_path, 23, load_mode, PolicyConfig(**CHURN)) as (ref, eng):
+        cache = eng.caches[0]
+        cache.prompt_stacks = stacks
+        cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
+        be = cache.be
+        spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
+                            '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
+        for rep in range(2):
+            ref.reset()
+            eng.reset()
+            with cp.cuda.Device(be.device), be._copies():
+                spin((1,), (1,), (np.int64(600_000_000),))  # ~300 ms at ~2 GHz
+            toks = rng.integers(0, 200, 40)
+            b = ref.eval(toks)
+            np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+            for i in range(3):
+                t = [int(rng.integers(0, 200))]
+                b = ref.eval(t)
+                np.testing.assert_allclose(eng.eval(t), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+        started, used, dropped = cache.stack_prefetch
+        n = len(cache.cached_layers)
+        print(f"{load_mode} stacks={stacks}: copies ahead started {started}, used {used}, dropped {dropped}; "
+              f"{cache.prompt_slot_reads} slot reads")
+        assert started == used == (2 * (n - 1) if stacks and load_mode == "pin" else 0) and dropped == 0
+        assert cache.prompt_slot_reads > 0
 
 
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])

@@ -306,33 +306,86 @@ class CupyBackend(ArrayOps):
             self._copy_stream = cp.cuda.Stream(non_blocking=True)
         return self._copy_stream
 
-    def start_upload(self, ws: tuple[np.ndarray, ...]) -> "_Upload | None":
-        """Begin copying whole page-locked host arrays ``ws`` (a layer's stacked experts, uint8) to
-        this GPU on its copy stream, so that the copy runs while the compute stream works (the next
-        host-expert layer of a prompt while this one computes: :mod:`moecache.moe.prefetch`).
-        :meth:`finish_upload` makes the compute stream wait for it and gives the arrays. None when
-        a source is not page-locked (``--load-mode mmap``: an asynchronous copy needs pinned
-        memory; the caller uploads as before).
+    def start_upload(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
+                     limit: int | None = None) -> "_Upload | None":
+        """Begin copying page-locked host arrays ``ws`` (a layer's stacked experts, uint8 (n_expert,
+        rows, row_bytes)) to this GPU on its copy stream, so that the copy runs while the compute
+        stream works (the next layer of a prompt while this one computes: :mod:`moecache.moe.prefetch`,
+        and the expert cache's prompt stacks). ``experts`` (ascending ids; None: all): only those
+        experts are copied, each to its own position of arrays of the full shape (one DMA per run
+        of consecutive ids; the other positions are left unwritten). :meth:`finish_upload` makes the
+        compute stream wait for the copy and gives the arrays. None when a source is not
+        page-locked (``--load-mode mmap``: an asynchronous copy needs pinned memory), when the GPU
+        has no room, or when the arrays would take the GPU past ``limit`` bytes in use
+        (:meth:`room_for`); the caller uploads as before.
 
         The arrays are allocated on the compute stream (CuPy's pool is per stream), and the copy
         waits for the compute stream's work queued so far: the memory may have been freed by
         arrays that kernels queued before still read."""
         if not all(_is_pinned(w) for w in ws):
-            self._note("the next host-expert layer's experts are not prefetched: they are not in page-locked "
-                       "memory (--load-mode pin); each layer copies its own")
+            self._note("the next layer's experts are not prefetched during a prompt: they are not in "
+                       "page-locked memory (--load-mode pin); each layer copies its own")
+            return None
+        nbytes = sum(int(w.nbytes) for w in ws)
+        if not self.room_for(nbytes, limit):
+            self._note(f"the next layer's experts ({nbytes >> 20} MiB) are not prefetched while the GPU is near "
+                       f"--vram-budget ({limit >> 20} MiB): those prompt layers copy their own, after the layer before")
             return None
         with cp.cuda.Device(self.device):
             cs = self._copies()
             try:
                 outs = tuple(cp.empty(w.shape, cp.uint8) for w in ws)
             except cp.cuda.memory.OutOfMemoryError:
-                self._note(f"GPU {self.device} has no room for the next host-expert layer's experts "
-                           f"({sum(w.nbytes for w in ws) >> 20} MiB): those prompt layers copy their own used experts")
+                self._note(f"GPU {self.device} has no room for the next layer's experts ({nbytes >> 20} MiB): "
+                           f"those prompt layers copy their own, after the layer before")
                 return None
             cs.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
+            runs = [(0, 0, ws[0].shape[0])] if experts is None else expert_runs(experts)
             for o, w in zip(outs, ws):
-                o.set(w, stream=cs)
+                for _, first, length in runs:
+                    o[first:first + length].set(w[first:first + length], stream=cs)
             return _Upload(outs, cs.record(cp.cuda.Event(disable_timing=True)))
+
+    def room_for(self, nbytes: int, limit: int | None) -> bool:
+        """Whether ``nbytes`` more can be allocated without the GPU's memory in use (every process,
+        our CUDA context included: ``cudaMemGetInfo``, what ``--vram-budget`` counts) passing
+        ``limit`` bytes; None: no limit. Blocks CuPy's pool holds free count as available (an
+        allocation of the same size reuses them: the prompt stacks of one model all have one size)."""
+        if limit is None:
+            return True
+        with cp.cuda.Device(self.device):
+            free, total = cp.cuda.runtime.memGetInfo()
+            pool = cp.get_default_memory_pool()
+            return (total - free) - pool.free_bytes() + nbytes <= limit
+
+    def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
+        """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's
+        experts, of which only the positions a ubatch uses are written and read."""
+        with cp.cuda.Device(self.device):
+            return cp.empty(shape, cp.uint8)
+
+    def upload_experts_into(self, dst: cp.ndarray, w: np.ndarray, ids: np.ndarray) -> None:
+        """``dst[ids] = w[ids]`` (host experts ``w`` uint8 (n_expert, rows, row_bytes), ``ids``
+        ascending) on the current stream: from page-locked weights one DMA per run of consecutive
+        ids straight into place; otherwise through :meth:`upload_experts` (a page-locked staging
+        gather) and a device scatter."""
+        if not ids.size:
+            return
+        if _is_pinned(w):
+            with cp.cuda.Device(self.device):
+                stream = cp.cuda.get_current_stream()
+                for _, first, length in expert_runs(ids):
+                    dst[first:first + length].set(w[first:first + length], stream=stream)
+            return
+        dst[self.asarray(np.asarray(ids, np.int64))] = self.upload_experts(w, ids)
+
+    def gather_into(self, dst: cp.ndarray, ids: np.ndarray, src: cp.ndarray, rows: np.ndarray) -> None:
+        """``dst[ids] = src[rows]`` on this GPU (resident experts copied from their cache slots into a
+        prompt's stack), queued on the current stream."""
+        if not ids.size:
+            return
+        with cp.cuda.Device(self.device):
+            dst[self.asarray(np.asarray(ids, np.int64))] = src[self.asarray(np.asarray(rows, np.int64))]
 
     def finish_upload(self, up: "_Upload") -> tuple[cp.ndarray, ...]:
         """The arrays of :meth:`start_upload`; the work queued after this on the compute stream runs

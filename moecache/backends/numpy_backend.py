@@ -70,6 +70,7 @@ class NumpyBackend(ArrayOps):
 
     def __init__(self, act_q8: bool = False):
         self.act_q8 = act_q8
+        self.in_use = 0  # device bytes in use, as a test sets them (room_for)
 
     def _q8(self, ggml_type: int, name: str | None, n_tok: int) -> bool:
         return self.act_q8 and n_tok <= DECODE_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
@@ -92,13 +93,35 @@ class NumpyBackend(ArrayOps):
         """``w[used]`` of stacked experts as this backend keeps them (a host copy here)."""
         return np.take(w, used, axis=0)
 
-    def start_upload(self, ws: tuple[np.ndarray, ...]) -> "TwinUpload | None":
-        """Begin copying whole host arrays ``ws`` (a layer's stacked experts, uint8) to this backend;
-        :meth:`finish_upload` gives them. The CPU twin of the GPU's copy-stream upload: the arrays
-        it will give are filled with 0xFF bytes (NaN scales) until then, so a caller that reads
-        them before :meth:`finish_upload` gets NaNs, as it could read half-copied bytes on the
-        GPU."""
-        return TwinUpload(ws)
+    def start_upload(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
+                     limit: int | None = None) -> "TwinUpload | None":
+        """Begin copying host arrays ``ws`` (a layer's stacked experts, uint8 (n_expert, rows,
+        row_bytes)), or only the ``experts`` given (ascending ids, each to its own position), to this
+        backend; :meth:`finish_upload` gives them. The CPU twin of the GPU's copy-stream upload: the
+        arrays it will give are filled with 0xFF bytes (NaN scales) until then, and stay so where
+        no expert was copied, so a caller that reads them too early or reads an expert not copied
+        gets NaNs, as it could read half-copied bytes on the GPU. None when :meth:`room_for` says
+        the arrays would pass ``limit``."""
+        if not self.room_for(sum(int(w.nbytes) for w in ws), limit):
+            return None
+        return TwinUpload(ws, experts)
+
+    def room_for(self, nbytes: int, limit: int | None) -> bool:
+        """The twin of the GPU's check (:meth:`CupyBackend.room_for`) against ``in_use``, the bytes a
+        test says are in use (0 by default); None: no limit."""
+        return limit is None or self.in_use + nbytes <= limit
+
+    def empty_u8(self, shape: tuple[int, ...]) -> np.ndarray:
+        """uint8 "uninitialized" (0xFF bytes: NaN scales, so a read of a position never written shows)."""
+        return np.full(shape, 0xFF, np.uint8)
+
+    def upload_experts_into(self, dst: np.ndarray, w: np.ndarray, ids: np.ndarray) -> None:
+        """``dst[ids] = w[ids]``."""
+        dst[ids] = w[ids]
+
+    def gather_into(self, dst: np.ndarray, ids: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
+        """``dst[ids] = src[rows]`` (resident experts from their slots into a prompt's stack)."""
+        dst[ids] = src[rows]
 
     def finish_upload(self, up: "TwinUpload") -> tuple[np.ndarray, ...]:
         """The arrays of :meth:`start_upload`, ready to read."""
@@ -303,16 +326,18 @@ class TwinCopy:
 
 
 class TwinUpload:
-    """A whole-array upload in flight (see :meth:`NumpyBackend.start_upload`): its arrays hold 0xFF
-    bytes until :meth:`finish`."""
+    """An upload in flight (see :meth:`NumpyBackend.start_upload`): its arrays hold 0xFF bytes until
+    :meth:`finish`, and afterwards wherever no expert was copied."""
 
-    def __init__(self, ws: tuple[np.ndarray, ...]):
+    def __init__(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None):
         self.srcs = ws
+        self.experts = experts
         self.arrays = tuple(np.full(w.shape, 0xFF, np.uint8) for w in ws)
 
     def finish(self) -> tuple[np.ndarray, ...]:
         if self.srcs is not None:
+            sel = slice(None) if self.experts is None else self.experts
             for d, s in zip(self.arrays, self.srcs):
-                d[...] = s
+                d[sel] = s[sel]
             self.srcs = None
         return self.arrays

@@ -31,9 +31,14 @@ its slot's copy waits for the pass that could still read it.
    uploads start (on the GPU: a separate copy stream ordered after the compute stream, so no kernel
    still reads a victim's slot) and land in the map at a later call, when complete.
 
-Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend:
-resident ones are gathered from their slots on the device, the others copied from the host (op
-offload). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
+Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend,
+each layer in one call from a stack of its experts on the device (``prompt_stacks``, the default):
+resident ones copied from their slots on the device, the others from the host (op offload), and
+the next cached layer's non-resident experts copied on the copy stream while this layer computes
+(the same copy-stream ordering as :mod:`moecache.moe.prefetch`). Two stacks (one layer's experts
+each) are then on the device at once; with ``--vram-budget`` one is allocated only while the GPU's
+memory in use leaves room for it, else the layer brings its experts in groups of
+``prompt_group_bytes``, copy then compute. Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
 to decode's hot set; routing.md). With ``prompt_in_place`` (opt-in) the resident ones are read in
 place instead, and while slots are empty the uploaded experts a ubatch uses most are copied into
 them on the device; those slots are published as soon as that copy is queued on the compute
@@ -59,6 +64,7 @@ from moecache.backends.contract import CacheBackend
 from moecache.backends.ops import DECODE_MAX_TOKENS
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
+from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT
 from moecache.moe.routing import Routing
 from moecache.quants import cpu
 
@@ -139,11 +145,18 @@ class CachedExperts:
             scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
             of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
-        prompt_group_bytes: a prompt ubatch brings its used experts to the device this many bytes
-            at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the
-            backend: fewer, larger groups cost fewer launches and more VRAM at once).
+        prompt_group_bytes: when a prompt ubatch has no room for a stack of the layer's experts
+            (``prompt_stacks``), it brings its used experts to the device this many bytes at a time
+            (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the backend).
+        vram_limit: ``--vram-budget`` in bytes (None: none): prompt stacks are allocated only while
+            the GPU's memory in use stays within it (the backend's ``room_for``).
 
     Attributes:
+        prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
+            (:meth:`_prompt_stack`: residents copied from their slots on the device, the others from
+            the host), the next cached layer's non-resident experts copied on the copy stream while
+            this one computes; True (default). False: the groups of ``prompt_group_bytes``.
+        stack_prefetch: (started, used, dropped) copies of a next layer's experts.
         prompt_in_place: prompt ubatches compute the resident experts from their slots in place and
             leave the uploaded experts they use most in empty slots (:meth:`_prompt_in_place`);
             False (default) until measured on a GPU.
@@ -153,7 +166,7 @@ class CachedExperts:
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
-                 stage_misses: bool = False, prompt_group_bytes: int | None = None):
+                 stage_misses: bool = False, prompt_group_bytes: int | None = None, vram_limit: int | None = None):
         prompt_group_bytes = PROMPT_GROUP_BYTES if prompt_group_bytes is None else prompt_group_bytes
         if prompt_group_bytes < 1:
             raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
@@ -165,6 +178,10 @@ class CachedExperts:
         # gathering them into each group, and leave the uploaded experts they use most in empty slots;
         # off until measured on a GPU (bench/prompt_q8.py --ab cache)
         self.prompt_in_place = False
+        self.prompt_stacks = True
+        self.vram_limit = vram_limit
+        self._flight: tuple[int, Any, np.ndarray] | None = None  # (layer, upload, experts copied: bool mask)
+        self.stack_prefetch = [0, 0, 0]  # started, used, dropped
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
         self.stats = CacheStats()  # tokens of every pass; hits and misses of decode ubatches
@@ -334,6 +351,7 @@ class CachedExperts:
         slots (:meth:`fill_after_prompt`); publish completed uploads and bring the device map up to
         date (on the current stream, so the pass reads it). A pass that will not take the zero-copy
         path accounts the earlier passes first (it feeds the policy itself, in order)."""
+        self._drop_flight()  # a copy started for a pass an exception cut short
         if self._prompt_seen and (self.offload_min_batch is None or n_tokens < self.offload_min_batch):
             self.fill_after_prompt()
         if not self.zero_copy:
@@ -499,8 +517,94 @@ class CachedExperts:
         experts are not gathered: :meth:`_prompt_in_place`."""
         if self.prompt_in_place:
             return self._prompt_in_place(il, e, h, r)
+        if self.prompt_stacks:
+            out = self._prompt_stack(il, e, h, r)
+            if out is not None:
+                return out
         used = np.unique(r.ids)
         return self._prompt_groups(il, e, h, r, used, whole=True)
+
+    def _prompt_stack(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any | None:
+        """A prompt ubatch's layer computed in one backend call from a stack of the layer's experts on
+        the device (arrays of the host stacks' shape, indexed by expert id: the routing as it is;
+        positions of experts the ubatch does not use are never written nor read). The stack comes
+        from the copy the layer before started (:meth:`_start_flight`: this layer's experts that were
+        not resident then, copied on the copy stream while that layer computed), else it is
+        allocated here; then the used experts it lacks are filled: resident ones copied from their
+        slots on the device, the others from the host. Before this layer's compute is queued, the
+        next cached layer's copy starts, so the two overlap (the copies of a prompt move ~0.75 of
+        the experts at an 8 GiB budget: ``bench/results/prompt-q8-h200.md``).
+
+        Returns None, for the caller's groups, when there is no room for a stack (``vram_limit``,
+        or the GPU's memory)."""
+        be, pool = self.be, self.pool
+        n_expert = e.gate.shape[0]
+        f = self._take_flight(il)
+        if f is not None:
+            stacks, have = f
+        else:
+            ws = (e.gate, e.up, e.down)
+            if not be.room_for(sum(int(w.nbytes) for w in ws), self.vram_limit):
+                return None
+            try:
+                stacks = tuple(be.empty_u8(w.shape) for w in ws)
+            except MemoryError:  # cupy's OutOfMemoryError is one
+                return None
+            have = np.zeros(n_expert, bool)
+        used = np.unique(r.ids)
+        slots = self.slot_of[il][used]
+        res = (slots >= 0) & ~have[used]
+        up = used[(slots < 0) & ~have[used]]
+        for st, pool_arr, w in zip(stacks, (pool.gate, pool.up, pool.down), (e.gate, e.up, e.down)):
+            be.gather_into(st, used[res], pool_arr, slots[res])
+            be.upload_experts_into(st, w, up)
+        self.prompt_slot_reads += int(res.sum())
+        self.offload.offloaded_bytes += int(up.size) * self._expert_bytes(e)
+        self._start_flight(il, r.ids.size)  # queued before this layer's compute: they overlap
+        return be.moe_ffn(*stacks, e.types, Routing(np.ascontiguousarray(r.ids, dtype=np.int32), r.weights), h, e.act)
+
+    def _start_flight(self, il: int, n_pairs: int) -> None:
+        """Begin copying the next cached layer's non-resident experts on the copy stream (for a ubatch
+        of ``n_pairs`` (token, expert) pairs, when they are at least
+        :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` per expert: nearly every expert is then
+        used), when there is room for them (``vram_limit``)."""
+        i = int(np.searchsorted(self._cached_order, il)) + 1
+        if i >= self._cached_order.size:
+            return
+        nxt = int(self._cached_order[i])
+        e = self.layers[nxt]
+        if n_pairs < MIN_PAIRS_PER_EXPERT * e.gate.shape[0]:
+            return
+        sel = np.flatnonzero(self.slot_of[nxt] < 0)
+        if not sel.size:
+            return
+        upl = self.be.start_upload((e.gate, e.up, e.down), sel, self.vram_limit)
+        if upl is None:
+            return
+        have = np.zeros(e.gate.shape[0], bool)
+        have[sel] = True
+        self._flight = (nxt, upl, have)
+        self.stack_prefetch[0] += 1
+        self.offload.offloaded_bytes += int(sel.size) * self._expert_bytes(e)
+
+    def _take_flight(self, il: int) -> tuple[tuple[Any, ...], np.ndarray] | None:
+        """Layer ``il``'s stacks and their copied-experts mask, if its copy is in flight (the compute
+        stream then waits for it); any other copy is dropped."""
+        f = self._flight
+        if f is not None and f[0] == il:
+            self._flight = None
+            self.stack_prefetch[1] += 1
+            return self.be.finish_upload(f[1]), f[2]
+        self._drop_flight()
+        return None
+
+    def _drop_flight(self) -> None:
+        """Discard the copy in flight; the compute stream first waits for it (no host wait), so its
+        memory, back in the pool, is not reused while the copy still writes it."""
+        f, self._flight = self._flight, None
+        if f is not None:
+            self.be.finish_upload(f[1])
+            self.stack_prefetch[2] += 1
 
     def _prompt_in_place(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt ubatch whose resident experts are computed straight from the slot pool in one
