@@ -1018,9 +1018,10 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
-    pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches compute each
-    layer from a stack of its experts (prompt_stacks, the default; the groups of three experts are
-    test_prompt_stacks_on_the_gpu_match_cpu's other arm); the first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
+    pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
+    experts three at a time (the groups: a token's pairs in one group summed on the GPU; the
+    opt-in prompt_stacks is test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
+    after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt reads the resident experts from the slots in place (``prompt_in_place``)."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
@@ -1073,7 +1074,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])
 @pytest.mark.parametrize("stacks", [True, False])
 def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
-    """The expert cache's prompt ubatches on the GPU: with prompt_stacks (the default) each layer is
+    """The expert cache's prompt ubatches on the GPU: with prompt_stacks (opt-in) each layer is
     computed from a stack of its experts (residents copied from their slots on the device, the rest
     from the host), the next layer's non-resident experts copied on the copy stream ahead (pin only:
     a mapped file copies each layer's own); without, the groups of three experts. Two 40-token

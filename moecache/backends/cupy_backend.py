@@ -349,14 +349,23 @@ class CupyBackend(ArrayOps):
     def room_for(self, nbytes: int, limit: int | None) -> bool:
         """Whether ``nbytes`` more can be allocated without the GPU's memory in use (every process,
         our CUDA context included: ``cudaMemGetInfo``, what ``--vram-budget`` counts) passing
-        ``limit`` bytes; None: no limit. Blocks CuPy's pool holds free count as available (an
-        allocation of the same size reuses them: the prompt stacks of one model all have one size)."""
+        ``limit`` bytes; None: no limit. The blocks CuPy's pool holds free count as in use (a new
+        array may not fit in them: counting them free let the prompt stacks take the 12620-token
+        prompt of run ``h200-s11p`` 455 MiB past its 8 GiB budget, ``bench/results/vs-llamacpp-h200.md``);
+        when only they stand in the way they go back to the driver first (``free_all_blocks``,
+        which waits for the GPU's queued work)."""
         if limit is None:
             return True
         with cp.cuda.Device(self.device):
             free, total = cp.cuda.runtime.memGetInfo()
+            if total - free + nbytes <= limit:
+                return True
             pool = cp.get_default_memory_pool()
-            return (total - free) - pool.free_bytes() + nbytes <= limit
+            if total - free - pool.free_bytes() + nbytes > limit:
+                return False
+            pool.free_all_blocks()
+            free, total = cp.cuda.runtime.memGetInfo()
+            return total - free + nbytes <= limit
 
     def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
         """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's

@@ -32,7 +32,9 @@ its slot's copy waits for the pass that could still read it.
    still reads a victim's slot) and land in the map at a later call, when complete.
 
 Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend,
-each layer in one call from a stack of its experts on the device (``prompt_stacks``, the default):
+in groups of ``prompt_group_bytes`` (copy, then compute, on one stream), or, with ``prompt_stacks``
+(opt-in until its VRAM peak is measured within ``--vram-budget``), each layer in one call from a
+stack of its experts on the device:
 resident ones copied from their slots on the device, the others from the host (op offload), and
 the next cached layer's non-resident experts copied on the copy stream while this layer computes
 (the same copy-stream ordering as :mod:`moecache.moe.prefetch`). Two stacks (one layer's experts
@@ -155,7 +157,8 @@ class CachedExperts:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
             (:meth:`_prompt_stack`: residents copied from their slots on the device, the others from
             the host), the next cached layer's non-resident experts copied on the copy stream while
-            this one computes; True (default). False: the groups of ``prompt_group_bytes``.
+            this one computes. False (default, until measured within ``--vram-budget`` on a GPU):
+            the groups of ``prompt_group_bytes``.
         stack_prefetch: (started, used, dropped) copies of a next layer's experts.
         prompt_in_place: prompt ubatches compute the resident experts from their slots in place and
             leave the uploaded experts they use most in empty slots (:meth:`_prompt_in_place`);
@@ -178,7 +181,9 @@ class CachedExperts:
         # gathering them into each group, and leave the uploaded experts they use most in empty slots;
         # off until measured on a GPU (bench/prompt_q8.py --ab cache)
         self.prompt_in_place = False
-        self.prompt_stacks = True
+        # off until the budget holds on a GPU: run h200-s11p measured 2.1x the groups' pp512 at 8 GiB, but
+        # its 12620-token prompt peaked 455 MiB over the budget (the guard has been made strict since)
+        self.prompt_stacks = False
         self.vram_limit = vram_limit
         self._flight: tuple[int, Any, np.ndarray] | None = None  # (layer, upload, experts copied: bool mask)
         self.stack_prefetch = [0, 0, 0]  # started, used, dropped
@@ -514,7 +519,8 @@ class CachedExperts:
         prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise). Each group computes
         its own (token, expert) pairs, weighted, and adds them into the output (in a fixed order: the
         same sums on every run, as the ungrouped path). With ``prompt_in_place`` the resident
-        experts are not gathered: :meth:`_prompt_in_place`."""
+        experts are not gathered: :meth:`_prompt_in_place`; with ``prompt_stacks`` the layer is
+        one call on a stack of its experts: :meth:`_prompt_stack`."""
         if self.prompt_in_place:
             return self._prompt_in_place(il, e, h, r)
         if self.prompt_stacks:
@@ -532,8 +538,10 @@ class CachedExperts:
         not resident then, copied on the copy stream while that layer computed), else it is
         allocated here; then the used experts it lacks are filled: resident ones copied from their
         slots on the device, the others from the host. Before this layer's compute is queued, the
-        next cached layer's copy starts, so the two overlap (the copies of a prompt move ~0.75 of
-        the experts at an 8 GiB budget: ``bench/results/prompt-q8-h200.md``).
+        next cached layer's copy starts, so the two overlap. On the H200 (run ``h200-s11p``,
+        ``bench/results/vs-llamacpp-h200.md``) this took the 8 GiB pp512 case from 0.20x to 0.41x
+        of llama.cpp and pp12620 from 0.25x to 0.43x, with pp12620 455 MiB over its budget under the
+        looser guard of that run.
 
         Returns None, for the caller's groups, when there is no room for a stack (``vram_limit``,
         or the GPU's memory)."""
