@@ -310,7 +310,7 @@ class Engine:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
                                   pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
-                                  vram_limit=opts.vram_budget or None)
+                                  vram_limit=opts.vram_budget or None, log=self.log)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

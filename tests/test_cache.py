@@ -477,58 +477,63 @@ def _spy(monkeypatch, obj, name, calls):
 
 @pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack"])
 def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(model_path, monkeypatch, limit):
-    """prompt_stacks (opt-in): a 40-token prompt gives the all-CPU logits with every layer computed
-    from one stack of its experts; the resident experts come from their slots (device copies), never
-    from the host; each layer after the first computes from the copy of its non-resident experts
-    begun while the layer before computed (the twin's copies read 0xFF bytes, NaN, until finished,
-    and wherever no expert was copied). With --vram-budget's room for one stack only, no copy runs
-    ahead; with room for none, the layer falls back to the groups."""
+    """prompt_stacks (opt-in): two 40-token prompts give the all-CPU logits with every layer computed
+    from one stack of its experts, in two buffers allocated once and used in turn; the resident
+    experts come from their slots (device copies), never from the host; each layer after the first
+    computes from the copy of its non-resident experts begun while the layer before computed (the
+    twin's copies read 0xFF bytes, NaN, until finished, and wherever no expert was copied). With
+    --vram-budget's room for one buffer only, no copy runs ahead; with room for none, the layers
+    bring their experts in groups; either is noted once."""
     rng = np.random.default_rng(8)
     with open_gguf(model_path) as m:
         c = m.config
         ew = expert_weights(m, "silu")
         stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
-        vram_limit = {"none": None, "two stacks": 2 * stack, "one stack": stack, "no stack": stack - 1}[limit]
+        vram_limit = {"none": None, "two stacks": 2 * stack, "one stack": 2 * stack - 1, "no stack": stack - 1}[limit]
+        notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
-                              vram_limit=vram_limit)
+                              vram_limit=vram_limit, log=notes.append)
         assert not cache.prompt_stacks  # opt-in until its VRAM peak is measured within the budget
         cache.prompt_stacks = True
         resident = [(il, e) for il in range(c.n_layer) for e in (2, 5)][:8]
         _fill(cache, ew, resident)
-        if limit in ("two stacks", "one stack"):
-            real_start = cache.be.start_upload
+        real_empty = cache.be.empty_u8
+        allocs = []
 
-            def start(ws, experts=None, lim=None):  # one stack is in use while the next layer's is copied
-                cache.be.in_use = stack
-                try:
-                    return real_start(ws, experts, lim)
-                finally:
-                    cache.be.in_use = 0
-            monkeypatch.setattr(cache.be, "start_upload", start)
+        def empty(shape):  # the twin's memory in use grows with what the stacks allocate
+            a = real_empty(shape)
+            allocs.append(a.nbytes)
+            cache.be.in_use += a.nbytes
+            return a
+        monkeypatch.setattr(cache.be, "empty_u8", empty)
         uploads, gathers, groups = [], [], []
         _spy(monkeypatch, cache.be, "upload_experts_into", uploads)
         _spy(monkeypatch, cache.be, "gather_into", gathers)
         _spy(monkeypatch, cache, "_prompt_group", groups)
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache)
-        prompt = rng.integers(0, c.n_vocab, 40)
-        got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
-        np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
-                                   rtol=1e-4, atol=1e-5)
+        for _ in range(2):
+            prompt = rng.integers(0, c.n_vocab, 40)
+            got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
+            np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
+                                       rtol=1e-4, atol=1e-5)
+        n_bufs = {"none": 2, "two stacks": 2, "one stack": 1, "no stack": 0}[limit]
+        assert sum(allocs) == n_bufs * stack  # allocated once, for both prompts
+        assert len(notes) == (n_bufs < 2) and all("room for" in n for n in notes)
         started, used, dropped = cache.stack_prefetch
-        if limit == "no stack":
-            assert not uploads and not gathers and len(groups) >= c.n_layer and started == 0
+        if not n_bufs:
+            assert not uploads and not gathers and len(groups) >= 2 * c.n_layer and started == 0
             return
         assert not groups and dropped == 0
-        ahead = limit in ("none", "two stacks")
-        assert started == used == (c.n_layer - 1 if ahead else 0)
+        ahead = n_bufs == 2
+        assert started == used == (2 * (c.n_layer - 1) if ahead else 0)
         res = {(il, e) for il, e in resident}
         for dst, w, ids in [u for u in uploads if u[2].size]:  # host copies: never a resident expert
             il = next(i for i in ew if w is ew[i].gate or w is ew[i].up or w is ew[i].down)
             assert not {(il, int(x)) for x in ids} & res
             assert not ahead or il == min(ew)  # with copies ahead only the first layer copies its own
         assert cache.prompt_slot_reads > 0
-        assert len(gathers) == 3 * c.n_layer  # gate, up, down of every layer from the slots
+        assert len(gathers) == 2 * 3 * c.n_layer  # gate, up, down of every layer from the slots
         cache.close()
 
 

@@ -37,10 +37,9 @@ in groups of ``prompt_group_bytes`` (copy, then compute, on one stream), or, wit
 stack of its experts on the device:
 resident ones copied from their slots on the device, the others from the host (op offload), and
 the next cached layer's non-resident experts copied on the copy stream while this layer computes
-(the same copy-stream ordering as :mod:`moecache.moe.prefetch`). Two stacks (one layer's experts
-each) are then on the device at once; with ``--vram-budget`` one is allocated only while the GPU's
-memory in use leaves room for it, else the layer brings its experts in groups of
-``prompt_group_bytes``, copy then compute. Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
+(the same copy-stream ordering as :mod:`moecache.moe.prefetch`). The stacks are two buffers of one
+layer's experts each, allocated at the first prompt while the GPU's memory in use leaves room for
+them under ``--vram-budget`` (one: no copy ahead; none: the groups). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
 to decode's hot set; routing.md). With ``prompt_in_place`` (opt-in) the resident ones are read in
 place instead, and while slots are empty the uploaded experts a ubatch uses most are copied into
 them on the device; those slots are published as soon as that copy is queued on the compute
@@ -58,7 +57,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -150,8 +149,9 @@ class CachedExperts:
         prompt_group_bytes: when a prompt ubatch has no room for a stack of the layer's experts
             (``prompt_stacks``), it brings its used experts to the device this many bytes at a time
             (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the backend).
-        vram_limit: ``--vram-budget`` in bytes (None: none): prompt stacks are allocated only while
-            the GPU's memory in use stays within it (the backend's ``room_for``).
+        vram_limit: ``--vram-budget`` in bytes (None: none): the prompt stacks' buffers are
+            allocated only while the GPU's memory in use stays within it (the backend's ``room_for``).
+        log: where a one-time note goes (the engine's log); None: nowhere.
 
     Attributes:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
@@ -169,7 +169,8 @@ class CachedExperts:
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
-                 stage_misses: bool = False, prompt_group_bytes: int | None = None, vram_limit: int | None = None):
+                 stage_misses: bool = False, prompt_group_bytes: int | None = None, vram_limit: int | None = None,
+                 log: Callable[[str], None] | None = None):
         prompt_group_bytes = PROMPT_GROUP_BYTES if prompt_group_bytes is None else prompt_group_bytes
         if prompt_group_bytes < 1:
             raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
@@ -185,7 +186,10 @@ class CachedExperts:
         # its 12620-token prompt peaked 455 MiB over the budget (the guard has been made strict since)
         self.prompt_stacks = False
         self.vram_limit = vram_limit
-        self._flight: tuple[int, Any, np.ndarray] | None = None  # (layer, upload, experts copied: bool mask)
+        self._flight: tuple[int, Any, int, np.ndarray] | None = None  # (layer, upload, buffer, experts copied)
+        self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
+        self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
+        self.log = log if log is not None else (lambda msg: None)
         self.stack_prefetch = [0, 0, 0]  # started, used, dropped
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
@@ -533,32 +537,29 @@ class CachedExperts:
     def _prompt_stack(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any | None:
         """A prompt ubatch's layer computed in one backend call from a stack of the layer's experts on
         the device (arrays of the host stacks' shape, indexed by expert id: the routing as it is;
-        positions of experts the ubatch does not use are never written nor read). The stack comes
-        from the copy the layer before started (:meth:`_start_flight`: this layer's experts that were
-        not resident then, copied on the copy stream while that layer computed), else it is
-        allocated here; then the used experts it lacks are filled: resident ones copied from their
-        slots on the device, the others from the host. Before this layer's compute is queued, the
-        next cached layer's copy starts, so the two overlap. On the H200 (run ``h200-s11p``,
-        ``bench/results/vs-llamacpp-h200.md``) this took the 8 GiB pp512 case from 0.20x to 0.41x
-        of llama.cpp and pp12620 from 0.25x to 0.43x, with pp12620 455 MiB over its budget under the
-        looser guard of that run.
+        positions of experts the ubatch does not use are neither written nor read). The stacks are
+        two buffers allocated once (:meth:`_stack_buffers`) and used in turn: this layer's holds
+        what the layer before copied into it on the copy stream (:meth:`_start_flight`: this layer's
+        experts that were not resident then), and the used experts it still lacks are filled here,
+        resident ones from their slots on the device, the others from the host. Before this layer's
+        compute is queued, the next cached layer's copy into the other buffer starts, so the two
+        overlap. With one buffer there is no copy ahead.
 
-        Returns None, for the caller's groups, when there is no room for a stack (``vram_limit``,
-        or the GPU's memory)."""
+        On the H200 (run ``h200-s11p``, ``bench/results/vs-llamacpp-h200.md``) stacks took the 8 GiB
+        pp512 case from 0.20x to 0.41x of llama.cpp and pp12620 from 0.25x to 0.43x; that version
+        allocated a stack per layer, and CuPy's pool grew ~1 GiB (about three stacks) past the two
+        in use, taking pp12620 455 MiB over its budget: hence the two fixed buffers.
+
+        Returns None, for the caller's groups, when not even one buffer had room."""
         be, pool = self.be, self.pool
-        n_expert = e.gate.shape[0]
+        if not self._stack_buffers(e):
+            return None
         f = self._take_flight(il)
         if f is not None:
-            stacks, have = f
+            b, have = f
         else:
-            ws = (e.gate, e.up, e.down)
-            if not be.room_for(sum(int(w.nbytes) for w in ws), self.vram_limit):
-                return None
-            try:
-                stacks = tuple(be.empty_u8(w.shape) for w in ws)
-            except MemoryError:  # cupy's OutOfMemoryError is one
-                return None
-            have = np.zeros(n_expert, bool)
+            b, have = self._turn, np.zeros(self.slot_of.shape[1], bool)
+        stacks = self._bufs[b]
         used = np.unique(r.ids)
         slots = self.slot_of[il][used]
         res = (slots >= 0) & ~have[used]
@@ -568,14 +569,39 @@ class CachedExperts:
             be.upload_experts_into(st, w, up)
         self.prompt_slot_reads += int(res.sum())
         self.offload.offloaded_bytes += int(up.size) * self._expert_bytes(e)
-        self._start_flight(il, r.ids.size)  # queued before this layer's compute: they overlap
+        self._turn = (b + 1) % len(self._bufs)
+        if len(self._bufs) > 1:
+            self._start_flight(il, r.ids.size, self._turn)  # queued before this layer's compute: they overlap
         return be.moe_ffn(*stacks, e.types, Routing(np.ascontiguousarray(r.ids, dtype=np.int32), r.weights), h, e.act)
 
-    def _start_flight(self, il: int, n_pairs: int) -> None:
-        """Begin copying the next cached layer's non-resident experts on the copy stream (for a ubatch
-        of ``n_pairs`` (token, expert) pairs, when they are at least
+    def _stack_buffers(self, e: ExpertWeights) -> int:
+        """The prompt stacks' buffers (each a (gate, up, down) of every expert of a layer), allocated
+        at the first prompt ubatch that wants them: two if the GPU's memory in use leaves room for
+        both under ``vram_limit`` (``room_for``), else one, else none (noted once). Returns how many."""
+        if self._bufs is None:
+            shapes = [(self.slot_of.shape[1], *w.shape[1:]) for w in (e.gate, e.up, e.down)]
+            nbytes = sum(int(np.prod(sh)) for sh in shapes)
+            self._bufs = []
+            for _ in range(2):
+                if not self.be.room_for(nbytes, self.vram_limit):
+                    break
+                try:
+                    self._bufs.append(tuple(self.be.empty_u8(sh) for sh in shapes))
+                except MemoryError:  # cupy's OutOfMemoryError is one
+                    break
+            if len(self._bufs) < 2:
+                self.log(f"note: prompt stacks: room for {len(self._bufs)} of 2 buffers of {nbytes >> 20} MiB"
+                         + (f" under --vram-budget {self.vram_limit >> 20} MiB" if self.vram_limit else "")
+                         + (": no layer's experts copied ahead" if self._bufs else
+                            ": prompts bring their experts in groups"))
+        return len(self._bufs)
+
+    def _start_flight(self, il: int, n_pairs: int, b: int) -> None:
+        """Begin copying the next cached layer's non-resident experts into buffer ``b`` on the copy
+        stream (for a ubatch of ``n_pairs`` (token, expert) pairs, when they are at least
         :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` per expert: nearly every expert is then
-        used), when there is room for them (``vram_limit``)."""
+        used). The copy waits for the compute stream's work queued so far, which includes the last
+        layer that read buffer ``b``."""
         i = int(np.searchsorted(self._cached_order, il)) + 1
         if i >= self._cached_order.size:
             return
@@ -586,29 +612,30 @@ class CachedExperts:
         sel = np.flatnonzero(self.slot_of[nxt] < 0)
         if not sel.size:
             return
-        upl = self.be.start_upload((e.gate, e.up, e.down), sel, self.vram_limit)
+        upl = self.be.start_upload((e.gate, e.up, e.down), sel, out=self._bufs[b])
         if upl is None:
             return
-        have = np.zeros(e.gate.shape[0], bool)
+        have = np.zeros(self.slot_of.shape[1], bool)
         have[sel] = True
-        self._flight = (nxt, upl, have)
+        self._flight = (nxt, upl, b, have)
         self.stack_prefetch[0] += 1
         self.offload.offloaded_bytes += int(sel.size) * self._expert_bytes(e)
 
-    def _take_flight(self, il: int) -> tuple[tuple[Any, ...], np.ndarray] | None:
-        """Layer ``il``'s stacks and their copied-experts mask, if its copy is in flight (the compute
-        stream then waits for it); any other copy is dropped."""
+    def _take_flight(self, il: int) -> tuple[int, np.ndarray] | None:
+        """The buffer holding layer ``il``'s copy and its copied-experts mask, if that copy is in flight
+        (the compute stream then waits for it); any other copy is dropped."""
         f = self._flight
         if f is not None and f[0] == il:
             self._flight = None
             self.stack_prefetch[1] += 1
-            return self.be.finish_upload(f[1]), f[2]
+            self.be.finish_upload(f[1])
+            return f[2], f[3]
         self._drop_flight()
         return None
 
     def _drop_flight(self) -> None:
-        """Discard the copy in flight; the compute stream first waits for it (no host wait), so its
-        memory, back in the pool, is not reused while the copy still writes it."""
+        """Discard the copy in flight; the compute stream first waits for it (no host wait), so no
+        later write into its buffer on the compute stream races it."""
         f, self._flight = self._flight, None
         if f is not None:
             self.be.finish_upload(f[1])
@@ -731,4 +758,6 @@ class CachedExperts:
             self.prompt_kept += len(kept)
 
     def close(self) -> None:
+        self._drop_flight()
+        self._bufs = None
         self._workers.shutdown(wait=True)
