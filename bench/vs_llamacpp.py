@@ -238,25 +238,64 @@ class State:
         return any(r["run"] == run and r["case"] == case and r["engine"] == engine for r in self.rows)
 
 
-def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int | None, warmup: int) -> dict:
-    """A jsonl row of the spec from a llama-bench/``moecache bench`` record."""
+@dataclass(frozen=True)
+class ExpertFacts:
+    """The model's routed experts: layers with experts, experts per layer, bytes of one expert's
+    three matrices (a cache slot)."""
+
+    n_moe_layer: int
+    n_expert: int
+    expert_bytes: int
+
+
+def expert_facts(model: str) -> ExpertFacts | None:
+    """:class:`ExpertFacts` of a GGUF (None for a dense model)."""
+    from moecache.gguf_file import open_gguf
+    from moecache.placement import model_sizes
+
+    with open_gguf(model) as m:
+        sz = model_sizes(m, 1)
+        if not sz.expert_each:
+            return None
+        return ExpertFacts(sum(1 for e in sz.experts if e), m.config.n_expert, sz.expert_each)
+
+
+def experts_in_vram(rec: dict, case: Case, engine: str, ncmoe: int | None, facts: ExpertFacts | None) -> int | None:
+    """Routed experts a budget case's arm holds in VRAM (issue 19 asks for them per GiB of budget):
+    llama.cpp's arm keeps every expert of the layers ``-ncmoe`` leaves on the GPU (its first
+    ``-ncmoe`` layers' go to the CPU); ours the expert cache's slots, ``moe_cache_mib_granted``
+    MiB of ``facts.expert_bytes`` each. None outside budget cases or when unknown."""
+    if case.budget_mib is None or facts is None:
+        return None
+    if engine == "llama.cpp":
+        return None if ncmoe is None else max(0, facts.n_moe_layer - ncmoe) * facts.n_expert
+    granted = rec.get("moe_cache_mib_granted")
+    return None if granted is None else int(granted * MIB // facts.expert_bytes)
+
+
+def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int | None, warmup: int,
+           experts_vram: int | None = None) -> dict:
+    """A jsonl row of the spec from a llama-bench/``moecache bench`` record (plus ``experts_vram``:
+    :func:`experts_in_vram`)."""
     return dict(run=run, case=case.name, engine=engine, test=case.test, avg_ts=rec.get("avg_ts"),
                 stddev_ts=rec.get("stddev_ts"), samples_ts=rec.get("samples_ts"),
                 n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("n_cpu_moe"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
                 build_commit=rec.get("build_commit"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                gpu_info=rec.get("gpu_info"))
+                gpu_info=rec.get("gpu_info"), experts_vram=experts_vram)
 
 
 def render(rows: list[dict], run: str, header: str) -> str:
-    """The markdown table of one run: case, both engines' t/s, ratio, VRAM peaks."""
+    """The markdown table of one run: case, both engines' t/s, ratio, VRAM peaks, and in budget cases
+    the routed experts each holds in VRAM per GiB of the budget."""
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         if r["run"] == run:
             by.setdefault(r["case"], {})[r["engine"]] = r
     lines = [header, "", "| case | test | llama.cpp t/s | moecache t/s | ratio | llama.cpp VRAM peak MiB (-ncmoe) | "
-             "moecache VRAM peak MiB | budget MiB | hit rate |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "moecache VRAM peak MiB | budget MiB | hit rate | experts in VRAM per GiB of budget (llama.cpp / moecache) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in [c for c in CASES if c in by]:
         e = by[name]
         ll, us = e.get("llama.cpp"), e.get("moecache")
@@ -270,7 +309,13 @@ def render(rows: list[dict], run: str, header: str) -> str:
         hr = "-" if not us or us.get("hit_rate") is None else f"{100 * us['hit_rate']:.1f}%"
         budget = (ll or us or {}).get("vram_budget_mib") or "-"
         test = (ll or us)["test"]
-        lines.append(f"| {name} | {test} | {ts(ll)} | {ts(us)} | {ratio} | {lpk} | {upk} | {budget} | {hr} |")
+
+        def per_gib(r: dict | None) -> str:
+            n = None if not r else r.get("experts_vram")
+            return "-" if n is None or not r.get("vram_budget_mib") else f"{n / (r['vram_budget_mib'] / 1024):.0f}"
+
+        held = "-" if budget == "-" else f"{per_gib(ll)} / {per_gib(us)}"
+        lines.append(f"| {name} | {test} | {ts(ll)} | {ts(us)} | {ratio} | {lpk} | {upk} | {budget} | {hr} | {held} |")
     return "\n".join(lines) + "\n"
 
 
@@ -316,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     st = load_state(a.out)  # earlier runs' rows stay in the file; rows of this --run are skipped
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(a.llama_bench).resolve().parent))
     n_layer = 48
+    facts = expert_facts(a.model) if Path(a.model).exists() else None
 
     def save() -> None:
         a.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in st.rows))
@@ -369,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             if not recs:
                 print(f"{name} ({engine}): no result (see {log})", flush=True)
                 continue
-            row = row_of(recs[-1], a.run, case, engine, s.peak_mib, ncmoe, warmup_of(cmd))
+            row = row_of(recs[-1], a.run, case, engine, s.peak_mib, ncmoe, warmup_of(cmd),
+                         experts_in_vram(recs[-1], case, engine, ncmoe, facts))
             st.rows.append(row)
             save()
             print(json.dumps({k: row[k] for k in ("case", "engine", "test", "avg_ts", "vram_peak_mib", "n_cpu_moe",
