@@ -25,7 +25,7 @@ layer's experts on a copy stream while the current layer computes (``moecache/mo
 empty slots (as ``bench -p N -r R`` runs it: a prompt fills no slot), each arm's warm-up and
 repetitions in a row, a different prompt each (the same list in every arm): the groups of
 ``prompt_group_bytes`` (``prompt_stacks`` False: each group's experts copied, then computed, on one
-stream) against the stacks (``CachedExperts.prompt_stacks``, the default: one stack of the layer's
+stream; the default) against the stacks (``CachedExperts.prompt_stacks``, opt-in: one stack of the layer's
 experts per layer, the next layer's non-resident ones copied on the copy stream while this one
 computes). ``--routing`` replaces the routers' choices as ``bench --routing``
 does (the ``8g-*`` cases use qwen3-moe), restarted at the same seed for the same prompt in every

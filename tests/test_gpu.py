@@ -1108,7 +1108,9 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
         n = len(cache.cached_layers)
         print(f"{load_mode} stacks={stacks}: copies ahead started {started}, used {used}, dropped {dropped}; "
               f"{cache.prompt_slot_reads} slot reads")
-        assert started == used == (2 * (n - 1) if stacks and load_mode == "pin" else 0) and dropped == 0
+        assert (len(cache._bufs) == 2) if stacks else cache._bufs is None  # the stacks did run
+        assert started == used and dropped == 0
+        assert (0 < started <= 2 * (n - 1)) if stacks and load_mode == "pin" else started == 0
         assert cache.prompt_slot_reads > 0
 
 

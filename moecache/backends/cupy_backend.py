@@ -313,7 +313,7 @@ class CupyBackend(ArrayOps):
         stream works (the next layer of a prompt while this one computes: :mod:`moecache.moe.prefetch`,
         and the expert cache's prompt stacks). ``experts`` (ascending ids; None: all): only those
         experts are copied, each to its own position of arrays of the full shape (one DMA per run
-        of consecutive ids; the other positions are left unwritten). :meth:`finish_upload` makes the
+        of consecutive ids; the other positions keep what they held). :meth:`finish_upload` makes the
         compute stream wait for the copy and gives the arrays. None when a source is not
         page-locked (``--load-mode mmap``: an asynchronous copy needs pinned memory), when the GPU
         has no room, or when the arrays would take the GPU past ``limit`` bytes in use

@@ -62,7 +62,7 @@ from typing import Any, Callable
 import numpy as np
 
 from moecache.backends.contract import CacheBackend
-from moecache.backends.ops import DECODE_MAX_TOKENS
+from moecache.backends.ops import DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT
@@ -73,6 +73,13 @@ from moecache.quants import cpu
 PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time
 MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit (the fused decode kernels')
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
+# prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
+# device gather from the slots and a mapped file's staged upload hold one such piece as a temporary)
+STACK_FILL_EXPERTS = 32
+# room the stack buffers leave under --vram-budget when they are allocated: the prompt MoE's scratch of
+# dequantized weights and two of its activation blocks (MOE_SCRATCH_BYTES, MOE_ACT_BYTES of
+# moecache/backends/ops.py), and a fill's temporary (STACK_FILL_EXPERTS experts of Qwen3-30B-A3B: 81 MiB)
+STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 
 
 @dataclass
@@ -128,6 +135,16 @@ def _add_rows(be: Any, out: Any, rows: np.ndarray, y: Any) -> None:
     out[be.asarray(uniq.astype(np.int64))] += padded[be.asarray(idx)].sum(axis=1)
 
 
+@dataclass
+class _StackFlight:
+    """The next prompt layer's non-resident experts on their way into a stack buffer."""
+
+    layer: int
+    upload: Any  # the backend's handle (start_upload)
+    buffer: int  # index into CachedExperts._bufs
+    copied: np.ndarray  # bool (n_expert,): the experts the copy brings
+
+
 class CachedExperts:
     """Routed experts in host RAM with a cache of hot ones in slots on ``backend``.
 
@@ -146,11 +163,12 @@ class CachedExperts:
             scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
             of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
-        prompt_group_bytes: when a prompt ubatch has no room for a stack of the layer's experts
-            (``prompt_stacks``), it brings its used experts to the device this many bytes at a time
-            (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the backend).
+        prompt_group_bytes: a prompt ubatch (the default path; with ``prompt_stacks`` only when
+            there is no room for its buffers) brings its used experts to the device this many bytes
+            at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the backend).
         vram_limit: ``--vram-budget`` in bytes (None: none): the prompt stacks' buffers are
-            allocated only while the GPU's memory in use stays within it (the backend's ``room_for``).
+            allocated only while the GPU's memory in use leaves room under it for them and for
+            :data:`STACK_MARGIN_BYTES` more (the backend's ``room_for``).
         log: where a one-time note goes (the engine's log); None: nowhere.
 
     Attributes:
@@ -186,7 +204,7 @@ class CachedExperts:
         # its 12620-token prompt peaked 455 MiB over the budget (the guard has been made strict since)
         self.prompt_stacks = False
         self.vram_limit = vram_limit
-        self._flight: tuple[int, Any, int, np.ndarray] | None = None  # (layer, upload, buffer, experts copied)
+        self._flight: _StackFlight | None = None  # the next layer's copy into a stack buffer
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
         self.log = log if log is not None else (lambda msg: None)
@@ -537,7 +555,8 @@ class CachedExperts:
     def _prompt_stack(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any | None:
         """A prompt ubatch's layer computed in one backend call from a stack of the layer's experts on
         the device (arrays of the host stacks' shape, indexed by expert id: the routing as it is;
-        positions of experts the ubatch does not use are neither written nor read). The stacks are
+        positions of experts the ubatch does not use are never read; the copy ahead writes every
+        non-resident expert of its layer, used or not). The stacks are
         two buffers allocated once (:meth:`_stack_buffers`) and used in turn: this layer's holds
         what the layer before copied into it on the copy stream (:meth:`_start_flight`: this layer's
         experts that were not resident then), and the used experts it still lacks are filled here,
@@ -564,9 +583,11 @@ class CachedExperts:
         slots = self.slot_of[il][used]
         res = (slots >= 0) & ~have[used]
         up = used[(slots < 0) & ~have[used]]
+        ids, rows = used[res], slots[res]
         for st, pool_arr, w in zip(stacks, (pool.gate, pool.up, pool.down), (e.gate, e.up, e.down)):
-            be.gather_into(st, used[res], pool_arr, slots[res])
-            be.upload_experts_into(st, w, up)
+            for i in range(0, max(ids.size, up.size), STACK_FILL_EXPERTS):  # bounded temporaries
+                be.gather_into(st, ids[i:i + STACK_FILL_EXPERTS], pool_arr, rows[i:i + STACK_FILL_EXPERTS])
+                be.upload_experts_into(st, w, up[i:i + STACK_FILL_EXPERTS])
         self.prompt_slot_reads += int(res.sum())
         self.offload.offloaded_bytes += int(up.size) * self._expert_bytes(e)
         self._turn = (b + 1) % len(self._bufs)
@@ -576,14 +597,17 @@ class CachedExperts:
 
     def _stack_buffers(self, e: ExpertWeights) -> int:
         """The prompt stacks' buffers (each a (gate, up, down) of every expert of a layer), allocated
-        at the first prompt ubatch that wants them: two if the GPU's memory in use leaves room for
-        both under ``vram_limit`` (``room_for``), else one, else none (noted once). Returns how many."""
+        at the first prompt ubatch that wants them and kept: two if the GPU's memory in use leaves
+        room under ``vram_limit`` for both and for :data:`STACK_MARGIN_BYTES` (what the layer's
+        MoE call and the stack fills allocate after them; ``room_for``), else one, else none (noted
+        once). A long prompt's attention grows after this check: its transients come out of the
+        rest of the placement's reserve. Returns how many."""
         if self._bufs is None:
             shapes = [(self.slot_of.shape[1], *w.shape[1:]) for w in (e.gate, e.up, e.down)]
             nbytes = sum(int(np.prod(sh)) for sh in shapes)
             self._bufs = []
             for _ in range(2):
-                if not self.be.room_for(nbytes, self.vram_limit):
+                if not self.be.room_for(nbytes + STACK_MARGIN_BYTES, self.vram_limit):
                     break
                 try:
                     self._bufs.append(tuple(self.be.empty_u8(sh) for sh in shapes))
@@ -617,7 +641,7 @@ class CachedExperts:
             return
         have = np.zeros(self.slot_of.shape[1], bool)
         have[sel] = True
-        self._flight = (nxt, upl, b, have)
+        self._flight = _StackFlight(nxt, upl, b, have)
         self.stack_prefetch[0] += 1
         self.offload.offloaded_bytes += int(sel.size) * self._expert_bytes(e)
 
@@ -625,11 +649,11 @@ class CachedExperts:
         """The buffer holding layer ``il``'s copy and its copied-experts mask, if that copy is in flight
         (the compute stream then waits for it); any other copy is dropped."""
         f = self._flight
-        if f is not None and f[0] == il:
+        if f is not None and f.layer == il:
             self._flight = None
             self.stack_prefetch[1] += 1
-            self.be.finish_upload(f[1])
-            return f[2], f[3]
+            self.be.finish_upload(f.upload)
+            return f.buffer, f.copied
         self._drop_flight()
         return None
 
@@ -638,7 +662,7 @@ class CachedExperts:
         later write into its buffer on the compute stream races it."""
         f, self._flight = self._flight, None
         if f is not None:
-            self.be.finish_upload(f[1])
+            self.be.finish_upload(f.upload)
             self.stack_prefetch[2] += 1
 
     def _prompt_in_place(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:

@@ -6,10 +6,10 @@ Without this module the copy and the compute of a layer run one after the other 
 the H200 machine the ``pinned-*`` cases of ``../shared/vs-llamacpp.md`` (every expert in page-locked
 host RAM) make 3797 t/s at pp2048 (-ub 2048), while copying the 16.3 GB of experts alone takes
 ~330 ms of a ubatch's ~540 (``bench/results/vs-llamacpp-h200.md``, run ``h200-s9m``). (The expert
-cache, the 8 GiB cases, copies ahead on its own: :meth:`CachedExperts._prompt_stack
-<moecache.moe.cache.CachedExperts._prompt_stack>`, which copies only the next layer's experts not
-resident in its slots, through the same ``start_upload`` / ``finish_upload``; this module does not
-apply there.) The next layer's routing is unknown until
+cache, the 8 GiB cases, can copy ahead on its own with its opt-in ``prompt_stacks``:
+:meth:`CachedExperts._prompt_stack <moecache.moe.cache.CachedExperts._prompt_stack>` copies only
+the next layer's experts not resident in its slots, through the same ``start_upload`` /
+``finish_upload``; this module does not apply there.) The next layer's routing is unknown until
 its router runs, but a ubatch of T tokens with k experts each uses nearly every expert of a layer
 once T * k is a few times the layer's experts (1 - exp(-T * k / n_expert) of them under uniform
 routing): so while layer il computes, all of layer il+1's experts are copied on the GPU's copy
