@@ -992,6 +992,29 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def test_round_prompt_allocs_gives_the_same_logits(gpu, tmp_path):
+    """CupyBackend.round_prompt_allocs (the prompt MoE's arrays allocated in size classes) changes only
+    where the arrays live: a 60-token prompt's logits equal those of exact allocations."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, P["tiny"], seed=16)
+    tokens = np.random.default_rng(17).integers(0, 200, 60)
+    outs = []
+    with Engine(path, EngineConfig(n_ctx=96)) as g:
+        bes = {id(b): b for b in g.model.layer_be if hasattr(b, "round_prompt_allocs")}
+        assert bes
+        for on in (False, True):
+            for b in bes.values():
+                b.round_prompt_allocs = on
+            g.reset()
+            outs.append(g.eval(tokens, logits="all"))
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(outs[0]).max())
+
+
 @contextlib.contextmanager
 def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, **engine_kw):
     """A tiny qwen3moe of 16 experts (top-4) written with ``seed``: a CPU engine, and a GPU engine whose
