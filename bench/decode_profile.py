@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--routing", default=None, help="replace the routers' choices by this routing process "
                     "(qwen3-moe, low-locality, uniform: as bench --routing; the routing draws count in the wall time)")
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
+    ap.add_argument("--prompt-stacks", action="store_true", help="the expert cache's opt-in prompt stacks "
+                    "(CachedExperts.prompt_stacks)")
+    ap.add_argument("--round-allocs", action="store_true", help="the opt-in size classes of the prompt MoE's "
+                    "allocations (CupyBackend.round_prompt_allocs)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
                          "print its top N functions by own time")
@@ -79,6 +83,10 @@ def main() -> None:
     with Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode,
                 gpu_prompt_q8=a.prompt_q8) as eng:
         vocab = eng.gguf.config.n_vocab
+        for cache in eng.caches:
+            cache.prompt_stacks = a.prompt_stacks
+        for be in {id(b): b for b in eng.model.layer_be if hasattr(b, "round_prompt_allocs")}.values():
+            be.round_prompt_allocs = a.round_allocs
         if a.routing:
             from moecache.moe.routing_process import make_routing
 
