@@ -36,8 +36,10 @@ arm, so the arms' last logits compare:
 ``--ab sizes`` compares, with a new prompt each repetition (as ``moecache bench`` draws them), the
 prompt MoE's transient arrays allocated as they come against allocated in size classes
 (``CupyBackend.round_prompt_allocs``, ``ops.size_class``), each arm's warm-up and repetitions in a
-row from an emptied pool, and counts the pool's device allocations during each arm's timed
-prompts (the all-GPU pp512 ran 2216 t/s in ``bench`` and 3799 here with one prompt repeated):
+row from an emptied pool (and empty slots, with an expert cache), and counts the pool's device
+allocations during each arm's timed prompts, those of this (the main) thread: CuPy's hooks and
+allocators are per thread (the all-GPU pp512 ran 2216 t/s in ``bench`` and 3799 here with one
+prompt repeated):
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab sizes -p 512 -r 5
 """
@@ -115,7 +117,7 @@ def main() -> None:
         if prefetch:
             arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
         elif a.ab == "sizes":  # the fourth field: round_prompt_allocs
-            arms = [("exact sizes", False, 1, False, False), ("size classes", False, 1, True, False)]
+            arms = [("exact sizes", False, 1, False, True), ("size classes", False, 1, True, True)]
         elif a.ab == "cache":  # the fourth field: prompt_stacks
             arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True)]
         else:

@@ -240,10 +240,10 @@ class State:
 
 @dataclass(frozen=True)
 class ExpertFacts:
-    """The model's routed experts: layers with experts, experts per layer, bytes of one expert's
-    three matrices (a cache slot)."""
+    """The model's routed experts: the indices of the layers that have them, experts per layer,
+    bytes of one expert's three matrices (a cache slot)."""
 
-    n_moe_layer: int
+    moe_layers: tuple[int, ...]
     n_expert: int
     expert_bytes: int
 
@@ -257,20 +257,21 @@ def expert_facts(model: str) -> ExpertFacts | None:
         sz = model_sizes(m, 1)
         if not sz.expert_each:
             return None
-        return ExpertFacts(sum(1 for e in sz.experts if e), m.config.n_expert, sz.expert_each)
+        return ExpertFacts(tuple(il for il, e in enumerate(sz.experts) if e), m.config.n_expert, sz.expert_each)
 
 
 def experts_in_vram(rec: dict, case: Case, engine: str, ncmoe: int | None, facts: ExpertFacts | None) -> int | None:
     """Routed experts a budget case's arm holds in VRAM (issue 19 asks for them per GiB of budget):
-    llama.cpp's arm keeps every expert of the layers ``-ncmoe`` leaves on the GPU (its first
-    ``-ncmoe`` layers' go to the CPU); ours the expert cache's slots, ``moe_cache_mib_granted``
-    MiB of ``facts.expert_bytes`` each. None outside budget cases or when unknown."""
+    llama.cpp's arm keeps every expert of the layers ``-ncmoe`` leaves on the GPU (the experts of
+    layers 0 .. ncmoe - 1 go to the CPU); ours the expert cache's slots, ``moe_cache_mib_granted``
+    MiB (rounded to 0.1 by ``moecache bench``) of ``facts.expert_bytes`` each. Summed over the
+    case's GPUs. None outside budget cases or when unknown."""
     if case.budget_mib is None or facts is None:
         return None
     if engine == "llama.cpp":
-        return None if ncmoe is None else max(0, facts.n_moe_layer - ncmoe) * facts.n_expert
+        return None if ncmoe is None else sum(1 for il in facts.moe_layers if il >= ncmoe) * facts.n_expert
     granted = rec.get("moe_cache_mib_granted")
-    return None if granted is None else int(granted * MIB // facts.expert_bytes)
+    return None if granted is None else round(granted * MIB / facts.expert_bytes)
 
 
 def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int | None, warmup: int,
@@ -310,9 +311,11 @@ def render(rows: list[dict], run: str, header: str) -> str:
         budget = (ll or us or {}).get("vram_budget_mib") or "-"
         test = (ll or us)["test"]
 
-        def per_gib(r: dict | None) -> str:
+        def per_gib(r: dict | None) -> str:  # the budget is per GPU, the experts of every GPU of the case
             n = None if not r else r.get("experts_vram")
-            return "-" if n is None or not r.get("vram_budget_mib") else f"{n / (r['vram_budget_mib'] / 1024):.0f}"
+            if n is None or not r.get("vram_budget_mib"):
+                return "-"
+            return f"{n / (r['vram_budget_mib'] * CASES[name].gpus / 1024):.0f}"
 
         held = "-" if budget == "-" else f"{per_gib(ll)} / {per_gib(us)}"
         lines.append(f"| {name} | {test} | {ts(ll)} | {ts(us)} | {ratio} | {lpk} | {upk} | {budget} | {hr} | {held} |")

@@ -323,3 +323,22 @@ def test_compiled_pass_draws_what_numpy_draws(preset, n_expert, k):
         assert np.array_equal(ids, ref_ids), n
         np.testing.assert_allclose(w, ref_w, rtol=2e-7, atol=1e-8)
         np.testing.assert_array_equal(a.x, b.x)
+
+
+def test_compiled_pass_ties_and_a_zero_uniform():
+    """_draw_pass on chosen inputs: equal logits are taken in expert order (a stable sort's), the
+    best first, with equal weights; a uniform of exactly 0 gives a finite logit (the guard), not
+    +inf and NaN weights."""
+    from moecache.moe.routing_process import _draw_pass
+
+    n_layer, n_tok, n_expert, k = 2, 3, 6, 3
+    base = np.zeros((n_layer, n_expert))
+    base[1, 4] = 1.0  # layer 1: expert 4 strictly best, the rest tied
+    u = np.full((n_layer, n_tok, n_expert), 0.5)
+    u[0, 2, 5] = 0.0  # layer 0, token 2: expert 5's noise from u = 0
+    ids = np.empty((n_layer, n_tok, k), np.int32)
+    w = np.empty((n_layer, n_tok, k), np.float32)
+    _draw_pass(base, 0.0, 0.0, 0.0, np.zeros((n_layer, n_expert)), np.zeros((n_tok, n_layer, n_expert)), u, ids, w)
+    assert ids[0, 0].tolist() == [0, 1, 2] and ids[1, 0].tolist() == [4, 0, 1]
+    np.testing.assert_allclose(w[0, 0], 1 / 3, rtol=1e-6)
+    assert ids[0, 2, 0] == 5 and np.isfinite(w).all()  # u = 0: the largest noise, still finite

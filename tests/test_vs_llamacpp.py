@@ -140,16 +140,24 @@ def test_experts_in_vram_per_gib_of_budget():
     """Issue 19's experts held per GiB of budget: llama.cpp's arm holds every expert of the layers
     -ncmoe leaves on the GPU, ours the slots granted; the numbers of run h200-s11p's 8g-pp512 (our
     log: 4797 MiB granted = 1895 slots of 2.53 MiB; llama.cpp at -ncmoe 29) give 304 and 237 per GiB."""
-    facts = V.ExpertFacts(48, 128, 2654208)  # Qwen3-30B-A3B Q4_K: 3 x 768 x 2048 weights at 4.5 bits
+    facts = V.ExpertFacts(tuple(range(48)), 128, 2654208)  # Qwen3-30B-A3B Q4_K: 3 x 768 x 2048 weights at 4.5 bits
     c = V.CASES["8g-pp512"]
     assert V.experts_in_vram({}, c, "llama.cpp", 29, facts) == 19 * 128
-    assert V.experts_in_vram({"moe_cache_mib_granted": 4797}, c, "moecache", 0, facts) == 1895
+    # moecache bench's field: 1895 slots x 2.53125 MiB = 4796.72 MiB, rounded to 4796.7
+    assert V.experts_in_vram({"moe_cache_mib_granted": 4796.7}, c, "moecache", 0, facts) == 1895
+    leading_dense = V.ExpertFacts(tuple(range(3, 48)), 128, 2654208)  # experts from layer 3 on
+    assert V.experts_in_vram({}, c, "llama.cpp", 29, leading_dense) == 19 * 128
+    assert V.experts_in_vram({}, c, "llama.cpp", 2, leading_dense) == 45 * 128
     assert V.experts_in_vram({}, c, "moecache", 0, facts) is None  # no granted size reported
     assert V.experts_in_vram({}, V.CASES["gpu-tg128"], "llama.cpp", None, facts) is None  # no budget
     rows = [V.row_of({"avg_ts": 2040.0}, "r", c, "llama.cpp", 8141, 29, 0, 2432),
             V.row_of({"avg_ts": 832.0}, "r", c, "moecache", 8161, None, 0, 1895)]
     md = V.render(rows, "r", "# h")
     assert "| 8g-pp512 | pp512 | 2040.00 ± 0.00 | 832.00 ± 0.00 | 0.41 | 8141 (29) | 8161 | 8192 | - | 304 / 237 |" in md
+    x2 = V.CASES["x2-8g-tg128-uniform"]  # 8 GiB per GPU, two GPUs: per GiB of the 16 GiB in all
+    md2 = V.render([V.row_of({"avg_ts": 1.0}, "r", x2, "llama.cpp", 8000, 10, 0, 4096),
+                    V.row_of({"avg_ts": 1.0}, "r", x2, "moecache", 8000, None, 0, 2048)], "r", "# h")
+    assert "| 256 / 128 |" in md2
 
 
 def test_expert_facts_match_gguf_py(tmp_path):
@@ -164,4 +172,4 @@ def test_expert_facts_match_gguf_py(tmp_path):
     per = sum(int(t.n_bytes) for t in r.tensors if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight"))
     n_moe = len({t.name.split(".")[1] for t in r.tensors if t.name.endswith("ffn_gate_exps.weight")})
     f = V.expert_facts(str(path))
-    assert f == V.ExpertFacts(n_moe, 16, per // 16)
+    assert f == V.ExpertFacts(tuple(range(n_moe)), 16, per // 16)

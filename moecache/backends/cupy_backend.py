@@ -138,11 +138,6 @@ class _Upload:
         self.arrays, self.event = arrays, event
 
 
-def _size_class_malloc(nbytes: int) -> cp.cuda.MemoryPointer:
-    """The default pool's ``malloc`` of ``nbytes`` rounded up to its :func:`~.ops.size_class`."""
-    return cp.get_default_memory_pool().malloc(size_class(nbytes))
-
-
 def _pinned_bytes(nbytes: int) -> np.ndarray:
     """A uint8 (nbytes,) host array in page-locked memory (CuPy's pinned pool)."""
     import cupyx
@@ -924,7 +919,8 @@ class CupyBackend(ArrayOps):
         layer was the prompt's bottleneck (cProfile on the H200: ~13 uploads, 3 argsorts and a
         scatter per layer for ~2 ms of Python against ~1.9 ms of kernels)."""
         if self.round_prompt_allocs:
-            with cp.cuda.using_allocator(_size_class_malloc):
+            outer = cp.cuda.get_allocator()  # the default pool's, or a graph capture's private pool
+            with cp.cuda.using_allocator(lambda nbytes: outer(size_class(nbytes))):
                 return self._moe_prompt_any(gate, up, down, types, routing, h, act)
         return self._moe_prompt_any(gate, up, down, types, routing, h, act)
 

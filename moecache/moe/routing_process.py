@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+import moecache.quants._numba_setup  # noqa: F401,I001 - numba's settings, before numba is imported
 from numba import njit, prange
 
 from moecache.moe.routing import Routing
@@ -158,8 +160,9 @@ def _draw_pass(base, g, a, b, x, eps, u, ids, w):  # pragma: no cover - compiled
     """One pass's choices of every layer, in place: per layer (a thread each) and token t, the drift
     ``x = a * x + b * eps[t]`` (x float64 (L, E), updated to the last token's), the logits
     ``(base + g * x) + G`` with Gumbel noise ``G = -log(-log(1 - u))`` from uniform doubles ``u``
-    (L, T, E) (numpy's ``Generator.gumbel`` formula; a u of exactly 0, which numpy would draw
-    again, is taken as the smallest double above it), the k largest logits best first (equal
+    (L, T, E) (numpy's ``Generator.gumbel`` formula; a u of exactly 0 is taken as 2^-53, the
+    generator's smallest nonzero double, where numpy would draw again and shift every later number:
+    a chance of about T * L * E / 2^53 per pass), the k largest logits best first (equal
     logits in expert order, as a stable sort), and their softmax: ids int32 and w float32 (L, T, k)."""
     n_layer, n_tok, n_expert = u.shape
     k = ids.shape[2]
