@@ -145,6 +145,23 @@ def _pinned_bytes(nbytes: int) -> np.ndarray:
     return cupyx.empty_pinned((nbytes,), np.uint8)
 
 
+def _dma_in_place(dst: cp.ndarray, w: np.ndarray, runs: list[tuple[int, int, int]], stream: cp.cuda.Stream) -> None:
+    """``dst[first:first + length] = w[first:first + length]`` for each run ``(_, first, length)``
+    (``expert_runs``), asynchronously on ``stream``: page-locked host experts ``w`` into device
+    experts ``dst`` of the same shape. One ``cudaMemcpyAsync`` per run on raw pointers when both
+    are C-contiguous (a prompt layer's non-resident experts make tens of runs; a slice and
+    ``ndarray.set`` each cost more host time than the call itself), else ``ndarray.set``."""
+    if dst.shape != w.shape or not (dst.flags.c_contiguous and w.flags.c_contiguous):
+        for _, first, length in runs:
+            dst[first:first + length].set(w[first:first + length], stream=stream)
+        return
+    per = int(w.strides[0])  # bytes of one expert
+    d0, s0 = int(dst.data.ptr), int(w.ctypes.data)
+    for _, first, length in runs:
+        cp.cuda.runtime.memcpyAsync(d0 + first * per, s0 + first * per, length * per,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+
 def _is_pinned(a: np.ndarray) -> bool:
     """Whether a host array lives in page-locked memory (``--load-mode pin``)."""
     try:
@@ -348,8 +365,7 @@ class CupyBackend(ArrayOps):
             cs.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
             runs = [(0, 0, ws[0].shape[0])] if experts is None else expert_runs(experts)
             for o, w in zip(outs, ws):
-                for _, first, length in runs:
-                    o[first:first + length].set(w[first:first + length], stream=cs)
+                _dma_in_place(o, w, runs, cs)
             return _Upload(outs, cs.record(cp.cuda.Event(disable_timing=True)))
 
     def room_for(self, nbytes: int, limit: int | None) -> bool:
@@ -388,9 +404,7 @@ class CupyBackend(ArrayOps):
             return
         if _is_pinned(w):
             with cp.cuda.Device(self.device):
-                stream = cp.cuda.get_current_stream()
-                for _, first, length in expert_runs(ids):
-                    dst[first:first + length].set(w[first:first + length], stream=stream)
+                _dma_in_place(dst, w, expert_runs(ids), cp.cuda.get_current_stream())
             return
         dst[self.asarray(np.asarray(ids, np.int64))] = self.upload_experts(w, ids)
 
