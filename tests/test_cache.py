@@ -547,6 +547,48 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         cache.close()
 
 
+def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypatch):
+    """_keep_room: the twin's memory in use is the live stack buffers plus a stand-in for the
+    prompt's attention blocks; when that grows between ubatches past what leaves STACK_MARGIN_BYTES
+    under --vram-budget, the next ubatch gives the second buffer back (no more copies ahead, noted),
+    then the first (the groups); every ubatch still gives the all-CPU output."""
+    import moecache.moe.cache as cache_mod
+
+    rng = np.random.default_rng(10)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
+        margin = cache_mod.STACK_MARGIN_BYTES
+        limit = 2 * stack + margin
+        notes = []
+        cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
+                              vram_limit=limit, log=notes.append)
+        cache.prompt_stacks = True
+        grown = [0]
+
+        def room_for(nbytes, lim):
+            live = sum(int(a.nbytes) for buf in (cache._bufs or []) for a in buf)
+            return lim is None or live + grown[0] + nbytes <= lim
+        monkeypatch.setattr(cache.be, "room_for", room_for)
+        groups = []
+        _spy(monkeypatch, cache, "_prompt_group", groups)
+        ref_ex = CPUExperts(ew, NumpyBackend())
+        for step, (grow, n_bufs, ahead) in enumerate([(0, 2, True), (1, 1, False), (stack + 1, 0, False)]):
+            grown[0] = grow
+            cache.begin_pass(40)
+            started = cache.stack_prefetch[0]
+            for il in ew:
+                h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
+                r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)
+                np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+            assert len(cache._bufs) == n_bufs, step
+            assert (cache.stack_prefetch[0] > started) == ahead, step
+            assert bool(groups) == (n_bufs == 0), step
+        assert len(notes) == 2 and "1 buffer(s) left (no copy ahead)" in notes[0] and "groups" in notes[1]
+        cache.close()
+
+
 def test_a_copy_left_in_flight_is_dropped_by_the_next_pass(model_path):
     """A prompt pass cut short after a layer began the next one's copy: the next pass's begin drops it
     (counted), and a later prompt ubatch still equals the CPU."""

@@ -76,9 +76,12 @@ PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own p
 # prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
 # device gather from the slots and a mapped file's staged upload hold one such piece as a temporary)
 STACK_FILL_EXPERTS = 32
-# room the stack buffers leave under --vram-budget when they are allocated: the prompt MoE's scratch of
-# dequantized weights and two of its activation blocks (MOE_SCRATCH_BYTES, MOE_ACT_BYTES of
-# moecache/backends/ops.py), and a fill's temporary (STACK_FILL_EXPERTS experts of Qwen3-30B-A3B: 81 MiB)
+# room the stack buffers leave under --vram-budget, when they are allocated and at each prompt ubatch
+# (CachedExperts._keep_room): the prompt MoE's scratch of dequantized weights and two of its activation
+# blocks (MOE_SCRATCH_BYTES, MOE_ACT_BYTES of moecache/backends/ops.py), and a fill's temporary
+# (STACK_FILL_EXPERTS experts of Qwen3-30B-A3B: 81 MiB). Not a bound: a chunk may hold six activation
+# blocks; 480 MiB is the whole prompt's pool growth with the groups at 8 GiB (482 MiB, pp512, H200,
+# bench/results/prompt-q8-h200.md), measured to hold or not by the next vs run
 STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 
 
@@ -571,6 +574,8 @@ class CachedExperts:
 
         Returns None, for the caller's groups, when not even one buffer had room."""
         be, pool = self.be, self.pool
+        if il == self._first:
+            self._keep_room()
         if not self._stack_buffers(e):
             return None
         f = self._take_flight(il)
@@ -619,6 +624,19 @@ class CachedExperts:
                          + (": no layer's experts copied ahead" if self._bufs else
                             ": prompts bring their experts in groups"))
         return len(self._bufs)
+
+    def _keep_room(self) -> None:
+        """At a prompt ubatch's first cached layer (its attention's blocks for this context already
+        allocated): while the memory in use leaves less than :data:`STACK_MARGIN_BYTES` under
+        ``vram_limit``, give a stack buffer back (the second first: no more copies ahead), noted
+        once. A long prompt's attention grows with its context, one power of two of its blocks at
+        a time, after the buffers were allocated."""
+        while self._bufs and not self.be.room_for(STACK_MARGIN_BYTES, self.vram_limit):
+            self._drop_flight()
+            self._bufs.pop()
+            self._turn = 0
+            self.log(f"note: prompt stacks: the prompt's memory grew near --vram-budget: {len(self._bufs)} "
+                     f"buffer(s) left" + (" (no copy ahead)" if self._bufs else " (its experts come in groups)"))
 
     def _start_flight(self, il: int, n_pairs: int, b: int) -> None:
         """Begin copying the next cached layer's non-resident experts into buffer ``b`` on the copy
