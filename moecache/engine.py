@@ -181,8 +181,8 @@ class Engine:
             stream while the current layer computes (:mod:`moecache.moe.prefetch`; page-locked
             weights only, ``--load-mode pin``); one more layer of experts in VRAM during a prompt,
             kept by CuPy's pool afterwards and not counted in the placement's reserve or
-            ``--vram-budget``. Not used with an expert cache (a note says so). Off by default until
-            measured on a GPU (``bench/prompt_q8.py --ab prefetch``).
+            ``--vram-budget``. Not used with an expert cache (a note says so). Off by default: +1-3% on
+            the H200 (``bench/prompt_q8.py --ab prefetch``, ``bench/results/prompt-q8-h200.md``).
 
     Raises:
         GGUFError: the file is missing, unreadable or not a valid GGUF; UnsupportedArchError,

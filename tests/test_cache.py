@@ -603,9 +603,9 @@ def test_a_copy_left_in_flight_is_dropped_by_the_next_pass(model_path):
         h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
         r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)
         np.testing.assert_allclose(cache(first, h, r), ref_ex(first, h, r), rtol=1e-5, atol=1e-6)
-        assert cache.stack_prefetch == [1, 0, 0] and cache._flight is not None
+        assert cache.stack_prefetch == [1, 0, 0] and cache._ahead._flight is not None
         cache.begin_pass(40)
-        assert cache.stack_prefetch == [1, 0, 1] and cache._flight is None
+        assert cache.stack_prefetch == [1, 0, 1] and cache._ahead._flight is None
         for il in ew:
             np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
         assert cache.stack_prefetch == [1 + c.n_layer - 1, c.n_layer - 1, 1]

@@ -328,7 +328,7 @@ class CupyBackend(ArrayOps):
         return self._copy_stream
 
     def start_upload(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
-                     limit: int | None = None, out: tuple[cp.ndarray, ...] | None = None) -> "_Upload | None":
+                     out: tuple[cp.ndarray, ...] | None = None) -> "_Upload | None":
         """Begin copying page-locked host arrays ``ws`` (a layer's stacked experts, uint8 (n_expert,
         rows, row_bytes)) to this GPU on its copy stream, so that the copy runs while the compute
         stream works (the next layer of a prompt while this one computes: :mod:`moecache.moe.prefetch`,
@@ -336,9 +336,8 @@ class CupyBackend(ArrayOps):
         experts are copied, each to its own position of arrays of the full shape (one DMA per run
         of consecutive ids; the other positions keep what they held). :meth:`finish_upload` makes the
         compute stream wait for the copy and gives the arrays. None when a source is not
-        page-locked (``--load-mode mmap``: an asynchronous copy needs pinned memory), when the GPU
-        has no room, or when the arrays would take the GPU past ``limit`` bytes in use
-        (:meth:`room_for`); the caller uploads as before. ``out``: device arrays of the same shapes
+        page-locked (``--load-mode mmap``: an asynchronous copy needs pinned memory) or when the
+        GPU has no room; the caller uploads as before. ``out``: device arrays of the same shapes
         to copy into instead (nothing allocated; the caller orders their earlier readers before
         this call on the compute stream).
 
@@ -350,10 +349,6 @@ class CupyBackend(ArrayOps):
                        "page-locked memory (--load-mode pin); each layer copies its own")
             return None
         nbytes = sum(int(w.nbytes) for w in ws)
-        if out is None and not self.room_for(nbytes, limit):
-            self._note(f"the next layer's experts ({nbytes >> 20} MiB) are not prefetched while the GPU is near "
-                       f"--vram-budget ({limit >> 20} MiB): those prompt layers copy their own, after the layer before")
-            return None
         with cp.cuda.Device(self.device):
             cs = self._copies()
             try:

@@ -94,17 +94,14 @@ class NumpyBackend(ArrayOps):
         return np.take(w, used, axis=0)
 
     def start_upload(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
-                     limit: int | None = None, out: tuple[np.ndarray, ...] | None = None) -> "TwinUpload | None":
+                     out: tuple[np.ndarray, ...] | None = None) -> "TwinUpload":
         """Begin copying host arrays ``ws`` (a layer's stacked experts, uint8 (n_expert, rows,
         row_bytes)), or only the ``experts`` given (ascending ids, each to its own position), to this
         backend; :meth:`finish_upload` gives them. The CPU twin of the GPU's copy-stream upload: the
         arrays it will give are filled with 0xFF bytes (NaN scales) until then, and stay so where
         no expert was copied, so a caller that reads them too early or reads an expert not copied
-        gets NaNs, as it could read half-copied bytes on the GPU. None when :meth:`room_for` says
-        the arrays would pass ``limit``. ``out``: arrays to copy into instead (all of them 0xFF
-        until finished, stale data gone)."""
-        if out is None and not self.room_for(sum(int(w.nbytes) for w in ws), limit):
-            return None
+        gets NaNs, as it could read half-copied bytes on the GPU. ``out``: arrays to copy into
+        instead (all of them 0xFF until finished, stale data gone)."""
         return TwinUpload(ws, experts, out)
 
     def room_for(self, nbytes: int, limit: int | None) -> bool:

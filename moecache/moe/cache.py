@@ -65,7 +65,7 @@ from moecache.backends.contract import CacheBackend
 from moecache.backends.ops import DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
-from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT
+from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT, LayerPrefetch
 from moecache.moe.routing import Routing
 from moecache.quants import cpu
 
@@ -138,16 +138,6 @@ def _add_rows(be: Any, out: Any, rows: np.ndarray, y: Any) -> None:
     out[be.asarray(uniq.astype(np.int64))] += padded[be.asarray(idx)].sum(axis=1)
 
 
-@dataclass
-class _StackFlight:
-    """The next prompt layer's non-resident experts on their way into a stack buffer."""
-
-    layer: int
-    upload: Any  # the backend's handle (start_upload)
-    buffer: int  # index into CachedExperts._bufs
-    copied: np.ndarray  # bool (n_expert,): the experts the copy brings
-
-
 class CachedExperts:
     """Routed experts in host RAM with a cache of hot ones in slots on ``backend``.
 
@@ -180,7 +170,8 @@ class CachedExperts:
             the host), the next cached layer's non-resident experts copied on the copy stream while
             this one computes. False (default, until measured within ``--vram-budget`` on a GPU):
             the groups of ``prompt_group_bytes``.
-        stack_prefetch: (started, used, dropped) copies of a next layer's experts.
+        stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
+            :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight).
         prompt_in_place: prompt ubatches compute the resident experts from their slots in place and
             leave the uploaded experts they use most in empty slots (:meth:`_prompt_in_place`);
             False (default) until measured on a GPU.
@@ -207,11 +198,10 @@ class CachedExperts:
         # its 12620-token prompt peaked 455 MiB over the budget (the guard has been made strict since)
         self.prompt_stacks = False
         self.vram_limit = vram_limit
-        self._flight: _StackFlight | None = None  # the next layer's copy into a stack buffer
+        self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
         self.log = log if log is not None else (lambda msg: None)
-        self.stack_prefetch = [0, 0, 0]  # started, used, dropped
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
         self.stats = CacheStats()  # tokens of every pass; hits and misses of decode ubatches
@@ -659,29 +649,25 @@ class CachedExperts:
             return
         have = np.zeros(self.slot_of.shape[1], bool)
         have[sel] = True
-        self._flight = _StackFlight(nxt, upl, b, have)
-        self.stack_prefetch[0] += 1
-        self.offload.offloaded_bytes += int(sel.size) * self._expert_bytes(e)
+        nbytes = int(sel.size) * self._expert_bytes(e)
+        self._ahead.begin(nxt, self.be, upl, nbytes, (b, have))
+        self.offload.offloaded_bytes += nbytes
 
     def _take_flight(self, il: int) -> tuple[int, np.ndarray] | None:
         """The buffer holding layer ``il``'s copy and its copied-experts mask, if that copy is in flight
         (the compute stream then waits for it); any other copy is dropped."""
-        f = self._flight
-        if f is not None and f.layer == il:
-            self._flight = None
-            self.stack_prefetch[1] += 1
-            self.be.finish_upload(f.upload)
-            return f.buffer, f.copied
-        self._drop_flight()
-        return None
+        got = self._ahead.take_tagged(il)
+        return None if got is None else got[1]
 
     def _drop_flight(self) -> None:
         """Discard the copy in flight; the compute stream first waits for it (no host wait), so no
         later write into its buffer on the compute stream races it."""
-        f, self._flight = self._flight, None
-        if f is not None:
-            self.be.finish_upload(f.upload)
-            self.stack_prefetch[2] += 1
+        self._ahead.drop()
+
+    @property
+    def stack_prefetch(self) -> list[int]:
+        """[started, used, dropped] copies of a next layer's experts into a stack buffer."""
+        return [self._ahead.started, self._ahead.used, self._ahead.dropped]
 
     def _prompt_in_place(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt ubatch whose resident experts are computed straight from the slot pool in one

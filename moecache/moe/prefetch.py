@@ -42,6 +42,7 @@ class _Flight:
     layer: int
     upload: Any  # the backend's handle (start_upload)
     backend: Any
+    tag: Any = None  # what the caller of begin() keeps with it
 
 
 class LayerPrefetch:
@@ -72,13 +73,29 @@ class LayerPrefetch:
     def take(self, il: int) -> tuple[Any, Any, Any] | None:
         """Layer ``il``'s experts (gate, up, down), whole stacks on its offload backend, if an upload of
         them is in flight; None otherwise. Any other upload in flight is dropped (:meth:`drop`)."""
+        got = self.take_tagged(il)
+        return None if got is None else got[0]
+
+    def take_tagged(self, il: int) -> tuple[tuple[Any, ...], Any] | None:
+        """:meth:`take`, with the ``tag`` given to :meth:`begin`: (arrays, tag) or None. The compute
+        stream waits for the copy (``finish_upload``, no host wait)."""
         f = self._flight
         if f is not None and f.layer == il:
             self._flight = None
             self.used += 1
-            return f.backend.finish_upload(f.upload)
+            return f.backend.finish_upload(f.upload), f.tag
         self.drop()
         return None
+
+    def begin(self, il: int, backend: Any, upload: Any, nbytes: int, tag: Any = None) -> None:
+        """Count an upload of layer ``il``'s experts that the caller began (``backend.start_upload``:
+        ``nbytes`` bytes) as the one in flight, with ``tag`` kept for :meth:`take_tagged`; one in
+        flight before it is dropped. The expert cache's prompt stacks start their own uploads (the
+        next layer's non-resident experts, into a buffer of theirs) and keep them here."""
+        self.drop()
+        self._flight = _Flight(il, upload, backend, tag)
+        self.started += 1
+        self.bytes += nbytes
 
     def start_after(self, il: int, n_pairs: int) -> bool:
         """Begin the upload of the host-expert layer after ``il`` (in layer order) for a ubatch of
@@ -94,9 +111,7 @@ class LayerPrefetch:
         up = be.start_upload((e.gate, e.up, e.down))
         if up is None:
             return False
-        self._flight = _Flight(nxt, up, be)
-        self.started += 1
-        self.bytes += int(e.gate.nbytes + e.up.nbytes + e.down.nbytes)
+        self.begin(nxt, be, up, int(e.gate.nbytes + e.up.nbytes + e.down.nbytes))
         return True
 
     def drop(self) -> None:
