@@ -62,8 +62,6 @@ def main() -> None:
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
     ap.add_argument("--prompt-stacks", action="store_true", help="the expert cache's opt-in prompt stacks "
                     "(CachedExperts.prompt_stacks)")
-    ap.add_argument("--round-allocs", action="store_true", help="the opt-in size classes of the prompt MoE's "
-                    "allocations (CupyBackend.round_prompt_allocs)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
                          "print its top N functions by own time")
@@ -85,8 +83,6 @@ def main() -> None:
         vocab = eng.gguf.config.n_vocab
         for cache in eng.caches:
             cache.prompt_stacks = a.prompt_stacks
-        for be in {id(b): b for b in eng.model.layer_be if hasattr(b, "round_prompt_allocs")}.values():
-            be.round_prompt_allocs = a.round_allocs
         if a.routing:
             from moecache.moe.routing_process import make_routing
 

@@ -33,15 +33,8 @@ arm, so the arms' last logits compare:
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab cache --vram-budget 8GiB --load-mode pin --routing qwen3-moe -r 3
 
-``--ab sizes`` compares, with a new prompt each repetition (as ``moecache bench`` draws them), the
-prompt MoE's transient arrays allocated as they come against allocated in size classes
-(``CupyBackend.round_prompt_allocs``, ``ops.size_class``), each arm's warm-up and repetitions in a
-row from an emptied pool (and empty slots, with an expert cache), and counts the pool's device
-allocations during each arm's timed prompts, those of this (the main) thread: CuPy's hooks and
-allocators are per thread (the all-GPU pp512 ran 2216 t/s in ``bench`` and 3799 here with one
-prompt repeated):
-
-    python bench/prompt_q8.py -m /tmp/q30.gguf --ab sizes -p 512 -r 5
+With ``--ab cache`` each arm also counts the pool's device allocations during its timed prompts,
+those of this (the main) thread: CuPy's hooks are per thread.
 """
 
 from __future__ import annotations
@@ -71,12 +64,11 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5, help="timed prompts per path")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--load-mode", default="mmap")
-    ap.add_argument("--ab", choices=("q8", "prefetch", "cache", "sizes"), default="q8",
+    ap.add_argument("--ab", choices=("q8", "prefetch", "cache"), default="q8",
                     help="q8: float16 GEMMs vs the grouped 8-bit kernels; prefetch: --cpu-moe op offload "
                          "without and with the next layer's experts copied during the current one; cache: the "
-                         "expert cache's default prompt path vs prompt_in_place (residents read in place, uploads "
-                         "kept in empty slots); sizes: the prompt MoE's allocations as they come vs in size "
-                         "classes (a new prompt each repetition)")
+                         "expert cache's prompt groups vs its prompt stacks (from empty slots, a new prompt each "
+                         "repetition)")
     ap.add_argument("--routing", default=None, help="replace the routers' choices (qwen3-moe, low-locality, uniform)")
     ap.add_argument("--fresh", action="store_true", help="a different prompt for each repetition (as `moecache bench` "
                     "draws them; default: the warm-up's prompt again, except with --ab cache)")
@@ -116,8 +108,6 @@ def main() -> None:
         #  from empty slots)
         if prefetch:
             arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
-        elif a.ab == "sizes":  # the fourth field: round_prompt_allocs
-            arms = [("exact sizes", False, 1, False, True), ("size classes", False, 1, True, True)]
         elif a.ab == "cache":  # the fourth field: prompt_stacks
             arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True)]
         else:
@@ -130,13 +120,12 @@ def main() -> None:
             """Prompt i (the first again unless --fresh or --ab cache) through arm's setting: t/s, last logits."""
             for b in bes.values():
                 b.prompt_q8 = arm[1]
-                b.round_prompt_allocs = arm[3] and a.ab == "sizes"
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
                 c.prompt_stacks = arm[3] if a.ab == "cache" else c.prompt_stacks
             for e in host:
                 e.prefetch = shared if arm[3] else None
-            toks = prompts[i if a.ab in ("cache", "sizes") or a.fresh else 0]
+            toks = prompts[i if a.ab == "cache" or a.fresh else 0]
             restart = getattr(eng.model.routing_override, "restart", None)  # a trace file replays as it is
             if restart is not None:
                 restart(i)
@@ -175,7 +164,7 @@ def main() -> None:
             _, logits[arm[0]] = prompt(arm, 0)
             held[arm[0]] = pool.total_bytes() - before
 
-        if a.ab in ("cache", "sizes"):  # each arm's own cache / pool state: its warm-up and repetitions in a row
+        if a.ab == "cache":  # each arm's own cache / pool state: its warm-up and repetitions in a row
             for arm in arms:
                 warm_up(arm)
                 with allocs:

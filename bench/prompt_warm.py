@@ -12,9 +12,6 @@ routing feeds the usage statistics and admits nothing), then ``-n`` decode token
   prompt (``CachePolicy.preload`` of that usage: what ``--moe-profile`` does at start);
 - ``swap``: ``fill``, then residents give way to more-used experts by the decode rule (payback
   over the window and the hysteresis margin), most-used challenger against least-used resident;
-- ``keep``: ``CachedExperts.prompt_in_place``: while slots are free, each prompt ubatch leaves the
-  non-resident experts it uses most in them (at most slots // layers per layer; no link traffic:
-  device copies of its uploads), then ``fill`` at the prompt's end for the slots still free.
 
 Reported per arm: the decode's hit rate over its first 64 tokens and over all ``-n``, uploads per
 decode token, the uploads made at the prompt's end (each one expert's copy; at 8 GiB on the H200
@@ -46,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from moecache.moe.policy import CachePolicy, PolicyConfig  # noqa: E402
 from moecache.moe.routing_process import RoutingProcess, TraceRouting, make_routing  # noqa: E402
 
-ARMS = ("now", "fill", "swap", "keep")
+ARMS = ("now", "fill", "swap")
 
 
 @dataclass
@@ -124,28 +121,14 @@ def _decode(pol: CachePolicy, visible: np.ndarray, ids: np.ndarray, st: ArmStats
             st.decode_tokens += 1
 
 
-def _prompt(pol: CachePolicy, ids: np.ndarray, ub: int, visible: np.ndarray | None = None) -> None:
-    """The engine's prompt path: each ubatch's routing observed, nothing admitted; with ``visible``
-    (the ``keep`` arm) each layer's ubatch first leaves its most-used non-resident experts in free
-    slots, within the layer's share, as ``CachedExperts._prompt_keep`` chooses them."""
+def _prompt(pol: CachePolicy, ids: np.ndarray, ub: int) -> None:
+    """The engine's prompt path: each ubatch's routing observed, nothing admitted."""
     at = 0
-    quota = pol.n_slots // ids.shape[0]
     for t in _pieces(ids.shape[1], ub):
         pol.new_tokens(t)
         for il in range(ids.shape[0]):
             rows = ids[il, at:at + t]
-            kept = np.zeros(0, np.int64)
-            if visible is not None and pol.n_resident < pol.n_slots:
-                miss = np.unique(rows[~visible[il, rows]])
-                n = min(quota - int(pol.resident[il].sum()), pol.n_slots - pol.n_resident)
-                if n > 0 and miss.size:
-                    counts = np.bincount(rows.reshape(-1), minlength=pol.usage.shape[1])[miss]
-                    ok = ~pol.resident[il, miss]
-                    kept = miss[ok][np.argsort(-counts[ok], kind="stable")][:n]
             pol.observe(il, rows)
-            if kept.size:
-                pol.admit_free(il, kept)
-                visible[il, kept] = True
         at += t
 
 
@@ -154,7 +137,6 @@ def _warm(pol: CachePolicy, visible: np.ndarray, arm: str) -> int:
     would be copied before the first decode token)."""
     if arm == "now":
         return 0
-    # keep: the prompt already filled slots (device copies, not counted as uploads); fill the rest
     n = 0
     for a in pol.preload(pol.usage.copy()):
         visible[a.layer, a.expert] = True
@@ -193,7 +175,7 @@ def run(name: str, frac: float, prev: int, a: argparse.Namespace) -> dict[str, A
             if prev:  # an earlier request: its prompt, then its decode admits as usual
                 _prompt(pol, prev_p, a.ub)
                 _decode(pol, visible, prev_d[:, :prev], None)
-            _prompt(pol, prompt, a.ub, visible if arm == "keep" else None)
+            _prompt(pol, prompt, a.ub)
             out[arm].warm_uploads += _warm(pol, visible, arm)
             _decode(pol, visible, decode, out[arm])
     return out

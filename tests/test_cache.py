@@ -379,7 +379,7 @@ def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
     logits; the number of experts each prompt group brought, in call order."""
     sizes: list[int] = []
     real = cache._prompt_group
-    monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used, *keep: (sizes.append(used.size), real(il, e, h, r, used, *keep))[1])
+    monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (sizes.append(used.size), real(il, e, h, r, used))[1])
     ref_lm = build_model(m, NumpyBackend())
     lm = build_model(m, NumpyBackend(), experts=cache)
     prompt = rng.integers(0, m.config.n_vocab, 40)
@@ -388,12 +388,10 @@ def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch, in_place):
+def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch):
     """A prompt ubatch whose used experts exceed PROMPT_GROUP_BYTES computes them group by group (each
     group's pairs scatter-added); the output is the all-CPU output, and no group brings more than the
-    cap's worth of experts to the backend. With ``prompt_in_place`` the resident experts are computed
-    from the slots in one call and the groups hold only the others."""
+    cap's worth of experts to the backend; resident experts are gathered from their slots."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(5)
@@ -404,69 +402,17 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
         cache.prompt_stacks = False  # the groups (the path when a stack has no room)
-        cache.prompt_in_place = in_place
         resident = [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8]
         _fill(cache, ew, resident)
         groups: list[np.ndarray] = []
         real = cache._prompt_group
         monkeypatch.setattr(cache, "_prompt_group",
-                            lambda il, e, h, r, used, *keep: (groups.append((il, used.copy())), real(il, e, h, r, used, *keep))[1])
+                            lambda il, e, h, r, used: (groups.append((il, used.copy())), real(il, e, h, r, used))[1])
         biggest = _prompt_group_sizes(m, cache, rng, monkeypatch)
         assert max(biggest) == 3 and len(biggest) >= c.n_layer * 2  # every layer split, none over the cap
         assert cache.prompt_slot_reads > 0  # resident experts still read from their slots
         in_groups = {(il, int(x)) for il, used in groups for x in used}
-        # in place: no resident expert is gathered into a group; gathered: the prompt uses them all
-        assert (in_groups & set(resident) == set()) if in_place else set(resident) <= in_groups
-        cache.close()
-
-
-def test_prompt_in_place_leaves_its_most_used_uploads_in_empty_slots(model_path, rng):
-    """prompt_in_place with empty slots: each layer's prompt ubatch keeps its most-used uploaded experts
-    in empty slots (at most slots // layers per layer, device copies of its upload), owned and mapped
-    and resident for the policy; the output equals the all-CPU output before and after, and the next
-    prompt reads the kept experts from their slots."""
-    with open_gguf(model_path) as m:
-        c = m.config
-        ew = expert_weights(m, "silu")
-        n_slots = 2 * len(ew) + 1  # two per layer, one left over
-        cache = _cache(ew, c.n_layer, c.n_expert, n_slots, NEVER)
-        for pool_arr in (cache.pool.gate, cache.pool.up, cache.pool.down):
-            pool_arr[...] = 0xFF  # an empty slot read by mistake gives NaNs
-        first = min(ew)
-        pre = 3  # one expert of the first layer already resident: that layer keeps one more, never it again
-        _fill(cache, ew, [(first, pre)])
-        cache.policy.admit_free(first, np.array([pre]))
-        cache.prompt_in_place = True
-        ref_ex = CPUExperts(ew, NumpyBackend())
-        expect = {}
-        for rep in range(2):
-            for il in ew:
-                h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
-                r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)
-                if rep == 0:
-                    ids, counts = np.unique(r.ids, return_counts=True)
-                    order = [x for x in ids[np.argsort(-counts, kind="stable")].tolist() if not (il == first and x == pre)]
-                    expect[il] = set(order[:1 if il == first else 2]) | ({pre} if il == first else set())
-                    cache._map_dirty = False
-                reads = cache.prompt_slot_reads
-                np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
-                if rep == 0:
-                    assert cache._map_dirty  # the device map will show the kept slots
-                else:
-                    assert cache.prompt_slot_reads > reads or not np.isin(r.ids, list(expect[il])).any()
-        assert cache.prompt_kept == 2 * len(ew) - 1 and cache.policy.n_resident == 2 * len(ew)
-        for il in ew:
-            kept = set(np.flatnonzero(cache.slot_of[il] >= 0).tolist())
-            assert kept == expect[il] and cache.policy.resident[il].sum() == 2
-            for x in kept:
-                slot = int(cache.slot_of[il, x])
-                assert cache.pool.owner[slot] == (il, x)
-                for pool_arr, src in zip((cache.pool.gate, cache.pool.up, cache.pool.down),
-                                         (ew[il].gate, ew[il].up, ew[il].down)):
-                    np.testing.assert_array_equal(pool_arr[slot], src[x])  # the right expert in the right slot
-        assert cache.pool.owner.count(None) == 1
-        with pytest.raises(ValueError, match="admit_free"):
-            cache.policy.admit_free(first, np.array([pre]))  # already resident
+        assert set(resident) <= in_groups  # gathered: the prompt uses them all
         cache.close()
 
 
@@ -502,7 +448,7 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=vram_limit, log=notes.append)
-        assert not cache.prompt_stacks  # opt-in until its VRAM peak is measured within the budget
+        assert not cache.prompt_stacks  # opt-in: over --vram-budget on a long prompt (h200-s12c)
         cache.prompt_stacks = True
         resident = [(il, e) for il in range(c.n_layer) for e in (2, 5)][:8]
         _fill(cache, ew, resident)
@@ -549,35 +495,41 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
 
 def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypatch):
     """_keep_room: the twin's memory in use is the live stack buffers plus a stand-in for the
-    prompt's attention blocks; when that grows between ubatches past what leaves STACK_MARGIN_BYTES
-    under --vram-budget, the next ubatch gives the second buffer back (no more copies ahead, noted),
-    then the first (the groups); every ubatch still gives the all-CPU output."""
+    prompt's other blocks. A ubatch whose memory in use plus the largest growth seen between
+    checks (at least ROOM_FLOOR_BYTES) passes --vram-budget gives the second buffer back (no more
+    copies ahead, noted), a later one the first (the groups); the check after a give-back only
+    records; every ubatch still gives the all-CPU output."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(10)
     with open_gguf(model_path) as m:
         c = m.config
         ew = expert_weights(m, "silu")
-        stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
-        margin = cache_mod.STACK_MARGIN_BYTES
-        limit = 2 * stack + margin
+        s = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))  # one buffer
+        monkeypatch.setattr(cache_mod, "STACK_MARGIN_BYTES", s)
+        monkeypatch.setattr(cache_mod, "ROOM_FLOOR_BYTES", s // 4)
         notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
-                              vram_limit=limit, log=notes.append)
+                              vram_limit=3 * s, log=notes.append)
         cache.prompt_stacks = True
-        grown = [0]
-
-        def room_for(nbytes, lim):
-            live = sum(int(a.nbytes) for buf in (cache._bufs or []) for a in buf)
-            return lim is None or live + grown[0] + nbytes <= lim
-        monkeypatch.setattr(cache.be, "room_for", room_for)
+        other = [0]
+        monkeypatch.setattr(cache.be, "memory_in_use",
+                            lambda: sum(int(a.nbytes) for buf in (cache._bufs or []) for a in buf) + other[0])
         groups = []
         _spy(monkeypatch, cache, "_prompt_group", groups)
         ref_ex = CPUExperts(ew, NumpyBackend())
-        for step, (grow, n_bufs, ahead) in enumerate([(0, 2, True), (1, 1, False), (stack + 1, 0, False)]):
-            grown[0] = grow
+        # (other blocks, buffers after the ubatch, copies ahead); in use at the check, growth allowed:
+        steps = [(0, 2, True),  # buffers allocated (room_for: 0 + s + margin, then s + s + margin <= 3s)
+                 (0, 2, True),  # 2s + floor s/4 <= 3s; records only
+                 (s // 4, 2, True),  # 2.25s + growth s/4 <= 3s
+                 (3 * s // 4, 1, False),  # 2.75s + growth s/2 > 3s: one back (1.75s + s/2 <= 3s)
+                 (3 * s // 4, 1, False),  # after a give-back: records only
+                 (2 * s, 0, False)]  # 3s + growth 1.25s > 3s: the other back; groups
+        for step, (grow, n_bufs, ahead) in enumerate(steps):
+            other[0] = grow
             cache.begin_pass(40)
             started = cache.stack_prefetch[0]
+            groups.clear()
             for il in ew:
                 h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
                 r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)

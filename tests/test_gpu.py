@@ -992,34 +992,6 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_round_prompt_allocs_gives_the_same_logits(gpu, tmp_path, monkeypatch):
-    """CupyBackend.round_prompt_allocs (the prompt MoE's arrays allocated in size classes) changes only
-    where the arrays live: a 60-token prompt's logits equal those of exact allocations. The tiny
-    model's arrays are all under size_class's 1 MiB floor, so every size is rounded here to the
-    next power of two and 1 MiB more: each array sits in a larger block than it asked for."""
-    import moecache.backends.cupy_backend as cb
-    from moecache.engine import Engine, EngineConfig
-
-    monkeypatch.setattr(cb, "size_class", lambda n: (1 << max(0, n - 1).bit_length()) + (1 << 20))
-    from moecache.testing.synth import PRESETS as P
-    from moecache.testing.synth import write_model
-
-    path = tmp_path / "tiny.gguf"
-    write_model(path, P["tiny"], seed=16)
-    tokens = np.random.default_rng(17).integers(0, 200, 60)
-    outs = []
-    with Engine(path, EngineConfig(n_ctx=96)) as g:
-        bes = {id(b): b for b in g.model.layer_be if hasattr(b, "round_prompt_allocs")}
-        assert bes
-        for on in (False, True):
-            for b in bes.values():
-                b.round_prompt_allocs = on
-            g.reset()
-            outs.append(g.eval(tokens, logits="all"))
-    assert np.isfinite(outs[0]).all()
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(outs[0]).max())
-
-
 @contextlib.contextmanager
 def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, **engine_kw):
     """A tiny qwen3moe of 16 experts (top-4) written with ``seed``: a CPU engine, and a GPU engine whose
@@ -1050,7 +1022,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     experts three at a time (the groups: a token's pairs in one group summed on the GPU; the
     opt-in prompt_stacks is test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
     after the prompt fills the empty slots with the prompt's most-used experts; a
-    last prompt reads the resident experts from the slots in place (``prompt_in_place``)."""
+    last prompt gathers the resident experts from their slots."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
     from moecache.moe.policy import PolicyConfig
@@ -1087,9 +1059,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if load_mode == "pin":
             assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
-        # a new sequence's prompt with the resident experts computed from the slots in place
-        # (prompt_in_place; the cache keeps its residents across reset())
-        cache.prompt_in_place = True
+        # a new sequence's prompt with the resident experts gathered from their slots (the cache
+        # keeps its residents across reset())
         reads, resident = cache.prompt_slot_reads, int((cache.slot_of >= 0).sum())
         ref.reset()
         eng.reset()
@@ -1140,52 +1111,6 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
         assert started == used and dropped == 0
         assert (0 < started <= 2 * (n - 1)) if stacks and load_mode == "pin" else started == 0
         assert cache.prompt_slot_reads > 0
-
-
-@pytest.mark.parametrize("load_mode", ["pin", "mmap"])
-def test_prompt_in_place_keeps_uploads_in_empty_slots_on_the_gpu(gpu, tmp_path, load_mode):
-    """prompt_in_place on the GPU with empty slots: a 40-token prompt equals the CPU's logits, leaves
-    its most-used uploaded experts in empty slots (device copies: the slots' bytes are the host
-    experts'), and the next prompt reads them in place and still equals the CPU."""
-    import cupy as cp
-
-    from moecache.moe.policy import PolicyConfig
-
-    rng = np.random.default_rng(6)
-    with _cache_pair(tmp_path, 22, load_mode, PolicyConfig(t_upload=1.0)) as (ref, eng):
-        cache = eng.caches[0]
-        cache.preload(np.zeros_like(cache.policy.usage))  # empty slots (the warm-up token's admissions out)
-        cache.prompt_in_place = True
-        for rep in range(2):
-            reads = cache.prompt_slot_reads
-            ref.reset()
-            eng.reset()
-            toks = rng.integers(0, 200, 40)
-            b = ref.eval(toks)
-            np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
-            if rep == 0:
-                kept = cache.prompt_kept
-                quota = cache.policy.n_slots // len(cache.cached_layers)
-                assert 0 < kept <= cache.policy.n_slots and cache.policy.n_resident == kept
-                assert all((cache.slot_of[il] >= 0).sum() <= quota for il in cache.cached_layers)
-                hits = cache.stats.hits
-                for i in range(4):  # decode through the map that now shows the kept slots (a graph on pin)
-                    t = [int(rng.integers(0, 200))]
-                    b = ref.eval(t)
-                    np.testing.assert_allclose(eng.eval(t), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
-                cache.flush()
-                assert cache.stats.hits > hits
-            else:
-                assert cache.prompt_slot_reads > reads
-        for slot, own in enumerate(cache.pool.owner):
-            if own is None:
-                continue
-            il, x = own
-            assert cache.slot_of[il, x] == slot
-            e = cache.layers[il]
-            for pool_arr, src in zip((cache.pool.gate, cache.pool.up, cache.pool.down), (e.gate, e.up, e.down)):
-                np.testing.assert_array_equal(cp.asnumpy(pool_arr[slot]), src[x])
-    print(f"{load_mode}: {kept} experts kept of {cache.policy.n_slots} slots")
 
 
 def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):

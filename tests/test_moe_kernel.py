@@ -235,22 +235,3 @@ def test_moe_prompt_groups_executed_in_numpy_give_every_pairs_sum(rng, skew, max
         moe_prompt_groups(ids, 3, max_tok)
     with pytest.raises(ValueError, match="max_tok"):
         moe_prompt_groups(ids, n_exp, 0)
-
-
-def test_size_class_rounds_up_to_four_sizes_per_octave(rng):
-    """ops.size_class (the prompt MoE's allocations with round_prompt_allocs): from 1 MiB up, the
-    smallest of 2^k * (1, 1.25, 1.5, 1.75) not below the request (found here by enumerating them),
-    so under 25% more and at most four sizes per power of two; below 1 MiB unchanged."""
-    from moecache.backends.ops import size_class
-
-    classes = sorted({(4 + j) << (k - 2) for k in range(20, 40) for j in range(4)})
-    sizes = np.concatenate([rng.integers(1 << 20, 1 << 36, 2000), [1 << 20, (1 << 20) + 1, 5 << 28, (7 << 28) - 1,
-                                                                  (7 << 28) + 1]])
-    for n in sizes.tolist():
-        want = classes[int(np.searchsorted(classes, n))]
-        assert size_class(n) == want and n <= want < 1.25 * n + 1, n
-        assert size_class(want) == want  # a class is its own class
-    for n in (0, 1, 511, 512, (1 << 20) - 1):
-        assert size_class(n) == n
-    octave = {size_class(int(n)) for n in rng.integers((1 << 30) + 1, 1 << 31, 5000)}
-    assert octave == {5 << 28, 6 << 28, 7 << 28, 1 << 31}  # any request in one octave: four sizes

@@ -28,7 +28,7 @@ from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
 from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs,
-                                   moe_prompt_groups, moe_prompt_plan, size_class)
+                                   moe_prompt_groups, moe_prompt_plan)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT, grouped_prompt_ok  # formats with 8-bit-activation kernels in mmvq.cu
@@ -204,10 +204,6 @@ class CupyBackend(ArrayOps):
         # moeq_gdown: each expert's rows read once per group of up to DECODE_MAX_TOKENS tokens, no
         # dequantized weights, no GEMM) instead of float16 GEMMs; off until measured on a GPU
         self.prompt_q8 = prompt_q8
-        # the prompt MoE's transient arrays allocated in size classes (ops.size_class) so that fresh
-        # prompts reuse the pool's blocks; off until measured (bench/prompt_q8.py --ab sizes --fresh:
-        # all-GPU pp512 ran 2216 t/s in `bench` with a new prompt each time, 3799 with one prompt)
-        self.round_prompt_allocs = False
         # the decode products of Q8_ACT formats round their activations to int8 per 32 values (as
         # llama.cpp's MMVQ kernels do) and prompt products round weights and activations to float16
         # (tensor-core GEMMs, as llama.cpp's cuBLAS path); False keeps float32 (the CPU twin's
@@ -383,6 +379,18 @@ class CupyBackend(ArrayOps):
             pool.free_all_blocks()
             free, total = cp.cuda.runtime.memGetInfo()
             return total - free + nbytes <= limit
+
+    def memory_in_use(self) -> int:
+        """Bytes of this GPU's memory in use by every process (``cudaMemGetInfo``): our CUDA context
+        and CuPy's pool, its cached free blocks included; what ``--vram-budget`` and nvidia-smi count."""
+        with cp.cuda.Device(self.device):
+            free, total = cp.cuda.runtime.memGetInfo()
+        return int(total - free)
+
+    def release_cached(self) -> None:
+        """Give CuPy's cached free blocks back to the driver (waits for the GPU's queued work)."""
+        with cp.cuda.Device(self.device):
+            cp.get_default_memory_pool().free_all_blocks()
 
     def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
         """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's
@@ -927,14 +935,6 @@ class CupyBackend(ArrayOps):
         one buffer that ``moe_combine`` reads through each pair's row (no scatter). Host work per
         layer was the prompt's bottleneck (cProfile on the H200: ~13 uploads, 3 argsorts and a
         scatter per layer for ~2 ms of Python against ~1.9 ms of kernels)."""
-        if self.round_prompt_allocs:
-            outer = cp.cuda.get_allocator()  # the default pool's, or a graph capture's private pool
-            with cp.cuda.using_allocator(lambda nbytes: outer(size_class(nbytes))):
-                return self._moe_prompt_any(gate, up, down, types, routing, h, act)
-        return self._moe_prompt_any(gate, up, down, types, routing, h, act)
-
-    def _moe_prompt_any(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray:
-        """:meth:`_moe_prompt`'s body: the grouped 8-bit kernels when set and possible, else the GEMMs."""
         if self.prompt_q8 and self.act_q8:
             out = self._moe_prompt_grouped(gate, up, down, types, routing, h, act)
             if out is not None:

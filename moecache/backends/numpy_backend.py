@@ -109,6 +109,13 @@ class NumpyBackend(ArrayOps):
         test says are in use (0 by default); None: no limit."""
         return limit is None or self.in_use + nbytes <= limit
 
+    def memory_in_use(self) -> int:
+        """The twin of :meth:`CupyBackend.memory_in_use`: ``in_use``."""
+        return self.in_use
+
+    def release_cached(self) -> None:
+        """The twin of :meth:`CupyBackend.release_cached`: nothing is cached."""
+
     def empty_u8(self, shape: tuple[int, ...]) -> np.ndarray:
         """uint8 "uninitialized" (0xFF bytes: NaN scales, so a read of a position never written shows)."""
         return np.full(shape, 0xFF, np.uint8)

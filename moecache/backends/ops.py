@@ -40,18 +40,6 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
 
 
-def size_class(nbytes: int) -> int:
-    """``nbytes`` rounded up to one of four sizes per power of two (2^k, 1.25 * 2^k, 1.5 * 2^k,
-    1.75 * 2^k: under 25% more) from 1 MiB up; smaller sizes as they are (CuPy's pool rounds those to
-    512 bytes). A prompt's transient arrays change size with every routing (a chunk of n experts
-    padded to its largest group); rounded, the sizes repeat across prompts and CuPy's pool reuses
-    its blocks instead of asking the driver for new ones (``CupyBackend.round_prompt_allocs``)."""
-    if nbytes < 1 << 20:
-        return nbytes
-    step = 1 << (nbytes.bit_length() - 3)
-    return -(-nbytes // step) * step
-
-
 def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int) -> list[np.ndarray]:
     """Chunks of a prompt ubatch's used experts for batched GEMMs padded to a chunk's largest group.
 

@@ -40,11 +40,7 @@ the next cached layer's non-resident experts copied on the copy stream while thi
 (the same copy-stream ordering as :mod:`moecache.moe.prefetch`). The stacks are two buffers of one
 layer's experts each, allocated at the first prompt while the GPU's memory in use leaves room for
 them under ``--vram-budget`` (one: no copy ahead; none: the groups). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
-to decode's hot set; routing.md). With ``prompt_in_place`` (opt-in) the resident ones are read in
-place instead, and while slots are empty the uploaded experts a ubatch uses most are copied into
-them on the device; those slots are published as soon as that copy is queued on the compute
-stream, which is safe because every reader of a slot runs on that stream or waits for it (a
-decode graph's stream waits for an event of the null stream before each replay).
+to decode's hot set; routing.md).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
 ``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
@@ -83,6 +79,10 @@ STACK_FILL_EXPERTS = 32
 # blocks; 480 MiB is the whole prompt's pool growth with the groups at 8 GiB (482 MiB, pp512, H200,
 # bench/results/prompt-q8-h200.md), measured to hold or not by the next vs run
 STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
+# the least growth of a prompt's memory in use that CachedExperts._keep_room allows for between two
+# ubatches (a repeated prompt's pool has every block: none seen); not a bound, measured to hold or
+# not by the vs runs' VRAM peaks
+ROOM_FLOOR_BYTES = 128 << 20
 
 
 @dataclass
@@ -168,15 +168,12 @@ class CachedExperts:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
             (:meth:`_prompt_stack`: residents copied from their slots on the device, the others from
             the host), the next cached layer's non-resident experts copied on the copy stream while
-            this one computes. False (default, until measured within ``--vram-budget`` on a GPU):
-            the groups of ``prompt_group_bytes``.
+            this one computes. False (default: a 12620-token prompt went over ``--vram-budget`` in
+            runs h200-s11p, s12a and s12c): the groups of ``prompt_group_bytes``.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight).
-        prompt_in_place: prompt ubatches compute the resident experts from their slots in place and
-            leave the uploaded experts they use most in empty slots (:meth:`_prompt_in_place`);
-            False (default) until measured on a GPU.
-        prompt_kept, prompt_fills, prompt_slot_reads: experts a prompt left in empty slots, experts
-            loaded into empty slots after a prompt, experts prompt ubatches read from slots.
+        prompt_fills, prompt_slot_reads: experts loaded into empty slots after a prompt, experts
+            prompt ubatches read from slots.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
@@ -190,17 +187,16 @@ class CachedExperts:
         self.be = backend
         self.policy = policy
         self.prompt_group_bytes = prompt_group_bytes
-        # prompt ubatches compute the resident experts from the slots in place (one call) instead of
-        # gathering them into each group, and leave the uploaded experts they use most in empty slots;
-        # off until measured on a GPU (bench/prompt_q8.py --ab cache)
-        self.prompt_in_place = False
-        # off until the budget holds on a GPU: run h200-s11p measured 2.1x the groups' pp512 at 8 GiB, but
-        # its 12620-token prompt peaked 455 MiB over the budget (the guard has been made strict since)
+        # off: the 12620-token prompt of the 8 GiB case peaked over --vram-budget in runs h200-s11p (+455
+        # MiB), h200-s12a (+267) and h200-s12c (+27), bench/results/vs-llamacpp-h200.md; 8g-pp512 stayed
+        # within it and ran 0.43x of llama.cpp against the groups' 0.20x
         self.prompt_stacks = False
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
+        self._room_seen: int | None = None  # memory in use at the last _keep_room check (None: record only)
+        self._growth = 0  # the largest growth of the memory in use from one check to the next
         self.log = log if log is not None else (lambda msg: None)
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
@@ -245,8 +241,6 @@ class CachedExperts:
         self._expect = 0  # tokens of this pass whose routing the device logs (0: not a zero-copy pass)
         self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
         self.prompt_fills = 0  # experts loaded into empty slots after prompts (:meth:`fill_after_prompt`)
-        self.prompt_kept = 0  # experts a prompt's upload left in empty slots (``prompt_in_place``)
-        self._kept: list[tuple[int, int, int]] = []  # (layer, expert, slot) copied, not yet published
         self._prompt_seen = False  # a prompt ubatch ran since the last decode pass
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
         if stage_misses and self.zero_copy:
@@ -447,7 +441,6 @@ class CachedExperts:
         if self.offload_min_batch is not None and t >= self.offload_min_batch:
             out = self._prompt(il, e, h, r)
             self.policy.observe(il, r.ids)
-            self._publish_kept()  # after observe: a kept expert's age starts after this ubatch
             self._prompt_seen = True
             return out
         slots = self.slot_of[il][r.ids]
@@ -533,17 +526,14 @@ class CachedExperts:
         a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
         prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise). Each group computes
         its own (token, expert) pairs, weighted, and adds them into the output (in a fixed order: the
-        same sums on every run, as the ungrouped path). With ``prompt_in_place`` the resident
-        experts are not gathered: :meth:`_prompt_in_place`; with ``prompt_stacks`` the layer is
+        same sums on every run, as the ungrouped path). With ``prompt_stacks`` the layer is
         one call on a stack of its experts: :meth:`_prompt_stack`."""
-        if self.prompt_in_place:
-            return self._prompt_in_place(il, e, h, r)
         if self.prompt_stacks:
             out = self._prompt_stack(il, e, h, r)
             if out is not None:
                 return out
         used = np.unique(r.ids)
-        return self._prompt_groups(il, e, h, r, used, whole=True)
+        return self._prompt_groups(il, e, h, r, used)
 
     def _prompt_stack(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any | None:
         """A prompt ubatch's layer computed in one backend call from a stack of the layer's experts on
@@ -595,8 +585,8 @@ class CachedExperts:
         at the first prompt ubatch that wants them and kept: two if the GPU's memory in use leaves
         room under ``vram_limit`` for both and for :data:`STACK_MARGIN_BYTES` (what the layer's
         MoE call and the stack fills allocate after them; ``room_for``), else one, else none (noted
-        once). A long prompt's attention grows after this check: its transients come out of the
-        rest of the placement's reserve. Returns how many."""
+        once). The memory a prompt adds later is checked at each ubatch (:meth:`_keep_room`).
+        Returns how many."""
         if self._bufs is None:
             shapes = [(self.slot_of.shape[1], *w.shape[1:]) for w in (e.gate, e.up, e.down)]
             nbytes = sum(int(np.prod(sh)) for sh in shapes)
@@ -616,15 +606,26 @@ class CachedExperts:
         return len(self._bufs)
 
     def _keep_room(self) -> None:
-        """At a prompt ubatch's first cached layer (its attention's blocks for this context already
-        allocated): while the memory in use leaves less than :data:`STACK_MARGIN_BYTES` under
-        ``vram_limit``, give a stack buffer back (the second first: no more copies ahead), noted
-        once. A long prompt's attention grows with its context, one power of two of its blocks at
-        a time, after the buffers were allocated."""
-        while self._bufs and not self.be.room_for(STACK_MARGIN_BYTES, self.vram_limit):
+        """At a prompt ubatch's first cached layer: give a stack buffer back (the second first: no
+        more copies ahead), noted once, while the GPU's memory in use (``memory_in_use``: CuPy's
+        cached blocks included, what ``--vram-budget`` and nvidia-smi count) plus the growth
+        expected before the next check passes ``vram_limit``. CuPy's pool keeps the blocks of the
+        ubatches before, so the memory in use at a check covers their peak; what a long prompt adds
+        is new blocks as its context grows (attention's, one power of two at a time): the largest
+        growth seen from one check to the next, at least :data:`ROOM_FLOOR_BYTES`. A check after
+        the buffers were allocated or given back only records (its difference is not growth)."""
+        if self.vram_limit is None or not self._bufs:
+            return
+        used = self.be.memory_in_use()
+        if self._room_seen is not None:
+            self._growth = max(self._growth, used - self._room_seen)
+        self._room_seen = used
+        while self._bufs and used + max(self._growth, ROOM_FLOOR_BYTES) > self.vram_limit:
             self._drop_flight()
             self._bufs.pop()
             self._turn = 0
+            self.be.release_cached()
+            used, self._room_seen = self.be.memory_in_use(), None
             self.log(f"note: prompt stacks: the prompt's memory grew near --vram-budget: {len(self._bufs)} "
                      f"buffer(s) left" + (" (no copy ahead)" if self._bufs else " (its experts come in groups)"))
 
@@ -669,70 +670,19 @@ class CachedExperts:
         """[started, used, dropped] copies of a next layer's experts into a stack buffer."""
         return [self._ahead.started, self._ahead.used, self._ahead.dropped]
 
-    def _prompt_in_place(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
-        """A prompt ubatch whose resident experts are computed straight from the slot pool in one
-        backend call on their pairs only (no gather into a group, no concatenation: the pool is a
-        stack of experts like any other, indexed by slot; no pair rides along at weight 0 as in
-        decode, which would compute it twice and, in float16 GEMMs, risk 0 x inf); the non-resident
-        experts then come from the host in groups (:meth:`_prompt_groups`) and their sum is added.
-        While slots are empty, the
-        uploaded experts this ubatch uses most stay in them (:meth:`_prompt_keep`), so the next
-        ubatch of a long prompt, or the next prompt, reads them in place."""
-        self._kept = []  # copies of a call an exception cut short: never published, their slots still empty
-        slots = self.slot_of[il][r.ids]
-        hit = slots >= 0
-        miss = np.unique(r.ids[~hit])
-        keep = self._prompt_keep(il, r, miss)
-        be, pool = self.be, self.pool
-        out = None
-        if hit.all():  # every pair resident: the routing as it is, on slot ids
-            out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, Routing(slots.astype(np.int32), r.weights),
-                             h, e.act)
-        elif hit.any():  # the resident pairs only (no pair computed twice), each pair a row
-            rows, sub = _pair_rows(r, np.flatnonzero(hit.reshape(-1)), slots)
-            y = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, sub, h[be.asarray(rows)], e.act)
-            out = be.zeros((h.shape[0], h.shape[1]), np.float32)
-            _add_rows(be, out, rows, y)
-        if hit.any():
-            self.prompt_slot_reads += int(np.unique(slots[hit]).size)
-        if miss.size:
-            rest = self._prompt_groups(il, e, h, r, miss, whole=False, keep=keep)
-            out = rest if out is None else out + rest
-        return out
-
-    def _prompt_keep(self, il: int, r: Routing, miss: np.ndarray) -> dict[int, int]:
-        """Empty slots for the non-resident experts (``miss``, ascending) layer ``il``'s prompt
-        ubatch uses most: expert -> slot. Each cached layer fills at most its share of the slots
-        (slots // cached layers), so the first layers of a prompt do not take every slot; none is
-        evicted (decode's hot set survives a prompt). Experts with a copy in flight are skipped."""
-        pool, pol = self.pool, self.policy
-        if pool is None or not miss.size or pol.n_resident >= pol.n_slots:
-            return {}
-        quota = pol.n_slots // max(1, len(self.cached_layers)) - int(pol.resident[il].sum())
-        if quota <= 0:
-            return {}
-        counts = np.bincount(r.ids.reshape(-1), minlength=self.slot_of.shape[1])[miss]
-        ok = ~pol.resident[il, miss]
-        cand = miss[ok][np.argsort(-counts[ok], kind="stable")]
-        free = [slot for slot, own in enumerate(pool.owner) if own is None]
-        n = min(quota, cand.size, len(free), pol.n_slots - pol.n_resident)
-        return {int(x): slot for x, slot in zip(cand[:n], free[:n])}
-
-    def _prompt_groups(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray, whole: bool,
-                       keep: dict[int, int] | None = None) -> Any:
-        """The pairs of ``r`` whose expert is in ``used`` (ascending), ``prompt_group_bytes`` of experts
-        at a time; ``whole``: ``used`` is every expert of ``r`` (one group may then take ``r`` as it is);
-        ``keep``: uploaded experts to leave in empty slots (:meth:`_prompt_keep`)."""
+    def _prompt_groups(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray) -> Any:
+        """The pairs of ``r`` (``used``: its experts, ascending), ``prompt_group_bytes`` of experts at
+        a time (one group takes ``r`` as it is)."""
         per = self._expert_bytes(e)
         group = max(1, self.prompt_group_bytes // per)
-        if whole and used.size <= group:
-            return self._prompt_group(il, e, h, r, used, keep)
+        if used.size <= group:
+            return self._prompt_group(il, e, h, r, used)
         be = self.be
         out = be.zeros((h.shape[0], h.shape[1]), np.float32)
         flat = r.ids.reshape(-1)
         for g0 in range(0, used.size, group):
             rows, sub = _pair_rows(r, np.flatnonzero(np.isin(flat, used[g0:g0 + group])))  # this group's pairs
-            y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group], keep)
+            y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group])
             _add_rows(be, out, rows, y)
         return out
 
@@ -740,11 +690,8 @@ class CachedExperts:
     def _expert_bytes(e: ExpertWeights) -> int:
         return sum(int(np.prod(w.shape[1:])) * w.itemsize for w in (e.gate, e.up, e.down))
 
-    def _prompt_group(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray,
-                      keep: dict[int, int] | None = None) -> Any:
-        """The pairs of ``r`` (whose experts are all in ``used``, ascending) on the backend; the
-        uploaded experts named in ``keep`` are copied on the device into their empty slots and
-        published (queued before any later reader of the slots on this stream)."""
+    def _prompt_group(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray) -> Any:
+        """The pairs of ``r`` (whose experts are all in ``used``, ascending) on the backend."""
         be = self.be
         slots = self.slot_of[il][used]
         res = slots >= 0
@@ -752,7 +699,6 @@ class CachedExperts:
         local = np.zeros(self.slot_of.shape[1], np.int32)
         local[order] = np.arange(order.size, dtype=np.int32)
         up = used[~res]
-        kept = [j for j, x in enumerate(up.tolist()) if keep and x in keep]
         parts = []
         pool = self.pool
         for w, pool_arr in zip((e.gate, e.up, e.down), (pool.gate, pool.up, pool.down)):
@@ -763,27 +709,9 @@ class CachedExperts:
             if up.size:
                 pieces.append(be.upload_experts(w, up))
                 self.offload.offloaded_bytes += int(pieces[-1].nbytes)
-                if kept:
-                    dst = np.array([keep[int(up[j])] for j in kept], np.int64)
-                    pool_arr[be.asarray(dst)] = pieces[-1][be.asarray(np.array(kept, np.int64))]
             parts.append(pieces[0] if len(pieces) == 1 else be.xp.concatenate(pieces))
         self.prompt_slot_reads += int(res.sum())
-        self._kept += [(il, int(up[j]), keep[int(up[j])]) for j in kept]
         return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
-
-    def _publish_kept(self) -> None:
-        """The experts this prompt ubatch's layer left in empty slots (their device copies queued):
-        resident for the policy from now (no upload credit spent; called after the policy observed
-        the ubatch, so ``min_residency`` counts from its end), owners of their slots, and in the map."""
-        kept, self._kept = self._kept, []
-        for il in sorted({k[0] for k in kept}):
-            self.policy.admit_free(il, np.array([x for j, x, _ in kept if j == il], np.int64))
-        for il, x, slot in kept:
-            self.pool.owner[slot] = (il, x)
-            self.slot_of[il, x] = slot
-        if kept:
-            self._map_dirty = True
-            self.prompt_kept += len(kept)
 
     def close(self) -> None:
         self._drop_flight()

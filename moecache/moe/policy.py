@@ -200,21 +200,6 @@ class CachePolicy:
         self.n_resident = 0
         self._vc = False
 
-    def admit_free(self, layer: int, experts: np.ndarray) -> None:
-        """Experts of ``layer`` a prompt left in empty slots (copied on the device from its upload, no
-        upload credit spent): resident from now, protected by ``min_residency`` like an admission.
-
-        Raises:
-            ValueError: more experts than empty slots, or one already resident."""
-        experts = np.asarray(experts, np.int64)
-        if self.n_resident + experts.size > self.n_slots or self.resident[layer, experts].any():
-            raise ValueError(f"admit_free: {experts.size} experts for {self.n_slots - self.n_resident} empty slots, "
-                             f"or one already resident")
-        self.resident[layer, experts] = True
-        self.admitted_at[layer, experts] = self.clock[layer]
-        self.n_resident += int(experts.size)
-        self._vc = False
-
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
         usage), most used first; the usage becomes the starting statistics. The loaded experts are
