@@ -494,11 +494,11 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
 
 
 def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypatch):
-    """_keep_room: the twin's memory in use is the live stack buffers plus a stand-in for the
-    prompt's other blocks. A ubatch whose memory in use plus the largest growth seen between
-    checks (at least ROOM_FLOOR_BYTES) passes --vram-budget gives the second buffer back (no more
-    copies ahead, noted), a later one the first (the groups); the check after a give-back only
-    records; every ubatch still gives the all-CPU output."""
+    """_keep_room: the twin's memory in use is the live stack buffers plus the blocks the pool holds
+    from the ubatch before (its transients). Each check returns those to the driver and measures
+    them; while the buffers, those transients and their largest growth from one ubatch to the next
+    (at least ROOM_FLOOR_BYTES) pass --vram-budget, a buffer goes back: the second first (no more
+    copies ahead, noted), later the first (the groups); every ubatch still gives the all-CPU output."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(10)
@@ -512,21 +512,25 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=3 * s, log=notes.append)
         cache.prompt_stacks = True
-        other = [0]
+        cached = [0]  # the pool's blocks from the ubatch before
+        releases = []
         monkeypatch.setattr(cache.be, "memory_in_use",
-                            lambda: sum(int(a.nbytes) for buf in (cache._bufs or []) for a in buf) + other[0])
+                            lambda: sum(int(a.nbytes) for buf in (cache._bufs or []) for a in buf) + cached[0])
+        monkeypatch.setattr(cache.be, "release_cached", lambda: (releases.append(cached[0]), cached.__setitem__(0, 0)))
         groups = []
         _spy(monkeypatch, cache, "_prompt_group", groups)
         ref_ex = CPUExperts(ew, NumpyBackend())
-        # (other blocks, buffers after the ubatch, copies ahead); in use at the check, growth allowed:
-        steps = [(0, 2, True),  # buffers allocated (room_for: 0 + s + margin, then s + s + margin <= 3s)
-                 (0, 2, True),  # 2s + floor s/4 <= 3s; records only
-                 (s // 4, 2, True),  # 2.25s + growth s/4 <= 3s
-                 (3 * s // 4, 1, False),  # 2.75s + growth s/2 > 3s: one back (1.75s + s/2 <= 3s)
-                 (3 * s // 4, 1, False),  # after a give-back: records only
-                 (2 * s, 0, False)]  # 3s + growth 1.25s > 3s: the other back; groups
-        for step, (grow, n_bufs, ahead) in enumerate(steps):
-            other[0] = grow
+        q = s // 4
+        # (transients of the ubatch before, buffers after the check, copies ahead); buffers + transients
+        # + max(growth, floor q) against 3s:
+        steps = [(0, 2, True),  # no buffers yet: no check; both allocated (room_for: s + s, 2s + s <= 3s)
+                 (q, 2, True),  # 2s + q + floor q
+                 (3 * q, 1, False),  # 2s + 3q + growth 2q > 3s (the floor alone would fit): one back
+                 (3 * q, 1, False),  # s + 3q + 2q
+                 (8 * q, 0, False)]  # s + 8q + growth 5q > 3s: the other back; groups
+        for step, (trans, n_bufs, ahead) in enumerate(steps):
+            cached[0] = trans
+            n_rel = len(releases)
             cache.begin_pass(40)
             started = cache.stack_prefetch[0]
             groups.clear()
@@ -537,6 +541,8 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
             assert len(cache._bufs) == n_bufs, step
             assert (cache.stack_prefetch[0] > started) == ahead, step
             assert bool(groups) == (n_bufs == 0), step
+            if step:  # the check gave the pool's blocks back (and once more per buffer given back)
+                assert releases[n_rel] == trans and len(releases) - n_rel == 1 + (n_bufs < steps[step - 1][1]), step
         assert len(notes) == 2 and "1 buffer(s) left (no copy ahead)" in notes[0] and "groups" in notes[1]
         cache.close()
 

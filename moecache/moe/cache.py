@@ -58,7 +58,7 @@ from typing import Any, Callable
 import numpy as np
 
 from moecache.backends.contract import CacheBackend
-from moecache.backends.ops import DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
+from moecache.backends.ops import ATTENTION_SCORE_BYTES, DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT, LayerPrefetch
@@ -79,10 +79,12 @@ STACK_FILL_EXPERTS = 32
 # blocks; 480 MiB is the whole prompt's pool growth with the groups at 8 GiB (482 MiB, pp512, H200,
 # bench/results/prompt-q8-h200.md), measured to hold or not by the next vs run
 STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
-# the least growth of a prompt's memory in use that CachedExperts._keep_room allows for between two
-# ubatches (a repeated prompt's pool has every block: none seen); not a bound, measured to hold or
-# not by the vs runs' VRAM peaks
-ROOM_FLOOR_BYTES = 128 << 20
+# the least growth of a prompt ubatch's transient memory over the ubatch before that
+# CachedExperts._keep_room allows for: the prompt attention's blocks are powers of two
+# (ops._scratch), its scores at most ATTENTION_SCORE_BYTES, so one ubatch more of context doubles a
+# scores block at most to that (+half of it), and its K and V copies (n_kv * context * head_dim
+# floats each: 32 MiB at Qwen3-30B-A3B's 12620 positions) by at most their own size
+ROOM_FLOOR_BYTES = ATTENTION_SCORE_BYTES // 2 + (64 << 20)
 
 
 @dataclass
@@ -195,8 +197,8 @@ class CachedExperts:
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
-        self._room_seen: int | None = None  # memory in use at the last _keep_room check (None: record only)
-        self._growth = 0  # the largest growth of the memory in use from one check to the next
+        self._trans_seen: int | None = None  # the last prompt ubatch's transient bytes (_keep_room)
+        self._growth = 0  # the largest growth of those from one prompt ubatch to the next
         self.log = log if log is not None else (lambda msg: None)
         self.offload = CPUExperts(layers, backend, offload_min_batch)
         self.offload_min_batch = offload_min_batch
@@ -606,26 +608,30 @@ class CachedExperts:
         return len(self._bufs)
 
     def _keep_room(self) -> None:
-        """At a prompt ubatch's first cached layer: give a stack buffer back (the second first: no
-        more copies ahead), noted once, while the GPU's memory in use (``memory_in_use``: CuPy's
-        cached blocks included, what ``--vram-budget`` and nvidia-smi count) plus the growth
-        expected before the next check passes ``vram_limit``. CuPy's pool keeps the blocks of the
-        ubatches before, so the memory in use at a check covers their peak; what a long prompt adds
-        is new blocks as its context grows (attention's, one power of two at a time): the largest
-        growth seen from one check to the next, at least :data:`ROOM_FLOOR_BYTES`. A check after
-        the buffers were allocated or given back only records (its difference is not growth)."""
+        """At a prompt ubatch's first cached layer, with ``vram_limit`` and stack buffers: CuPy's
+        cached blocks go back to the driver (``release_cached``), so each ubatch's transient arrays
+        are allocated anew and no trail of smaller blocks outgrown by a longer context stays in the
+        pool (the 12620-token prompt of run h200-s12c went 27 MiB over its budget with them); the
+        memory in use before that (``memory_in_use``: what ``--vram-budget`` and nvidia-smi count)
+        less the memory in use after it is the ubatch before's transients. While the memory in use
+        now, those transients and their growth to come (the largest growth seen from one ubatch to
+        the next, at least :data:`ROOM_FLOOR_BYTES`) pass ``vram_limit``, a stack buffer goes back
+        (the second first: no more copies ahead; then the groups), noted once each."""
         if self.vram_limit is None or not self._bufs:
             return
-        used = self.be.memory_in_use()
-        if self._room_seen is not None:
-            self._growth = max(self._growth, used - self._room_seen)
-        self._room_seen = used
-        while self._bufs and used + max(self._growth, ROOM_FLOOR_BYTES) > self.vram_limit:
+        before = self.be.memory_in_use()
+        self.be.release_cached()
+        live = self.be.memory_in_use()
+        trans = max(0, before - live)
+        if self._trans_seen is not None:
+            self._growth = max(self._growth, trans - self._trans_seen)
+        self._trans_seen = trans
+        while self._bufs and live + trans + max(self._growth, ROOM_FLOOR_BYTES) > self.vram_limit:
             self._drop_flight()
             self._bufs.pop()
             self._turn = 0
             self.be.release_cached()
-            used, self._room_seen = self.be.memory_in_use(), None
+            live = self.be.memory_in_use()
             self.log(f"note: prompt stacks: the prompt's memory grew near --vram-budget: {len(self._bufs)} "
                      f"buffer(s) left" + (" (no copy ahead)" if self._bufs else " (its experts come in groups)"))
 
