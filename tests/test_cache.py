@@ -507,7 +507,6 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
         ew = expert_weights(m, "silu")
         s = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))  # one buffer
         monkeypatch.setattr(cache_mod, "STACK_MARGIN_BYTES", s)
-        monkeypatch.setattr(cache_mod, "ROOM_FLOOR_BYTES", s // 4)
         notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=3 * s, log=notes.append)
@@ -520,16 +519,19 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
         groups = []
         _spy(monkeypatch, cache, "_prompt_group", groups)
         ref_ex = CPUExperts(ew, NumpyBackend())
-        q = s // 4
-        # (transients of the ubatch before, buffers after the check, copies ahead); buffers + transients
-        # + max(growth, floor q) against 3s:
+        u = s // 16  # the floor is 4u; the limit 3s = 2s + 16u (+ s's remainder, under 16 bytes)
+        monkeypatch.setattr(cache_mod, "ROOM_FLOOR_BYTES", 4 * u)
+        # (transients of the ubatch before, buffers after the check, copies ahead); live buffers +
+        # transients + max(largest growth, floor 4u) against 3s:
         steps = [(0, 2, True),  # no buffers yet: no check; both allocated (room_for: s + s, 2s + s <= 3s)
-                 (q, 2, True),  # 2s + q + floor q
-                 (3 * q, 1, False),  # 2s + 3q + growth 2q > 3s (the floor alone would fit): one back
-                 (3 * q, 1, False),  # s + 3q + 2q
-                 (8 * q, 0, False)]  # s + 8q + growth 5q > 3s: the other back; groups
+                 (14 * u, 1, False),  # 2s + 14u + floor 4u > 3s: one back (a growth-only rule would keep it)
+                 (14 * u, 1, False),  # s + 14u + 4u
+                 (22 * u, 1, False),  # s + 22u + growth 8u <= s + 32u
+                 (25 * u, 0, False)]  # s + 25u + largest growth 8u > 3s (the latest, 3u, would keep it)
         for step, (trans, n_bufs, ahead) in enumerate(steps):
             cached[0] = trans
+            if step == 1:
+                cache._turn = 1  # the first layer would take the second buffer: the one given back
             n_rel = len(releases)
             cache.begin_pass(40)
             started = cache.stack_prefetch[0]

@@ -110,7 +110,8 @@ class NumpyBackend(ArrayOps):
         return limit is None or self.in_use + nbytes <= limit
 
     def memory_in_use(self) -> int:
-        """The twin of :meth:`CupyBackend.memory_in_use`: ``in_use``."""
+        """The twin of :meth:`CupyBackend.memory_in_use`: ``in_use``, as a test sets it (the arrays
+        this backend allocates are not counted: a test models them)."""
         return self.in_use
 
     def release_cached(self) -> None:

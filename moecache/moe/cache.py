@@ -33,7 +33,7 @@ its slot's copy waits for the pass that could still read it.
 
 Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend,
 in groups of ``prompt_group_bytes`` (copy, then compute, on one stream), or, with ``prompt_stacks``
-(opt-in until its VRAM peak is measured within ``--vram-budget``), each layer in one call from a
+(opt-in: a 12620-token prompt went over ``--vram-budget`` in the H200 runs so far), each layer in one call from a
 stack of its experts on the device:
 resident ones copied from their slots on the device, the others from the host (op offload), and
 the next cached layer's non-resident experts copied on the copy stream while this layer computes
@@ -72,18 +72,20 @@ PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own p
 # prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
 # device gather from the slots and a mapped file's staged upload hold one such piece as a temporary)
 STACK_FILL_EXPERTS = 32
-# room the stack buffers leave under --vram-budget, when they are allocated and at each prompt ubatch
-# (CachedExperts._keep_room): the prompt MoE's scratch of dequantized weights and two of its activation
+# room the stack buffers leave under --vram-budget when they are allocated (CachedExperts._stack_buffers;
+# later ubatches: _keep_room): the prompt MoE's scratch of dequantized weights and two of its activation
 # blocks (MOE_SCRATCH_BYTES, MOE_ACT_BYTES of moecache/backends/ops.py), and a fill's temporary
 # (STACK_FILL_EXPERTS experts of Qwen3-30B-A3B: 81 MiB). Not a bound: a chunk may hold six activation
 # blocks; 480 MiB is the whole prompt's pool growth with the groups at 8 GiB (482 MiB, pp512, H200,
-# bench/results/prompt-q8-h200.md), measured to hold or not by the next vs run
+# bench/results/prompt-q8-h200.md); the 8g-pp512 runs since peaked within the budget with it
 STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 # the least growth of a prompt ubatch's transient memory over the ubatch before that
 # CachedExperts._keep_room allows for: the prompt attention's blocks are powers of two
 # (ops._scratch), its scores at most ATTENTION_SCORE_BYTES, so one ubatch more of context doubles a
 # scores block at most to that (+half of it), and its K and V copies (n_kv * context * head_dim
-# floats each: 32 MiB at Qwen3-30B-A3B's 12620 positions) by at most their own size
+# floats each: 32 MiB at Qwen3-30B-A3B's 12620 positions) by at most their own size: 64 MiB holds
+# while each copy is at most 32 MiB (Qwen3-30B-A3B to 16k positions; fewer for more KV heads),
+# beyond that only the largest growth seen covers it
 ROOM_FLOOR_BYTES = ATTENTION_SCORE_BYTES // 2 + (64 << 20)
 
 
@@ -117,13 +119,12 @@ class _Pool:
     owner: list = field(default_factory=list)  # slot -> (layer, expert) or None
 
 
-def _pair_rows(r: Routing, sel: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, Routing]:
+def _pair_rows(r: Routing, sel: np.ndarray) -> tuple[np.ndarray, Routing]:
     """The (token, expert) pairs ``sel`` (indices into the flattened (T, k) routing ``r``, host
     arrays) as a one-expert-per-row routing: (int64 (P,) token of each pair, Routing (P, 1) of their
-    experts, or of ``ids`` (T, k) in their place, and weights)."""
+    experts and weights)."""
     rows = (sel // r.ids.shape[1]).astype(np.int64)
-    ids = r.ids if ids is None else ids
-    return rows, Routing(ids.reshape(-1)[sel].reshape(-1, 1).astype(np.int32),
+    return rows, Routing(r.ids.reshape(-1)[sel].reshape(-1, 1).astype(np.int32),
                          np.asarray(r.weights, np.float32).reshape(-1)[sel].reshape(-1, 1))
 
 
@@ -610,13 +611,16 @@ class CachedExperts:
     def _keep_room(self) -> None:
         """At a prompt ubatch's first cached layer, with ``vram_limit`` and stack buffers: CuPy's
         cached blocks go back to the driver (``release_cached``), so each ubatch's transient arrays
-        are allocated anew and no trail of smaller blocks outgrown by a longer context stays in the
-        pool (the 12620-token prompt of run h200-s12c went 27 MiB over its budget with them); the
-        memory in use before that (``memory_in_use``: what ``--vram-budget`` and nvidia-smi count)
-        less the memory in use after it is the ubatch before's transients. While the memory in use
-        now, those transients and their growth to come (the largest growth seen from one ubatch to
-        the next, at least :data:`ROOM_FLOOR_BYTES`) pass ``vram_limit``, a stack buffer goes back
-        (the second first: no more copies ahead; then the groups), noted once each."""
+        are allocated anew and no trail of smaller blocks that a longer context outgrew stays in the
+        pool (read after run h200-s12c, whose 12620-token prompt went 27 MiB over its budget: the
+        prompt attention's blocks are powers of two, and the pool kept each outgrown one). The
+        memory in use (``memory_in_use``: what ``--vram-budget`` and nvidia-smi count) before that
+        less after it is the ubatch before's transients. While the memory in use now, those
+        transients and their growth to come (the largest growth from one ubatch to the next seen so
+        far, at least :data:`ROOM_FLOOR_BYTES`) pass ``vram_limit``, a stack buffer goes back (the
+        second first: no more copies ahead; then the groups), noted once each; a buffer given back
+        stays so for the engine's life. The release waits for the GPU's queued work and the
+        ubatch's arrays come from the driver again: a cost per ubatch not yet measured."""
         if self.vram_limit is None or not self._bufs:
             return
         before = self.be.memory_in_use()
