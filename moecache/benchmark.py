@@ -20,6 +20,7 @@ import csv
 import io
 import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -42,19 +43,27 @@ OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_wi
               "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts")
 
 
+MAX_LIST_VALUES = 1000  # values one bench flag may list (a range is expanded)
+MAX_COMBINATIONS = 10000  # tests x parameter combinations of one bench command
+
+
 def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
     """``"1,2,4"``, ``"8-32+8"`` (8, 16, 24, 32), ``"1-16*2"`` (1, 2, 4, 8, 16) -> values.
 
     Raises:
-        ValueError: naming ``flag`` and the bad item.
+        ValueError: naming ``flag`` and the bad item: not a number or range, an empty item between
+            commas, or more than :data:`MAX_LIST_VALUES` values.
     """
     if text is None:
         return []
     out: list = []
-    for item in str(text).split(","):
+    items = str(text).split(",")
+    for item in items:
         item = item.strip()
         if not item:
-            continue
+            if len(items) == 1:
+                continue  # "" lists nothing
+            raise ValueError(f"{flag} {text!r}: an empty item between commas")
         try:
             if kind is int and "-" in item[1:]:
                 first, rest = item[0] + item[1:].split("-", 1)[0], item[1:].split("-", 1)[1]
@@ -65,15 +74,21 @@ def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
                     raise ValueError
                 v = a
                 while v <= b:
+                    if len(out) >= MAX_LIST_VALUES:
+                        raise OverflowError
                     out.append(v)
                     v = v * s if op == "*" else v + s
                     if op == "*" and v == 0:
                         break
             else:
                 out.append(kind(item))
+        except OverflowError:
+            raise ValueError(f"{flag} {text!r}: more than {MAX_LIST_VALUES} values") from None
         except ValueError:
             raise ValueError(f"{flag} {item!r}: expected a number, a comma list or a range like 8-32+8 or 1-16*2") \
                 from None
+    if len(out) > MAX_LIST_VALUES:
+        raise ValueError(f"{flag} {text!r}: more than {MAX_LIST_VALUES} values")
     return out
 
 
@@ -433,7 +448,13 @@ def render(results: list[Result], fmt: str, shown: list[str]) -> str:
 
 
 def expand(base: BenchParams, **lists: list) -> list[BenchParams]:
-    """Every combination of the listed values over ``base`` (a field -> values mapping)."""
+    """Every combination of the listed values over ``base`` (a field -> values mapping).
+
+    Raises:
+        ValueError: more than :data:`MAX_COMBINATIONS` of them."""
     names = [k for k, v in lists.items() if v]
+    n = math.prod(len(lists[k]) for k in names)
+    if n > MAX_COMBINATIONS:
+        raise ValueError(f"{n} combinations of the listed flags' values: at most {MAX_COMBINATIONS}")
     combos = itertools.product(*(lists[k] for k in names))
     return [replace(base, **dict(zip(names, c))) for c in combos]

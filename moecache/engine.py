@@ -236,6 +236,9 @@ class Engine:
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph, batch_graph)
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
+            if config.n_batch < min(config.n_ubatch, self.n_ctx):
+                self.log(f"note: -ub {config.n_ubatch} is more than -b {config.n_batch}: {self.n_ubatch} "
+                         f"token{'s' if self.n_ubatch != 1 else ''} per forward pass, as llama.cpp does")
             self._check_kv_memory()
             self.kv = self.model.new_kv_cache(self.n_ctx, KV_TYPES[config.cache_type])
             self.warmup()

@@ -64,6 +64,10 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
     on_gpu = pl is not None and bool(pl.devices)
     dense = not eng.gguf.config.is_moe
     out = []
+    gpu_flags = [f for f, given in (("-mg", bool(placement.main_gpu)), ("-ts", bool(placement.tensor_split)),
+                                    ("-sm", placement.split_mode != "layer")) if given]
+    if gpu_flags and not on_gpu:
+        out.append(f"note: {', '.join(gpu_flags)} ignored: this run is on the CPU only (they place layers on GPUs)")
     if dense or not on_gpu:
         flags = [f for f in cache_flags + moe_flags if not (on_gpu and f == "--vram-budget")]  # it bounds a GPU run
         why = ([f"{eng.gguf.path.name} is a dense model (no routed experts)"] if dense else []) + (

@@ -422,6 +422,8 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         ctx, reasons["n_ctx"] = big_ctx, big_ctx_why
     else:
         ctx, reasons["n_ctx"] = 0, "the model's trained context"
+    if settings.n_ubatch is not None and ub > (ctx or model.context_length or ub):
+        ub, reasons["n_ubatch"] = ctx or model.context_length, f"-ub {ub} given, more than the context: lowered to it"
     # -t
     if settings.n_threads not in (None, 0):  # 0 = "physical cores"
         threads, reasons["n_threads"] = settings.n_threads, "-t given"

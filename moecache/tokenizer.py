@@ -444,8 +444,14 @@ class Tokenizer:
                 always matched, as in llama.cpp.
 
         Returns a list of ids in ``[0, n_vocab)``. Raises ValueError if BOS is wanted and the
-        model has none.
+        model has none, or if ``text`` is not Unicode text (a lone UTF-16 surrogate, as undecodable
+        bytes read with ``surrogateescape`` or a ``"\\udc80"`` JSON escape give).
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate {e.object[e.start:e.end]!a} at "
+                             f"character {e.start}") from None
         ids: list[int] = []
         want_bos = self.add_bos if add_bos is None else add_bos
         if want_bos:

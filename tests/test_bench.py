@@ -37,6 +37,23 @@ def test_lists_and_ranges():
         parse_list("x", "-p")
     with pytest.raises(ValueError, match="range"):
         parse_list("32-8+8", "-t")
+    assert len(parse_list("1-1000+1", "-p")) == 1000 and parse_list("", "-p") == []
+    with pytest.raises(ValueError, match="more than 1000 values"):  # refused before it is built
+        parse_list("1-100000000000+1", "-p")
+    with pytest.raises(ValueError, match="more than 1000 values"):
+        parse_list(",".join(["8"] * 1001), "-p")
+    with pytest.raises(ValueError, match="empty item"):
+        parse_list("8,,8", "-p")
+
+
+def test_too_many_combinations_are_refused_before_any_run():
+    """-t, -ub and -b of 30 values each would be 27000 engines: one error, at once."""
+    from moecache.benchmark import BenchParams, expand
+
+    base = BenchParams(Path("m.gguf"), 2048, 512, 0, 99, 0, None, 0, None, None, "auto")
+    assert len(expand(base, n_threads=[1, 2], n_ubatch=[64, 128, 256])) == 6
+    with pytest.raises(ValueError, match="27000 combinations"):
+        expand(base, n_threads=list(range(30)), n_ubatch=list(range(30)), n_batch=list(range(30)))
 
 
 def test_test_names_follow_llama_bench():

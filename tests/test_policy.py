@@ -74,6 +74,30 @@ def test_policy_beats_lru_on_the_real_trace(slots):
     assert ours.us_per_token < 0.8 * lru.us_per_token and ours.hit_rate >= lru.hit_rate
 
 
+def test_malformed_traces_get_one_clear_error(tmp_path):
+    """--routing FILE: a trace that cannot drive this model is refused when it is loaded, naming
+    what is wrong, not in the middle of a run (negative ids reached a kernel; 0 tokens gave numpy's
+    reduction error; a top-k other than the model's was taken)."""
+    good = np.zeros((2, 5, 4), np.int32)
+    cases = {"negative": (dict(routes=good - 1), "expert ids >= 0"),
+             "float": (dict(routes=good.astype(np.float32)), "integers"),
+             "empty": (dict(routes=np.zeros((2, 0, 4), np.int32)), "no tokens"),
+             "nan weights": (dict(routes=good, weights=np.full(good.shape, np.nan, np.float32)), "finite"),
+             "weights shape": (dict(routes=good, weights=np.ones((2, 5, 3), np.float32)), "shape"),
+             "top-k": (dict(routes=np.zeros((2, 5, 3), np.int32)), "3 experts per token")}
+    for name, (arrays, words) in cases.items():
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **arrays)
+        with pytest.raises(ValueError, match=words):
+            make_routing(str(path), 2, 16, 4)
+    pickled = tmp_path / "pickle.npy"
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="not a routing trace.*pickle"):
+        make_routing(str(pickled), 2, 16, 4)
+    np.savez(tmp_path / "ok.npz", routes=good + 15)
+    assert make_routing(str(tmp_path / "ok.npz"), 2, 16, 4).route(1, 3).ids.shape == (3, 4)
+
+
 def test_admission_must_pay_back():
     ids = np.array([[3, 5]])
     cheap = CachePolicy(1, 8, 4, PolicyConfig(window=64, t_cpu=66e-6, t_gpu=4e-6, t_upload=48e-6))

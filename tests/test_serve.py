@@ -257,6 +257,14 @@ def test_concurrent_clients_all_complete(server):
     ("/v1/completions", b'{"prompt": "hi"}', "wrong", 401, "API Key"),
     ("/v1/nothing", b"{}", KEY, 404, "no such endpoint"),
     ("/tokenize", b'{"content": 3}', KEY, 400, "content"),
+    ("/tokenize", b'{"content": "\\ud800"}', KEY, 400, "surrogate"),
+    ("/v1/completions", b'{"prompt": "\\udc80abc"}', KEY, 400, "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfff"}]}', KEY, 400, "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 100}}', KEY,
+     400, "logit_bias"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"response_format": {"type": "json_object"}}', KEY, 400, "response_format"),
+    ("/v1/completions", b'{"prompt": "hi", "echo": true}', KEY, 400, "echo"),
     ("/detokenize", b'{"tokens": [-1]}', KEY, 400, "tokens"),
 ])
 def test_bad_requests_get_one_clear_error(server, path, body, key, status, words):
@@ -286,7 +294,7 @@ def tiny_server(tmp_path_factory):
 
     model = tmp_path_factory.mktemp("serve") / "tiny.gguf"
     write_model(model, PRESETS["tiny"], seed=3)
-    s = Server(model, "-c", "4096", "-np", "1")
+    s = Server(model, "-c", "4096", "-np", "1", "--timeout", "3")
     try:
         yield s
     finally:
@@ -323,6 +331,47 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(tiny_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert time.monotonic() - t0 < 20
     assert _metric(s, 'moecache:requests_total{outcome="cancelled"}') == before + 1
+
+
+def test_fields_that_change_nothing_are_accepted(server):
+    """An empty logit_bias, a text response_format and echo false are what the server does anyway."""
+    r = _http(server, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logit_bias": {},
+        "response_format": {"type": "text"}, "echo": False, "tools": []})
+    assert r.status_code == 200, r.text
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_the_engine(tiny_server):
+    """A non-streamed answer sends nothing until it ends: the route checks the client every
+    POLL_S while tokens come, so a client that closed its connection is cancelled, not decoded to
+    max_tokens (it used to be counted "ok" after all 4000 tokens)."""
+    import socket
+
+    s = tiny_server
+    before = _metric(s, 'moecache:requests_total{outcome="cancelled"}')
+    body = json.dumps({**LONG, "stream": False}).encode()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    while _metric(s, 'moecache:requests_total{outcome="cancelled"}') < before + 1:
+        assert time.monotonic() - t0 < 20, "the request was not cancelled"
+        time.sleep(0.1)
+    r = _http(s, "POST", "/v1/completions", key=None, json={"prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_body_that_never_arrives_is_408(tiny_server):
+    """A client that announces a body and sends part of it holds no handler for ever (--timeout 3)."""
+    import socket
+
+    s = tiny_server
+    with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        reply = c.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply
 
 
 def test_a_full_queue_is_503_and_sigterm_stops_cleanly(tiny_server):

@@ -81,7 +81,7 @@ class BenchOptions:
 def bench_command(o: BenchOptions) -> None:
     """Expand the lists into combinations, load an engine per combination (the library's
     settings road, as ``run``), run the tests and print the table. Raises UserError / ValueError."""
-    from moecache.benchmark import BenchParams, bench, expand, make_tests, render
+    from moecache.benchmark import MAX_COMBINATIONS, BenchParams, bench, expand, make_tests, render
     from moecache.settings import Settings, kv_cache_type
     from moecache.sizes import parse_size
 
@@ -115,7 +115,12 @@ def bench_command(o: BenchOptions) -> None:
              "moe_cache_window": checked_list(o.window, "--moe-cache-window") or [None],
              "routing": [v for v in (o.routing or "").split(",") if v] or [None]}
     base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, o.load_mode or "auto")
-    combos = expand(base, **lists)
+    try:
+        combos = expand(base, **lists)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if len(combos) * len(tests) > MAX_COMBINATIONS:
+        raise UserError(f"{len(combos)} parameter combinations x {len(tests)} tests: at most {MAX_COMBINATIONS} runs")
     # the parameters given (varied, or not at their default): the md table's columns
     defaults = {"n_batch": [2048], "n_ubatch": [512], "n_threads": [0], "n_gpu_layers": [99], "n_cpu_moe": [0],
                 "moe_cache": [None], "vram_budget": [0], "moe_cache_window": [None], "routing": [None]}

@@ -328,6 +328,8 @@ def serve(
     seed: SeedOpt = -1,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Built-in template name or a "
                                                          "Jinja template (overrides the GGUF's).")] = None,
+    timeout: Annotated[int, typer.Option("-to", "--timeout", min=1, max=86400, help="Seconds a request's body may "
+                                         "take to arrive, else 408 (llama-server's read timeout).")] = 600,
     version: VersionOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""
@@ -345,7 +347,8 @@ def serve(
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
                              no_moe_profile=no_moe_profile)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
-                                   alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose),
+                                   alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose,
+                                   timeout=timeout),
                       settings, sp)
     _user_errors(body)
 

@@ -213,6 +213,12 @@ def _chat_turn(eng, session, sampler, opts: RunOptions, user: str, total) -> boo
 
     if not user.strip():
         return False
+    try:
+        user.encode("utf-8")
+    except UnicodeEncodeError as e:  # stdin's undecodable bytes arrive as lone surrogates
+        note(f"error: this line is not valid UTF-8 (byte {e.object[e.start:e.end].encode('utf-8', 'surrogateescape')!r} "
+             f"at character {e.start}): not sent; type it again")
+        return False
     stream = eng.tokenizer.streamer(skip_special=not opts.special)
 
     def on_token(t: int) -> None:

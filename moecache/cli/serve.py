@@ -4,6 +4,8 @@ generations are cancelled at their next token; exit 0)."""
 
 from __future__ import annotations
 
+import os
+
 import signal
 import threading
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ class ServeOptions:
     n_predict: int = -1
     chat_template: str | None = None
     verbose: bool = False
+    timeout: float = 600.0
 
 
 def serve_command(opts: ServeOptions, settings, sampling) -> None:
@@ -42,17 +45,20 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     check_chat_template_name(opts.chat_template)
     if opts.api_key is not None and not opts.api_key:
         raise UserError("--api-key is empty")
+    if opts.api_key is None and os.environ.get("MOECACHE_API_KEY") == "":
+        raise UserError("MOECACHE_API_KEY is set but empty: unset it to serve without a key, or give a key")
     path = resolve_model(opts.model)
     if not path.is_file():
-        raise UserError(f"{path}: no such file")
+        raise UserError(f"{path}: " + ("not a file (it is a directory)" if path.is_dir() else "no such file"))
     state = ServerState(model_id=opts.alias or path.name, api_key=opts.api_key, n_parallel=opts.n_parallel,
-                        defaults=sampling, max_tokens=opts.n_predict)
+                        defaults=sampling, max_tokens=opts.n_predict, body_timeout_s=opts.timeout)
     config = uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5, lifespan="off")
     try:
         sock = config.bind_socket()  # before the (possibly long) load: a port in use fails at once
     except SystemExit:
-        raise UserError(f"cannot listen on {opts.host}:{opts.port} (see the line above: is the port in use?)") from None
+        raise UserError(f"cannot listen on {opts.host}:{opts.port} (see the line above: the port in use, or an "
+                        f"address that is not this machine's?)") from None
     server = make_server(config, state)
     failed: list[BaseException] = []
 

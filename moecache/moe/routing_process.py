@@ -212,7 +212,8 @@ class TraceRouting:
         try:
             f = np.load(path)
         except Exception as e:  # noqa: BLE001 - a corrupt zip, a pickle, not numpy at all
-            raise ValueError(f"{path}: not a routing trace (.npz with 'routes'): {e}") from None
+            why = "a pickle (refused)" if "allow_pickle" in str(e) else str(e)[:200]
+            raise ValueError(f"{path}: not a routing trace (.npz with 'routes'): {why}") from None
         if not isinstance(f, np.lib.npyio.NpzFile):
             raise ValueError(f"{path}: not a routing trace (.npz with a 'routes' array)")
         with f:
@@ -222,6 +223,14 @@ class TraceRouting:
             weights = np.asarray(f["weights"]) if "weights" in f else None
         if routes.ndim < 3:
             raise ValueError(f"{path}: 'routes' must be [layer, tokens..., k], got shape {routes.shape}")
+        if routes.size == 0:
+            raise ValueError(f"{path}: 'routes' holds no tokens (shape {routes.shape})")
+        if routes.dtype.kind not in "iu" or int(routes.min()) < 0:
+            raise ValueError(f"{path}: 'routes' must hold expert ids >= 0 (integers), got {routes.dtype} "
+                             f"from {routes.min()}")
+        if weights is not None and (weights.shape != routes.shape or not np.isfinite(weights).all()):
+            raise ValueError(f"{path}: 'weights' must be finite numbers of the shape of 'routes' {routes.shape}, "
+                             f"got shape {weights.shape}")
         self.n_layer, self.k = routes.shape[0], routes.shape[-1]
         self.routes = routes.reshape(self.n_layer, -1, self.k).astype(np.int32)
         self.weights = None if weights is None else weights.reshape(self.routes.shape).astype(np.float32)
@@ -253,7 +262,8 @@ def make_routing(name: str, n_layer: int, n_expert: int, k: int, seed: int = 0) 
     if not path.is_file():
         raise ValueError(f"--routing {name!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     tr = TraceRouting(path)
-    if tr.n_layer < n_layer or tr.n_expert > n_expert:
-        raise ValueError(f"--routing {name}: the trace has {tr.n_layer} layers and expert ids up to "
-                         f"{tr.n_expert - 1}; the model has {n_layer} layers and {n_expert} experts")
+    if tr.n_layer < n_layer or tr.n_expert > n_expert or tr.k != k:
+        raise ValueError(f"--routing {name}: the trace has {tr.n_layer} layers, {tr.k} experts per token and "
+                         f"expert ids up to {tr.n_expert - 1}; the model has {n_layer} layers, {k} experts per token "
+                         f"and {n_expert} experts")
     return tr

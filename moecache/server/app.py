@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -42,6 +42,7 @@ class ServerState:
             many more may wait for one.
         defaults: the server's :class:`moecache.sampling.SamplingParams` (the sampling flags).
         max_tokens: the default ``max_tokens`` (``-n``; -1 = until the end or a full context).
+        body_timeout_s: seconds a request's body may take to arrive (``--timeout``), else 408.
     """
 
     model_id: str
@@ -49,6 +50,7 @@ class ServerState:
     n_parallel: int
     defaults: Any
     max_tokens: int = -1
+    body_timeout_s: float = 600.0
     llm: Any = None
     worker: Worker | None = None
     template: Any = None
@@ -97,17 +99,27 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(json.dumps(data, ensure_ascii=False), status_code=status, media_type="application/json")
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object, at most :data:`MAX_BODY_BYTES` (413 beyond)."""
+async def read_json(request: Request, timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object, at most :data:`MAX_BODY_BYTES` (413 beyond), in full within
+    ``timeout_s`` seconds (408 beyond); 499 when the client went away meanwhile."""
     n = request.headers.get("content-length")
     if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        chunks.append(chunk)
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+            chunks.append(chunk)
+    try:
+        await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive in full within {timeout_s:g} s (--timeout)") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected") from None
     return parse_json(b"".join(chunks))
 
 
@@ -173,7 +185,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def tokenize(request: Request) -> Response:
         ready()
-        d = await read_json(request)
+        d = await read_json(request, state.body_timeout_s)
         content = d.get("content")
         if not isinstance(content, str):
             raise bad("'content' must be a string", "content")
@@ -186,7 +198,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def detokenize(request: Request) -> Response:
         ready()
-        d = await read_json(request)
+        d = await read_json(request, state.body_timeout_s)
         ids = d.get("tokens")
         n = state.llm.engine.tokenizer.n_vocab
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
@@ -213,18 +225,26 @@ def build_app(state: ServerState) -> Starlette:
         return ids
 
     async def next_event(job: Job, request: Request) -> tuple[str, Any]:
-        """The job's next event; cancels it when the client has gone meanwhile."""
+        """The job's next event; cancels it when the client has gone meanwhile (checked at least
+        every POLL_S, also while events keep coming: a non-streamed answer sends nothing until it
+        ends, so only this check frees the slot of a client that left)."""
         while True:
             try:
-                return await asyncio.wait_for(job.events.get(), POLL_S)
+                ev = await asyncio.wait_for(job.events.get(), POLL_S)
             except asyncio.TimeoutError:
+                ev = None
+            now = time.monotonic()
+            if ev is None or now - job.checked_at >= POLL_S:
+                job.checked_at = now
                 if await request.is_disconnected():
                     job.cancel()
                     raise ApiError(499, "the client disconnected")
+            if ev is not None:
+                return ev
 
     async def completion(request: Request, chat: bool) -> Response:
         ready()
-        d = await read_json(request)
+        d = await read_json(request, state.body_timeout_s)
         eng = state.llm.engine
         if chat:
             messages, prompt = parse_messages(d), None

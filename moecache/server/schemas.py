@@ -57,6 +57,11 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad(f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise bad(f"the request body must be a JSON object, not {type(data).__name__}")
+    try:  # a "\\udc80" escape parses to a lone UTF-16 surrogate: a str that is not Unicode text
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"the request body holds a lone UTF-16 surrogate escape ({e.object[e.start:e.end]!a}): "
+                  "not valid Unicode text") from None
     return data
 
 
@@ -71,6 +76,11 @@ def get_bool(d: dict, key: str, default: bool) -> bool:
     return v
 
 
+def _range(lo: float | None, hi: float | None) -> str:
+    """``[lo, hi]``, or ``>= lo`` / ``<= hi`` for an open end."""
+    return f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+
+
 def get_int(d: dict, key: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
     v = d.get(key)
     if v is None:
@@ -80,7 +90,7 @@ def get_int(d: dict, key: str, default: int | None, lo: int | None = None, hi: i
     if not isinstance(v, int) or isinstance(v, bool):
         raise bad(f"'{key}' must be an integer", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        raise bad(f"'{key}' must be {_range(lo, hi)}, got {v}", key)
     return v
 
 
@@ -91,7 +101,7 @@ def get_float(d: dict, key: str, default: float, lo: float | None = None, hi: fl
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
         raise bad(f"'{key}' must be a finite number", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        raise bad(f"'{key}' must be {_range(lo, hi)}, got {v}", key)
     return float(v)
 
 
@@ -191,11 +201,35 @@ def parse_gen(d: dict, defaults: Any, default_max_tokens: int, *, chat: bool) ->
                  repeat_penalty=get_float(d, "repeat_penalty", defaults.repeat_penalty, 1e-6, 100.0),
                  repeat_last_n=get_int(d, "repeat_last_n", defaults.repeat_last_n, -1, 1 << 30),
                  seed=seed if "seed" in d and d["seed"] is not None else defaults.seed)
+    unsupported(d)
     opts = d.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     return GenRequest(max_tokens, sp, stops, get_bool(d, "stream", False),
                       get_bool(opts or {}, "include_usage", False), get_bool(d, "ignore_eos", False), logprobs)
+
+
+# request fields of OpenAI's API (or llama-server's) that would change what is generated and that
+# moecache does not implement: a request that uses them gets a 400, never a result that ignored them
+UNSUPPORTED = {
+    "logit_bias": lambda v: bool(v),  # {} and null change nothing
+    "response_format": lambda v: not (v is None or (isinstance(v, dict) and v.get("type", "text") == "text")),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "grammar": lambda v: bool(v),
+    "json_schema": lambda v: bool(v),
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: bool(v),
+    "best_of": lambda v: v not in (None, 1),
+}
+
+
+def unsupported(d: dict) -> None:
+    """ApiError 400 when ``d`` uses a field of :data:`UNSUPPORTED` with a value that matters."""
+    for key, used in UNSUPPORTED.items():
+        if key in d and used(d[key]):
+            raise bad(f"'{key}' is not supported by this server (moecache): the request would be answered "
+                      "as if it were absent", key)
 
 
 def parse_messages(d: dict) -> list[dict[str, str]]:

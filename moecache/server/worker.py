@@ -89,6 +89,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.n_decoded = 0
+        self.checked_at = time.monotonic()  # when the route last saw its client connected
 
     def emit(self, kind: str, value: Any) -> None:
         """Hand an event to the client's loop (from the worker thread)."""
