@@ -293,6 +293,38 @@ def test_cache_flags_on_a_cpu_only_run_are_said_once(tiny):
     assert quiet.exit_code == 0 and "ignored" not in quiet.output
 
 
+def test_gpu_placement_flags_on_a_cpu_only_run_are_said_once(tiny):
+    r = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0", "-ngl", "0", "-mg", "1",
+                            "-ts", "1,1", "-sm", "none"])
+    assert r.exit_code == 0, r.output
+    notes = [ln for ln in r.output.splitlines() if "ignored" in ln]
+    assert len(notes) == 1 and "-mg, -ts, -sm ignored" in notes[0] and "CPU only" in notes[0], r.output
+
+
+def test_ubatch_above_the_batch_or_the_context_is_said(tiny):
+    """llama.cpp's rule (a forward pass holds at most -b tokens, and never more than the context)
+    applies, and the run says so: a note for -b, the resolved -ub's reason for the context."""
+    r = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0", "-b", "1", "-ub", "64",
+                            "-c", "64"])
+    assert r.exit_code == 0, r.output
+    assert "note: -ub 64 is more than -b 1: 1 token per forward pass" in r.output
+    r = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "1", "--temp", "0", "-ub", "99999", "-c", "64",
+                            "-v"])
+    assert r.exit_code == 0, r.output
+    assert any("-ub" in ln and " 64 " in ln and "-ub 99999 given, more than the context" in ln
+               for ln in r.output.splitlines()), r.output
+
+
+def test_serve_refuses_an_empty_api_key_variable(tiny, monkeypatch):
+    """An empty MOECACHE_API_KEY must not start a server without a key as if none were meant."""
+    monkeypatch.setenv("MOECACHE_API_KEY", "")
+    r = runner.invoke(app, ["serve", "-m", str(tiny), "--port", "1"])
+    _one_error_line(r, "MOECACHE_API_KEY is set but empty", code=1)
+    monkeypatch.delenv("MOECACHE_API_KEY")
+    r = runner.invoke(app, ["serve", "-m", str(tiny.parent)])
+    _one_error_line(r, "it is a directory", code=1)
+
+
 def test_cache_flags_on_a_dense_model_are_said(tiny_dense, tmp_path):
     r = runner.invoke(app, ["run", "-m", str(tiny_dense), "-p", "x", "-n", "1", "--temp", "0", "--moe-cache", "1GiB",
                             "--cpu-moe"])
