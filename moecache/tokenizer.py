@@ -36,6 +36,8 @@ modern-bert) are not applied.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import codecs
 import gc
 from collections.abc import Iterable
@@ -480,6 +482,12 @@ class Tokenizer:
         if not 0 <= id < self.n_vocab:
             raise ValueError(f"token id {id} is out of range [0, {self.n_vocab})")
         return id
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of any token's text (at least 1): a text of N bytes is at least
+        N / this many tokens, a bound known before tokenizing it."""
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.tokens), default=1) or 1
 
     def token_bytes(self, id: int) -> bytes:
         """The bytes of token ``id`` as llama.cpp's ``token_to_piece(special=true)`` renders them.

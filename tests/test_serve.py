@@ -252,6 +252,9 @@ def test_concurrent_clients_all_complete(server):
     ("/v1/completions", b'{"prompt": 5}', KEY, 400, "prompt"),
     ("/v1/completions", b'{"prompt": [1, 99999999]}', KEY, 400, "token ids"),
     ("/v1/completions", json.dumps({"prompt": "word " * 400}).encode(), KEY, 400, "context"),
+    ("/v1/completions", json.dumps({"prompt": "x" * 100000}).encode(), KEY, 400, "at least"),  # not tokenized
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x" * 100000}]}).encode(), KEY, 400,
+     "at least"),
     ("/v1/completions", b'{"prompt": "hi", "stop": [1]}', KEY, 400, "stop"),
     ("/v1/completions", b'{"prompt": "hi"}', None, 401, "API Key"),
     ("/v1/completions", b'{"prompt": "hi"}', "wrong", 401, "API Key"),

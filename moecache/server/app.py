@@ -207,18 +207,28 @@ def build_app(state: ServerState) -> Starlette:
         return _json({"content": state.llm.engine.tokenizer.decode(ids)})
 
     def prepare(prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
-        """Prompt ids (rendered with the chat template for messages); 400 when they do not fit."""
+        """Prompt ids (rendered with the chat template for messages); 400 when they do not fit (a
+        text far too long for a slot before it is tokenized: its bytes over the longest token's)."""
         eng = state.llm.engine
+        n_slot = state.worker.n_ctx_slot
+
+        def too_long(text: str) -> None:
+            floor = len(text.encode("utf-8")) // eng.tokenizer.max_token_bytes
+            if floor >= 2 * n_slot:
+                raise bad(f"the prompt is at least {floor} tokens, a slot's context is {n_slot} (-c {eng.n_ctx} "
+                          f"over -np {state.n_parallel})", "prompt")
+        if isinstance(prompt, str):
+            too_long(prompt)
         with state.prep_lock:
             if messages is not None:
                 try:
                     prompt = state.template.render(messages, add_generation_prompt=True)
                 except ValueError as e:
                     raise bad(f"the chat template failed on these messages: {str(e)[:300]}", "messages") from None
+                too_long(prompt)
             ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad("the prompt is empty", "prompt")
-        n_slot = state.worker.n_ctx_slot
         if len(ids) >= n_slot:
             raise bad(f"the prompt is {len(ids)} tokens, a slot's context is {n_slot} (-c {eng.n_ctx} over "
                       f"-np {state.n_parallel}): nothing left to generate into", "prompt")
