@@ -36,11 +36,10 @@ modern-bert) are not applied.
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import codecs
 import gc
 from collections.abc import Iterable
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np

@@ -81,6 +81,7 @@ def test_malformed_traces_get_one_clear_error(tmp_path):
     good = np.zeros((2, 5, 4), np.int32)
     cases = {"negative": (dict(routes=good - 1), "expert ids >= 0"),
              "float": (dict(routes=good.astype(np.float32)), "integers"),
+             "uint32": (dict(routes=np.full((2, 5, 4), 0xFFFFFFFF, np.uint32)), "below 2\\*\\*31"),
              "empty": (dict(routes=np.zeros((2, 0, 4), np.int32)), "no tokens"),
              "nan weights": (dict(routes=good, weights=np.full(good.shape, np.nan, np.float32)), "finite"),
              "weights shape": (dict(routes=good, weights=np.ones((2, 5, 3), np.float32)), "shape"),

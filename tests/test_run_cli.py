@@ -117,6 +117,21 @@ def test_chat_reply_equals_one_shot_on_the_rendered_template(gemma3_270m):
     assert r.stdout.count("> ") >= 3  # two turns answered, then the prompt that read /exit
 
 
+def test_an_undecodable_chat_line_is_refused_and_the_chat_goes_on(code_moe_tiny):
+    """A byte that is not UTF-8 on stdin, in a strict UTF-8 locale (Python reads stdin strictly
+    there): one error line for that line, then the next line is answered and the run exits 0."""
+    import os
+
+    env = dict(os.environ, LC_ALL="C.UTF-8", PYTHONIOENCODING="utf-8")
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "run", "-m", str(code_moe_tiny), "-n", "2",
+                        "--temp", "0", "-c", "128", "-t", "2"], input=b"ab\xffc\nhi\n/exit\n", capture_output=True,
+                       env=env, timeout=300)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0, err
+    assert "error: this line is not valid UTF-8 (byte b'\\xff' at character 2): not sent" in err
+    assert "Traceback" not in err and err.count("eval time") >= 1  # "hi" was answered
+
+
 def test_context_full_stops_generation_cleanly(code_moe_tiny):
     r = runner.invoke(app, ["run", "-m", str(code_moe_tiny), "-p", "import os", "-n", "50", "--temp", "0",
                             "-c", "12", "--json"])

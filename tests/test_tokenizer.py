@@ -82,6 +82,14 @@ def test_reference_ids_decode_to_the_text(name: str, request: pytest.FixtureRequ
             assert tok.decode(c["ids"], skip_special=True) == c["text"], c
 
 
+def test_text_that_is_not_unicode_is_a_value_error(cmt: Tokenizer) -> None:
+    """A lone surrogate (undecodable bytes read with surrogateescape, a JSON "\\udc80" escape) is no
+    text: ValueError naming where, not the tokenizers library's TypeError."""
+    with pytest.raises(ValueError, match="lone surrogate '\\\\udc80' at character 2"):
+        cmt.encode("ab\udc80c")
+    assert cmt.encode("abc") == cmt.encode("abc")
+
+
 def test_default_add_bos_is_the_models(gemma: Tokenizer, cmt: Tokenizer) -> None:
     assert gemma.add_bos and gemma.bos_id == 2 and gemma.eos_id == 1
     assert gemma.encode("Hello, world!") == [2, 9259, 236764, 1902, 236888]

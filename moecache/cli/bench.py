@@ -17,6 +17,17 @@ LIST_RANGES = {"-p": 0, "-n": 0, "-pg": 0, "-d": 0, "-t": 0, "-b": 1, "-ub": 1, 
                "--moe-cache-window": 1}
 
 
+def items(text: str | None, flag: str) -> list[str]:
+    """The comma-separated items of a bench flag's value ("" or None: none); UserError for an empty
+    item between commas (as :func:`moecache.benchmark.parse_list`)."""
+    parts = [p.strip() for p in (text or "").split(",")]
+    if parts == [""]:
+        return []
+    if "" in parts:
+        raise UserError(f"{flag} {text!r}: an empty item between commas")
+    return parts
+
+
 def moe_cache_list(text: str | None) -> list[int]:
     """``--moe-cache`` values of a bench: sizes (``8GiB,12GiB``), -1, 0, or llama-bench ranges of
     MiB (``1024-4096+1024``) -> MiB per GPU (-1 fill, 0 off)."""
@@ -24,10 +35,7 @@ def moe_cache_list(text: str | None) -> list[int]:
     from moecache.benchmark import parse_list
 
     out: list[int] = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in items(text, "--moe-cache"):
         if re.fullmatch(r"\d+-\d+([+*]\d+)?", item):  # a range of MiB, as llama-bench writes ranges
             out += [parse_moe_cache(str(v)) for v in parse_list(item, "--moe-cache")]
         else:
@@ -110,10 +118,9 @@ def bench_command(o: BenchOptions) -> None:
              "n_threads": checked_list(o.threads, "-t") or [0], "n_gpu_layers": checked_list(o.ngl, "-ngl"),
              "n_cpu_moe": checked_list(o.n_cpu_moe, "--n-cpu-moe"),
              "moe_cache": moe_cache_list(o.moe_cache) or [None],
-             "vram_budget": [parse_size(v, "--vram-budget") for v in (o.vram_budget or "").split(",") if v.strip()]
-             or [0],
+             "vram_budget": [parse_size(v, "--vram-budget") for v in items(o.vram_budget, "--vram-budget")] or [0],
              "moe_cache_window": checked_list(o.window, "--moe-cache-window") or [None],
-             "routing": [v for v in (o.routing or "").split(",") if v] or [None]}
+             "routing": items(o.routing, "--routing") or [None]}
     base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, o.load_mode or "auto")
     try:
         combos = expand(base, **lists)

@@ -165,6 +165,8 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
     session = ChatSession(eng, tmpl, opts.system)
     total = Timings()
     pending = first
+    if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach _chat_turn (refused there), not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         while True:
             if pending is None:
@@ -173,8 +175,8 @@ def _chat(eng, sampler, opts: RunOptions, first: str | None) -> None:
                 except (EOFError, KeyboardInterrupt):
                     typer.echo("", err=True)
                     return
-                if not sys.stdin.isatty():  # piped input: show what was read, as if typed
-                    sys.stdout.write(pending + "\n")
+                if not sys.stdin.isatty():  # piped input: show what was read, as if typed (a bad byte as U+FFFD)
+                    sys.stdout.write(pending.encode("utf-8", "surrogateescape").decode("utf-8", "replace") + "\n")
             user, pending = pending, None
             if user.strip() == "/exit":
                 return

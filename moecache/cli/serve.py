@@ -5,7 +5,6 @@ generations are cancelled at their next token; exit 0)."""
 from __future__ import annotations
 
 import os
-
 import signal
 import threading
 from dataclasses import dataclass

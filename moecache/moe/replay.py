@@ -112,7 +112,8 @@ def main() -> None:
     ap.add_argument("--routing", default="qwen3-moe", help="preset or .npz trace")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("-k", type=int, default=8)
+    ap.add_argument("-k", type=int, default=8, help="experts per token (a trace's own: code-moe-tiny's is 4, "
+                    "with --layers 8 --experts 16)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--slots", default="0.06,0.19,0.38,0.64", help="fractions of all experts (or counts > 1)")

@@ -225,9 +225,9 @@ class TraceRouting:
             raise ValueError(f"{path}: 'routes' must be [layer, tokens..., k], got shape {routes.shape}")
         if routes.size == 0:
             raise ValueError(f"{path}: 'routes' holds no tokens (shape {routes.shape})")
-        if routes.dtype.kind not in "iu" or int(routes.min()) < 0:
-            raise ValueError(f"{path}: 'routes' must hold expert ids >= 0 (integers), got {routes.dtype} "
-                             f"from {routes.min()}")
+        if routes.dtype.kind not in "iu" or int(routes.min()) < 0 or int(routes.max()) >= 1 << 31:
+            raise ValueError(f"{path}: 'routes' must hold expert ids >= 0 (integers below 2**31), got "
+                             f"{routes.dtype} from {routes.min()} to {routes.max()}")
         if weights is not None and (weights.shape != routes.shape or not np.isfinite(weights).all()):
             raise ValueError(f"{path}: 'weights' must be finite numbers of the shape of 'routes' {routes.shape}, "
                              f"got shape {weights.shape}")

@@ -138,7 +138,7 @@ def build_app(state: ServerState) -> Starlette:
                         raise ApiError(401, "Invalid API Key")
                 return await handler(request)
             except ApiError as e:
-                if e.status >= 400 and request.url.path.endswith("completions"):
+                if e.status >= 400 and e.status != 499 and request.url.path.endswith("completions"):
                     state.metrics.count("rejected" if e.status == 503 else "error")
                 return error_response(e)
             except Exception as e:  # a bug must cost one request, not the server
