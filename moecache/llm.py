@@ -283,7 +283,8 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
     if cold or compiled.count:
         why = "" if cold else (" (Numba's cache held them for other argument types only, e.g. a test run's; "
                                "cached now for later runs)")
-        log(f"compiled {compiled.count} CPU kernel(s){why}: load and compile took {time.perf_counter() - t0:.1f} s "
+        log(f"compiled {compiled.count} CPU kernel specialization(s) (a kernel and the helpers it calls, per argument "
+            f"types){why}: load and compile took {time.perf_counter() - t0:.1f} s "
             f"in all (not counted in any speed below; the model line's load time includes the decode kernels' "
             f"compile, not the prompt path's)")
     for line in ineffective_flag_notes(eng, settings):

@@ -641,8 +641,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:
         ap.exit(1, f"error: {a.output}: {getattr(e, 'strerror', None) or e}\n")
     dt = time.perf_counter() - t0
-    print(f"synth: wrote {a.output}: {size / 1e9:.3f} GB in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)",
-          file=sys.stderr)
+    from moecache.sizes import format_size
+
+    print(f"synth: wrote {a.output}: {format_size(size)} in {dt:.1f} s ({size / 1e9 / dt:.2f} GB/s)", file=sys.stderr)
 
 
 if __name__ == "__main__":
