@@ -35,6 +35,7 @@ This module imports nothing heavy at load (the CLI's ``--help`` stays instant).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -60,6 +61,12 @@ CPU_EXPERT_BYTES_PER_CORE_S = 2.2e9
 DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
 GPU_EXPERT_BYTES_S = 1e12  # the policy's estimate of a hit's GPU time (VRAM read rate)
 DEFAULT_WINDOW = 64  # --moe-cache-window when not given
+
+
+# the integer settings and their flags (check: a str or float there is a ValueError naming the flag)
+INT_SETTINGS = {"n_ctx": "-c", "n_batch": "-b", "n_ubatch": "-ub", "n_threads": "-t", "n_gpu_layers": "-ngl",
+                "n_cpu_moe": "--n-cpu-moe", "main_gpu": "-mg", "moe_cache_window": "--moe-cache-window",
+                "moe_cache_stats": "--moe-cache-stats"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +130,10 @@ class Settings:
         """
         if self.flash_attn not in (None, *FLASH_ATTN):
             raise ValueError(f"-fa must be on, off or auto, got {self.flash_attn!r}")
+        for name, flag in INT_SETTINGS.items():
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
+                raise ValueError(f"{flag} ({name}) must be an integer, got {v!r}")
         self.placement_options()
         self.kv_type()
         bad = []

@@ -114,6 +114,10 @@ def test_unknown_setting_and_bad_values_are_named(tiny):
         moecache.load(tiny, load_mode="fast")
     with pytest.raises(ValueError, match="-ts"):
         moecache.load(tiny, tensor_split="a,b")
+    with pytest.raises(ValueError, match=r"-c \(n_ctx\) must be an integer, got '64'"):  # was a TypeError from '<'
+        moecache.load(tiny, n_ctx="64")
+    with pytest.raises(ValueError, match=r"-t \(n_threads\) must be an integer, got 2.5"):
+        moecache.load(tiny, n_threads=2.5)
     with moecache.load(tiny, n_ctx=64, n_threads=1) as llm:  # -n's range, as the CLI checks it
         for n in (-3, 2.5):
             with pytest.raises(ValueError, match="-n/--n-predict"):
