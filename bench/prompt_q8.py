@@ -21,13 +21,14 @@ layer's experts on a copy stream while the current layer computes (``moecache/mo
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab prefetch --load-mode pin -p 2048 -ub 2048 -r 3
 
-``--ab cache`` compares, behind the expert cache (``--vram-budget``), its two prompt paths from
+``--ab cache`` compares, behind the expert cache (``--vram-budget``), its prompt paths from
 empty slots (as ``bench -p N -r R`` runs it: a prompt fills no slot), each arm's warm-up and
 repetitions in a row, a different prompt each (the same list in every arm): the groups of
 ``prompt_group_bytes`` (``prompt_stacks`` False: each group's experts copied, then computed, on one
 stream; the default) against the stacks (``CachedExperts.prompt_stacks``, opt-in: one stack of the layer's
 experts per layer, the next layer's non-resident ones copied on the copy stream while this one
-computes). ``--routing`` replaces the routers' choices as ``bench --routing``
+computes) and the stacks with one buffer (``prompt_stack_buffers = 1``: no copy ahead, half the
+memory). ``--routing`` replaces the routers' choices as ``bench --routing``
 does (the ``8g-*`` cases use qwen3-moe), restarted at the same seed for the same prompt in every
 arm, so the arms' last logits compare:
 
@@ -67,8 +68,8 @@ def main() -> None:
     ap.add_argument("--ab", choices=("q8", "prefetch", "cache"), default="q8",
                     help="q8: float16 GEMMs vs the grouped 8-bit kernels; prefetch: --cpu-moe op offload "
                          "without and with the next layer's experts copied during the current one; cache: the "
-                         "expert cache's prompt groups vs its prompt stacks (from empty slots, a new prompt each "
-                         "repetition)")
+                         "expert cache's prompt groups vs its prompt stacks with two and with one buffer (from "
+                         "empty slots, a new prompt each repetition)")
     ap.add_argument("--routing", default=None, help="replace the routers' choices (qwen3-moe, low-locality, uniform)")
     ap.add_argument("--fresh", action="store_true", help="a different prompt for each repetition (as `moecache bench` "
                     "draws them; default: the warm-up's prompt again, except with --ab cache)")
@@ -108,8 +109,9 @@ def main() -> None:
         #  from empty slots)
         if prefetch:
             arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
-        elif a.ab == "cache":  # the fourth field: prompt_stacks
-            arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True)]
+        elif a.ab == "cache":  # the fourth field: prompt_stacks (2: with prompt_stack_buffers 1)
+            arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True),
+                    ("stacks, 1 buffer, empty slots", False, 1, 2, True)]
         else:
             arms = [("float16 GEMMs", False, 1, False, False), ("grouped 8-bit", True, 1, False, False)]
             if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
@@ -122,7 +124,11 @@ def main() -> None:
                 b.prompt_q8 = arm[1]
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
-                c.prompt_stacks = arm[3] if a.ab == "cache" else c.prompt_stacks
+                if a.ab == "cache":
+                    c.prompt_stacks = bool(arm[3])
+                    if c.prompt_stack_buffers != (1 if arm[3] == 2 else 2):
+                        c.drop_stacks()
+                        c.prompt_stack_buffers = 1 if arm[3] == 2 else 2
             for e in host:
                 e.prefetch = shared if arm[3] else None
             toks = prompts[i if a.ab == "cache" or a.fresh else 0]

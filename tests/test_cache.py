@@ -426,7 +426,7 @@ def _spy(monkeypatch, obj, name, calls):
     monkeypatch.setattr(obj, name, spy)
 
 
-@pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack"])
+@pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack", "one wanted"])
 def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(model_path, monkeypatch, limit):
     """prompt_stacks (opt-in): two 40-token prompts give the all-CPU logits with every layer computed
     from one stack of its experts, in two buffers allocated once and used in turn; the resident
@@ -434,7 +434,8 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
     computes from the copy of its non-resident experts begun while the layer before computed (the
     twin's copies read 0xFF bytes, NaN, until finished, and wherever no expert was copied). With
     --vram-budget's room for one buffer only, no copy runs ahead; with room for none, the layers
-    bring their experts in groups; either is noted once."""
+    bring their experts in groups; either is noted once. With prompt_stack_buffers = 1 (no budget)
+    one buffer, no copy ahead, and no note."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(8)
@@ -444,12 +445,14 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
         margin = cache_mod.STACK_MARGIN_BYTES  # what the layer's MoE call allocates after the buffers
         vram_limit = {"none": None, "two stacks": 2 * stack + margin, "one stack": 2 * stack + margin - 1,
-                      "no stack": stack + margin - 1}[limit]
+                      "no stack": stack + margin - 1, "one wanted": None}[limit]
         notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=vram_limit, log=notes.append)
         assert not cache.prompt_stacks  # opt-in: over --vram-budget on a long prompt (h200-s12c)
         cache.prompt_stacks = True
+        if limit == "one wanted":
+            cache.prompt_stack_buffers = 1
         resident = [(il, e) for il in range(c.n_layer) for e in (2, 5)][:8]
         _fill(cache, ew, resident)
         real_empty = cache.be.empty_u8
@@ -472,9 +475,9 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
             got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
             np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
                                        rtol=1e-4, atol=1e-5)
-        n_bufs = {"none": 2, "two stacks": 2, "one stack": 1, "no stack": 0}[limit]
+        n_bufs = {"none": 2, "two stacks": 2, "one stack": 1, "no stack": 0, "one wanted": 1}[limit]
         assert sum(allocs) == n_bufs * stack  # allocated once, for both prompts
-        assert len(notes) == (n_bufs < 2) and all("room for" in n for n in notes)
+        assert len(notes) == (n_bufs < cache.prompt_stack_buffers) and all("room for" in n for n in notes)
         started, used, dropped = cache.stack_prefetch
         if not n_bufs:
             assert not uploads and not gathers and len(groups) >= 2 * c.n_layer and started == 0

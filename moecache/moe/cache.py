@@ -173,6 +173,9 @@ class CachedExperts:
             the host), the next cached layer's non-resident experts copied on the copy stream while
             this one computes. False (default: a 12620-token prompt went over ``--vram-budget`` in
             runs h200-s11p, s12a and s12c): the groups of ``prompt_group_bytes``.
+        prompt_stack_buffers: the stack buffers wanted (2: the next layer copied ahead; 1: each
+            layer copies its own, half the memory: in runs h200-s12a/s12c one buffer kept most of
+            the stacks' speed).
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight).
         prompt_fills, prompt_slot_reads: experts loaded into empty slots after a prompt, experts
@@ -194,6 +197,7 @@ class CachedExperts:
         # MiB), h200-s12a (+267) and h200-s12c (+27), bench/results/vs-llamacpp-h200.md; 8g-pp512 stayed
         # within it and ran 0.43x of llama.cpp against the groups' 0.20x
         self.prompt_stacks = False
+        self.prompt_stack_buffers = 2
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
@@ -585,28 +589,39 @@ class CachedExperts:
 
     def _stack_buffers(self, e: ExpertWeights) -> int:
         """The prompt stacks' buffers (each a (gate, up, down) of every expert of a layer), allocated
-        at the first prompt ubatch that wants them and kept: two if the GPU's memory in use leaves
-        room under ``vram_limit`` for both and for :data:`STACK_MARGIN_BYTES` (what the layer's
-        MoE call and the stack fills allocate after them; ``room_for``), else one, else none (noted
-        once). The memory a prompt adds later is checked at each ubatch (:meth:`_keep_room`).
+        at the first prompt ubatch that wants them and kept: ``prompt_stack_buffers`` (1 or 2) if the
+        GPU's memory in use leaves room under ``vram_limit`` for them and for
+        :data:`STACK_MARGIN_BYTES` (what the layer's MoE call and the stack fills allocate after
+        them; ``room_for``), else fewer (noted once). The memory a prompt adds later is checked at each ubatch (:meth:`_keep_room`).
         Returns how many."""
         if self._bufs is None:
             shapes = [(self.slot_of.shape[1], *w.shape[1:]) for w in (e.gate, e.up, e.down)]
             nbytes = sum(int(np.prod(sh)) for sh in shapes)
             self._bufs = []
-            for _ in range(2):
+            want = self.prompt_stack_buffers
+            if want not in (1, 2):
+                raise ValueError(f"prompt_stack_buffers must be 1 or 2, got {want!r}")
+            for _ in range(want):
                 if not self.be.room_for(nbytes + STACK_MARGIN_BYTES, self.vram_limit):
                     break
                 try:
                     self._bufs.append(tuple(self.be.empty_u8(sh) for sh in shapes))
                 except MemoryError:  # cupy's OutOfMemoryError is one
                     break
-            if len(self._bufs) < 2:
-                self.log(f"note: prompt stacks: room for {len(self._bufs)} of 2 buffers of {nbytes >> 20} MiB"
+            if len(self._bufs) < want:
+                self.log(f"note: prompt stacks: room for {len(self._bufs)} of {want} buffers of {nbytes >> 20} MiB"
                          + (f" under --vram-budget {self.vram_limit >> 20} MiB" if self.vram_limit else "")
                          + (": no layer's experts copied ahead" if self._bufs else
                             ": prompts bring their experts in groups"))
         return len(self._bufs)
+
+    def drop_stacks(self) -> None:
+        """Give the stack buffers back (any copy into them finished first); the next prompt ubatch
+        that wants them allocates ``prompt_stack_buffers`` anew."""
+        self._drop_flight()
+        self._bufs = None
+        self._turn = 0
+        self._trans_seen, self._growth = None, 0
 
     def _keep_room(self) -> None:
         """At a prompt ubatch's first cached layer, with ``vram_limit`` and stack buffers: CuPy's
@@ -724,6 +739,5 @@ class CachedExperts:
         return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
 
     def close(self) -> None:
-        self._drop_flight()
-        self._bufs = None
+        self.drop_stacks()
         self._workers.shutdown(wait=True)
