@@ -47,6 +47,19 @@ MAX_LIST_VALUES = 1000  # values one bench flag may list (a range is expanded)
 MAX_COMBINATIONS = 10000  # tests x parameter combinations of one bench command
 
 
+def split_items(text: str | int | None, flag: str) -> list[str]:
+    """The comma-separated items of a bench flag's value, stripped (None or "": none).
+
+    Raises:
+        ValueError: naming ``flag``: an empty item between commas."""
+    parts = [p.strip() for p in str("" if text is None else text).split(",")]
+    if parts == [""]:
+        return []
+    if "" in parts:
+        raise ValueError(f"{flag} {text!r}: an empty item between commas")
+    return parts
+
+
 def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
     """``"1,2,4"``, ``"8-32+8"`` (8, 16, 24, 32), ``"1-16*2"`` (1, 2, 4, 8, 16) -> values.
 
@@ -54,16 +67,8 @@ def parse_list(text: str | int | None, flag: str, kind: type = int) -> list:
         ValueError: naming ``flag`` and the bad item: not a number or range, an empty item between
             commas, or more than :data:`MAX_LIST_VALUES` values.
     """
-    if text is None:
-        return []
     out: list = []
-    items = str(text).split(",")
-    for item in items:
-        item = item.strip()
-        if not item:
-            if len(items) == 1:
-                continue  # "" lists nothing
-            raise ValueError(f"{flag} {text!r}: an empty item between commas")
+    for item in split_items(text, flag):
         try:
             if kind is int and "-" in item[1:]:
                 first, rest = item[0] + item[1:].split("-", 1)[0], item[1:].split("-", 1)[1]

@@ -369,16 +369,14 @@ class CupyBackend(ArrayOps):
         which waits for the GPU's queued work)."""
         if limit is None:
             return True
+        used = self.memory_in_use()
+        if used + nbytes <= limit:
+            return True
         with cp.cuda.Device(self.device):
-            free, total = cp.cuda.runtime.memGetInfo()
-            if total - free + nbytes <= limit:
-                return True
-            pool = cp.get_default_memory_pool()
-            if total - free - pool.free_bytes() + nbytes > limit:
+            if used - cp.get_default_memory_pool().free_bytes() + nbytes > limit:
                 return False
-            pool.free_all_blocks()
-            free, total = cp.cuda.runtime.memGetInfo()
-            return total - free + nbytes <= limit
+        self.release_cached()
+        return self.memory_in_use() + nbytes <= limit
 
     def memory_in_use(self) -> int:
         """Bytes of this GPU's memory in use by every process (``cudaMemGetInfo``): our CUDA context

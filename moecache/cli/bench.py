@@ -17,25 +17,14 @@ LIST_RANGES = {"-p": 0, "-n": 0, "-pg": 0, "-d": 0, "-t": 0, "-b": 1, "-ub": 1, 
                "--moe-cache-window": 1}
 
 
-def items(text: str | None, flag: str) -> list[str]:
-    """The comma-separated items of a bench flag's value ("" or None: none); UserError for an empty
-    item between commas (as :func:`moecache.benchmark.parse_list`)."""
-    parts = [p.strip() for p in (text or "").split(",")]
-    if parts == [""]:
-        return []
-    if "" in parts:
-        raise UserError(f"{flag} {text!r}: an empty item between commas")
-    return parts
-
-
 def moe_cache_list(text: str | None) -> list[int]:
     """``--moe-cache`` values of a bench: sizes (``8GiB,12GiB``), -1, 0, or llama-bench ranges of
     MiB (``1024-4096+1024``) -> MiB per GPU (-1 fill, 0 off)."""
     from moecache.sizes import parse_moe_cache
-    from moecache.benchmark import parse_list
+    from moecache.benchmark import parse_list, split_items
 
     out: list[int] = []
-    for item in items(text, "--moe-cache"):
+    for item in split_items(text, "--moe-cache"):
         if re.fullmatch(r"\d+-\d+([+*]\d+)?", item):  # a range of MiB, as llama-bench writes ranges
             out += [parse_moe_cache(str(v)) for v in parse_list(item, "--moe-cache")]
         else:
@@ -89,7 +78,7 @@ class BenchOptions:
 def bench_command(o: BenchOptions) -> None:
     """Expand the lists into combinations, load an engine per combination (the library's
     settings road, as ``run``), run the tests and print the table. Raises UserError / ValueError."""
-    from moecache.benchmark import MAX_COMBINATIONS, BenchParams, bench, expand, make_tests, render
+    from moecache.benchmark import MAX_COMBINATIONS, BenchParams, bench, expand, make_tests, render, split_items
     from moecache.settings import Settings, kv_cache_type
     from moecache.sizes import parse_size
 
@@ -118,9 +107,10 @@ def bench_command(o: BenchOptions) -> None:
              "n_threads": checked_list(o.threads, "-t") or [0], "n_gpu_layers": checked_list(o.ngl, "-ngl"),
              "n_cpu_moe": checked_list(o.n_cpu_moe, "--n-cpu-moe"),
              "moe_cache": moe_cache_list(o.moe_cache) or [None],
-             "vram_budget": [parse_size(v, "--vram-budget") for v in items(o.vram_budget, "--vram-budget")] or [0],
+             "vram_budget": [parse_size(v, "--vram-budget") for v in split_items(o.vram_budget, "--vram-budget")]
+             or [0],
              "moe_cache_window": checked_list(o.window, "--moe-cache-window") or [None],
-             "routing": items(o.routing, "--routing") or [None]}
+             "routing": split_items(o.routing, "--routing") or [None]}
     base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, o.load_mode or "auto")
     try:
         combos = expand(base, **lists)

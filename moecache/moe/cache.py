@@ -37,9 +37,10 @@ in groups of ``prompt_group_bytes`` (copy, then compute, on one stream), or, wit
 stack of its experts on the device:
 resident ones copied from their slots on the device, the others from the host (op offload), and
 the next cached layer's non-resident experts copied on the copy stream while this layer computes
-(the same copy-stream ordering as :mod:`moecache.moe.prefetch`). The stacks are two buffers of one
-layer's experts each, allocated at the first prompt while the GPU's memory in use leaves room for
-them under ``--vram-budget`` (one: no copy ahead; none: the groups). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
+(the same copy-stream ordering as :mod:`moecache.moe.prefetch`). The stacks are up to
+``prompt_stack_buffers`` (2) buffers of one layer's experts each, allocated at the first prompt while
+the GPU's memory in use leaves room for them under ``--vram-budget`` (one: no copy ahead; none: the
+groups). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
 to decode's hot set; routing.md).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
