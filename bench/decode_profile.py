@@ -60,8 +60,8 @@ def main() -> None:
     ap.add_argument("--routing", default=None, help="replace the routers' choices by this routing process "
                     "(qwen3-moe, low-locality, uniform: as bench --routing; the routing draws count in the wall time)")
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
-    ap.add_argument("--prompt-stacks", action="store_true", help="the expert cache's opt-in prompt stacks "
-                    "(CachedExperts.prompt_stacks)")
+    ap.add_argument("--no-prompt-stacks", action="store_true", help="the expert cache's prompt groups instead "
+                    "of its default prompt stacks (CachedExperts.prompt_stacks False)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
                          "print its top N functions by own time")
@@ -82,7 +82,7 @@ def main() -> None:
                 gpu_prompt_q8=a.prompt_q8) as eng:
         vocab = eng.gguf.config.n_vocab
         for cache in eng.caches:
-            cache.prompt_stacks = a.prompt_stacks
+            cache.prompt_stacks = not a.no_prompt_stacks
         if a.routing:
             from moecache.moe.routing_process import make_routing
 

@@ -25,10 +25,10 @@ layer's experts on a copy stream while the current layer computes (``moecache/mo
 empty slots (as ``bench -p N -r R`` runs it: a prompt fills no slot), each arm's warm-up and
 repetitions in a row, a different prompt each (the same list in every arm): the groups of
 ``prompt_group_bytes`` (``prompt_stacks`` False: each group's experts copied, then computed, on one
-stream; the default) against the stacks (``CachedExperts.prompt_stacks``, opt-in: one stack of the layer's
-experts per layer, the next layer's non-resident ones copied on the copy stream while this one
-computes) and the stacks with one buffer (``prompt_stack_buffers = 1``: no copy ahead, half the
-memory). ``--routing`` replaces the routers' choices as ``bench --routing``
+stream) against the stacks (``CachedExperts.prompt_stacks``, the default: one stack of the layer's
+experts per layer) with two buffers (the next layer's non-resident experts copied on the copy
+stream while this one computes) and with one (``prompt_stack_buffers = 1``, the default: no copy
+ahead, half the memory). ``--routing`` replaces the routers' choices as ``bench --routing``
 does (the ``8g-*`` cases use qwen3-moe), restarted at the same seed for the same prompt in every
 arm, so the arms' last logits compare:
 

@@ -14,7 +14,7 @@ from moecache.models import build_model
 from moecache.models.base import expert_weights
 from moecache.moe.cache import CachedExperts
 from moecache.moe.executor import CPUExperts
-from moecache.moe.policy import CachePolicy, PolicyConfig
+from moecache.moe.policy import Admission, CachePolicy, PolicyConfig
 from moecache.moe.routing import topk_routing
 
 NEVER = PolicyConfig(t_upload=1.0)  # uploads never pay back: the map stays as the test sets it
@@ -426,16 +426,17 @@ def _spy(monkeypatch, obj, name, calls):
     monkeypatch.setattr(obj, name, spy)
 
 
-@pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack", "one wanted"])
+@pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack", "default"])
 def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(model_path, monkeypatch, limit):
-    """prompt_stacks (opt-in): two 40-token prompts give the all-CPU logits with every layer computed
-    from one stack of its experts, in two buffers allocated once and used in turn; the resident
+    """prompt_stacks (the default): two 40-token prompts give the all-CPU logits with every layer
+    computed from one stack of its experts, in two buffers (prompt_stack_buffers = 2) allocated once
+    and used in turn; the resident
     experts come from their slots (device copies), never from the host; each layer after the first
     computes from the copy of its non-resident experts begun while the layer before computed (the
     twin's copies read 0xFF bytes, NaN, until finished, and wherever no expert was copied). With
     --vram-budget's room for one buffer only, no copy runs ahead; with room for none, the layers
-    bring their experts in groups; either is noted once. With prompt_stack_buffers = 1 (no budget)
-    one buffer, no copy ahead, and no note."""
+    bring their experts in groups; either is noted once. With prompt_stack_buffers left at its
+    default, 1 (no budget): one buffer, no copy ahead, and no note."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(8)
@@ -445,14 +446,14 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
         margin = cache_mod.STACK_MARGIN_BYTES  # what the layer's MoE call allocates after the buffers
         vram_limit = {"none": None, "two stacks": 2 * stack + margin, "one stack": 2 * stack + margin - 1,
-                      "no stack": stack + margin - 1, "one wanted": None}[limit]
+                      "no stack": stack + margin - 1, "default": None}[limit]
         notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=vram_limit, log=notes.append)
-        assert not cache.prompt_stacks  # opt-in: over --vram-budget on a long prompt (h200-s12c)
-        cache.prompt_stacks = True
-        if limit == "one wanted":
-            cache.prompt_stack_buffers = 1
+        assert cache.prompt_stacks  # the default since run h200-s13c
+        assert cache.prompt_stack_buffers == 1  # the default: the copy ahead gained nothing on the H200
+        if limit != "default":
+            cache.prompt_stack_buffers = 2
         resident = [(il, e) for il in range(c.n_layer) for e in (2, 5)][:8]
         _fill(cache, ew, resident)
         real_empty = cache.be.empty_u8
@@ -475,7 +476,7 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
             got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
             np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
                                        rtol=1e-4, atol=1e-5)
-        n_bufs = {"none": 2, "two stacks": 2, "one stack": 1, "no stack": 0, "one wanted": 1}[limit]
+        n_bufs = {"none": 2, "two stacks": 2, "one stack": 1, "no stack": 0, "default": 1}[limit]
         assert sum(allocs) == n_bufs * stack  # allocated once, for both prompts
         assert len(notes) == (n_bufs < cache.prompt_stack_buffers) and all("room for" in n for n in notes)
         started, used, dropped = cache.stack_prefetch
@@ -514,6 +515,7 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=3 * s, log=notes.append)
         cache.prompt_stacks = True
+        cache.prompt_stack_buffers = 2
         cached = [0]  # the pool's blocks from the ubatch before
         releases = []
         monkeypatch.setattr(cache.be, "memory_in_use",
@@ -549,7 +551,78 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
             if step:  # the check gave the pool's blocks back (and once more per buffer given back)
                 assert releases[n_rel] == trans and len(releases) - n_rel == 1 + (n_bufs < steps[step - 1][1]), step
         assert len(notes) == 2 and "1 buffer(s) left (no copy ahead)" in notes[0] and "groups" in notes[1]
+        # each note gives the figures it decided on (MiB; the twin's are KiB, so 0 here)
+        assert all("in use" in n and "transients" in n and "growth allowed" in n and "budget" in n for n in notes)
         cache.close()
+
+
+def test_prompt_stacks_without_a_budget_keep_within_the_gpu_memory(model_path):
+    """No --vram-budget (vram_limit None): the stacks keep within the placement's share
+    (USABLE_FRACTION) of the GPU's own memory (the twin's ``total``): a GPU whose memory in use
+    leaves no room there for a buffer and its margin gives the prompt the groups, noted; with room,
+    one buffer, given back (noted) at the first ubatch whose memory in use and the least growth
+    allowed (ROOM_FLOOR_BYTES) pass that share. Every ubatch gives the all-CPU output."""
+    import moecache.moe.cache as cache_mod
+
+    rng = np.random.default_rng(11)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
+        ref_ex = CPUExperts(ew, NumpyBackend())
+
+        def prompt(cache):
+            cache.begin_pass(40)
+            for il in ew:
+                h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
+                r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 40).astype(np.float32), c.n_expert_used, True)
+                np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, r), rtol=1e-5, atol=1e-6)
+
+        for room in (False, True):
+            notes = []
+            cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
+                                  log=notes.append)
+            assert cache.vram_limit is None and cache.prompt_stacks
+            cache.be.in_use = 1 << 30
+            usable = cache.be.in_use + stack + cache_mod.STACK_MARGIN_BYTES - (0 if room else 1)
+            cache.be.total = int(usable / cache_mod.USABLE_FRACTION) + 1  # the placement's share of it: usable
+            prompt(cache)
+            assert len(cache._bufs) == int(room)
+            if not room:
+                assert len(notes) == 1 and "room for 0 of 1" in notes[0] and "in the GPU's" in notes[0]
+                cache.close()
+                continue
+            assert not notes  # the GPU's memory less what is in use: more than the floor
+            prompt(cache)
+            assert len(cache._bufs) == 1
+            limit = int(cache.be.total * cache_mod.USABLE_FRACTION)
+            cache.be.in_use = limit - cache_mod.ROOM_FLOOR_BYTES + 1  # the floor no longer fits
+            prompt(cache)
+            assert not cache._bufs and len(notes) == 1 and "near the GPU memory" in notes[0]
+            assert f"GPU memory {limit >> 20} MiB" in notes[0]
+            cache.close()
+
+
+def test_close_waits_for_the_slot_copies_in_flight(model_path):
+    """close() completes every slot copy still in flight, published or evicted (retired), before the
+    slots' memory can go back: the twin's copies land only when polled twice or waited for, so a
+    close that did not wait leaves 0xFF bytes where the experts belong."""
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = _cache(ew, c.n_layer, c.n_expert, 2)
+        cache._apply([Admission(0, 1, None), Admission(0, 2, None)])
+        cache._apply([Admission(1, 3, (0, 2))])  # evicts (0, 2) while its copy is in flight: retired
+        assert len(cache._pending) == 2 and len(cache._retired) == 1
+        slot_13, slot_01 = cache.pool.owner.index((1, 3)), cache.pool.owner.index((0, 1))
+        assert (cache.pool.gate[slot_13] == 0xFF).all()  # nothing landed yet
+        retired = cache._retired[0]
+        cache.close()
+        assert not cache._pending and not cache._retired and retired.srcs is None  # the retired copy ran too
+        for slot, (il, e) in ((slot_01, (0, 1)), (slot_13, (1, 3))):
+            for pool_arr, w in zip((cache.pool.gate, cache.pool.up, cache.pool.down),
+                                   (ew[il].gate, ew[il].up, ew[il].down)):
+                np.testing.assert_array_equal(pool_arr[slot], w[e])
 
 
 def test_a_copy_left_in_flight_is_dropped_by_the_next_pass(model_path):
@@ -561,6 +634,7 @@ def test_a_copy_left_in_flight_is_dropped_by_the_next_pass(model_path):
         ew = expert_weights(m, "silu")
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
         cache.prompt_stacks = True
+        cache.prompt_stack_buffers = 2  # a copy ahead
         ref_ex = CPUExperts(ew, NumpyBackend())
         first = min(ew)
         h = rng.standard_normal((40, c.n_embd)).astype(np.float32)

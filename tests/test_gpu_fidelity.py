@@ -62,8 +62,9 @@ def test_code_moe_tiny_placements_equal_cpu(gpu_ok, code_moe_tiny, real, placeme
 @pytest.mark.parametrize("placement", ["--cpu-moe", "--n-cpu-moe 4", "cache"])
 def test_synthetic_moe_prompt_experts_in_several_groups(gpu_ok, tmp_path_factory, monkeypatch, placement,
                                                         load_mode, ub):
-    """64 experts of a few hundred KiB each (Q4_K/Q6_K); the cache's prompt path moves them 5 at a
-    time (PROMPT_GROUP_BYTES lowered), so one ubatch's used experts span many upload groups."""
+    """64 experts of a few hundred KiB each (Q4_K/Q6_K); the cache's prompt groups (its prompt stacks,
+    the default, switched off) move them 5 at a time (PROMPT_GROUP_BYTES lowered), so one ubatch's
+    used experts span many upload groups."""
     from moecache.gguf_file import open_gguf
     from moecache.testing.synth import PRESETS as P
     from moecache.testing.synth import SynthConfig, write_model
@@ -82,7 +83,8 @@ def test_synthetic_moe_prompt_experts_in_several_groups(gpu_ok, tmp_path_factory
     tokens = [int(t) for t in rng.integers(0, n_vocab, 4 * 128)]
     prompt = tokens[:90]
     ppl, ref_toks, gaps = F.cpu_reference(path, tokens, 128, 4, prompt, 8)
-    c = F.run_cell(path, placement, load_mode, ub, tokens, 128, 4, prompt, 8)
+    c = F.run_cell(path, placement, load_mode, ub, tokens, 128, 4, prompt, 8,
+                   prompt_stacks=False if placement == "cache" else None)
     rel = abs(c.ppl - ppl) / ppl
     print(f"{placement} {load_mode} -ub {ub}: ppl {c.ppl:.4f} (CPU {ppl:.4f}, {rel:.2e}); {c.summary}")
     assert rel < 1e-3

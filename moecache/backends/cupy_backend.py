@@ -130,6 +130,11 @@ class _SlotCopy:
             return True
         return False
 
+    def wait(self) -> None:
+        """Block the host until the copy has completed (a CUDA error of the copy is raised here)."""
+        self.event.synchronize()
+        self.keep = []
+
 
 class _Upload:
     """A whole-array upload on the copy stream: the device arrays and the copy's completion event."""
@@ -384,6 +389,12 @@ class CupyBackend(ArrayOps):
         with cp.cuda.Device(self.device):
             free, total = cp.cuda.runtime.memGetInfo()
         return int(total - free)
+
+    def memory_total(self) -> int:
+        """Bytes of this GPU's memory (``cudaMemGetInfo``'s total): the limit the expert cache's prompt
+        stacks keep within when no ``--vram-budget`` is given."""
+        with cp.cuda.Device(self.device):
+            return int(cp.cuda.runtime.memGetInfo()[1])
 
     def release_cached(self) -> None:
         """Give CuPy's cached free blocks back to the driver (waits for the GPU's queued work)."""
@@ -662,7 +673,11 @@ class CupyBackend(ArrayOps):
         key = inv_freq.tobytes()
         inv = self._inv_freq.get(key)
         if inv is None:  # once per RoPE, never while a CUDA graph is being captured
-            inv = self._inv_freq[key] = self._put(np.asarray(inv_freq, np.float64))
+            # from the default pool: the first call may come in a decode graph's warm-up step, under
+            # that graph's private pool, which frees its memory when the graph is captured again
+            # (another routing process, another KV cache) while this table lives on
+            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+                inv = self._inv_freq[key] = self._put(np.asarray(inv_freq, np.float64))
         t, half = pos.shape[0], inv.shape[0]
         cs = cp.empty((t, half), cp.float32)
         sn = cp.empty((t, half), cp.float32)

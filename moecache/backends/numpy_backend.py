@@ -71,6 +71,7 @@ class NumpyBackend(ArrayOps):
     def __init__(self, act_q8: bool = False):
         self.act_q8 = act_q8
         self.in_use = 0  # device bytes in use, as a test sets them (room_for)
+        self.total = 1 << 62  # the device's bytes, as a test sets them (memory_total)
 
     def _q8(self, ggml_type: int, name: str | None, n_tok: int) -> bool:
         return self.act_q8 and n_tok <= DECODE_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
@@ -113,6 +114,10 @@ class NumpyBackend(ArrayOps):
         """The twin of :meth:`CupyBackend.memory_in_use`: ``in_use``, as a test sets it (the arrays
         this backend allocates are not counted: a test models them)."""
         return self.in_use
+
+    def memory_total(self) -> int:
+        """The twin of :meth:`CupyBackend.memory_total`: ``total``, as a test sets it."""
+        return self.total
 
     def release_cached(self) -> None:
         """The twin of :meth:`CupyBackend.release_cached`: nothing is cached."""
@@ -329,6 +334,11 @@ class TwinCopy:
                 d[self.slot] = s
             self.srcs = None
         return True
+
+    def wait(self) -> None:
+        """Complete the copy now (the twin of waiting for the GPU's copy)."""
+        self.polls = max(self.polls, 1)
+        self.done()
 
 
 class TwinUpload:

@@ -31,21 +31,21 @@ its slot's copy waits for the pass that could still read it.
    uploads start (on the GPU: a separate copy stream ordered after the compute stream, so no kernel
    still reads a victim's slot) and land in the map at a later call, when complete.
 
-Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend,
-in groups of ``prompt_group_bytes`` (copy, then compute, on one stream), or, with ``prompt_stacks``
-(opt-in: a 12620-token prompt went over ``--vram-budget`` in the H200 runs so far), each layer in one call from a
-stack of its experts on the device:
-resident ones copied from their slots on the device, the others from the host (op offload), and
-the next cached layer's non-resident experts copied on the copy stream while this layer computes
-(the same copy-stream ordering as :mod:`moecache.moe.prefetch`). The stacks are up to
-``prompt_stack_buffers`` (2) buffers of one layer's experts each, allocated at the first prompt while
-the GPU's memory in use leaves room for them under ``--vram-budget`` (one: no copy ahead; none: the
-groups). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor guide
-to decode's hot set; routing.md).
+Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend.
+With ``prompt_stacks`` (the default) each layer is one call on a stack of its experts on the
+device: resident ones copied from their slots on the device, the others from the host (op
+offload), and, with two buffers, the next cached layer's non-resident experts copied on the copy
+stream while this layer computes (the same copy-stream ordering as :mod:`moecache.moe.prefetch`).
+The stacks are up to ``prompt_stack_buffers`` (1 by default) buffers of one layer's experts each,
+allocated at the first prompt while the GPU's memory in use leaves room for them under
+``--vram-budget`` (without one: the GPU's memory), and given back when a prompt's memory nears it.
+Without a stack, the used experts come in groups of ``prompt_group_bytes`` (copy, then compute,
+on one stream). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor
+guide to decode's hot set; routing.md).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
 ``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
-an object with ``done()``); NumpyBackend is the CPU twin, where copies complete one poll later so
+an object with ``done()`` and ``wait()``); NumpyBackend is the CPU twin, where copies complete one poll later so
 the in-flight rules are exercised in CI, and where the device map is a separate array.
 """
 
@@ -64,6 +64,7 @@ from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT, LayerPrefetch
 from moecache.moe.routing import Routing
+from moecache.placement import USABLE_FRACTION
 from moecache.quants import cpu
 
 
@@ -160,23 +161,27 @@ class CachedExperts:
             scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
             of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
-        prompt_group_bytes: a prompt ubatch (the default path; with ``prompt_stacks`` only when
-            there is no room for its buffers) brings its used experts to the device this many bytes
+        prompt_group_bytes: a prompt ubatch (without ``prompt_stacks``, or when there is no room for
+            a stack buffer or it was given back) brings its used experts to the device this many bytes
             at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the backend).
-        vram_limit: ``--vram-budget`` in bytes (None: none): the prompt stacks' buffers are
-            allocated only while the GPU's memory in use leaves room under it for them and for
-            :data:`STACK_MARGIN_BYTES` more (the backend's ``room_for``).
+        vram_limit: ``--vram-budget`` in bytes (None: none, and the GPU's own memory is the limit):
+            the prompt stacks' buffers are allocated only while the GPU's memory in use leaves room
+            under it for them and for :data:`STACK_MARGIN_BYTES` more (the backend's ``room_for``),
+            and given back when a prompt's memory nears it (:meth:`_keep_room`).
         log: where a one-time note goes (the engine's log); None: nowhere.
 
     Attributes:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
             (:meth:`_prompt_stack`: residents copied from their slots on the device, the others from
-            the host), the next cached layer's non-resident experts copied on the copy stream while
-            this one computes. False (default: a 12620-token prompt went over ``--vram-budget`` in
-            runs h200-s11p, s12a and s12c): the groups of ``prompt_group_bytes``.
-        prompt_stack_buffers: the stack buffers wanted (2: the next layer copied ahead; 1: each
-            layer copies its own, half the memory: in runs h200-s12a/s12c one buffer kept most of
-            the stacks' speed).
+            the host). True by default: at 8 GiB on the H200 (run h200-s13c, one buffer) 8g-pp512 ran
+            741 t/s at a peak of 7703 MiB against the groups' 405 (h200-s10n); the 12620-token
+            prompt gave its buffer back at its fifth ubatch, the ubatch before peaking 22 MiB under
+            the budget (8170 MiB; the run's peak, 7903 MiB, is the groups' after).
+            False: the groups of ``prompt_group_bytes``, always.
+        prompt_stack_buffers: the stack buffers wanted (1, default: each layer copies its own; 2: the
+            next layer copied ahead, twice the memory). One by measurement: ``bench/prompt_q8.py --ab
+            cache`` (H200, 8 GiB, pp512, empty slots, session 13) ran 1110 t/s with two and 1123 with
+            one, whose pool grew 618 MiB against 1169 (``bench/results/prompt-q8-h200.md``).
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight).
         prompt_fills, prompt_slot_reads: experts loaded into empty slots after a prompt, experts
@@ -194,11 +199,10 @@ class CachedExperts:
         self.be = backend
         self.policy = policy
         self.prompt_group_bytes = prompt_group_bytes
-        # off: the 12620-token prompt of the 8 GiB case peaked over --vram-budget in runs h200-s11p (+455
-        # MiB), h200-s12a (+267) and h200-s12c (+27), bench/results/vs-llamacpp-h200.md; 8g-pp512 stayed
-        # within it and ran 0.43x of llama.cpp against the groups' 0.20x
-        self.prompt_stacks = False
-        self.prompt_stack_buffers = 2
+        # on since session 13: with one buffer and the per-ubatch check (_keep_room) both 8 GiB prompt
+        # cases kept within --vram-budget (run h200-s13c, bench/results/vs-llamacpp-h200.md)
+        self.prompt_stacks = True
+        self.prompt_stack_buffers = 1
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
@@ -548,12 +552,12 @@ class CachedExperts:
         the device (arrays of the host stacks' shape, indexed by expert id: the routing as it is;
         positions of experts the ubatch does not use are never read; the copy ahead writes every
         non-resident expert of its layer, used or not). The stacks are
-        two buffers allocated once (:meth:`_stack_buffers`) and used in turn: this layer's holds
-        what the layer before copied into it on the copy stream (:meth:`_start_flight`: this layer's
-        experts that were not resident then), and the used experts it still lacks are filled here,
-        resident ones from their slots on the device, the others from the host. Before this layer's
-        compute is queued, the next cached layer's copy into the other buffer starts, so the two
-        overlap. With one buffer there is no copy ahead.
+        ``prompt_stack_buffers`` buffers allocated once (:meth:`_stack_buffers`). With one (the
+        default) each layer fills it: resident experts from their slots on the device, the others
+        from the host. With two, used in turn, this layer's holds what the layer before copied into
+        it on the copy stream (:meth:`_start_flight`: this layer's experts that were not resident
+        then), the used experts it still lacks are filled here, and before this layer's compute is
+        queued the next cached layer's copy into the other buffer starts, so the two overlap.
 
         On the H200 (run ``h200-s11p``, ``bench/results/vs-llamacpp-h200.md``) stacks took the 8 GiB
         pp512 case from 0.20x to 0.41x of llama.cpp and pp12620 from 0.25x to 0.43x; that version
@@ -591,10 +595,10 @@ class CachedExperts:
     def _stack_buffers(self, e: ExpertWeights) -> int:
         """The prompt stacks' buffers (each a (gate, up, down) of every expert of a layer), allocated
         at the first prompt ubatch that wants them and kept: ``prompt_stack_buffers`` (1 or 2) if the
-        GPU's memory in use leaves room under ``vram_limit`` for them and for
+        GPU's memory in use leaves room under the limit (:meth:`_limit`) for them and for
         :data:`STACK_MARGIN_BYTES` (what the layer's MoE call and the stack fills allocate after
-        them; ``room_for``), else fewer (noted once). The memory a prompt adds later is checked at each ubatch (:meth:`_keep_room`).
-        Returns how many."""
+        them; ``room_for``), else fewer (noted once). The memory a prompt adds later is checked at
+        each ubatch (:meth:`_keep_room`). Returns how many."""
         if self._bufs is None:
             shapes = [(self.slot_of.shape[1], *w.shape[1:]) for w in (e.gate, e.up, e.down)]
             nbytes = sum(int(np.prod(sh)) for sh in shapes)
@@ -602,8 +606,9 @@ class CachedExperts:
             want = self.prompt_stack_buffers
             if want not in (1, 2):
                 raise ValueError(f"prompt_stack_buffers must be 1 or 2, got {want!r}")
+            limit = self._limit()
             for _ in range(want):
-                if not self.be.room_for(nbytes + STACK_MARGIN_BYTES, self.vram_limit):
+                if not self.be.room_for(nbytes + STACK_MARGIN_BYTES, limit):
                     break
                 try:
                     self._bufs.append(tuple(self.be.empty_u8(sh) for sh in shapes))
@@ -611,7 +616,8 @@ class CachedExperts:
                     break
             if len(self._bufs) < want:
                 self.log(f"note: prompt stacks: room for {len(self._bufs)} of {want} buffers of {nbytes >> 20} MiB"
-                         + (f" under --vram-budget {self.vram_limit >> 20} MiB" if self.vram_limit else "")
+                         + (f" under --vram-budget {limit >> 20} MiB" if self.vram_limit is not None
+                            else f" in the GPU's {limit >> 20} MiB")
                          + (": no layer's experts copied ahead" if self._bufs else
                             ": prompts bring their experts in groups"))
         return len(self._bufs)
@@ -625,7 +631,7 @@ class CachedExperts:
         self._trans_seen, self._growth = None, 0
 
     def _keep_room(self) -> None:
-        """At a prompt ubatch's first cached layer, with ``vram_limit`` and stack buffers: CuPy's
+        """At a prompt ubatch's first cached layer, with stack buffers: CuPy's
         cached blocks go back to the driver (``release_cached``), so each ubatch's transient arrays
         are allocated anew and no trail of smaller blocks that a longer context outgrew stays in the
         pool (read after run h200-s12c, whose 12620-token prompt went 27 MiB over its budget: the
@@ -633,12 +639,14 @@ class CachedExperts:
         memory in use (``memory_in_use``: what ``--vram-budget`` and nvidia-smi count) before that
         less after it is the ubatch before's transients. While the memory in use now, those
         transients and their growth to come (the largest growth from one ubatch to the next seen so
-        far, at least :data:`ROOM_FLOOR_BYTES`) pass ``vram_limit``, a stack buffer goes back (the
+        far, at least :data:`ROOM_FLOOR_BYTES`) pass the limit (:meth:`_limit`: ``vram_limit``, else
+        the GPU's memory), a stack buffer goes back (the
         second first: no more copies ahead; then the groups), noted once each; a buffer given back
         stays so for the engine's life. The release waits for the GPU's queued work and the
         ubatch's arrays come from the driver again: a cost per ubatch not yet measured."""
-        if self.vram_limit is None or not self._bufs:
+        if not self._bufs:
             return
+        limit = self._limit()
         before = self.be.memory_in_use()
         self.be.release_cached()
         live = self.be.memory_in_use()
@@ -646,14 +654,25 @@ class CachedExperts:
         if self._trans_seen is not None:
             self._growth = max(self._growth, trans - self._trans_seen)
         self._trans_seen = trans
-        while self._bufs and live + trans + max(self._growth, ROOM_FLOOR_BYTES) > self.vram_limit:
+        while self._bufs and live + trans + max(self._growth, ROOM_FLOOR_BYTES) > limit:
+            why = (f"in use {live >> 20} MiB, the ubatch before's transients {trans >> 20} MiB, growth allowed "
+                   f"{max(self._growth, ROOM_FLOOR_BYTES) >> 20} MiB, "
+                   + (f"budget {limit >> 20} MiB" if self.vram_limit is not None else f"GPU memory {limit >> 20} MiB"))
             self._drop_flight()
             self._bufs.pop()
             self._turn = 0
             self.be.release_cached()
             live = self.be.memory_in_use()
-            self.log(f"note: prompt stacks: the prompt's memory grew near --vram-budget: {len(self._bufs)} "
+            near = "--vram-budget" if self.vram_limit is not None else "the GPU memory"
+            self.log(f"note: prompt stacks: the prompt's memory grew near {near} ({why}): {len(self._bufs)} "
                      f"buffer(s) left" + (" (no copy ahead)" if self._bufs else " (its experts come in groups)"))
+
+    def _limit(self) -> int:
+        """The bytes the prompt stacks keep the GPU's memory in use within: ``vram_limit``, or without
+        one the share of the GPU's memory (``memory_total``) that the placement plans with
+        (:data:`~moecache.placement.USABLE_FRACTION`): a stack should not run the GPU out of memory
+        where the groups would not."""
+        return self.vram_limit if self.vram_limit is not None else int(self.be.memory_total() * USABLE_FRACTION)
 
     def _start_flight(self, il: int, n_pairs: int, b: int) -> None:
         """Begin copying the next cached layer's non-resident experts into buffer ``b`` on the copy
@@ -740,5 +759,17 @@ class CachedExperts:
         return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
 
     def close(self) -> None:
-        self.drop_stacks()
-        self._workers.shutdown(wait=True)
+        """Wait for the slot copies in flight, give the stack buffers back, stop the miss worker.
+
+        The wait matters on the GPU: a slot copy is queued on the copy stream, which nothing else
+        waits for, while the slots' memory goes back to CuPy's pool (to the compute stream's free
+        blocks) once the cache is dropped; a copy still queued would then write into whatever the
+        pool hands those blocks to next (in the GPU suite, a later test's engine: its logits went
+        wrong after a test that had held the copy stream up)."""
+        try:
+            for copy in self._retired + [p[0] for p in self._pending]:  # retired first: each precedes
+                copy.wait()  # any pending copy into its slot
+        finally:
+            self._pending, self._retired = [], []
+            self.drop_stacks()
+            self._workers.shutdown(wait=True)

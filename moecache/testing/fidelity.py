@@ -82,8 +82,9 @@ def offloaded_bytes(eng: Engine) -> int:
 
 
 def run_cell(path: str | Path, placement: str, load_mode: str, n_ubatch: int, tokens: list[int], n_ctx: int,
-             max_chunks: int, prompt: list[int], n_greedy: int) -> Cell:
-    """Perplexity (``n_ctx`` chunks, at most ``max_chunks``) and greedy tokens in one configuration."""
+             max_chunks: int, prompt: list[int], n_greedy: int, prompt_stacks: bool | None = None) -> Cell:
+    """Perplexity (``n_ctx`` chunks, at most ``max_chunks``) and greedy tokens in one configuration;
+    ``prompt_stacks`` (None: the default) is set on the expert caches (their prompt path)."""
     opts = dict(PLACEMENTS[placement])
     if placement == "cache":
         opts["vram_budget"] = third_of_experts_budget(path, n_ctx)
@@ -92,6 +93,8 @@ def run_cell(path: str | Path, placement: str, load_mode: str, n_ubatch: int, to
     with Engine(path, cfg, placement=PlacementOptions(**opts), load_mode=load_mode, gpu_act_q8=False) as eng:
         if placement == "cache":
             assert eng.caches and eng.placement.cache_slots[0][1] > 0, "the budget gave no expert cache"
+        for cache in eng.caches if prompt_stacks is not None else ():
+            cache.prompt_stacks = prompt_stacks
         ppl = eng.perplexity(tokens, n_ctx, max_chunks=max_chunks).ppl
         toks, _ = greedy(eng, prompt, n_greedy)
         return Cell(placement, load_mode, n_ubatch, ppl, toks, offloaded_bytes(eng), eng.placement.summary())
