@@ -346,7 +346,11 @@ class Engine:
             c.reset_stats()  # the warm-up token is not the user's
 
     def close(self) -> None:
-        """Release the model file (and the expert caches' worker threads)."""
+        """Release the model file, the expert caches (their copies in flight waited for, their
+        worker threads stopped) and an expert upload still in flight (dropped)."""
+        drop = getattr(getattr(getattr(self, "model", None), "experts", None), "drop_uploads", None)
+        if drop is not None:
+            drop()
         for c in self.caches:
             c.close()
         self.gguf.close()

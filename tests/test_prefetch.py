@@ -114,6 +114,24 @@ def test_small_ubatches_and_other_layers_do_not_use_an_upload(opened, rng):
     assert few.start_after(layers[-1], 10 ** 9) is False  # the last layer has no next one
 
 
+def test_drop_uploads_leaves_none_in_flight(opened, rng):
+    """ExpertsByLayer.drop_uploads (what Engine.close calls): an upload a prompt cut short left in
+    flight is dropped (counted), so its arrays never outlive the wait for the copy; with none in
+    flight it does nothing."""
+    m, ew = opened
+    c = m.config
+    layers = sorted(ew)
+    ex = placed_experts(ew, [False] * c.n_layer, [Gpu()] * c.n_layer, 32, None, True)
+    shared = ex.executors[layers[0]].prefetch
+    h = rng.standard_normal((40, c.n_embd)).astype(np.float32)
+    ex(layers[0], h, _routing(rng, 40, c.n_expert, c.n_expert_used))  # begins layers[1]'s upload
+    assert shared._flight is not None and shared.dropped == 0
+    ex.drop_uploads()
+    assert shared._flight is None and shared.dropped == 1
+    ex.drop_uploads()
+    assert shared.dropped == 1
+
+
 def test_no_prefetch_on_cpu_layers_or_by_default(opened):
     m, ew = opened
     n = m.config.n_layer

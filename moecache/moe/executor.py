@@ -161,6 +161,15 @@ class ExpertsByLayer:
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         return self.executors[il](il, h, routing)
 
+    def drop_uploads(self) -> None:
+        """Drop an upload of a next layer's experts still in flight (the host-expert layers' shared
+        prefetch; one a prompt cut short by an exception leaves), so that its arrays go back to the
+        pool only after the compute stream has waited for the copy (:meth:`LayerPrefetch.drop`)."""
+        for e in self.executors.values():
+            p = getattr(e, "prefetch", None)
+            if p is not None:
+                p.drop()
+
     def graph_capturable(self) -> str | None:
         """The first layer executor's reason, if any has one."""
         for e in self.executors.values():
