@@ -82,13 +82,14 @@ STACK_FILL_EXPERTS = 32
 # bench/results/prompt-q8-h200.md); the 8g-pp512 runs since peaked within the budget with it
 STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 # the least growth of a prompt ubatch's transient memory over the ubatch before that
-# CachedExperts._keep_room allows for: the prompt attention's blocks are powers of two
-# (ops._scratch), its scores at most ATTENTION_SCORE_BYTES, so one ubatch more of context doubles a
-# scores block at most to that (+half of it), and its K and V copies (n_kv * context * head_dim
-# floats each: 32 MiB at Qwen3-30B-A3B's 12620 positions) by at most their own size: 64 MiB holds
-# while each copy is at most 32 MiB (Qwen3-30B-A3B to 16k positions; fewer for more KV heads),
-# beyond that only the largest growth seen covers it
-ROOM_FLOOR_BYTES = ATTENTION_SCORE_BYTES // 2 + (64 << 20)
+# CachedExperts._keep_room allows for. Measured (run h200-s13c, Qwen3-30B-A3B, -ub 512, a trace of
+# the 12620-token prompt): the transients grew by 322 MiB from the ubatch ending at 1536 positions
+# to the next, and that ubatch peaked 22 MiB under the 8 GiB budget, against a floor of 192 MiB
+# then (half a scores block plus 64 MiB of K/V copies: too little). The attention's blocks are
+# powers of two (ops._scratch), its scores at most ATTENTION_SCORE_BYTES; the floor is a whole
+# scores block plus 128 MiB, 384 MiB: with it that prompt would have given the stack back one
+# ubatch earlier, and 8g-pp512 (peak 7703 MiB in h200-s13c) keeps its stack. Not run on a GPU
+ROOM_FLOOR_BYTES = ATTENTION_SCORE_BYTES + (128 << 20)
 
 
 @dataclass
