@@ -348,7 +348,7 @@ class Engine:
     def close(self) -> None:
         """Release the model file, the expert caches (their copies in flight waited for, their
         worker threads stopped) and an expert upload still in flight (dropped)."""
-        drop = getattr(getattr(getattr(self, "model", None), "experts", None), "drop_uploads", None)
+        drop = getattr(self.model.experts, "drop_uploads", None)  # placed experts (ExpertsByLayer) have it
         if drop is not None:
             drop()
         for c in self.caches:
