@@ -655,16 +655,15 @@ class CachedExperts:
         if self._trans_seen is not None:
             self._growth = max(self._growth, trans - self._trans_seen)
         self._trans_seen = trans
+        near, cap = ("--vram-budget", "budget") if self.vram_limit is not None else ("the GPU memory", "GPU memory")
         while self._bufs and live + trans + max(self._growth, ROOM_FLOOR_BYTES) > limit:
             why = (f"in use {live >> 20} MiB, the ubatch before's transients {trans >> 20} MiB, growth allowed "
-                   f"{max(self._growth, ROOM_FLOOR_BYTES) >> 20} MiB, "
-                   + (f"budget {limit >> 20} MiB" if self.vram_limit is not None else f"GPU memory {limit >> 20} MiB"))
+                   f"{max(self._growth, ROOM_FLOOR_BYTES) >> 20} MiB, {cap} {limit >> 20} MiB")
             self._drop_flight()
             self._bufs.pop()
             self._turn = 0
             self.be.release_cached()
             live = self.be.memory_in_use()
-            near = "--vram-budget" if self.vram_limit is not None else "the GPU memory"
             self.log(f"note: prompt stacks: the prompt's memory grew near {near} ({why}): {len(self._bufs)} "
                      f"buffer(s) left" + (" (no copy ahead)" if self._bufs else " (its experts come in groups)"))
 
