@@ -96,6 +96,8 @@ def main() -> None:
 
             c = eng.gguf.config
             eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
+            if hasattr(eng.model.routing_override, "draw_passes_ahead"):
+                eng.model.routing_override.draw_passes_ahead = True  # as moecache.llm sets it on a GPU
         if a.ab == "cache" and not eng.caches:
             raise SystemExit("--ab cache: the model fits at this budget, there is no expert cache")
         bes = {id(b): b for b in eng.model.layer_be if hasattr(b, "prompt_q8")}

@@ -1119,7 +1119,9 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
 def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
     """--routing with graph decode: the process is drawn per replay in the op-by-op order, so graph and
     op-by-op decoding give the same logits at every step (on the zero-copy path a hit and a miss run
-    the same arithmetic, so copy timings cannot change them)."""
+    the same arithmetic, so copy timings cannot change them). The graph engine's process also
+    draws its prompt passes ahead on a worker thread (``draw_passes_ahead``, as moecache.load sets
+    it on a GPU): the same logits too."""
     from moecache.engine import Engine, EngineConfig
     from moecache.moe.routing_process import make_routing
     from moecache.placement import PlacementOptions
@@ -1136,7 +1138,9 @@ def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
         for eng in engines:
             c = eng.gguf.config
             eng.model.routing_override = make_routing("qwen3-moe", c.n_layer, c.n_expert, c.n_expert_used, seed=3)
-            outs.append(np.vstack([eng.eval(list(range(1, 9)))] + [eng.eval([int(t)]) for t in range(20, 45)]))
+            eng.model.routing_override.draw_passes_ahead = eng is engines[1]
+            outs.append(np.vstack([eng.eval(list(range(1, 9))), eng.eval(list(range(9, 17)))]
+                                  + [eng.eval([int(t)]) for t in range(20, 45)]))
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(outs[0]).max())
         assert engines[1].model.decode_graph.replays >= 20 and engines[0].model.decode_graph is None
     finally:

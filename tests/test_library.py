@@ -126,6 +126,14 @@ def test_unknown_setting_and_bad_values_are_named(tiny):
                 llm.chat([{"role": "user", "content": "hi"}], n_predict=n)
 
 
+def test_a_routing_process_draws_ahead_only_beside_a_gpu(tiny):
+    """--routing: the process draws the next prompt pass on a worker thread only where the layers
+    run on a GPU (the CPU then waits for it); on the CPU the draw would take the kernels' cores."""
+    with moecache.load(tiny, n_ctx=64, n_threads=1, n_gpu_layers=0, routing="qwen3-moe") as llm:
+        assert llm.engine.model.routing_override.draw_passes_ahead is False
+        assert len(llm.complete([1, 2, 3, 4, 5], n_predict=2, temperature=0).tokens) == 2
+
+
 def test_sampling_through_the_library_follows_the_seed(tiny):
     with moecache.load(tiny, n_ctx=64) as llm:
         a = llm.complete("Hello", n_predict=6, temperature=0.9, seed=7)

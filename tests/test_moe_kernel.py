@@ -158,18 +158,21 @@ def _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out):
     return ids, w, h, mats, ref
 
 
-@pytest.mark.parametrize("skew", [0.0, 3.0])
-def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew):
+@pytest.mark.parametrize("skew,m_align", [(0.0, 1), (3.0, 1), (0.0, 16), (3.0, 16)])
+def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew, m_align):
     """The GPU's prompt-MoE plan (moe_prompt_plan: chunks, each chunk's experts and padded token
     rows, each pair's output row) run with numpy stand-ins for the GEMMs (a random matrix per
     expert; the chunks' padded outputs stacked; each token's k rows summed with its weights) equals
-    the direct sum over each token's routed experts; padding stays under the real rows."""
+    the direct sum over each token's routed experts; padding stays under the real rows (plus the
+    rounding to ``m_align`` rows per expert, the GPU's MOE_PROMPT_M_ALIGN)."""
     from moecache.backends.ops import moe_prompt_plan
 
     t, k, n_exp, d_in, d_out = 300, 4, 32, 24, 16
     ids, w, h, mats, ref = _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out)
-    plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, 40 * 4 * d_in)  # <= 7 experts, <= 40 padded rows a chunk
+    act = 40 * 4 * d_in  # <= 40 padded rows a chunk, unless one expert's alone are more
+    plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, act, m_align)  # <= 7 experts
     assert len(plan.chunks) > 2
+    assert all(m % m_align == 0 and (n_c * m * 4 * d_in <= act or n_c == 1) for n_c, m in plan.chunks)
     e_at = r_at = 0
     outs = []
     for n_c, m in plan.chunks:
@@ -178,7 +181,8 @@ def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew):
         outs.append(np.einsum("cmi,coi->cmo", x, mats[e]).reshape(n_c * m, d_out))
         e_at, r_at = e_at + n_c, r_at + n_c * m
     y = np.concatenate(outs)
-    assert y.shape[0] == plan.n_rows <= 2 * t * k and e_at == plan.expert_ids.size == np.unique(ids).size
+    n_used = np.unique(ids).size
+    assert y.shape[0] == plan.n_rows <= 2 * t * k + (m_align - 1) * n_used and e_at == plan.expert_ids.size == n_used
     got = (w.reshape(-1, 1) * y[plan.row_of_pair]).reshape(t, k, d_out).sum(1)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 

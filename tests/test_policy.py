@@ -255,6 +255,59 @@ def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
         assert np.array_equal(np.stack([r.weights for r in rs]), w_b), step
 
 
+def test_passes_drawn_ahead_on_a_worker_give_the_same_choices():
+    """draw_passes_ahead (GPU runs): a multi-token pass starts drawing the next pass of its size on a
+    worker thread. Prompt ubatches of one size, then a shorter last one, decode steps (graph-style,
+    drawn ahead too), batched steps of changing sizes and new prompts must route exactly as a
+    process that draws every pass when asked (the generator rewound when a pass drawn ahead is not
+    the one asked for)."""
+    n_layer, k = 5, 4
+    a = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 64, k, seed=7)  # draws when asked
+    b = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 64, k, seed=7)
+    b.draw_passes_ahead = True
+    plan = [16, 16, 16, 9, 1, 1, "graph", "graph", 1, 3, 3, 2, 3, "new", 16, 16, 1, "new", 8, "restart", 8, 8]
+    ahead_seen = 0
+    for step, n in enumerate(plan):
+        if n in ("new", "restart"):
+            for rp in (a, b):
+                rp.new_prompt() if n == "new" else rp.restart(5)
+            continue
+        if n == "graph":
+            ref, got = a.next_token()[0], b.next_token()[0]
+            b.draw_ahead()
+        else:
+            ref = np.stack([a.route(il, n).ids for il in range(n_layer)])
+            got = np.stack([b.route(il, n).ids for il in range(n_layer)])
+            ahead_seen += b._ahead is not None and b._ahead[0] == n > 1
+        assert np.array_equal(ref, got), (step, n)
+    assert ahead_seen >= 8  # the worker did draw ahead
+    assert a._ahead is None
+
+
+def test_a_failed_draw_ahead_raises_in_the_pass_that_takes_it(monkeypatch):
+    """An exception in the worker's draw reaches the caller of the pass that takes it (nothing
+    fails silently); a pass of another size drops it, the generator rewound."""
+    import moecache.moe.routing_process as rpm
+
+    rp = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
+    rp.draw_passes_ahead = True
+    rp.route(0, 4)
+    rp._ahead[1].wait()
+    real = rpm._draw
+    monkeypatch.setattr(rpm, "_draw", lambda *a: (_ for _ in ()).throw(RuntimeError("draw broke")))
+    rp._ahead = None
+    rp._begin_ahead(4, background=True)
+    with pytest.raises(RuntimeError, match="draw broke"):
+        rp.route(0, 4)
+    monkeypatch.setattr(rpm, "_draw", real)
+    ref = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
+    ref.route(0, 4)
+    rp2 = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
+    rp2.draw_passes_ahead = True
+    rp2.route(0, 4)
+    assert np.array_equal(ref.route(0, 3).ids, rp2.route(0, 3).ids)  # dropped, rewound
+
+
 def test_restart_routes_the_same_request_whatever_came_before():
     """RoutingProcess.restart(seed): two processes of one model that routed different histories (and
     one with a pass drawn ahead) route the same tokens after restarting with the same seed; the
@@ -342,7 +395,10 @@ def test_compiled_pass_draws_what_numpy_draws(preset, n_expert, k):
     a = RoutingProcess(PRESETS[preset], 5, n_expert, k, seed=11)
     b = RoutingProcess(PRESETS[preset], 5, n_expert, k, seed=11)
     for n in (37, 1, 1, 300):
-        ids, w = a._draw(n)
+        x_before = a.x.copy()
+        ids, w, x = a._draw(n)
+        np.testing.assert_array_equal(a.x, x_before)  # the draw leaves the state to its taker
+        a.x = x
         ref_ids, ref_w, ref_x = _numpy_draw(b, n)
         b.x = ref_x
         assert np.array_equal(ids, ref_ids), n

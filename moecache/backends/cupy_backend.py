@@ -27,8 +27,8 @@ import numpy as np
 from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
-from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES, ArrayOps, expert_runs,
-                                   moe_prompt_groups, moe_prompt_plan)
+from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN, MOE_SCRATCH_BYTES, ArrayOps,
+                                   expert_runs, moe_prompt_groups, moe_prompt_plan)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT, grouped_prompt_ok  # formats with 8-bit-activation kernels in mmvq.cu
@@ -959,7 +959,7 @@ class CupyBackend(ArrayOps):
         dt = self.gemm_dtype(t)  # a decode-sized ubatch comes here too when gate and up differ in type
         per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
-        plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES)
+        plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN)
         w_host = None if isinstance(routing.weights, cp.ndarray) else np.asarray(hr.weights, np.float32).reshape(-1)
         pieces = [plan.expert_ids, plan.token_rows, plan.row_of_pair, np.arange(0, t * k + 1, k, dtype=np.int32)]
         if w_host is not None:

@@ -17,8 +17,12 @@ import numpy as np
 # routing log are sized by it too); more tokens take the prompt path
 DECODE_MAX_TOKENS = 16
 # prompt attention computes its float32 scores (n_head x queries x keys) for at most this many bytes
-# of them at a time: the queries go in chunks, so the transient stays bounded at any context length
-ATTENTION_SCORE_BYTES = 256 << 20
+# of them at a time: the queries go in chunks, so the transient stays bounded at any context length.
+# 64 MiB (256 before): behind an expert cache a long prompt's attention blocks crowded out the prompt
+# stack (run h200-s13c: 740 MiB of a ubatch's transients at ~2.5k positions, a 256 MiB scores block
+# among them, and the stack given back at the fifth ubatch of the 12620-token prompt); a chunk of
+# 64 MiB still holds 41 queries of 32 heads at 12620 keys (328 rows per KV head's product)
+ATTENTION_SCORE_BYTES = 64 << 20
 # the GPU's prompt MoE (CupyBackend._moe_prompt) takes its used experts in chunks of at most
 # MOE_SCRATCH_BYTES of dequantized weights (float16 by default, float32 with act_q8 off) and
 # MOE_ACT_BYTES of padded float32 rows of its widest activation (moe_prompt_chunks); a chunk holds
@@ -27,6 +31,11 @@ ATTENTION_SCORE_BYTES = 256 << 20
 # comes out of placement's RESERVE_BYTES
 MOE_SCRATCH_BYTES = 256 << 20
 MOE_ACT_BYTES = 64 << 20
+# the GPU prompt MoE pads each chunk's rows per expert to a multiple of this (moe_prompt_plan): the
+# batched GEMMs' shapes then repeat. With the exact largest count each ubatch brought new shapes, and
+# cuBLAS loaded a kernel for ~10 of them per 512-token prompt, the GPU idle 3-5 ms each (torch
+# profiler, run h200-s14a, 8 GiB pp512: 210 distinct nvjet kernels in one prompt)
+MOE_PROMPT_M_ALIGN = 16
 
 
 def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -40,15 +49,18 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(1 << max(0, n - 1).bit_length(), dtype)[:n].reshape(shape)
 
 
-def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int) -> list[np.ndarray]:
+def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int,
+                      m_align: int = 1) -> list[np.ndarray]:
     """Chunks of a prompt ubatch's used experts for batched GEMMs padded to a chunk's largest group.
 
     Args:
         counts: (n_used,) int, tokens routed to each used expert.
         max_experts: at most this many experts per chunk (their dequantized weights share a scratch).
         row_bytes: bytes of one padded token row of the widest activation (4 * max(n_embd, n_ff)).
-        act_bytes: at most this many bytes of padded rows (``len(chunk) * max count * row_bytes``)
-            per chunk, unless one expert alone is larger.
+        act_bytes: at most this many bytes of padded rows (``len(chunk) * m * row_bytes``, m the
+            chunk's largest count rounded up to a multiple of ``m_align``) per chunk, unless one
+            expert alone is larger.
+        m_align: the padded rows per expert are a multiple of this (:data:`MOE_PROMPT_M_ALIGN`).
 
     Returns:
         Index arrays into ``counts``, every used expert once. Experts go in descending count and a
@@ -62,11 +74,15 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
     out, i = [], 0
     while i < order.size:
         largest = max(1, int(counts[order[i]]))
-        n = max(1, min(max_experts, act_bytes // (largest * row_bytes)))
+        n = max(1, min(max_experts, act_bytes // (_round_up(largest, m_align) * row_bytes)))
         n = int(np.sum(2 * counts[order[i:i + n]] >= largest))  # >= 1 (the largest itself); sorted: a prefix
         out.append(order[i:i + n])
         i += n
     return out
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 @dataclass(frozen=True)
@@ -104,20 +120,21 @@ def _pairs_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.nda
 
 
 def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int,
-                    act_bytes: int) -> MoePromptPlan:
+                    act_bytes: int, m_align: int = 1) -> MoePromptPlan:
     """The GPU's prompt-MoE plan for routing ``ids`` (int (T, k), values < ``n_expert``): used
-    experts chunked by :func:`moe_prompt_chunks` (``max_experts``, ``row_bytes``, ``act_bytes`` as
-    there), each expert's tokens in increasing order. Plain numpy; the CPU tests run it against a
-    direct per-pair sum."""
+    experts chunked by :func:`moe_prompt_chunks` (``max_experts``, ``row_bytes``, ``act_bytes``,
+    ``m_align`` as there), each expert's tokens in increasing order, each chunk's experts padded to
+    its largest count rounded up to a multiple of ``m_align``. Plain numpy; the CPU tests run it
+    against a direct per-pair sum."""
     ids = np.asarray(ids)
     t, k = ids.shape
     order, eids, counts = _pairs_by_expert(ids, n_expert)
     offs = np.concatenate([[0], np.cumsum(counts)])
     chunks, e_parts, r_parts, n_rows = [], [], [], 0
     row_of_pair = np.empty(t * k, np.int32)
-    for sel in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes):
+    for sel in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes, m_align):
         c = counts[sel]
-        n_c, m = len(sel), int(c.max())
+        n_c, m = len(sel), _round_up(int(c.max()), m_align)
         slot = np.arange(m)[None, :]
         valid = slot < c[:, None]
         pairs = order[np.where(valid, offs[sel, None] + slot, offs[sel, None])]  # padding repeats a real pair

@@ -85,11 +85,12 @@ STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 # CachedExperts._keep_room allows for. Measured (run h200-s13c, Qwen3-30B-A3B, -ub 512, a trace of
 # the 12620-token prompt): the transients grew by 322 MiB from the ubatch ending at 1536 positions
 # to the next, and that ubatch peaked 22 MiB under the 8 GiB budget, against a floor of 192 MiB
-# then (half a scores block plus 64 MiB of K/V copies: too little). The attention's blocks are
-# powers of two (ops._scratch), its scores at most ATTENTION_SCORE_BYTES; the floor is a whole
-# scores block plus 128 MiB, 384 MiB: with it that prompt would have given the stack back one
-# ubatch earlier, and 8g-pp512 (peak 7703 MiB in h200-s13c) keeps its stack. Not run on a GPU
-ROOM_FLOOR_BYTES = ATTENTION_SCORE_BYTES + (128 << 20)
+# then (half a scores block plus 64 MiB of K/V copies: too little); that growth was a scores block
+# doubling from 128 to 256 MiB. The attention's blocks are powers of two (ops._scratch), its scores
+# at most ATTENTION_SCORE_BYTES (64 MiB since): the floor is two scores blocks plus 128 MiB (the
+# K/V copies and the mask doubling at the same ubatch), 256 MiB. Not yet measured with the 64 MiB
+# scores
+ROOM_FLOOR_BYTES = 2 * ATTENTION_SCORE_BYTES + (128 << 20)
 
 
 @dataclass

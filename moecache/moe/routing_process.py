@@ -20,8 +20,10 @@ measures.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -70,8 +72,12 @@ class RoutingProcess:
         self.x = self.rng.standard_normal((n_layer, n_expert))
         self._cur_ids = self._cur_w = np.zeros((n_layer, 0, k))  # the current pass's choices (L, T, k)
         self._left: set[int] = set()  # layers of the current pass not handed out yet
-        self._ahead: tuple[np.ndarray, np.ndarray] | None = None  # the next decode pass, drawn early
-        self._before_ahead: tuple[dict, np.ndarray] | None = None  # (rng state, x) before that draw
+        self._ahead: tuple[int, _Draw] | None = None  # (its token count, the next pass drawn early)
+        self._before_ahead: dict | None = None  # the generator's state before that draw
+        # multi-token passes (prompt ubatches, batched decode steps) draw the next pass of the same size on
+        # a worker thread while the caller computes this one (see route); the owner turns it on where the
+        # CPU is otherwise idle (the layers on a GPU: moecache.llm)
+        self.draw_passes_ahead = False
         self.new_prompt()
 
     def new_prompt(self) -> None:
@@ -97,7 +103,13 @@ class RoutingProcess:
 
         The choices of every layer are drawn at once (one vectorized draw per pass: ~0.6 ms for a
         48-layer decode step instead of ~2 ms layer by layer) and handed out layer by layer; asking
-        for a layer already handed out, or for another token count, starts the next pass."""
+        for a layer already handed out, or for another token count, starts the next pass. With
+        ``draw_passes_ahead``, a pass of several tokens starts drawing the next pass of as many tokens
+        on a worker thread (the numpy fills and the compiled pass release the GIL): a 512-token pass
+        of a 48-layer, 128-expert model took ~190 ms of host time at layer 0 of every prompt ubatch
+        on the H200 machine (torch profiler, run h200-s14a: the GPU idle meanwhile). A pass of another
+        size, :meth:`new_prompt` or :meth:`restart` waits for that draw and rewinds the generator,
+        so every pass gets the choices it would get without drawing ahead."""
         if layer not in self._left or self._cur_ids.shape[1] != n_tokens:
             self._start_pass(n_tokens)
         self._left.discard(layer)
@@ -115,44 +127,95 @@ class RoutingProcess:
         current one, so the draw leaves the critical path). The next single-token pass takes it;
         a multi-token pass or :meth:`new_prompt` drops it and rewinds the process to before it, so
         every pass gets the choices it would get without drawing ahead."""
+        self._begin_ahead(1, background=False)
+
+    def _begin_ahead(self, n_tokens: int, background: bool) -> None:
+        """Start drawing the next pass of ``n_tokens`` (on a worker thread if ``background``; the
+        generator is the worker's until :meth:`_take_ahead` or :meth:`_drop_ahead`)."""
         if self._ahead is None:
-            self._before_ahead = (self.rng.bit_generator.state, self.x)
-            self._ahead = self._draw(1)
+            self._before_ahead = self.rng.bit_generator.state
+            rng, x = self.rng, self.x
+            self._ahead = (n_tokens, _Draw(lambda: _draw(self, rng, x, n_tokens), background))
 
     def _drop_ahead(self) -> None:
+        """Discard the pass drawn ahead: wait for its draw, rewind the generator to before it."""
         if self._ahead is not None:
-            self.rng.bit_generator.state, self.x = self._before_ahead
+            self._ahead[1].wait()
+            self.rng.bit_generator.state = self._before_ahead
         self._ahead = self._before_ahead = None
 
     def _start_pass(self, n_tokens: int) -> None:
-        if n_tokens == 1 and self._ahead is not None:
-            self._cur_ids, self._cur_w = self._ahead
+        if self._ahead is not None and self._ahead[0] == n_tokens:
+            got = self._ahead[1].result()
             self._ahead = self._before_ahead = None
         else:
             self._drop_ahead()
-            self._cur_ids, self._cur_w = self._draw(n_tokens)
+            got = self._draw(n_tokens)
+        self._cur_ids, self._cur_w, self.x = got
         self._left = set(range(self.n_layer))
+        if n_tokens > 1 and self.draw_passes_ahead:
+            self._begin_ahead(n_tokens, background=True)
 
-    def _draw(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``n_tokens`` tokens of every layer: ids int32, weights float32 (L, T, k).
+    def _draw(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next ``n_tokens`` tokens of every layer from the process's state: ids int32, weights
+        float32 (L, T, k) and the drift after them (L, E); the generator advances, ``self.x`` stays
+        (the caller keeps the new drift with the choices it takes)."""
+        return _draw(self, self.rng, self.x, n_tokens)
 
-        The random numbers come from the process's generator in the order a token-by-token draw
-        takes them (each token's drift noise, then the Gumbel noise of every logit as uniform
-        doubles, ``Generator.gumbel``'s own source); :func:`_draw_pass` turns them into choices,
-        one layer per thread. numpy alone took ~103 ms for a 512-token pass of a 48-layer,
-        128-expert model on the 2-core development VM (Gumbel transform 51, drift loop 29,
-        partition 16): host time that ``--routing`` prompt runs paid on our side only."""
-        p = self.p
-        base = p.s * self.z + p.tau * self.w  # (L, E)
-        a, b = p.rho, math.sqrt(max(0.0, 1.0 - p.rho * p.rho))
-        eps = self.rng.standard_normal((n_tokens, self.n_layer, self.n_expert))
-        u = self.rng.random((self.n_layer, n_tokens, self.n_expert))
-        x = self.x.copy()
-        ids = np.empty((self.n_layer, n_tokens, self.k), np.int32)
-        w = np.empty((self.n_layer, n_tokens, self.k), np.float32)
-        _draw_pass(base, float(p.g), float(a), float(b), x, eps, u, ids, w)
-        self.x = x
-        return ids, w
+
+class _Draw:
+    """A pass being drawn: on a worker thread (``background``) or already drawn."""
+
+    def __init__(self, fn: Callable[[], tuple], background: bool):
+        self._got: tuple | None = None
+        self._err: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(fn,), name="routing-draw", daemon=True)
+            self._thread.start()
+        else:
+            self._run(fn)
+
+    def _run(self, fn: Callable[[], tuple]) -> None:
+        try:
+            self._got = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that takes the pass
+            self._err = e
+
+    def wait(self) -> None:
+        """Until the draw is over (its result or error unused)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def result(self) -> tuple:
+        """The drawn pass; the draw's exception, if it raised one."""
+        self.wait()
+        if self._err is not None:
+            raise self._err
+        return self._got
+
+
+def _draw(rp: RoutingProcess, rng: np.random.Generator, x0: np.ndarray,
+          n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The next ``n_tokens`` tokens of every layer of ``rp`` from generator ``rng`` and drift
+    ``x0`` (L, E) (left unchanged): ids int32, weights float32 (L, T, k), the drift after them.
+
+    The random numbers come from the process's generator in the order a token-by-token draw
+    takes them (each token's drift noise, then the Gumbel noise of every logit as uniform
+    doubles, ``Generator.gumbel``'s own source); :func:`_draw_pass` turns them into choices,
+    one layer per thread. numpy alone took ~103 ms for a 512-token pass of a 48-layer,
+    128-expert model on the 2-core development VM (Gumbel transform 51, drift loop 29,
+    partition 16): host time that ``--routing`` prompt runs paid on our side only."""
+    p = rp.p
+    base = p.s * rp.z + p.tau * rp.w  # (L, E)
+    a, b = p.rho, math.sqrt(max(0.0, 1.0 - p.rho * p.rho))
+    eps = rng.standard_normal((n_tokens, rp.n_layer, rp.n_expert))
+    u = rng.random((rp.n_layer, n_tokens, rp.n_expert))
+    x = x0.copy()
+    ids = np.empty((rp.n_layer, n_tokens, rp.k), np.int32)
+    w = np.empty((rp.n_layer, n_tokens, rp.k), np.float32)
+    _draw_pass(base, float(p.g), float(a), float(b), x, eps, u, ids, w)
+    return ids, w, x
 
 
 @njit(parallel=True, cache=True, nogil=True)
