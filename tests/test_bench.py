@@ -184,3 +184,30 @@ def test_depth_ts_is_the_depth_prefills_own_speed(monkeypatch):
         assert samples == [4000] * reps and tot["depth_ns"] == 300_000 * reps
         assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 300), reps, tot["depth_ns"]) == 1e6
     assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 0), 3, 0) is None
+
+
+def test_prompt_timeline_summary_of_a_made_trace():
+    """bench/prompt_timeline.py's report on a hand-made Chrome trace: busy time is the union of the
+    device spans over every stream (an overlapped copy counts once), idle is the rest of the span,
+    copies report bytes and GB/s, the idle gaps over 0.2 ms name their neighbours."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import prompt_timeline as pt
+
+    ev = [
+        {"cat": "kernel", "name": "router", "ts": 0, "dur": 100},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 1100, "dur": 1000,
+         "args": {"bytes": 50_000_000}},  # after a 1 ms gap
+        {"cat": "kernel", "name": "moe", "ts": 1600, "dur": 1000},  # overlaps the copy by 0.5 ms
+        {"cat": "kernel", "name": "moe", "ts": 2700, "dur": 300},  # a 0.1 ms gap: not listed
+        {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 1000, "dur": 20},
+    ]
+    assert pt.busy_ms([(0, 100), (1100, 2100), (1600, 2600), (2700, 3000)]) == pytest.approx(1.9)
+    lines = pt.summarize(ev)
+    assert lines[0] == "GPU span 3.0 ms, busy (any stream) 1.9 ms, idle 1.1 ms"
+    assert lines[1] == "  kernel busy 1.4 ms" and lines[2] == "  gpu_memcpy busy 1.0 ms"
+    text = "\n".join(lines)
+    assert "0.05 GB at 50.0 GB/s" in text and "2x  moe" in text
+    assert "GPU idle gaps over 0.2 ms: 1, 1.0 ms in all" in text and "after router before Memcpy HtoD" in text
