@@ -28,9 +28,10 @@ repetitions in a row, a different prompt each (the same list in every arm): the 
 stream) against the stacks (``CachedExperts.prompt_stacks``, the default: one stack of the layer's
 experts per layer) with two buffers (the next layer's non-resident experts copied on the copy
 stream while this one computes) and with one (``prompt_stack_buffers = 1``, the default: no copy
-ahead, half the memory). ``--routing`` replaces the routers' choices as ``bench --routing``
-does (the ``8g-*`` cases use qwen3-moe), restarted at the same seed for the same prompt in every
-arm, so the arms' last logits compare:
+ahead, half the memory), and one buffer in halves (``prompt_stack_halves``, opt-in: the next
+layer's half of the experts copied while this layer's other half computes). ``--routing``
+replaces the routers' choices as ``bench --routing`` does (the ``8g-*`` cases use qwen3-moe),
+restarted at the same seed for the same prompt in every arm, so the arms' last logits compare:
 
     python bench/prompt_q8.py -m /tmp/q30.gguf --ab cache --vram-budget 8GiB --load-mode pin --routing qwen3-moe -r 3
 
@@ -111,9 +112,10 @@ def main() -> None:
         #  from empty slots)
         if prefetch:
             arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
-        elif a.ab == "cache":  # the fourth field: prompt_stacks (2: with prompt_stack_buffers 1)
+        elif a.ab == "cache":  # the fourth field: prompt_stacks (2: with prompt_stack_buffers 1; 3: and in halves)
             arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True),
-                    ("stacks, 1 buffer, empty slots", False, 1, 2, True)]
+                    ("stacks, 1 buffer, empty slots", False, 1, 2, True),
+                    ("stacks, 1 buffer in halves, empty slots", False, 1, 3, True)]
         else:
             arms = [("float16 GEMMs", False, 1, False, False), ("grouped 8-bit", True, 1, False, False)]
             if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
@@ -128,9 +130,10 @@ def main() -> None:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
                 if a.ab == "cache":
                     c.prompt_stacks = bool(arm[3])
-                    if c.prompt_stack_buffers != (1 if arm[3] == 2 else 2):
+                    c.prompt_stack_halves = arm[3] == 3
+                    if c.prompt_stack_buffers != (1 if arm[3] in (2, 3) else 2):
                         c.drop_stacks()
-                        c.prompt_stack_buffers = 1 if arm[3] == 2 else 2
+                        c.prompt_stack_buffers = 1 if arm[3] in (2, 3) else 2
             for e in host:
                 e.prefetch = shared if arm[3] else None
             toks = prompts[i if a.ab == "cache" or a.fresh else 0]

@@ -497,6 +497,55 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         cache.close()
 
 
+def test_prompt_stack_halves_copy_the_next_layers_half_while_the_other_computes(model_path, monkeypatch):
+    """prompt_stack_halves (opt-in): one buffer, each prompt layer computed in two halves of its
+    expert ids, the next layer's non-resident experts of a half copied once this layer's half is
+    queued. Two 40-token prompts give the all-CPU logits; every layer after the first computes from
+    the two copies begun during the layer before (the twin poisons a half with 0xFF bytes, NaN,
+    while its copy is in flight, so a read of the half being copied, or of a position no one
+    wrote, shows); only the first layer copies from the host on the compute stream; the resident
+    experts come from their slots; one buffer's memory."""
+    rng = np.random.default_rng(9)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
+        cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32)
+        assert not cache.prompt_stack_halves  # opt-in: not yet measured on a GPU
+        cache.prompt_stack_halves = True
+        half = c.n_expert // 2
+        resident = [(il, e) for il in range(c.n_layer) for e in (2, half + 1)][:8]  # one in each half
+        _fill(cache, ew, resident)
+        allocs, uploads, gathers, calls = [], [], [], []
+        real_empty = cache.be.empty_u8
+        monkeypatch.setattr(cache.be, "empty_u8", lambda shape: (allocs.append(int(np.prod(shape))), real_empty(shape))[1])
+        _spy(monkeypatch, cache.be, "upload_experts_into", uploads)
+        _spy(monkeypatch, cache.be, "gather_into", gathers)
+        _spy(monkeypatch, cache.be, "moe_ffn", calls)
+        ref_lm = build_model(m, NumpyBackend())
+        lm = build_model(m, NumpyBackend(), experts=cache)
+        for _ in range(2):
+            prompt = rng.integers(0, c.n_vocab, 40)
+            got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
+            np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
+                                       rtol=1e-4, atol=1e-5)
+        assert sum(allocs) == stack  # one buffer, allocated once
+        started, used, dropped = cache.stack_prefetch
+        assert started == used == 2 * 2 * (c.n_layer - 1) and dropped == 0  # two halves per later layer
+        assert len(calls) == 2 * 2 * c.n_layer  # one call per half and layer
+        for _, _, _, _, routing, _, _ in calls:  # each call's pairs lie in one half
+            ids = np.asarray(routing.ids)
+            assert (ids < half).all() or (ids >= half).all()
+        res = set(resident)
+        for _, w, ids in [u for u in uploads if u[2].size]:
+            il = next(i for i in ew if w is ew[i].gate or w is ew[i].up or w is ew[i].down)
+            assert il == min(ew) and not {(il, int(x)) for x in ids} & res  # the first layer only, no resident
+        gathered = {cache.pool.owner[int(slot)] for _, ids, _, rows in gathers for slot in rows}
+        assert gathered == res
+        cache.close()
+        assert cache.stack_prefetch[2] == 0  # nothing was in flight at the end of a prompt
+
+
 def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypatch):
     """_keep_room: the twin's memory in use is the live stack buffers plus the blocks the pool holds
     from the ubatch before (its transients). Each check returns those to the driver and measures

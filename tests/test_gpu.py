@@ -1072,15 +1072,17 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
 
 
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])
-@pytest.mark.parametrize("stacks", [2, 1, 0])
+@pytest.mark.parametrize("stacks", [2, 1, 0, "halves"])
 def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
     """The expert cache's prompt ubatches on the GPU: with prompt_stacks (the default) each layer is
     computed from a stack of its experts (residents copied from their slots on the device, the rest
     from the host); with two stack buffers the next layer's non-resident experts are copied on the
     copy stream ahead (pin only: a mapped file copies each layer's own), with one (the default)
-    each layer copies its own; without stacks (0), the groups of three experts. Two 40-token
-    prompts and decode steps give the CPU's logits. The copy stream is held up by a 300 ms spin
-    kernel before each prompt, so only the compute stream's wait for the copy keeps them right."""
+    each layer copies its own; without stacks (0), the groups of three experts; with one buffer in
+    halves (prompt_stack_halves, opt-in) the next layer's half is copied while the other half
+    computes. Two 40-token prompts and decode steps give the CPU's logits. The copy stream is held
+    up by a 300 ms spin kernel before each prompt, so only the compute stream's wait for the copy
+    keeps them right."""
     import cupy as cp
 
     from moecache.moe.policy import PolicyConfig
@@ -1088,8 +1090,11 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
     rng = np.random.default_rng(7)
     with _cache_pair(tmp_path, 23, load_mode, PolicyConfig(**CHURN)) as (ref, eng):
         cache = eng.caches[0]
+        halves = stacks == "halves"
+        stacks = 1 if halves else stacks
         cache.prompt_stacks = stacks > 0
         cache.prompt_stack_buffers = max(stacks, 1)
+        cache.prompt_stack_halves = halves
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         be = cache.be
         spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
@@ -1112,7 +1117,8 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
               f"{cache.prompt_slot_reads} slot reads")
         assert (len(cache._bufs) == stacks) if stacks else cache._bufs is None  # the stacks did run
         assert started == used and dropped == 0
-        assert (0 < started <= 2 * (n - 1)) if stacks == 2 and load_mode == "pin" else started == 0
+        assert (0 < started <= 2 * (n - 1) * (1 + halves)) if (stacks == 2 or halves) and load_mode == "pin" \
+            else started == 0
         assert cache.prompt_slot_reads > 0
 
 

@@ -36,6 +36,9 @@ With ``prompt_stacks`` (the default) each layer is one call on a stack of its ex
 device: resident ones copied from their slots on the device, the others from the host (op
 offload), and, with two buffers, the next cached layer's non-resident experts copied on the copy
 stream while this layer computes (the same copy-stream ordering as :mod:`moecache.moe.prefetch`).
+With ``prompt_stack_halves`` (opt-in, not yet measured on a GPU) one buffer serves in two halves of
+the expert ids, the next layer's half copied while this layer's other half computes
+(:meth:`CachedExperts._prompt_halves`).
 The stacks are up to ``prompt_stack_buffers`` (1 by default) buffers of one layer's experts each,
 allocated at the first prompt while the GPU's memory in use leaves room for them under
 ``--vram-budget`` (without one: the GPU's memory), and given back when a prompt's memory nears it.
@@ -184,8 +187,13 @@ class CachedExperts:
             next layer copied ahead, twice the memory). One by measurement: ``bench/prompt_q8.py --ab
             cache`` (H200, 8 GiB, pp512, empty slots, session 13) ran 1110 t/s with two and 1123 with
             one, whose pool grew 618 MiB against 1169 (``bench/results/prompt-q8-h200.md``).
+        prompt_stack_halves: with one buffer, each layer in two calls, one per half of the expert
+            ids, the next layer's half copied while the other half computes
+            (:meth:`_prompt_halves`). False by default: CPU-tested, not yet measured on a GPU (the
+            H200 timeline of pp512, ``bench/results/prompt-timeline-h200.md``: 236 ms of copies and
+            71 ms of kernels per ubatch, one after the other).
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
-            :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight).
+            :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
         prompt_fills, prompt_slot_reads: experts loaded into empty slots after a prompt, experts
             prompt ubatches read from slots.
     """
@@ -205,8 +213,12 @@ class CachedExperts:
         # cases kept within --vram-budget (run h200-s13c, bench/results/vs-llamacpp-h200.md)
         self.prompt_stacks = True
         self.prompt_stack_buffers = 1
+        # opt-in, not yet measured on a GPU: one buffer used in two halves of the expert ids
+        # (_prompt_halves), the next layer's half copied while this layer's other half computes
+        self.prompt_stack_halves = False
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
+        self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
         self._trans_seen: int | None = None  # the last prompt ubatch's transient bytes (_keep_room)
@@ -567,18 +579,31 @@ class CachedExperts:
         in use, taking pp12620 455 MiB over its budget: hence the two fixed buffers.
 
         Returns None, for the caller's groups, when not even one buffer had room."""
-        be, pool = self.be, self.pool
         if il == self._first:
             self._keep_room()
         if not self._stack_buffers(e):
             return None
+        if len(self._bufs) == 1 and self.prompt_stack_halves:
+            return self._prompt_halves(il, e, h, r)
         f = self._take_flight(il)
         if f is not None:
             b, have = f
         else:
             b, have = self._turn, np.zeros(self.slot_of.shape[1], bool)
         stacks = self._bufs[b]
-        used = np.unique(r.ids)
+        self._fill_stack(il, e, stacks, np.unique(r.ids), have)
+        self._turn = (b + 1) % len(self._bufs)
+        if len(self._bufs) > 1:
+            self._start_flight(il, r.ids.size, self._turn)  # queued before this layer's compute: they overlap
+        return self.be.moe_ffn(*stacks, e.types, Routing(np.ascontiguousarray(r.ids, dtype=np.int32), r.weights), h,
+                               e.act)
+
+    def _fill_stack(self, il: int, e: ExpertWeights, stacks: tuple[Any, Any, Any], used: np.ndarray,
+                    have: np.ndarray) -> None:
+        """Put layer ``il``'s ``used`` experts (ascending) that ``have`` (bool (n_expert,): copied ahead)
+        lacks into ``stacks`` at their ids, on the compute stream: resident ones from their slots on
+        the device, the others from the host, :data:`STACK_FILL_EXPERTS` at a time."""
+        be, pool = self.be, self.pool
         slots = self.slot_of[il][used]
         res = (slots >= 0) & ~have[used]
         up = used[(slots < 0) & ~have[used]]
@@ -589,10 +614,58 @@ class CachedExperts:
                 be.upload_experts_into(st, w, up[i:i + STACK_FILL_EXPERTS])
         self.prompt_slot_reads += int(res.sum())
         self.offload.offloaded_bytes += int(up.size) * self._expert_bytes(e)
-        self._turn = (b + 1) % len(self._bufs)
-        if len(self._bufs) > 1:
-            self._start_flight(il, r.ids.size, self._turn)  # queued before this layer's compute: they overlap
-        return be.moe_ffn(*stacks, e.types, Routing(np.ascontiguousarray(r.ids, dtype=np.int32), r.weights), h, e.act)
+
+    def _prompt_halves(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
+        """A prompt layer from the one stack buffer in two halves of the expert ids (``[0, n/2)``,
+        ``[n/2, n)``; ``prompt_stack_halves``): per half, the copy of its non-resident experts begun
+        during the layer before (:meth:`_start_half_flight`; the compute stream waits for it), the
+        used experts it lacks filled here (:meth:`_fill_stack`), one backend call on that half's
+        (token, expert) pairs (one pair per row, as the groups compute them, added into the output),
+        then the next cached layer's copy into this half begins on the copy stream. So the copy of
+        one half overlaps the compute of the other and of the attention between the layers, in the
+        memory of one buffer; with two buffers a whole layer is copied ahead instead."""
+        be = self.be
+        n = self.slot_of.shape[1]
+        stacks = self._bufs[0]
+        used = np.unique(r.ids)
+        flat = r.ids.reshape(-1)
+        out = be.zeros((h.shape[0], h.shape[1]), np.float32)
+        for half, (lo, hi) in enumerate(((0, n // 2), (n // 2, n))):
+            got = self._ahead_halves[half].take_tagged(il)
+            have = got[1] if got is not None else np.zeros(n, bool)
+            mine = used[(used >= lo) & (used < hi)]
+            if mine.size:
+                self._fill_stack(il, e, stacks, mine, have)
+                rows, sub = _pair_rows(r, np.flatnonzero((flat >= lo) & (flat < hi)))
+                _add_rows(be, out, rows, be.moe_ffn(*stacks, e.types, sub, h[be.asarray(rows)], e.act))
+            self._start_half_flight(il, r.ids.size, half, lo, hi)  # after this half's compute is queued
+        return out
+
+    def _start_half_flight(self, il: int, n_pairs: int, half: int, lo: int, hi: int) -> None:
+        """Begin copying the next cached layer's non-resident experts with ids in ``[lo, hi)`` into
+        that range of the stack buffer on the copy stream (the copy waits for the compute stream's
+        work queued so far: this layer's reads of the range). The same conditions as
+        :meth:`_start_flight`; the source and destination are the range's views (the CPU twin's
+        copy in flight then poisons that range only)."""
+        i = int(np.searchsorted(self._cached_order, il)) + 1
+        if i >= self._cached_order.size:
+            return
+        nxt = int(self._cached_order[i])
+        e = self.layers[nxt]
+        if n_pairs < MIN_PAIRS_PER_EXPERT * e.gate.shape[0]:
+            return
+        sel = np.flatnonzero(self.slot_of[nxt][lo:hi] < 0)
+        if not sel.size:
+            return
+        upl = self.be.start_upload(tuple(w[lo:hi] for w in (e.gate, e.up, e.down)), sel,
+                                   out=tuple(b[lo:hi] for b in self._bufs[0]))
+        if upl is None:
+            return
+        have = np.zeros(self.slot_of.shape[1], bool)
+        have[lo + sel] = True
+        nbytes = int(sel.size) * self._expert_bytes(e)
+        self._ahead_halves[half].begin(nxt, self.be, upl, nbytes, have)
+        self.offload.offloaded_bytes += nbytes
 
     def _stack_buffers(self, e: ExpertWeights) -> int:
         """The prompt stacks' buffers (each a (gate, up, down) of every expert of a layer), allocated
@@ -707,14 +780,17 @@ class CachedExperts:
         return None if got is None else got[1]
 
     def _drop_flight(self) -> None:
-        """Discard the copy in flight; the compute stream first waits for it (no host wait), so no
-        later write into its buffer on the compute stream races it."""
-        self._ahead.drop()
+        """Discard the copies in flight; the compute stream first waits for them (no host wait), so no
+        later write into their buffer on the compute stream races them."""
+        for f in (self._ahead, *self._ahead_halves):
+            f.drop()
 
     @property
     def stack_prefetch(self) -> list[int]:
-        """[started, used, dropped] copies of a next layer's experts into a stack buffer."""
-        return [self._ahead.started, self._ahead.used, self._ahead.dropped]
+        """[started, used, dropped] copies of a next layer's experts into a stack buffer (a half's
+        counts as one with ``prompt_stack_halves``)."""
+        fs = (self._ahead, *self._ahead_halves)
+        return [sum(f.started for f in fs), sum(f.used for f in fs), sum(f.dropped for f in fs)]
 
     def _prompt_groups(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray) -> Any:
         """The pairs of ``r`` (``used``: its experts, ascending), ``prompt_group_bytes`` of experts at
