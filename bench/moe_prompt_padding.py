@@ -6,7 +6,9 @@ largest group x width) block of float32 rows: the gathered input, the gate and u
 GLU output, the down product and its gathered copy (3 rows of n_embd and 3 of n_ff per padded
 token). This prints, per routing preset, the largest group and the largest chunk's bytes of those
 six arrays over every layer of one 512-token ubatch, for chunks of up to ``MOE_SCRATCH_BYTES``
-worth of experts in id order (before) and for :func:`moe_prompt_chunks` (after).
+worth of experts in id order (before) and for :func:`moe_prompt_chunks` (after: as the GPU plans them,
+rows per expert padded to a multiple of ``MOE_PROMPT_M_ALIGN``; the record of 2026-11 predates the
+padding).
 
 It also counts, per layer, the GEMM path's chunks (each ~9 launches: 3 dequantizations, 3 GEMMs,
 the gather, the GLU, the cast) over the whole layer and inside the expert cache's prompt groups of
@@ -22,7 +24,8 @@ import argparse
 
 import numpy as np
 
-from moecache.backends.ops import MOE_ACT_BYTES, MOE_SCRATCH_BYTES, moe_prompt_chunks, moe_prompt_groups
+from moecache.backends.ops import (MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN, MOE_SCRATCH_BYTES, moe_prompt_chunks,
+                                   moe_prompt_groups)
 from moecache.moe.cache import PROMPT_GROUP_BYTES
 from moecache.moe.routing_process import PRESETS, RoutingProcess
 
@@ -57,12 +60,14 @@ def main() -> None:
             for g0 in range(0, counts.size, max_experts):
                 c = counts[g0:g0 + max_experts]
                 before = max(before, c.size * int(c.max()) * row)
-            for ch in moe_prompt_chunks(counts, max_experts, 4 * max(a.n_embd, a.n_ff), MOE_ACT_BYTES):
-                after = max(after, ch.size * int(counts[ch].max()) * row)
+            for ch in moe_prompt_chunks(counts, max_experts, 4 * max(a.n_embd, a.n_ff), MOE_ACT_BYTES,
+                                        MOE_PROMPT_M_ALIGN):
+                m = -(-int(counts[ch].max()) // MOE_PROMPT_M_ALIGN) * MOE_PROMPT_M_ALIGN  # rows per expert, padded
+                after = max(after, ch.size * m * row)
                 chunks += 1
             for g0 in range(0, counts.size, per_group):
                 cache_chunks += len(moe_prompt_chunks(counts[g0:g0 + per_group], max_experts,
-                                                      4 * max(a.n_embd, a.n_ff), MOE_ACT_BYTES))
+                                                      4 * max(a.n_embd, a.n_ff), MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN))
             groups += moe_prompt_groups(ids, a.experts, 16).groups.shape[0]
         print(f"| {name} | {largest} | {before / 2**20:.0f} | {after / 2**20:.0f} | {chunks / a.layers:.1f} | "
               f"{cache_chunks / a.layers:.1f} | {groups / a.layers:.0f} |")

@@ -291,8 +291,9 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         once(line)
     if override is not None:
         eng.model.routing_override = override
-        if eng.placement is not None and eng.placement.devices and hasattr(override, "draw_passes_ahead"):
-            override.draw_passes_ahead = True  # the CPU waits for the GPU: it draws the next pass meanwhile
+        pl = eng.placement
+        if pl is not None and pl.n_gpu_layers == len(pl.layer_device) and hasattr(override, "draw_passes_ahead"):
+            override.draw_passes_ahead = True  # every layer on a GPU: the CPU draws the next pass meanwhile
         log(f"note: --routing {res.routing}: the router runs but its choice is replaced: the output text is "
             f"meaningless (for speed, hit-rate and upload measurements)")
     log(model_line(eng, res))

@@ -542,8 +542,28 @@ def test_prompt_stack_halves_copy_the_next_layers_half_while_the_other_computes(
             assert il == min(ew) and not {(il, int(x)) for x in ids} & res  # the first layer only, no resident
         gathered = {cache.pool.owner[int(slot)] for _, ids, _, rows in gathers for slot in rows}
         assert gathered == res
-        cache.close()
         assert cache.stack_prefetch[2] == 0  # nothing was in flight at the end of a prompt
+
+        def one_prompt():
+            calls.clear()
+            prompt = rng.integers(0, c.n_vocab, 40)
+            np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
+                                       ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
+                                       rtol=1e-4, atol=1e-5)
+            return len(calls)
+
+        # where no copy ahead can start, a layer is one call, as with one buffer: a ubatch with too few
+        # pairs per expert, then weights a copy cannot start from (a mapped file on the GPU: the first
+        # layer tries, its halves get no copy, and the prompt continues in one call per layer)
+        import moecache.moe.cache as cache_mod
+
+        monkeypatch.setattr(cache_mod, "MIN_PAIRS_PER_EXPERT", 10 ** 6)
+        assert one_prompt() == c.n_layer and cache.stack_prefetch[0] == started
+        monkeypatch.setattr(cache_mod, "MIN_PAIRS_PER_EXPERT", 2)
+        monkeypatch.setattr(cache.be, "start_upload", lambda *a, **k: None)
+        assert one_prompt() == 2 + (c.n_layer - 1) and not cache._halves_copy_ok
+        assert one_prompt() == c.n_layer
+        cache.close()
 
 
 def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypatch):

@@ -282,30 +282,38 @@ def test_passes_drawn_ahead_on_a_worker_give_the_same_choices():
         assert np.array_equal(ref, got), (step, n)
     assert ahead_seen >= 8  # the worker did draw ahead
     assert a._ahead is None
+    # against the token-by-token numpy draw, chained across passes (a lost drift or a generator drawn
+    # twice would fail here even where both processes above share it)
+    b = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 64, k, seed=7)
+    b.draw_passes_ahead = True
+    ref = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 64, k, seed=7)
+    for n in (16, 16, 16, 9, 16, 16):
+        got = np.stack([b.route(il, n).ids for il in range(n_layer)])
+        ref_ids, _, ref.x = _numpy_draw(ref, n)
+        assert np.array_equal(got, ref_ids), n
 
 
 def test_a_failed_draw_ahead_raises_in_the_pass_that_takes_it(monkeypatch):
     """An exception in the worker's draw reaches the caller of the pass that takes it (nothing
-    fails silently); a pass of another size drops it, the generator rewound."""
+    fails silently), once: the generator is rewound and the pass after draws anew, the choices a
+    process that never drew ahead makes. A pass of another size drops a draw ahead, rewound too."""
     import moecache.moe.routing_process as rpm
 
     rp = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
     rp.draw_passes_ahead = True
-    rp.route(0, 4)
-    rp._ahead[1].wait()
+    ref = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
+    assert np.array_equal(rp.route(0, 4).ids, ref.route(0, 4).ids)  # rp now draws the next pass ahead
+    rp._drop_ahead()
     real = rpm._draw
     monkeypatch.setattr(rpm, "_draw", lambda *a: (_ for _ in ()).throw(RuntimeError("draw broke")))
-    rp._ahead = None
     rp._begin_ahead(4, background=True)
     with pytest.raises(RuntimeError, match="draw broke"):
         rp.route(0, 4)
     monkeypatch.setattr(rpm, "_draw", real)
-    ref = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
-    ref.route(0, 4)
-    rp2 = RoutingProcess(PRESETS["uniform"], 3, 16, 2, seed=0)
-    rp2.draw_passes_ahead = True
-    rp2.route(0, 4)
-    assert np.array_equal(ref.route(0, 3).ids, rp2.route(0, 3).ids)  # dropped, rewound
+    assert rp._ahead is None
+    assert np.array_equal(rp.route(0, 4).ids, ref.route(0, 4).ids)  # drawn anew, as the reference's
+    assert rp._ahead is not None and rp._ahead[0] == 4
+    assert np.array_equal(rp.route(0, 3).ids, ref.route(0, 3).ids)  # another size: dropped, rewound
 
 
 def test_restart_routes_the_same_request_whatever_came_before():

@@ -26,15 +26,18 @@ ATTENTION_SCORE_BYTES = 64 << 20
 # the GPU's prompt MoE (CupyBackend._moe_prompt) takes its used experts in chunks of at most
 # MOE_SCRATCH_BYTES of dequantized weights (float16 by default, float32 with act_q8 off) and
 # MOE_ACT_BYTES of padded float32 rows of its widest activation (moe_prompt_chunks); a chunk holds
-# six such arrays at once. The layer's padded down outputs (at most 2 * T * k rows of n_embd float32:
-# 64 MiB for Qwen3-30B-A3B at -ub 512, 256 MiB at -ub 2048) stay until the weighted sum; all of it
+# six such arrays at once. The layer's padded down outputs (at most 2 * T * k rows of n_embd float32,
+# plus MOE_PROMPT_M_ALIGN - 1 rows per used expert: 79 MiB for Qwen3-30B-A3B at -ub 512, 271 MiB at
+# -ub 2048) stay until the weighted sum; all of it
 # comes out of placement's RESERVE_BYTES
 MOE_SCRATCH_BYTES = 256 << 20
 MOE_ACT_BYTES = 64 << 20
 # the GPU prompt MoE pads each chunk's rows per expert to a multiple of this (moe_prompt_plan): the
 # batched GEMMs' shapes then repeat. With the exact largest count each ubatch brought new shapes, and
 # cuBLAS loaded a kernel for ~10 of them per 512-token prompt, the GPU idle 3-5 ms each (torch
-# profiler, run h200-s14a, 8 GiB pp512: 210 distinct nvjet kernels in one prompt)
+# profiler, run h200-s14a, 8 GiB pp512: 210 distinct nvjet kernels in one prompt; 156 after). The cost:
+# a chunk's six arrays at most 175 MiB instead of 134 under uniform routing, 62 instead of 60 under
+# qwen3-moe (bench/moe_prompt_padding.py, 512-token ubatch, Qwen3-30B-A3B's shape)
 MOE_PROMPT_M_ALIGN = 16
 
 
@@ -65,9 +68,10 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
     Returns:
         Index arrays into ``counts``, every used expert once. Experts go in descending count and a
         chunk holds only counts of at least half its largest, so its padded rows are fewer than
-        twice its real ones. Chunks in id order padded every expert to the hottest one's count: under
-        a skewed router (one expert taking up to 506 of a 512-token ubatch's pairs) 685 MiB of
-        activations at once (bench/results/moe-prompt-padding.md).
+        twice its real ones, plus ``m_align - 1`` per expert for the rounding. Chunks in id order
+        padded every expert to the hottest one's count: under a skewed router (one expert taking
+        up to 506 of a 512-token ubatch's pairs) 685 MiB of activations at once
+        (bench/results/moe-prompt-padding.md).
     """
     counts = np.asarray(counts, np.int64)
     order = np.argsort(-counts, kind="stable")
@@ -82,6 +86,7 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
 
 
 def _round_up(n: int, align: int) -> int:
+    """The least multiple of ``align`` (>= 1) that is >= ``n``."""
     return -(-n // align) * align
 
 

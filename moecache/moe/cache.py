@@ -91,8 +91,8 @@ STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 # then (half a scores block plus 64 MiB of K/V copies: too little); that growth was a scores block
 # doubling from 128 to 256 MiB. The attention's blocks are powers of two (ops._scratch), its scores
 # at most ATTENTION_SCORE_BYTES (64 MiB since): the floor is two scores blocks plus 128 MiB (the
-# K/V copies and the mask doubling at the same ubatch), 256 MiB. Not yet measured with the 64 MiB
-# scores
+# K/V copies and the mask doubling at the same ubatch), 256 MiB. Run h200-s14b (64 MiB scores): the
+# 12620-token prompt gave its buffer back with 528 MiB of transients and this floor, 16 MiB short
 ROOM_FLOOR_BYTES = 2 * ATTENTION_SCORE_BYTES + (128 << 20)
 
 
@@ -219,6 +219,7 @@ class CachedExperts:
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
+        self._halves_copy_ok = True  # False once a half's copy could not start (weights not page-locked)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
         self._trans_seen: int | None = None  # the last prompt ubatch's transient bytes (_keep_room)
@@ -583,8 +584,10 @@ class CachedExperts:
             self._keep_room()
         if not self._stack_buffers(e):
             return None
-        if len(self._bufs) == 1 and self.prompt_stack_halves:
+        if self._halves_now(il, e, r.ids.size):
             return self._prompt_halves(il, e, h, r)
+        for fh in self._ahead_halves:  # (none in flight unless the halves were switched off mid-prompt)
+            fh.drop()
         f = self._take_flight(il)
         if f is not None:
             b, have = f
@@ -615,6 +618,19 @@ class CachedExperts:
         self.prompt_slot_reads += int(res.sum())
         self.offload.offloaded_bytes += int(up.size) * self._expert_bytes(e)
 
+    def _halves_now(self, il: int, e: ExpertWeights, n_pairs: int) -> bool:
+        """Whether layer ``il`` computes in halves (:meth:`_prompt_halves`): ``prompt_stack_halves``
+        with one buffer, and either the layer before began this layer's copies, or this layer can
+        begin the next one's (not the last cached layer, a ubatch of at least
+        :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` pairs per expert, weights a copy can
+        start from): otherwise the two calls would cost more than the one and overlap nothing."""
+        if not (self.prompt_stack_halves and self._bufs is not None and len(self._bufs) == 1):
+            return False
+        if any(f.holds(il) for f in self._ahead_halves):
+            return True
+        return (self._halves_copy_ok and il != int(self._cached_order[-1])
+                and n_pairs >= MIN_PAIRS_PER_EXPERT * e.gate.shape[0])
+
     def _prompt_halves(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt layer from the one stack buffer in two halves of the expert ids (``[0, n/2)``,
         ``[n/2, n)``; ``prompt_stack_halves``): per half, the copy of its non-resident experts begun
@@ -623,7 +639,10 @@ class CachedExperts:
         (token, expert) pairs (one pair per row, as the groups compute them, added into the output),
         then the next cached layer's copy into this half begins on the copy stream. So the copy of
         one half overlaps the compute of the other and of the attention between the layers, in the
-        memory of one buffer; with two buffers a whole layer is copied ahead instead."""
+        memory of one buffer; with two buffers a whole layer is copied ahead instead. Its transients
+        exceed the one call's (each half's gathered rows of h, the pairs' outputs, the padded sum:
+        ~90 MiB more at -ub 512 on the 30B by estimate, four times that at -ub 2048), which
+        :data:`STACK_MARGIN_BYTES` does not count."""
         be = self.be
         n = self.slot_of.shape[1]
         stacks = self._bufs[0]
@@ -659,7 +678,8 @@ class CachedExperts:
             return
         upl = self.be.start_upload(tuple(w[lo:hi] for w in (e.gate, e.up, e.down)), sel,
                                    out=tuple(b[lo:hi] for b in self._bufs[0]))
-        if upl is None:
+        if upl is None:  # a mapped file: the backend noted why; the layers then compute in one call
+            self._halves_copy_ok = False
             return
         have = np.zeros(self.slot_of.shape[1], bool)
         have[lo + sel] = True

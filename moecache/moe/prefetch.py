@@ -71,6 +71,10 @@ class LayerPrefetch:
         self.started = self.used = self.dropped = 0
         self.bytes = 0
 
+    def holds(self, il: int) -> bool:
+        """Whether the upload in flight is layer ``il``'s."""
+        return self._flight is not None and self._flight.layer == il
+
     def take(self, il: int) -> tuple[Any, Any, Any] | None:
         """Layer ``il``'s experts (gate, up, down), whole stacks on its offload backend, if an upload of
         them is in flight; None otherwise. Any other upload in flight is dropped (:meth:`drop`)."""

@@ -105,11 +105,12 @@ class RoutingProcess:
         48-layer decode step instead of ~2 ms layer by layer) and handed out layer by layer; asking
         for a layer already handed out, or for another token count, starts the next pass. With
         ``draw_passes_ahead``, a pass of several tokens starts drawing the next pass of as many tokens
-        on a worker thread (the numpy fills and the compiled pass release the GIL): a 512-token pass
-        of a 48-layer, 128-expert model took ~190 ms of host time at layer 0 of every prompt ubatch
-        on the H200 machine (torch profiler, run h200-s14a: the GPU idle meanwhile). A pass of another
-        size, :meth:`new_prompt` or :meth:`restart` waits for that draw and rewinds the generator,
-        so every pass gets the choices it would get without drawing ahead."""
+        on a worker thread (the numpy fills and the compiled pass release the GIL): at layer 0 of
+        every prompt ubatch the GPU had stood idle 193 ms (torch profiler, run h200-s14a,
+        bench/results/prompt-timeline-h200.md) while the host drew a 512-token pass of a 48-layer,
+        128-expert model (65 ms when timed alone there). A pass of another size, :meth:`new_prompt`
+        or :meth:`restart` waits for that draw and rewinds the generator, so every pass gets the
+        choices it would get without drawing ahead."""
         if layer not in self._left or self._cur_ids.shape[1] != n_tokens:
             self._start_pass(n_tokens)
         self._left.discard(layer)
@@ -131,7 +132,8 @@ class RoutingProcess:
 
     def _begin_ahead(self, n_tokens: int, background: bool) -> None:
         """Start drawing the next pass of ``n_tokens`` (on a worker thread if ``background``; the
-        generator is the worker's until :meth:`_take_ahead` or :meth:`_drop_ahead`)."""
+        generator is the worker's until :meth:`_start_pass` takes the pass or :meth:`_drop_ahead`
+        drops it)."""
         if self._ahead is None:
             self._before_ahead = self.rng.bit_generator.state
             rng, x = self.rng, self.x
@@ -146,8 +148,14 @@ class RoutingProcess:
 
     def _start_pass(self, n_tokens: int) -> None:
         if self._ahead is not None and self._ahead[0] == n_tokens:
-            got = self._ahead[1].result()
-            self._ahead = self._before_ahead = None
+            ahead, self._ahead = self._ahead[1], None
+            try:
+                got = ahead.result()
+            except BaseException:  # the draw failed: the generator as before it, the next pass draws anew
+                self.rng.bit_generator.state = self._before_ahead
+                raise
+            finally:
+                self._before_ahead = None
         else:
             self._drop_ahead()
             got = self._draw(n_tokens)
@@ -164,17 +172,20 @@ class RoutingProcess:
 
 
 class _Draw:
-    """A pass being drawn: on a worker thread (``background``) or already drawn."""
+    """A pass being drawn: on a worker thread (``background``) or already drawn (on the caller's
+    thread, whose exceptions, a KeyboardInterrupt too, propagate at once)."""
 
     def __init__(self, fn: Callable[[], tuple], background: bool):
         self._got: tuple | None = None
         self._err: BaseException | None = None
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(target=self._run, args=(fn,), name="routing-draw", daemon=True)
+            # not a daemon: the interpreter's exit waits for the draw (tens of ms) instead of killing the
+            # thread inside Numba's parallel region
+            self._thread = threading.Thread(target=self._run, args=(fn,), name="routing-draw")
             self._thread.start()
         else:
-            self._run(fn)
+            self._got = fn()
 
     def _run(self, fn: Callable[[], tuple]) -> None:
         try:
