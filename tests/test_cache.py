@@ -416,6 +416,12 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         cache.close()
 
 
+def _prompt_matches_cpu(lm, ref_lm, prompt):
+    """Every position's logits of ``prompt`` through ``lm`` equal the all-CPU model's ``ref_lm``'s."""
+    np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
+                               ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+
+
 def _spy(monkeypatch, obj, name, calls):
     """Record the arguments of every call of ``obj.name`` in ``calls``, then make the call."""
     real = getattr(obj, name)
@@ -472,10 +478,7 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache)
         for _ in range(2):
-            prompt = rng.integers(0, c.n_vocab, 40)
-            got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
-            np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
-                                       rtol=1e-4, atol=1e-5)
+            _prompt_matches_cpu(lm, ref_lm, rng.integers(0, c.n_vocab, 40))
         n_bufs = {"none": 2, "two stacks": 2, "one stack": 1, "no stack": 0, "default": 1}[limit]
         assert sum(allocs) == n_bufs * stack  # allocated once, for both prompts
         assert len(notes) == (n_bufs < cache.prompt_stack_buffers) and all("room for" in n for n in notes)
@@ -525,10 +528,7 @@ def test_prompt_stack_halves_copy_the_next_layers_half_while_the_other_computes(
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache)
         for _ in range(2):
-            prompt = rng.integers(0, c.n_vocab, 40)
-            got = lm.forward(prompt, lm.new_kv_cache(64), logits="all")
-            np.testing.assert_allclose(got, ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
-                                       rtol=1e-4, atol=1e-5)
+            _prompt_matches_cpu(lm, ref_lm, rng.integers(0, c.n_vocab, 40))
         assert sum(allocs) == stack  # one buffer, allocated once
         started, used, dropped = cache.stack_prefetch
         assert started == used == 2 * 2 * (c.n_layer - 1) and dropped == 0  # two halves per later layer
@@ -546,10 +546,7 @@ def test_prompt_stack_halves_copy_the_next_layers_half_while_the_other_computes(
 
         def one_prompt():
             calls.clear()
-            prompt = rng.integers(0, c.n_vocab, 40)
-            np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
-                                       ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"),
-                                       rtol=1e-4, atol=1e-5)
+            _prompt_matches_cpu(lm, ref_lm, rng.integers(0, c.n_vocab, 40))
             return len(calls)
 
         # where no copy ahead can start, a layer is one call, as with one buffer: a ubatch with too few

@@ -584,7 +584,7 @@ class CachedExperts:
             self._keep_room()
         if not self._stack_buffers(e):
             return None
-        if self._halves_now(il, e, r.ids.size):
+        if self._halves_now(il, r.ids.size):
             return self._prompt_halves(il, e, h, r)
         for fh in self._ahead_halves:  # (none in flight unless the halves were switched off mid-prompt)
             fh.drop()
@@ -618,7 +618,7 @@ class CachedExperts:
         self.prompt_slot_reads += int(res.sum())
         self.offload.offloaded_bytes += int(up.size) * self._expert_bytes(e)
 
-    def _halves_now(self, il: int, e: ExpertWeights, n_pairs: int) -> bool:
+    def _halves_now(self, il: int, n_pairs: int) -> bool:
         """Whether layer ``il`` computes in halves (:meth:`_prompt_halves`): ``prompt_stack_halves``
         with one buffer, and either the layer before began this layer's copies, or this layer can
         begin the next one's (not the last cached layer, a ubatch of at least
@@ -628,8 +628,7 @@ class CachedExperts:
             return False
         if any(f.holds(il) for f in self._ahead_halves):
             return True
-        return (self._halves_copy_ok and il != int(self._cached_order[-1])
-                and n_pairs >= MIN_PAIRS_PER_EXPERT * e.gate.shape[0])
+        return self._halves_copy_ok and self._next_to_copy(il, n_pairs) is not None
 
     def _prompt_halves(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt layer from the one stack buffer in two halves of the expert ids (``[0, n/2)``,
@@ -666,13 +665,10 @@ class CachedExperts:
         work queued so far: this layer's reads of the range). The same conditions as
         :meth:`_start_flight`; the source and destination are the range's views (the CPU twin's
         copy in flight then poisons that range only)."""
-        i = int(np.searchsorted(self._cached_order, il)) + 1
-        if i >= self._cached_order.size:
+        nxt = self._next_to_copy(il, n_pairs)
+        if nxt is None:
             return
-        nxt = int(self._cached_order[i])
         e = self.layers[nxt]
-        if n_pairs < MIN_PAIRS_PER_EXPERT * e.gate.shape[0]:
-            return
         sel = np.flatnonzero(self.slot_of[nxt][lo:hi] < 0)
         if not sel.size:
             return
@@ -768,19 +764,26 @@ class CachedExperts:
         where the groups would not."""
         return self.vram_limit if self.vram_limit is not None else int(self.be.memory_total() * USABLE_FRACTION)
 
+    def _next_to_copy(self, il: int, n_pairs: int) -> int | None:
+        """The cached layer after ``il`` whose experts a ubatch of ``n_pairs`` (token, expert) pairs
+        copies ahead: None after the last one, or below
+        :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` pairs per expert of it."""
+        i = int(np.searchsorted(self._cached_order, il)) + 1
+        if i >= self._cached_order.size:
+            return None
+        nxt = int(self._cached_order[i])
+        return nxt if n_pairs >= MIN_PAIRS_PER_EXPERT * self.layers[nxt].gate.shape[0] else None
+
     def _start_flight(self, il: int, n_pairs: int, b: int) -> None:
         """Begin copying the next cached layer's non-resident experts into buffer ``b`` on the copy
         stream (for a ubatch of ``n_pairs`` (token, expert) pairs, when they are at least
         :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` per expert: nearly every expert is then
         used). The copy waits for the compute stream's work queued so far, which includes the last
         layer that read buffer ``b``."""
-        i = int(np.searchsorted(self._cached_order, il)) + 1
-        if i >= self._cached_order.size:
+        nxt = self._next_to_copy(il, n_pairs)
+        if nxt is None:
             return
-        nxt = int(self._cached_order[i])
         e = self.layers[nxt]
-        if n_pairs < MIN_PAIRS_PER_EXPERT * e.gate.shape[0]:
-            return
         sel = np.flatnonzero(self.slot_of[nxt] < 0)
         if not sel.size:
             return
