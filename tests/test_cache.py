@@ -558,7 +558,7 @@ def test_prompt_stack_halves_copy_the_next_layers_half_while_the_other_computes(
         assert one_prompt() == c.n_layer and cache.stack_prefetch[0] == started
         monkeypatch.setattr(cache_mod, "MIN_PAIRS_PER_EXPERT", 2)
         monkeypatch.setattr(cache.be, "start_upload", lambda *a, **k: None)
-        assert one_prompt() == 2 + (c.n_layer - 1) and not cache._halves_copy_ok
+        assert one_prompt() == 2 + (c.n_layer - 1) and not cache._copy_ok
         assert one_prompt() == c.n_layer
         cache.close()
 

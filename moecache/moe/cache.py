@@ -219,7 +219,7 @@ class CachedExperts:
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
-        self._halves_copy_ok = True  # False once a half's copy could not start (weights not page-locked)
+        self._copy_ok = True  # False once a copy ahead could not start (weights not page-locked)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
         self._trans_seen: int | None = None  # the last prompt ubatch's transient bytes (_keep_room)
@@ -586,8 +586,6 @@ class CachedExperts:
             return None
         if self._halves_now(il, r.ids.size):
             return self._prompt_halves(il, e, h, r)
-        for fh in self._ahead_halves:  # (none in flight unless the halves were switched off mid-prompt)
-            fh.drop()
         f = self._take_flight(il)
         if f is not None:
             b, have = f
@@ -628,12 +626,12 @@ class CachedExperts:
             return False
         if any(f.holds(il) for f in self._ahead_halves):
             return True
-        return self._halves_copy_ok and self._next_to_copy(il, n_pairs) is not None
+        return self._copy_ok and self._next_to_copy(il, n_pairs) is not None
 
     def _prompt_halves(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt layer from the one stack buffer in two halves of the expert ids (``[0, n/2)``,
         ``[n/2, n)``; ``prompt_stack_halves``): per half, the copy of its non-resident experts begun
-        during the layer before (:meth:`_start_half_flight`; the compute stream waits for it), the
+        during the layer before (:meth:`_start_flight`; the compute stream waits for it), the
         used experts it lacks filled here (:meth:`_fill_stack`), one backend call on that half's
         (token, expert) pairs (one pair per row, as the groups compute them, added into the output),
         then the next cached layer's copy into this half begins on the copy stream. So the copy of
@@ -650,38 +648,14 @@ class CachedExperts:
         out = be.zeros((h.shape[0], h.shape[1]), np.float32)
         for half, (lo, hi) in enumerate(((0, n // 2), (n // 2, n))):
             got = self._ahead_halves[half].take_tagged(il)
-            have = got[1] if got is not None else np.zeros(n, bool)
+            have = got[1][1] if got is not None else np.zeros(n, bool)
             mine = used[(used >= lo) & (used < hi)]
             if mine.size:
                 self._fill_stack(il, e, stacks, mine, have)
                 rows, sub = _pair_rows(r, np.flatnonzero((flat >= lo) & (flat < hi)))
                 _add_rows(be, out, rows, be.moe_ffn(*stacks, e.types, sub, h[be.asarray(rows)], e.act))
-            self._start_half_flight(il, r.ids.size, half, lo, hi)  # after this half's compute is queued
+            self._start_flight(il, r.ids.size, 0, lo, hi, self._ahead_halves[half])  # after this half's compute
         return out
-
-    def _start_half_flight(self, il: int, n_pairs: int, half: int, lo: int, hi: int) -> None:
-        """Begin copying the next cached layer's non-resident experts with ids in ``[lo, hi)`` into
-        that range of the stack buffer on the copy stream (the copy waits for the compute stream's
-        work queued so far: this layer's reads of the range). The same conditions as
-        :meth:`_start_flight`; the source and destination are the range's views (the CPU twin's
-        copy in flight then poisons that range only)."""
-        nxt = self._next_to_copy(il, n_pairs)
-        if nxt is None:
-            return
-        e = self.layers[nxt]
-        sel = np.flatnonzero(self.slot_of[nxt][lo:hi] < 0)
-        if not sel.size:
-            return
-        upl = self.be.start_upload(tuple(w[lo:hi] for w in (e.gate, e.up, e.down)), sel,
-                                   out=tuple(b[lo:hi] for b in self._bufs[0]))
-        if upl is None:  # a mapped file: the backend noted why; the layers then compute in one call
-            self._halves_copy_ok = False
-            return
-        have = np.zeros(self.slot_of.shape[1], bool)
-        have[lo + sel] = True
-        nbytes = int(sel.size) * self._expert_bytes(e)
-        self._ahead_halves[half].begin(nxt, self.be, upl, nbytes, have)
-        self.offload.offloaded_bytes += nbytes
 
     def _stack_buffers(self, e: ExpertWeights) -> int:
         """The prompt stacks' buffers (each a (gate, up, down) of every expert of a layer), allocated
@@ -774,26 +748,33 @@ class CachedExperts:
         nxt = int(self._cached_order[i])
         return nxt if n_pairs >= MIN_PAIRS_PER_EXPERT * self.layers[nxt].gate.shape[0] else None
 
-    def _start_flight(self, il: int, n_pairs: int, b: int) -> None:
-        """Begin copying the next cached layer's non-resident experts into buffer ``b`` on the copy
-        stream (for a ubatch of ``n_pairs`` (token, expert) pairs, when they are at least
-        :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` per expert: nearly every expert is then
-        used). The copy waits for the compute stream's work queued so far, which includes the last
-        layer that read buffer ``b``."""
+    def _start_flight(self, il: int, n_pairs: int, b: int, lo: int = 0, hi: int | None = None,
+                      flights: LayerPrefetch | None = None) -> None:
+        """Begin copying the next cached layer's non-resident experts with ids in ``[lo, hi)`` (default:
+        all) into that range of buffer ``b`` on the copy stream (for a ubatch of ``n_pairs`` (token,
+        expert) pairs, when they are at least :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` per
+        expert: nearly every expert is then used), kept in ``flights`` (default: the whole-layer
+        copies', tagged (b, the copied-experts mask)). The copy waits for the compute stream's work
+        queued so far, which includes the last reads of that range; its source and destination are
+        the range's views (the CPU twin's copy in flight poisons that range only). Weights a copy
+        cannot start from (a mapped file: the backend notes why) stop the copies ahead."""
         nxt = self._next_to_copy(il, n_pairs)
-        if nxt is None:
+        if nxt is None or not self._copy_ok:
             return
         e = self.layers[nxt]
-        sel = np.flatnonzero(self.slot_of[nxt] < 0)
+        hi = self.slot_of.shape[1] if hi is None else hi
+        sel = np.flatnonzero(self.slot_of[nxt][lo:hi] < 0)
         if not sel.size:
             return
-        upl = self.be.start_upload((e.gate, e.up, e.down), sel, out=self._bufs[b])
+        upl = self.be.start_upload(tuple(w[lo:hi] for w in (e.gate, e.up, e.down)), sel,
+                                   out=tuple(a[lo:hi] for a in self._bufs[b]))
         if upl is None:
+            self._copy_ok = False
             return
         have = np.zeros(self.slot_of.shape[1], bool)
-        have[sel] = True
+        have[lo + sel] = True
         nbytes = int(sel.size) * self._expert_bytes(e)
-        self._ahead.begin(nxt, self.be, upl, nbytes, (b, have))
+        (self._ahead if flights is None else flights).begin(nxt, self.be, upl, nbytes, (b, have))
         self.offload.offloaded_bytes += nbytes
 
     def _take_flight(self, il: int) -> tuple[int, np.ndarray] | None:
