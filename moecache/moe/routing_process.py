@@ -20,10 +20,10 @@ measures.
 from __future__ import annotations
 
 import math
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -72,7 +72,8 @@ class RoutingProcess:
         self.x = self.rng.standard_normal((n_layer, n_expert))
         self._cur_ids = self._cur_w = np.zeros((n_layer, 0, k))  # the current pass's choices (L, T, k)
         self._left: set[int] = set()  # layers of the current pass not handed out yet
-        self._ahead: tuple[int, _Draw] | None = None  # (its token count, the next pass drawn early)
+        self._ahead: tuple[int, Future] | None = None  # (its token count, the next pass drawn early)
+        self._worker: ThreadPoolExecutor | None = None  # the draws ahead of multi-token passes (one thread)
         self._before_ahead: dict | None = None  # the generator's state before that draw
         # multi-token passes (prompt ubatches, batched decode steps) draw the next pass of the same size on
         # a worker thread while the caller computes this one (see route); the owner turns it on where the
@@ -136,13 +137,19 @@ class RoutingProcess:
         drops it)."""
         if self._ahead is None:
             self._before_ahead = self.rng.bit_generator.state
-            rng, x = self.rng, self.x
-            self._ahead = (n_tokens, _Draw(lambda: _draw(self, rng, x, n_tokens), background))
+            if background:
+                if self._worker is None:  # its thread is joined at the interpreter's exit (not a daemon)
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="routing-draw")
+                fut = self._worker.submit(_draw, self, self.rng, self.x, n_tokens)
+            else:  # on this thread: an exception (a KeyboardInterrupt too) propagates at once
+                fut = Future()
+                fut.set_result(self._draw(n_tokens))
+            self._ahead = (n_tokens, fut)
 
     def _drop_ahead(self) -> None:
         """Discard the pass drawn ahead: wait for its draw, rewind the generator to before it."""
         if self._ahead is not None:
-            self._ahead[1].wait()
+            wait_for([self._ahead[1]])  # its result or error unused
             self.rng.bit_generator.state = self._before_ahead
         self._ahead = self._before_ahead = None
 
@@ -169,41 +176,6 @@ class RoutingProcess:
         float32 (L, T, k) and the drift after them (L, E); the generator advances, ``self.x`` stays
         (the caller keeps the new drift with the choices it takes)."""
         return _draw(self, self.rng, self.x, n_tokens)
-
-
-class _Draw:
-    """A pass being drawn: on a worker thread (``background``) or already drawn (on the caller's
-    thread, whose exceptions, a KeyboardInterrupt too, propagate at once)."""
-
-    def __init__(self, fn: Callable[[], tuple], background: bool):
-        self._got: tuple | None = None
-        self._err: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if background:
-            # not a daemon: the interpreter's exit waits for the draw (tens of ms) instead of killing the
-            # thread inside Numba's parallel region
-            self._thread = threading.Thread(target=self._run, args=(fn,), name="routing-draw")
-            self._thread.start()
-        else:
-            self._got = fn()
-
-    def _run(self, fn: Callable[[], tuple]) -> None:
-        try:
-            self._got = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the thread that takes the pass
-            self._err = e
-
-    def wait(self) -> None:
-        """Until the draw is over (its result or error unused)."""
-        if self._thread is not None:
-            self._thread.join()
-
-    def result(self) -> tuple:
-        """The drawn pass; the draw's exception, if it raised one."""
-        self.wait()
-        if self._err is not None:
-            raise self._err
-        return self._got
 
 
 def _draw(rp: RoutingProcess, rng: np.random.Generator, x0: np.ndarray,
