@@ -177,6 +177,45 @@ def test_attention_output_kept_8bit_rounding(gpu_q8):
         np.testing.assert_allclose(xs, xd * xq.reshape(2, -1, 32).sum(-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("t,pos0,n_head,n_kv,d,window,softcap", [
+    (17, 0, 32, 4, 128, None, None),      # the fewest queries the tiled kernel takes
+    (512, 0, 32, 4, 128, None, None),     # a whole first ubatch of Qwen3-30B-A3B's shape
+    (300, 1000, 32, 4, 128, None, None),  # a later ubatch, blocks and tiles not aligned to pos0
+    (130, 77, 16, 16, 64, None, 30.0),    # plain multi-head, head 64, softcap
+    (200, 500, 8, 2, 64, 100, None),      # a window shorter than a block's queries
+    (65, 3000, 32, 4, 128, 1024, None)])  # a window of several tiles, one query past a block
+def test_prompt_attention_kernel_matches_its_twins(gpu, gpu_q8, t, pos0, n_head, n_kv, d, window, softcap):
+    """attn_prompt (tensor cores, key tiles, online softmax) against its CPU twins: the default
+    arithmetic (float16 Q and P) against flash_attention_twin, whose roundings it repeats (only a
+    P within float32 noise of a float16 rounding boundary may round the other way: 2^-11 of one
+    term); the split arithmetic (act_q8 off) against float32 attention (NumpyBackend). Rows of the
+    cache past the prompt hold NaN (never read), the output block is poisoned."""
+    from moecache.backends import NumpyBackend
+    from moecache.backends.flash import flash_attention_twin
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    n_ctx = pos0 + t + 20
+    k = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float16)
+    v = rng.standard_normal((n_ctx, n_kv, d)).astype(np.float16)
+    k[pos0 + t:] = np.nan
+    v[pos0 + t:] = np.nan
+    q = (rng.standard_normal((t, n_head, d)) * 2).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    kd, vd = cp.asarray(k), cp.asarray(v)
+    poison((t, n_head * d))
+    pos = cp.asarray(np.arange(pos0, pos0 + t, dtype=np.int32))
+    got = cp.asnumpy(gpu_q8.attention(cp.asarray(q), kd, vd, pos, scale, window, softcap))
+    twin = flash_attention_twin(q, k, v, pos0, scale, window, softcap)
+    err = np.abs(got - twin)
+    print(f"seed {seed}: float16 kernel vs its twin max {err.max():.2e} mean {err.mean():.2e}")
+    assert np.isfinite(got).all() and err.max() < 3e-3 and err.mean() < 1e-5, f"seed {seed}"
+    poison((t, n_head * d))
+    exact = cp.asnumpy(gpu.attention(cp.asarray(q), kd, vd, pos0, scale, window, softcap))
+    ref = NumpyBackend().attention(q, k.astype(np.float32), v.astype(np.float32), pos0, scale, window, softcap)
+    np.testing.assert_allclose(exact, ref, rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
+
+
 def test_code_moe_tiny_gpu_equals_cpu(gpu, code_moe_tiny):
     from moecache.backends import NumpyBackend
     from moecache.engine import Engine, EngineConfig

@@ -24,6 +24,7 @@ import cupy as cp
 import numba
 import numpy as np
 
+from moecache.backends.flash import flash_ok
 from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
@@ -70,6 +71,8 @@ SOFTMAX_THREADS = 256  # SOFTMAX_THREADS of ops.cu: threads of a masked_softmax 
 # 2026-12-01): attn_gqa 12.5 / 16.1 / 49.7 at 1024 / 4096 / 16000 keys, attn_decode 19.9 / 48.5 /
 # 211.6 in the same run; at 0 keys (the run with 4 blocks per SM) attn_decode 7.3, attn_gqa 15.3
 GQA_MIN_KEYS = 1024
+PA_THREADS = 128  # 32 * PA_WARPS of ops.cu: threads of an attn_prompt block
+PA_BQ = 64  # PA_BQ of ops.cu: queries per attn_prompt block
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -712,9 +715,11 @@ class CupyBackend(ArrayOps):
                   n_ctx: int | None = None) -> cp.ndarray:
         t, n_head, d = q.shape
         dv = v_all.shape[2]
+        pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
+        if self._mma and flash_ok(t, d, dv, k_all.dtype, kv_base):
+            return self._attention_prompt(q, k_all, v_all, pos, scale, window, softcap)
         if t > ATT_MAX_TOKENS or d > ATT_MAX_HEAD_DIM or dv > ATT_MAX_HEAD_DIM:
             return super().attention(q, k_all, v_all, pos0, scale, window, softcap, kv_base, n_ctx)
-        pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * dv), cp.float32)
         # the grids follow the cache's capacity, not the position: a captured graph replays at every
@@ -748,6 +753,26 @@ class CupyBackend(ArrayOps):
                                                       np.int32(min_run), np.int32(GQA_MIN_KEYS), *quant))
         if quant[0] is not NULL:
             self._xq = (out, quant)
+        return out
+
+    @cached_property
+    def _mma(self) -> bool:
+        """Whether the GPU has mma.m16n8k16 (sm_80+), which ``attn_prompt_*`` needs."""
+        return int(cp.cuda.Device(self.device).compute_capability) >= 80
+
+    def _attention_prompt(self, q: cp.ndarray, k_all: cp.ndarray, v_all: cp.ndarray, pos: cp.ndarray, scale: float,
+                          window: int | None, softcap: float | None) -> cp.ndarray:
+        """A prompt's attention in one ``attn_prompt`` launch (ops.cu; the scheme and its CPU twin:
+        :mod:`moecache.backends.flash`): float16 Q and P by default, float32-exact (split float16 pairs)
+        without ``act_q8``. q float32 (T, n_head, D) at the positions ``pos`` (device int32, the first
+        is read); returns float32 (T, n_head * D)."""
+        t, n_head, d = q.shape
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        out = cp.empty((t, n_head * d), cp.float32)
+        name = f"attn_prompt_d{d // 32}_f16" + ("" if self.act_q8 else "_x")
+        self._fn(name)((-(-t // PA_BQ), n_head), (PA_THREADS,),
+                       (q, k_all, v_all, out, _device_i32(pos), np.int32(t), np.int32(n_head), np.int32(k_all.shape[1]),
+                        np.float32(scale), np.int32(window or 0), np.float32(softcap or 0.0)))
         return out
 
     def route(self, w: Linear, x: cp.ndarray, k: int, renorm: bool) -> Routing:

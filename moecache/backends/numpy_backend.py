@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from moecache.backends.flash import flash_attention_twin, flash_ok
 from moecache.backends.ops import DECODE_MAX_TOKENS, ArrayOps
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing, softmax, topk_routing
@@ -60,7 +61,9 @@ class NumpyBackend(ArrayOps):
             :data:`Q8_ACT` format see their activations rounded by :func:`q8_round`; larger
             ubatches' products of quantized weights see weights and activations rounded to float16
             (:func:`f16_round`; the GPU's tensor-core GEMMs, :mod:`moecache.backends.gemm`), float32
-            sums. Default False: float32 activations and weights.
+            sums; a prompt's attention over a float16 KV cache rounds as the GPU's tiled kernel
+            (:func:`~moecache.backends.flash.flash_attention_twin`). Default False: float32
+            activations and weights.
     """
 
     name = "cpu"
@@ -201,6 +204,16 @@ class NumpyBackend(ArrayOps):
             tile = cpu.dequantize(w.data[r0:r0 + rows], w.ggml_type, w.n_in, w.name)
             np.matmul(x, f16_round(tile).T if f16 else tile.T, out=out[:, r0:r0 + rows])
         return out
+
+    def attention(self, q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, pos0: Any, scale: float,
+                  window: int | None = None, softcap: float | None = None, kv_base: Any = None,
+                  n_ctx: int | None = None) -> np.ndarray:
+        """:meth:`ArrayOps.attention`; with ``act_q8``, a prompt that the GPU computes in key tiles
+        (:func:`~moecache.backends.flash.flash_ok`) is computed by that kernel's twin."""
+        if self.act_q8 and flash_ok(q.shape[0], q.shape[2], v_all.shape[2], k_all.dtype, kv_base):
+            return flash_attention_twin(q, k_all, v_all, int(pos0) if np.ndim(pos0) == 0 else int(pos0[0]), scale,
+                                        window, softcap)
+        return super().attention(q, k_all, v_all, pos0, scale, window, softcap, kv_base, n_ctx)
 
     def topk_routing(self, logits: np.ndarray, k: int, renorm: bool) -> Routing:
         """Softmax top-k routing of router logits float32 (T, n_expert) (see :func:`topk_routing`)."""

@@ -723,6 +723,197 @@ GQA_MMA_KERNEL(attn_gqa_d2_f16, 64)
 GQA_MMA_KERNEL(attn_gqa_d4_f16, 128)
 GQA_MMA_KERNEL(attn_gqa_d8_f16, 256)
 
+// Prompt attention on tensor cores, one sequence, a float16 cache: FlashAttention-2's scheme (Dao
+// 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
+// Algorithm 1), written for mma.m16n8k16 (f16 inputs, f32 sums; the fragments as in attn_gqa_mma_t).
+// The CPU twin of its roundings is moecache/backends/flash.py (flash_attention_twin).
+// Grid (ceil(T / PA_BQ), H), PA_WARPS warps: warp w takes the block's queries w*16 .. w*16 + 15 (the
+// rows of A) of head blockIdx.y; the keys go in tiles of PA_BK at multiples of PA_BK, from the first
+// key any of the block's queries sees (window) to the last (causal), each tile staged in shared
+// memory by the whole block:
+//   S (16 x PA_BK) = Q K^T, scaled (then the softcap), keys the row does not see -inf;
+//   per row: M_new = max(M, max S), P = e^(S - M_new), L = L e^(M - M_new) + sum P (the sum of a
+//   lane's own columns; the row's four lanes add theirs at the end), O = O e^(M - M_new) + P V with
+//   S's accumulators reused as P's A fragments (the C and A layouts of m16n8k16 line up);
+//   out[t, h*D + d] = O / L, float32. No score block in memory.
+// SPLIT = 0 (the default arithmetic): Q and P rounded to float16. SPLIT = 1: Q and P as hi + lo
+// float16 pairs (split_f16x2), two MMAs each: float32 attention to float rounding. Shared rows are
+// padded to 4 words mod 32: the K fragment loads (8 rows x 4 words) fall in 32 banks, the V gathers
+// (4 key pairs x 8 dims) in 16 words read twice. Keys past the last one are staged as zeros.
+#define PA_WARPS 4
+#define PA_BQ (16 * PA_WARPS)  // queries per block
+#define PA_BK 64               // keys per tile: FLASH_TILE of moecache/backends/flash.py
+
+__device__ __forceinline__ unsigned pack_f16x2(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<unsigned *>(&h);
+}
+
+template <int D, bool SPLIT>
+__device__ void attn_prompt_t(const float *q, const __half *K, const __half *V, float *out, const int *pos, int T,
+                              int H, int Hkv, float scale, int window, float softcap) {
+#if __CUDA_ARCH__ >= 800
+    int pos0 = pos[0];  // the queries are at pos0 .. pos0 + T - 1
+    constexpr int W = D / 2;           // 32-bit words per K or V row
+    constexpr int RS = W + 4;          // padded row stride (words)
+    constexpr int W4 = W / 4;          // 16-byte pieces per row
+    constexpr int NKT = PA_BK / 8;     // score n-tiles of 8 keys
+    constexpr int NDT = D / 8;         // output n-tiles of 8 dims
+    constexpr int NQ = SPLIT ? 2 : 1;  // float16 parts of Q and P
+    __shared__ __align__(16) unsigned ks[PA_BK * RS], vs[PA_BK * RS];
+    int h = blockIdx.y, hk = h / (H / Hkv);
+    int tid = threadIdx.x, wid = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    long long rstride = (long long)Hkv * D;
+    int t_lo = blockIdx.x * PA_BQ, t_hi = min(T, t_lo + PA_BQ);
+    int k_lo = window > 0 ? max(0, pos0 + t_lo - window + 1) : 0;
+    k_lo -= k_lo % PA_BK;
+    int k_hi = pos0 + t_hi;                        // one past the block's last key
+    int r0 = t_lo + wid * 16 + gid, r1 = r0 + 8;   // this lane's rows (A rows gid, gid + 8)
+    int qp0 = pos0 + r0, qp1 = pos0 + r1;
+    int w_last = pos0 + t_lo + wid * 16 + 15;      // the warp's last position: later tiles are masked
+    unsigned qa[NQ][D / 16][4];
+    {
+        const float *q0 = q + ((long long)r0 * H + h) * D, *q1 = q + ((long long)r1 * H + h) * D;
+        float2 z = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            int c = kk * 16 + 2 * tig;
+            float2 x[4] = {r0 < T ? *(const float2 *)(q0 + c) : z, r1 < T ? *(const float2 *)(q1 + c) : z,
+                           r0 < T ? *(const float2 *)(q0 + c + 8) : z, r1 < T ? *(const float2 *)(q1 + c + 8) : z};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (SPLIT) split_f16x2(x[e].x, x[e].y, qa[0][kk][e], qa[NQ - 1][kk][e]);
+                else qa[0][kk][e] = pack_f16x2(x[e].x, x[e].y);
+            }
+        }
+    }
+    float o[NDT][4];
+#pragma unroll
+    for (int k = 0; k < NDT; ++k) o[k][0] = o[k][1] = o[k][2] = o[k][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    const unsigned short *vh = (const unsigned short *)vs;
+    for (int kt = k_lo; kt < k_hi; kt += PA_BK) {
+        __syncthreads();
+        for (int u = tid; u < PA_BK * W4; u += 32 * PA_WARPS) {
+            int r = u / W4, c = u % W4, key = kt + r;
+            uint4 kz = make_uint4(0u, 0u, 0u, 0u), vz = kz;
+            if (key < k_hi) {
+                kz = *(const uint4 *)(K + key * rstride + (long long)hk * D + 8 * c);
+                vz = *(const uint4 *)(V + key * rstride + (long long)hk * D + 8 * c);
+            }
+            *(uint4 *)(ks + r * RS + 4 * c) = kz;
+            *(uint4 *)(vs + r * RS + 4 * c) = vz;
+        }
+        __syncthreads();
+        if (kt > w_last) continue;  // every key of the tile is after the warp's queries
+        float s[NKT][4];
+#pragma unroll
+        for (int nt = 0; nt < NKT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int nt = 0; nt < NKT; ++nt) {
+                const unsigned *kr = ks + (nt * 8 + gid) * RS + kk * 8 + tig;
+                unsigned b0 = kr[0], b1 = kr[4];
+#pragma unroll
+                for (int part = 0; part < NQ; ++part) mma_16816(s[nt], qa[part][kk], b0, b1);
+            }
+        }
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NKT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int key = kt + nt * 8 + 2 * tig + (e & 1), qp = e < 2 ? qp0 : qp1;
+                float v = s[nt][e] * scale;
+                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                bool ok = key <= qp && (window <= 0 || key > qp - window);
+                v = ok ? v : NEG_INF;
+                s[nt][e] = v;
+                if (e < 2) mx0 = fmaxf(mx0, v);
+                else mx1 = fmaxf(mx1, v);
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off *= 2) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        bool live0 = mn0 != NEG_INF, live1 = mn1 != NEG_INF;
+        float a0 = live0 ? __expf(m0 - mn0) : 1.f, a1 = live1 ? __expf(m1 - mn1) : 1.f;
+        float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NKT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                bool first = e < 2;
+                float p = (first ? live0 : live1) ? __expf(s[nt][e] - (first ? mn0 : mn1)) : 0.f;
+                s[nt][e] = p;
+                if (first) ls0 += p;
+                else ls1 += p;
+            }
+        }
+        l0 = l0 * a0 + ls0;
+        l1 = l1 * a1 + ls1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int k = 0; k < NDT; ++k) {
+            o[k][0] *= a0;
+            o[k][1] *= a0;
+            o[k][2] *= a1;
+            o[k][3] *= a1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < PA_BK / 16; ++kk) {
+            unsigned pa[NQ][4];
+            const float *lo = s[2 * kk], *hi = s[2 * kk + 1];  // keys 16 kk + 0..7, + 8..15
+            float2 pp[4] = {make_float2(lo[0], lo[1]), make_float2(lo[2], lo[3]), make_float2(hi[0], hi[1]),
+                            make_float2(hi[2], hi[3])};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (SPLIT) split_f16x2(pp[e].x, pp[e].y, pa[0][e], pa[NQ - 1][e]);
+                else pa[0][e] = pack_f16x2(pp[e].x, pp[e].y);
+            }
+            int i0 = kk * 16 + 2 * tig;  // keys i0, i0 + 1 (and + 8, + 9) of the tile
+#pragma unroll
+            for (int dt = 0; dt < NDT; ++dt) {
+                const unsigned short *vc = vh + i0 * 2 * RS + dt * 8 + gid;  // V[i0][dt * 8 + gid]
+                unsigned b0 = (unsigned)vc[0] | ((unsigned)vc[2 * RS] << 16);
+                unsigned b1 = (unsigned)vc[16 * RS] | ((unsigned)vc[18 * RS] << 16);
+#pragma unroll
+                for (int part = 0; part < NQ; ++part) mma_16816(o[dt], pa[part], b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off *= 2) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    long long ostride = (long long)H * D;
+#pragma unroll
+    for (int dt = 0; dt < NDT; ++dt) {
+        int d = dt * 8 + 2 * tig;
+        if (r0 < T) *(float2 *)(out + r0 * ostride + (long long)h * D + d) = make_float2(o[dt][0] * inv0, o[dt][1] * inv0);
+        if (r1 < T) *(float2 *)(out + r1 * ostride + (long long)h * D + d) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
+    }
+#endif
+}
+
+#define PROMPT_KERNEL(NAME, D, SPLIT)                                                                   \
+extern "C" __global__ void __launch_bounds__(32 * PA_WARPS) NAME(const float *q, const __half *K,       \
+        const __half *V, float *out, const int *pos, int T, int H, int Hkv, float scale, int window,      \
+        float softcap) {                                                                               \
+    attn_prompt_t<D, SPLIT>(q, K, V, out, pos, T, H, Hkv, scale, window, softcap);                     \
+}
+PROMPT_KERNEL(attn_prompt_d2_f16, 64, false)
+PROMPT_KERNEL(attn_prompt_d4_f16, 128, false)
+PROMPT_KERNEL(attn_prompt_d2_f16_x, 64, true)
+PROMPT_KERNEL(attn_prompt_d4_f16_x, 128, true)
+
 // Merges the partials of attn_decode (part_a (T, H, S_a, Dv + 2)) or attn_gqa (part_b (T, H, S_b,
 // Dv + 2), may be null) of each query: out[t, h*Dv + d] = sum_s o_s[d] e^(M_s - M) / sum_s L_s
 // e^(M_s - M) with M the largest M_s. A query with at least min_keys keys (and part_b given) was
