@@ -434,7 +434,7 @@ def _spy(monkeypatch, obj, name, calls):
 
 @pytest.mark.parametrize("limit", ["none", "two stacks", "one stack", "no stack", "default"])
 def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(model_path, monkeypatch, limit):
-    """prompt_stacks (the default): two 40-token prompts give the all-CPU logits with every layer
+    """prompt_stacks (opt-in): two 40-token prompts give the all-CPU logits with every layer
     computed from one stack of its experts, in two buffers (prompt_stack_buffers = 2) allocated once
     and used in turn; the resident
     experts come from their slots (device copies), never from the host; each layer after the first
@@ -456,7 +456,8 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
         notes = []
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               vram_limit=vram_limit, log=notes.append)
-        assert cache.prompt_stacks  # the default since run h200-s13c
+        assert not cache.prompt_stacks  # the default since the fifteenth session: the groups
+        cache.prompt_stacks = True
         assert cache.prompt_stack_buffers == 1  # the default: the copy ahead gained nothing on the H200
         if limit != "default":
             cache.prompt_stack_buffers = 2
@@ -514,8 +515,8 @@ def test_prompt_stack_halves_copy_the_next_layers_half_while_the_other_computes(
         ew = expert_weights(m, "silu")
         stack = sum(int(w.nbytes) for w in (ew[0].gate, ew[0].up, ew[0].down))
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32)
-        assert not cache.prompt_stack_halves  # opt-in: not yet measured on a GPU
-        cache.prompt_stack_halves = True
+        assert not cache.prompt_stack_halves  # opt-in
+        cache.prompt_stacks = cache.prompt_stack_halves = True
         half = c.n_expert // 2
         resident = [(il, e) for il in range(c.n_layer) for e in (2, half + 1)][:8]  # one in each half
         _fill(cache, ew, resident)
@@ -648,7 +649,8 @@ def test_prompt_stacks_without_a_budget_keep_within_the_gpu_memory(model_path):
             notes = []
             cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                                   log=notes.append)
-            assert cache.vram_limit is None and cache.prompt_stacks
+            assert cache.vram_limit is None
+            cache.prompt_stacks = True
             cache.be.in_use = 1 << 30
             usable = cache.be.in_use + stack + cache_mod.STACK_MARGIN_BYTES - (0 if room else 1)
             cache.be.total = int(usable / cache_mod.USABLE_FRACTION) + 1  # the placement's share of it: usable

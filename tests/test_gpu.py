@@ -1058,8 +1058,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
-    experts three at a time (the groups: a token's pairs in one group summed on the GPU; the
-    default prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
+    experts three at a time (the groups, the default: a token's pairs in one group summed on the GPU;
+    the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
     after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt gathers the resident experts from their slots."""
     stage = load_mode == "pin-staged"
@@ -1069,7 +1069,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     rng = np.random.default_rng(5)
     with _cache_pair(tmp_path, 21, load_mode, PolicyConfig(**CHURN), stage_misses=stage) as (ref, eng):
         cache = eng.caches[0]
-        cache.prompt_stacks = False  # the groups (the stacks, the default: test_prompt_stacks_on_the_gpu_match_cpu)
+        cache.prompt_stacks = False  # the groups, the default (the stacks: test_prompt_stacks_on_the_gpu_match_cpu)
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
@@ -1113,11 +1113,11 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])
 @pytest.mark.parametrize("stacks", [2, 1, 0, "halves"])
 def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
-    """The expert cache's prompt ubatches on the GPU: with prompt_stacks (the default) each layer is
+    """The expert cache's prompt ubatches on the GPU: with prompt_stacks (opt-in) each layer is
     computed from a stack of its experts (residents copied from their slots on the device, the rest
     from the host); with two stack buffers the next layer's non-resident experts are copied on the
-    copy stream ahead (pin only: a mapped file copies each layer's own), with one (the default)
-    each layer copies its own; without stacks (0), the groups of three experts; with one buffer in
+    copy stream ahead (pin only: a mapped file copies each layer's own), with one (the stacks'
+    default) each layer copies its own; without stacks (0, the default), the groups of three experts; with one buffer in
     halves (prompt_stack_halves, opt-in) the next layer's half is copied while the other half
     computes. Two 40-token prompts and decode steps give the CPU's logits. The copy stream is held
     up by a 300 ms spin kernel before each prompt, so only the compute stream's wait for the copy

@@ -32,11 +32,11 @@ its slot's copy waits for the pass that could still read it.
    still reads a victim's slot) and land in the map at a later call, when complete.
 
 Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend.
-With ``prompt_stacks`` (the default) each layer is one call on a stack of its experts on the
-device: resident ones copied from their slots on the device, the others from the host (op
+With ``prompt_stacks`` (opt-in; off by default since its measured gain went with the tiled
+prompt attention) each layer is one call on a stack of its experts on the device: resident ones copied from their slots on the device, the others from the host (op
 offload), and, with two buffers, the next cached layer's non-resident experts copied on the copy
 stream while this layer computes (the same copy-stream ordering as :mod:`moecache.moe.prefetch`).
-With ``prompt_stack_halves`` (opt-in, not yet measured on a GPU) one buffer serves in two halves of
+With ``prompt_stack_halves`` (opt-in too) one buffer serves in two halves of
 the expert ids, the next layer's half copied while this layer's other half computes
 (:meth:`CachedExperts._prompt_halves`).
 The stacks are up to ``prompt_stack_buffers`` (1 by default) buffers of one layer's experts each,
@@ -178,20 +178,22 @@ class CachedExperts:
     Attributes:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
             (:meth:`_prompt_stack`: residents copied from their slots on the device, the others from
-            the host). True by default: at 8 GiB on the H200 (run h200-s13c, one buffer) 8g-pp512 ran
-            741 t/s at a peak of 7703 MiB against the groups' 405 (h200-s10n); the 12620-token
-            prompt gave its buffer back at its fifth ubatch, the ubatch before peaking 22 MiB under
-            the budget (8170 MiB; the run's peak, 7903 MiB, is the groups' after).
-            False: the groups of ``prompt_group_bytes``, always.
+            the host). False by default since the fifteenth session (the groups of
+            ``prompt_group_bytes`` instead): with the tiled prompt attention the stack gained no speed
+            and cost memory. H200, 8 GiB, pin, qwen3-moe, ``moecache bench`` with NVML peaks: stacks
+            on, pp12620 614 t/s at **8275 MiB (over the budget: the check gave the buffer back one
+            ubatch late)**, pp512 646 t/s at 8007 MiB; off, pp12620 598 t/s at 7641 MiB, pp512 705
+            t/s at 7441 MiB (``bench/results/prompt-q8-h200.md``). Opt-in (True) for measurement.
         prompt_stack_buffers: the stack buffers wanted (1, default: each layer copies its own; 2: the
             next layer copied ahead, twice the memory). One by measurement: ``bench/prompt_q8.py --ab
             cache`` (H200, 8 GiB, pp512, empty slots, session 13) ran 1110 t/s with two and 1123 with
             one, whose pool grew 618 MiB against 1169 (``bench/results/prompt-q8-h200.md``).
         prompt_stack_halves: with one buffer, each layer in two calls, one per half of the expert
             ids, the next layer's half copied while the other half computes
-            (:meth:`_prompt_halves`). False by default: CPU-tested, not yet measured on a GPU (the
-            H200 timeline of pp512, ``bench/results/prompt-timeline-h200.md``: 236 ms of copies and
-            71 ms of kernels per ubatch, one after the other).
+            (:meth:`_prompt_halves`; with ``prompt_stacks`` only). False by default: its GPU tests
+            pass (H200, fifteenth session), but ``bench/prompt_q8.py --ab cache`` there gave it 547
+            t/s against the groups' 780, every stack arm having given its buffer back after the
+            warm-up prompt (its overlap was not measured in isolation).
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
         prompt_fills, prompt_slot_reads: experts loaded into empty slots after a prompt, experts
@@ -209,12 +211,12 @@ class CachedExperts:
         self.be = backend
         self.policy = policy
         self.prompt_group_bytes = prompt_group_bytes
-        # on since session 13: with one buffer and the per-ubatch check (_keep_room) both 8 GiB prompt
-        # cases kept within --vram-budget (run h200-s13c, bench/results/vs-llamacpp-h200.md)
-        self.prompt_stacks = True
+        # off since session 15 (on in sessions 13-14): no measured gain, and a 12620-token prompt with the
+        # stack peaked 83 MiB over an 8 GiB budget (see prompt_stacks in the class docstring)
+        self.prompt_stacks = False
         self.prompt_stack_buffers = 1
-        # opt-in, not yet measured on a GPU: one buffer used in two halves of the expert ids
-        # (_prompt_halves), the next layer's half copied while this layer's other half computes
+        # opt-in (with prompt_stacks): one buffer used in two halves of the expert ids (_prompt_halves),
+        # the next layer's half copied while this layer's other half computes
         self.prompt_stack_halves = False
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)

@@ -6,7 +6,7 @@ Without this module the copy and the compute of a layer run one after the other 
 the H200 machine the ``pinned-*`` cases of ``../shared/vs-llamacpp.md`` (every expert in page-locked
 host RAM) make 3797 t/s at pp2048 (-ub 2048), while copying the 16.3 GB of experts alone takes
 ~330 ms of a ubatch's ~540 (``bench/results/vs-llamacpp-h200.md``, run ``h200-s9m``). (The expert
-cache, the 8 GiB cases, can copy ahead on its own with its ``prompt_stacks`` (the default) given
+cache, the 8 GiB cases, can copy ahead on its own with its opt-in ``prompt_stacks`` given
 two buffers (``prompt_stack_buffers = 2``; one, the default, copies no layer ahead):
 :meth:`CachedExperts._prompt_stack <moecache.moe.cache.CachedExperts._prompt_stack>` copies only
 the next layer's experts not resident in its slots, through the same ``start_upload`` /
