@@ -16,8 +16,10 @@ import numpy as np
 # one launch (their MAX_TOK; the 8-bit activation path, the expert cache's zero-copy path and its
 # routing log are sized by it too); more tokens take the prompt path
 DECODE_MAX_TOKENS = 16
-# prompt attention computes its float32 scores (n_head x queries x keys) for at most this many bytes
-# of them at a time: the queries go in chunks, so the transient stays bounded at any context length.
+# prompt attention here (the CPU's, and the GPU's where its tiled kernel does not apply: a float32
+# cache, heads other than 64 and 128, moecache.backends.flash.flash_ok) computes its float32 scores
+# (n_head x queries x keys) for at most this many bytes of them at a time: the queries go in chunks,
+# so the transient stays bounded at any context length.
 # 64 MiB (256 before): behind an expert cache a long prompt's attention blocks crowded out the prompt
 # stack (run h200-s13c: 740 MiB of a ubatch's transients at ~2.5k positions, a 256 MiB scores block
 # among them, and the stack given back at the fifth ubatch of the 12620-token prompt); a chunk of

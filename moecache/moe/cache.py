@@ -183,7 +183,7 @@ class CachedExperts:
             and cost memory. H200, 8 GiB, pin, qwen3-moe, ``moecache bench`` with NVML peaks: stacks
             on, pp12620 614 t/s at **8275 MiB (over the budget: the check gave the buffer back one
             ubatch late)**, pp512 646 t/s at 8007 MiB; off, pp12620 598 t/s at 7641 MiB, pp512 705
-            t/s at 7441 MiB (``bench/results/prompt-q8-h200.md``). Opt-in (True) for measurement.
+            t/s at 7441 MiB (``bench/results/attn-prompt-h200.md``). Opt-in (True) for measurement.
         prompt_stack_buffers: the stack buffers wanted (1, default: each layer copies its own; 2: the
             next layer copied ahead, twice the memory). One by measurement: ``bench/prompt_q8.py --ab
             cache`` (H200, 8 GiB, pp512, empty slots, session 13) ran 1110 t/s with two and 1123 with
