@@ -92,14 +92,72 @@ def test_twin_rounds_per_tile_and_the_roundings_show(seed):
     assert t < FLASH_TILE
 
 
+def tiled_reference(q, k, v, pos0, scale, window=None):
+    """The kernel's recurrence written per row in float64: tiles of keys at multiples of FLASH_TILE
+    up to the row's position, the row's keys of a tile only; M, L (unrounded P), O += f16(P) V."""
+    t, h, d = q.shape
+    g = h // k.shape[1]
+    out = np.zeros((t, h, d))
+    qr = q.astype(np.float16).astype(np.float64)
+    for i in range(t):
+        p = pos0 + i
+        first = 0 if not window else max(0, p - window + 1)
+        for hh in range(h):
+            m, l, o = -np.inf, 0.0, np.zeros(d)
+            for j0 in range(0, p + 1, FLASH_TILE):
+                keys = np.arange(max(j0, first), min(j0 + FLASH_TILE, p + 1))
+                if keys.size == 0:
+                    continue
+                s = k[keys, hh // g].astype(np.float64) @ qr[i, hh] * scale
+                mn = max(m, s.max())
+                pr = np.exp(s - mn)
+                a = np.exp(m - mn)
+                l = l * a + pr.sum()
+                o = o * a + pr.astype(np.float16).astype(np.float64) @ v[keys, hh // g].astype(np.float64)
+                m = mn
+            out[i, hh] = o / l
+    return out.reshape(t, -1)
+
+
+@pytest.mark.parametrize("t,pos0,window", [(150, 0, None), (100, 37, 90), (80, 500, 130)])
+def test_twin_tiles_the_keys_at_multiples_of_the_tile(seed, t, pos0, window):
+    """Several tiles per row, a window whose start is not a multiple of the tile: the twin's tile
+    grid is the one written out per row (tiles of 32 or 128 keys, or tiles from the window's start,
+    round other P and fail)."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((pos0 + t, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((pos0 + t, 2, 64)).astype(np.float16)
+    q = (rng.standard_normal((t, 4, 64)) * 2).astype(np.float32)
+    np.testing.assert_allclose(flash_attention_twin(q, k, v, pos0, 0.125, window),
+                               tiled_reference(q, k, v, pos0, 0.125, window), rtol=1e-6, atol=1e-7)
+
+
+def test_the_kernels_tile_and_block_are_the_python_ones():
+    """ops.cu's PA_BK is FLASH_TILE (the twin's tile grid), its PA_BQ and threads what the GPU
+    backend launches with (read from the sources: no CuPy here)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "moecache" / "backends"
+    cu = (root / "cuda" / "ops.cu").read_text()
+    define = {m.group(1): m.group(2).split("//")[0].strip() for m in re.finditer(r"#define (PA_\w+) (.+)", cu)}
+    assert int(define["PA_BK"]) == FLASH_TILE
+    warps = int(define["PA_WARPS"])
+    assert define["PA_BQ"] == "(16 * PA_WARPS)"
+    py = (root / "cupy_backend.py").read_text()
+    assert int(re.search(r"^PA_THREADS = (\d+)", py, re.M).group(1)) == 32 * warps
+    assert int(re.search(r"^PA_BQ = (\d+)", py, re.M).group(1)) == 16 * warps
+
+
 def test_which_calls_take_the_tiled_path():
     f16, f32 = np.float16, np.float32
-    assert flash_ok(17, 128, 128, f16) and flash_ok(512, 64, 64, f16)
-    assert not flash_ok(16, 128, 128, f16)             # a decode-sized ubatch: the decode kernels
-    assert not flash_ok(512, 128, 128, f32)            # a float32 cache
-    assert not flash_ok(512, 256, 256, f16)            # a head size the kernel is not built for
-    assert not flash_ok(512, 128, 64, f16)             # K and V heads of different sizes
-    assert not flash_ok(512, 128, 128, f16, np.zeros(512, np.int32))  # a batched step over slots
+    assert flash_ok(17, 128, 128, f16, f16) and flash_ok(512, 64, 64, f16, f16)
+    assert not flash_ok(16, 128, 128, f16, f16)             # a decode-sized ubatch: the decode kernels
+    assert not flash_ok(512, 128, 128, f32, f32)            # a float32 cache
+    assert not flash_ok(512, 128, 128, f16, f32)            # V's cache float32
+    assert not flash_ok(512, 256, 256, f16, f16)            # a head size the kernel is not built for
+    assert not flash_ok(512, 128, 64, f16, f16)             # K and V heads of different sizes
+    assert not flash_ok(512, 128, 128, f16, f16, np.zeros(512, np.int32))  # a batched step over slots
 
 
 def test_numpy_backend_takes_the_twin_only_with_act_q8(seed):

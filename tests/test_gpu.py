@@ -116,16 +116,18 @@ def test_logits_gpu_equal_cpu_on_every_arch(gpu, preset, tmp_path):
     assert np.isfinite(got).all() and rel < 1e-4
 
 
-@pytest.mark.parametrize("n_prompt", [12, 24])
+@pytest.mark.parametrize("n_prompt,kv", [(12, "f32"), (24, "f32"), (80, "f16")])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_logits_gpu_8bit_activations_near_cpu_on_every_arch(gpu_q8, preset, n_prompt, tmp_path):
+def test_logits_gpu_8bit_activations_near_cpu_on_every_arch(gpu_q8, preset, n_prompt, kv, tmp_path):
     """The default GPU arithmetic (8-bit activations in the products of ubatches <= 16 tokens,
     float16 operands in larger ones) gives the logits of its CPU twin (NumpyBackend(act_q8=True):
     the same roundings, float products) on every architecture, prompt (12 tokens: the 8-bit
     kernels too; 24: the float16 GEMMs) and decode steps. A wrong scale, a stale kept quantization
     or a swapped nibble would move them by about the rounding's own size (printed: the distance to
     the float32 CPU logits, 2e-3 .. 8e-2 on these tiny models); what remains is a value landing on
-    the other side of a rounding boundary. The float16 roundings are fine (an ulp is 2**-10 of the
+    the other side of a rounding boundary. With a float16 KV cache and 80 tokens the prompt's
+    attention is the tiled kernel (two key tiles; heads of 64 or 128) against its twin, whose
+    roundings NumpyBackend(act_q8=True) repeats. The float16 roundings are fine (an ulp is 2**-10 of the
     value) and the GPU's float32 sums differ from numpy's in their last bits, so a 24-token prompt
     flips many of them, each moving the next product by an ulp of one input: there the GPU stays
     within 3/4 of the rounding's size (0.06 .. 0.51 of it measured on the H200; the 12-token
@@ -143,9 +145,9 @@ def test_logits_gpu_8bit_activations_near_cpu_on_every_arch(gpu_q8, preset, n_pr
         lms = [build_model(m, NumpyBackend()), build_model(m, NumpyBackend(act_q8=True)), build_model(m, gpu_q8)]
         outs = []
         for lm in lms:
-            kv = lm.new_kv_cache(48)
-            outs.append(np.vstack([lm.forward(tokens[:n_prompt], kv, logits="all")] +
-                                  [lm.forward(tokens[i:i + 1], kv) for i in range(n_prompt, n_prompt + 8)]))
+            cache = lm.new_kv_cache(n_prompt + 8, np.float16 if kv == "f16" else np.float32)
+            outs.append(np.vstack([lm.forward(tokens[:n_prompt], cache, logits="all")] +
+                                  [lm.forward(tokens[i:i + 1], cache) for i in range(n_prompt, n_prompt + 8)]))
     flt, twin, got = outs
     rel = np.abs(got - twin).max() / np.abs(twin).max()
     rounding = np.abs(twin - flt).max() / np.abs(flt).max()
@@ -182,7 +184,8 @@ def test_attention_output_kept_8bit_rounding(gpu_q8):
     (512, 0, 32, 4, 128, None, None),     # a whole first ubatch of Qwen3-30B-A3B's shape
     (300, 1000, 32, 4, 128, None, None),  # a later ubatch, blocks and tiles not aligned to pos0
     (130, 77, 16, 16, 64, None, 30.0),    # plain multi-head, head 64, softcap
-    (200, 500, 8, 2, 64, 100, None),      # a window shorter than a block's queries
+    (200, 500, 8, 2, 64, 100, None),      # a window of 100 keys: its start mid-tile, moving per row
+    (90, 40, 8, 2, 128, 7, None),         # a window shorter than a tile and a block's queries
     (65, 3000, 32, 4, 128, 1024, None)])  # a window of several tiles, one query past a block
 def test_prompt_attention_kernel_matches_its_twins(gpu, gpu_q8, t, pos0, n_head, n_kv, d, window, softcap):
     """attn_prompt (tensor cores, key tiles, online softmax) against its CPU twins: the default
@@ -209,7 +212,9 @@ def test_prompt_attention_kernel_matches_its_twins(gpu, gpu_q8, t, pos0, n_head,
     twin = flash_attention_twin(q, k, v, pos0, scale, window, softcap)
     err = np.abs(got - twin)
     print(f"seed {seed}: float16 kernel vs its twin max {err.max():.2e} mean {err.mean():.2e}")
-    assert np.isfinite(got).all() and err.max() < 3e-3 and err.mean() < 1e-5, f"seed {seed}"
+    # on the H200 (fifteenth session) mean <= 5.2e-7: a twin that tiled or summed L otherwise drifts
+    # to 2e-6 .. 1e-5 (a review's numpy emulation of the kernel)
+    assert np.isfinite(got).all() and err.max() < 3e-3 and err.mean() < 1.5e-6, f"seed {seed}"
     poison((t, n_head * d))
     exact = cp.asnumpy(gpu.attention(cp.asarray(q), kd, vd, pos0, scale, window, softcap))
     ref = NumpyBackend().attention(q, k.astype(np.float32), v.astype(np.float32), pos0, scale, window, softcap)

@@ -62,8 +62,8 @@ def test_code_moe_tiny_placements_equal_cpu(gpu_ok, code_moe_tiny, real, placeme
 @pytest.mark.parametrize("placement", ["--cpu-moe", "--n-cpu-moe 4", "cache"])
 def test_synthetic_moe_prompt_experts_in_several_groups(gpu_ok, tmp_path_factory, monkeypatch, placement,
                                                         load_mode, ub):
-    """64 experts of a few hundred KiB each (Q4_K/Q6_K); the cache's prompt groups (its prompt stacks,
-    the default, switched off) move them 5 at a time (PROMPT_GROUP_BYTES lowered), so one ubatch's
+    """64 experts of a few hundred KiB each (Q4_K/Q6_K); the cache's prompt groups (the default; its
+    opt-in prompt stacks explicitly off) move them 5 at a time (PROMPT_GROUP_BYTES lowered), so one ubatch's
     used experts span many upload groups."""
     from moecache.gguf_file import open_gguf
     from moecache.testing.synth import PRESETS as P

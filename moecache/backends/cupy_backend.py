@@ -715,11 +715,12 @@ class CupyBackend(ArrayOps):
                   n_ctx: int | None = None) -> cp.ndarray:
         t, n_head, d = q.shape
         dv = v_all.shape[2]
-        pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
-        if self._mma and flash_ok(t, d, dv, k_all.dtype, kv_base):
-            return self._attention_prompt(q, k_all, v_all, pos, scale, window, softcap)
+        if self._mma and flash_ok(t, d, dv, k_all.dtype, v_all.dtype, kv_base) and _flat16(k_all) and _flat16(v_all):
+            first = self.positions([int(pos0)]) if np.ndim(pos0) == 0 else pos0  # the kernel reads pos[0]
+            return self._attention_prompt(q, k_all, v_all, first, scale, window, softcap)
         if t > ATT_MAX_TOKENS or d > ATT_MAX_HEAD_DIM or dv > ATT_MAX_HEAD_DIM:
             return super().attention(q, k_all, v_all, pos0, scale, window, softcap, kv_base, n_ctx)
+        pos = self.positions(np.arange(int(pos0), int(pos0) + t)) if np.ndim(pos0) == 0 else pos0
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * dv), cp.float32)
         # the grids follow the cache's capacity, not the position: a captured graph replays at every
@@ -763,9 +764,9 @@ class CupyBackend(ArrayOps):
     def _attention_prompt(self, q: cp.ndarray, k_all: cp.ndarray, v_all: cp.ndarray, pos: cp.ndarray, scale: float,
                           window: int | None, softcap: float | None) -> cp.ndarray:
         """A prompt's attention in one ``attn_prompt`` launch (ops.cu; the scheme and its CPU twin:
-        :mod:`moecache.backends.flash`): float16 Q and P by default, float32-exact (split float16 pairs)
-        without ``act_q8``. q float32 (T, n_head, D) at the positions ``pos`` (device int32, the first
-        is read); returns float32 (T, n_head * D)."""
+        :mod:`moecache.backends.flash`): float16 Q and P by default; without ``act_q8`` Q and P as
+        split float16 pairs, float32 attention to float rounding. q float32 (T, n_head, D) at the
+        positions ``pos`` (device int32, only the first is read); returns float32 (T, n_head * D)."""
         t, n_head, d = q.shape
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         out = cp.empty((t, n_head * d), cp.float32)
@@ -1078,6 +1079,11 @@ class CupyBackend(ArrayOps):
 
 
 __all__ = ["CupyBackend", "GEMV_MAX_TOKENS", "available"]
+
+
+def _flat16(a: cp.ndarray) -> bool:
+    """A C-contiguous array at a 16-byte aligned address (the kernels' uint4 row loads need both)."""
+    return a.flags.c_contiguous and a.data.ptr % 16 == 0
 
 
 def _device_i32(a: Any) -> Any:

@@ -28,12 +28,12 @@ FLASH_TILE = 64  # keys per tile (PA_BK of ops.cu); tiles start at multiples of 
 FLASH_HEAD_DIMS = (64, 128)  # head sizes the kernel is compiled for (attn_prompt_d2*, attn_prompt_d4*)
 
 
-def flash_ok(n_tok: int, head_dim: int, head_dim_v: int, kv_dtype: Any, kv_base: Any = None) -> bool:
+def flash_ok(n_tok: int, head_dim: int, head_dim_v: int, k_dtype: Any, v_dtype: Any, kv_base: Any = None) -> bool:
     """Whether a prompt's attention takes the tiled path: more than :data:`DECODE_MAX_TOKENS` queries
-    of one sequence (``kv_base`` None), a float16 KV cache, K and V heads of one size in
-    :data:`FLASH_HEAD_DIMS`."""
+    of one sequence (``kv_base`` None), float16 K and V caches, K and V heads of one size in
+    :data:`FLASH_HEAD_DIMS`. (The GPU also needs sm_80+ and contiguous, 16-byte aligned caches.)"""
     return (kv_base is None and n_tok > DECODE_MAX_TOKENS and head_dim == head_dim_v
-            and head_dim in FLASH_HEAD_DIMS and np.dtype(kv_dtype) == np.float16)
+            and head_dim in FLASH_HEAD_DIMS and np.dtype(k_dtype) == np.float16 and np.dtype(v_dtype) == np.float16)
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -49,7 +49,7 @@ def flash_attention_twin(q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, po
         k_all, v_all: float16 (n_ctx, n_head_kv, D), positions ``0 .. pos0 + T - 1`` filled; query
             head h reads KV head ``h // (n_head / n_head_kv)``.
         scale: multiplies q.k; window: sliding window (keys ``p - window < j <= p``; None or 0: all);
-            softcap: ``softcap * tanh(s / softcap)`` on the scaled scores if set.
+            softcap: ``softcap * tanh(s / softcap)`` on the scaled scores if set (positive).
 
     Returns:
         float32 (T, n_head * D).
@@ -65,6 +65,7 @@ def flash_attention_twin(q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, po
     n_kv = k_all.shape[1]
     g = h // n_kv
     end = pos0 + t
+    window = window if window and window > 0 else None  # the kernel's reading: 0 or less, no window
     lo = 0 if not window else max(0, pos0 - window + 1)
     lo -= lo % FLASH_TILE
     qh = _f16(q).reshape(t, n_kv, g, d).transpose(1, 2, 0, 3)  # (n_kv, g, T, D)
@@ -77,7 +78,7 @@ def flash_attention_twin(q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, po
         kt = k_all[k0:k1].astype(np.float64).transpose(1, 0, 2)  # (n_kv, n, D)
         vt = v_all[k0:k1].astype(np.float64).transpose(1, 0, 2)
         s = np.einsum("kgtd,knd->kgtn", qh, kt) * scale
-        if softcap:
+        if softcap and softcap > 0:
             s = softcap * np.tanh(s / softcap)
         kpos = np.arange(k0, k1)[None, :]
         ok = kpos <= qpos

@@ -210,7 +210,7 @@ class NumpyBackend(ArrayOps):
                   n_ctx: int | None = None) -> np.ndarray:
         """:meth:`ArrayOps.attention`; with ``act_q8``, a prompt that the GPU computes in key tiles
         (:func:`~moecache.backends.flash.flash_ok`) is computed by that kernel's twin."""
-        if self.act_q8 and flash_ok(q.shape[0], q.shape[2], v_all.shape[2], k_all.dtype, kv_base):
+        if self.act_q8 and flash_ok(q.shape[0], q.shape[2], v_all.shape[2], k_all.dtype, v_all.dtype, kv_base):
             return flash_attention_twin(q, k_all, v_all, int(pos0) if np.ndim(pos0) == 0 else int(pos0[0]), scale,
                                         window, softcap)
         return super().attention(q, k_all, v_all, pos0, scale, window, softcap, kv_base, n_ctx)

@@ -33,9 +33,10 @@ its slot's copy waits for the pass that could still read it.
 
 Prompt ubatches (``offload_min_batch`` tokens or more) compute every used expert on the backend.
 With ``prompt_stacks`` (opt-in; off by default since its measured gain went with the tiled
-prompt attention) each layer is one call on a stack of its experts on the device: resident ones copied from their slots on the device, the others from the host (op
-offload), and, with two buffers, the next cached layer's non-resident experts copied on the copy
-stream while this layer computes (the same copy-stream ordering as :mod:`moecache.moe.prefetch`).
+prompt attention) each layer is one call on a stack of its experts on the device: resident ones
+copied from their slots on the device, the others from the host (op offload), and, with two
+buffers, the next cached layer's non-resident experts copied on the copy stream while this layer
+computes (the same copy-stream ordering as :mod:`moecache.moe.prefetch`).
 With ``prompt_stack_halves`` (opt-in too) one buffer serves in two halves of
 the expert ids, the next layer's half copied while this layer's other half computes
 (:meth:`CachedExperts._prompt_halves`).
