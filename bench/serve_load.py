@@ -11,8 +11,9 @@ first, then ``--warmup-rounds`` rounds at the largest stream count (an expert ca
 measurement of its first tokens measures the warm-up, not the steady state). Each row also gives the
 expert cache's hit rate over that phase and the mean decode batch (tokens per decode pass), from the
 server's ``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
-same flags and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream ratio (server t/s /
-bench tg t/s).
+same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream
+ratio (server t/s / bench tg t/s). (Before the fifteenth session bench ran at its own -c, p + n:
+at 8 GiB its expert cache then had the ~730 MiB that the server's -c 8192 KV cache takes.)
 
     python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
         --bench --out bench/results/serve-h200 -- --vram-budget 8GiB --routing qwen3-moe -t 15
@@ -178,9 +179,11 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
     return {**counts, "samples": samples}
 
 
-def bench_tg(model: str, n: int, flags: list[str], warmup: int) -> float | None:
+def bench_tg(model: str, n: int, flags: list[str], warmup: int, ctx: int) -> float | None:
+    """``moecache bench``'s tg t/s with the server's flags and its ``-c`` (the KV cache's VRAM: with
+    ``--vram-budget``, what is left to the expert cache; bench's own -c would be only p + n)."""
     r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
-                        "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), *flags],
+                        "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), "-c", str(ctx), *flags],
                        capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
         print(f"bench failed: {r.stderr[-500:]}", file=sys.stderr)
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired:
             srv.kill()
         log.close()
-    tg = bench_tg(a.model, a.n, extra, a.bench_warmup) if a.bench else None
+    tg = bench_tg(a.model, a.n, extra, a.bench_warmup, ctx) if a.bench else None
     one = next((r for r in rows if r["streams"] == 1), None)
     lines = [f"# moecache serve under load: {Path(a.model).name}\n",
              f"`python bench/serve_load.py {' '.join(sys.argv[1:])}`; server: "
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{_fmt(r.get('hit_rate'), '.3f')} | {_fmt(r.get('mean_batch'), '.2f')} |")
     if tg and one:
         lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n} "
-                      f"--n-gen-warmup {a.bench_warmup}` "
+                      f"--n-gen-warmup {a.bench_warmup} -c {ctx}` "
                       f"{tg:.1f} t/s = **{one['aggregate_ts'] / tg:.2f}**"]
         if one.get("server_predicted_ts"):
             lines += [f"the server's own `timings.predicted_per_second` for it: {one['server_predicted_ts']:.1f} t/s = "
