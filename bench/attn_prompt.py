@@ -4,9 +4,12 @@ layer of Qwen3-30B-A3B's shape (32 query heads, 4 KV heads, head 128, float16 ca
 ``-ub`` queries ending at each context length.
 
     python bench/attn_prompt.py --ctx 512,4096,12620 -ub 512,2048
+    python bench/attn_prompt.py --ctx 16384,65536 -ub 32     # a short turn deep in a long context
 
 Prints µs per layer and the useful TFLOPS (causal: 4 * D * H * sum over queries of its keys), and the
-largest difference of the two outputs. Needs CuPy and a GPU.
+largest difference of the two outputs. A short turn deep in a context is the kernel's weak case: its
+grid is ceil(T / 64) x n_head blocks, each walking every key tile in turn (32 blocks for T <= 64).
+Needs CuPy and a GPU.
 """
 
 from __future__ import annotations
