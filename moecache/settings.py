@@ -13,7 +13,12 @@ context but does at ``-c`` 32768 runs at 32768 with every expert on the GPUs (th
 says so). The rules, for MoE models that do not fit
 (everything else keeps llama.cpp's defaults):
 
-- ``-ub`` 2048 / 1024 / 512 when the largest GPU has >= 20 GiB / >= 10 GiB / less free VRAM;
+- ``-ub`` 2048 / 1024 / 512 when the largest GPU has >= 6 GiB / >= 3 GiB / less free VRAM: a
+  prompt ubatch copies each layer's used experts from host RAM once, so the copy's cost per token
+  falls with the ubatch (H200, 8 GiB budget, the 12620-token prompt: 2459 t/s at -ub 2048, 1144 at
+  512, sixteenth session); the budget holds the larger ubatch's transients because the expert
+  cache's prompt groups do not grow with it and CuPy's pool gives its free blocks back before it
+  would pass the budget (``CupyBackend.budget_guard``);
 - ``-c`` 32768 (at most the trained context), halved (not below 4096) while its KV cache would take
   more than a quarter of the VRAM left after the dense weights and the reserve: the rest is the
   expert cache's;
@@ -412,8 +417,9 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         ub, reasons["n_ubatch"] = settings.n_ubatch, "-ub given"
     elif big:
         largest = max(g.vram_free for g in gpus)
-        ub = 2048 if largest >= 20 * GiB else 1024 if largest >= 10 * GiB else 512
-        reasons["n_ubatch"] = f"largest GPU has {largest / GiB:.0f} GiB free"
+        ub = 2048 if largest >= 6 * GiB else 1024 if largest >= 3 * GiB else 512
+        reasons["n_ubatch"] = (f"largest GPU has {largest / GiB:.0f} GiB free; routed experts in host RAM: "
+                               f"each ubatch copies a layer's used experts once, a larger ubatch shares the copy")
     else:
         ub, reasons["n_ubatch"] = DEFAULT_N_UBATCH, "llama.cpp default"
     # -b: at least the resolved -ub when -ub was not given (a -b below a given -ub clamps -ub instead)

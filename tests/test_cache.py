@@ -376,10 +376,18 @@ def test_cli_cache_flags(model_path):
 
 def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
     """A 40-token prompt through a model whose experts are ``cache``, checked against the all-CPU
-    logits; the number of experts each prompt group brought, in call order."""
+    logits; the number of experts of each prompt group's backend call (not the slots' call), in
+    call order."""
     sizes: list[int] = []
-    real = cache._prompt_group
-    monkeypatch.setattr(cache, "_prompt_group", lambda il, e, h, r, used: (sizes.append(used.size), real(il, e, h, r, used))[1])
+    real = cache.be.moe_ffn
+
+    def spy(gate, up, down, types, routing, h, act):
+        if gate is not cache.pool.gate:
+            sizes.append(gate.shape[0])
+            ids = np.asarray(routing.ids)
+            assert ids.shape == (h.shape[0], m.config.n_expert_used) and ids.min() >= -1 and ids.max() < gate.shape[0]
+        return real(gate, up, down, types, routing, h, act)
+    monkeypatch.setattr(cache.be, "moe_ffn", spy)
     ref_lm = build_model(m, NumpyBackend())
     lm = build_model(m, NumpyBackend(), experts=cache)
     prompt = rng.integers(0, m.config.n_vocab, 40)
@@ -388,10 +396,16 @@ def _prompt_group_sizes(m, cache, rng, monkeypatch) -> list[int]:
     return sizes
 
 
-def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch):
-    """A prompt ubatch whose used experts exceed PROMPT_GROUP_BYTES computes them group by group (each
-    group's pairs scatter-added); the output is the all-CPU output, and no group brings more than the
-    cap's worth of experts to the backend; resident experts are gathered from their slots."""
+@pytest.mark.parametrize("pinned", [True, False])
+def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypatch, pinned):
+    """A prompt ubatch whose used experts exceed PROMPT_GROUP_BYTES computes the resident ones from
+    their slots in one call and the others group by group, each call on the whole ubatch with the
+    other experts' pairs marked -1; the output is the all-CPU output, no group brings more than the
+    cap's worth of experts, and none brings a resident expert. With page-locked weights (``pinned``)
+    the groups alternate between two buffers, the next group's copy started before this group's
+    call (the twin's buffer reads NaN until its copy finishes, so a call on a buffer whose copy was
+    not finished, or whose copy was restarted under it, would show); otherwise each group is
+    uploaded in turn."""
     import moecache.moe.cache as cache_mod
 
     rng = np.random.default_rng(5)
@@ -401,18 +415,41 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         per = CachedExperts._expert_bytes(ew[0])
         monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
         cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
-        cache.prompt_stacks = False  # the groups (the path when a stack has no room)
+        cache.prompt_stacks = False  # the groups (the default)
+        if not pinned:
+            monkeypatch.setattr(cache.be, "zero_copy_ok", lambda arrays: "host experts are not in page-locked memory")
         resident = [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8]
         _fill(cache, ew, resident)
-        groups: list[np.ndarray] = []
-        real = cache._prompt_group
-        monkeypatch.setattr(cache, "_prompt_group",
-                            lambda il, e, h, r, used: (groups.append((il, used.copy())), real(il, e, h, r, used))[1])
-        biggest = _prompt_group_sizes(m, cache, rng, monkeypatch)
-        assert max(biggest) == 3 and len(biggest) >= c.n_layer * 2  # every layer split, none over the cap
-        assert cache.prompt_slot_reads > 0  # resident experts still read from their slots
-        in_groups = {(il, int(x)) for il, used in groups for x in used}
-        assert set(resident) <= in_groups  # gathered: the prompt uses them all
+        layers, starts, uploads, allocs = [], [], [], []
+        _spy(monkeypatch, cache, "_prompt_groups", layers)
+        _spy(monkeypatch, cache.be, "upload_experts", uploads)
+        _spy(monkeypatch, cache.be, "empty_u8", allocs)
+        real_start = cache.be.start_upload
+        monkeypatch.setattr(cache.be, "start_upload", lambda ws, experts=None, out=None, compact=False: (
+            starts.append((ws, experts.copy(), out, compact)), real_start(ws, experts, out, compact))[1])
+        sizes = _prompt_group_sizes(m, cache, rng, monkeypatch)
+        assert max(sizes) == 3 and len(sizes) >= c.n_layer * 2  # every layer split, none over the cap
+        assert cache.prompt_slot_reads > 0  # resident experts read from their slots
+        res = set(resident)
+        brought = []
+        if pinned:
+            assert not uploads and all(compact for *_, compact in starts)
+            assert len(starts) == len(sizes)  # one copy per group
+            for ws, ids, out, _ in starts:
+                brought.append((next(i for i in ew if ws[0] is ew[i].gate), ids))
+            # two buffers per layer of two groups or more, reused: 6 arrays (gate, up, down each)
+            assert len(allocs) == 6 * len(layers)
+            bufs_of = {}
+            for ws, ids, out, _ in starts:
+                bufs_of.setdefault(id(ws[0]), set()).add(id(out[0]))
+            assert all(len(b) == 2 for b in bufs_of.values())
+        else:
+            assert not starts and not allocs
+            assert len(uploads) == 3 * len(sizes)  # gate, up, down of each group
+            for w, ids in uploads[::3]:
+                brought.append((next(i for i in ew if w is ew[i].gate), ids))
+        for il, ids in brought:
+            assert not {(il, int(x)) for x in ids} & res  # a resident expert is never copied again
         cache.close()
 
 
@@ -463,19 +500,28 @@ def test_prompt_stacks_read_residents_from_slots_and_copy_the_next_layer_ahead(m
             cache.prompt_stack_buffers = 2
         resident = [(il, e) for il in range(c.n_layer) for e in (2, 5)][:8]
         _fill(cache, ew, resident)
-        real_empty = cache.be.empty_u8
-        allocs = []
+        real_empty, real_buffers = cache.be.empty_u8, cache._stack_buffers
+        allocs, in_stacks = [], [False]
 
         def empty(shape):  # the twin's memory in use grows with what the stacks allocate
             a = real_empty(shape)
-            allocs.append(a.nbytes)
-            cache.be.in_use += a.nbytes
+            if in_stacks[0]:  # not the prompt groups' buffers
+                allocs.append(a.nbytes)
+                cache.be.in_use += a.nbytes
             return a
+
+        def buffers(e):
+            in_stacks[0] = True
+            try:
+                return real_buffers(e)
+            finally:
+                in_stacks[0] = False
         monkeypatch.setattr(cache.be, "empty_u8", empty)
+        monkeypatch.setattr(cache, "_stack_buffers", buffers)
         uploads, gathers, groups = [], [], []
         _spy(monkeypatch, cache.be, "upload_experts_into", uploads)
         _spy(monkeypatch, cache.be, "gather_into", gathers)
-        _spy(monkeypatch, cache, "_prompt_group", groups)
+        _spy(monkeypatch, cache, "_prompt_groups", groups)
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache)
         for _ in range(2):
@@ -589,7 +635,7 @@ def test_prompt_stacks_give_buffers_back_as_a_prompt_grows(model_path, monkeypat
                             lambda: sum(int(a.nbytes) for buf in (cache._bufs or []) for a in buf) + cached[0])
         monkeypatch.setattr(cache.be, "release_cached", lambda: (releases.append(cached[0]), cached.__setitem__(0, 0)))
         groups = []
-        _spy(monkeypatch, cache, "_prompt_group", groups)
+        _spy(monkeypatch, cache, "_prompt_groups", groups)
         ref_ex = CPUExperts(ew, NumpyBackend())
         u = s // 16  # the floor is 4u; the limit 3s = 2s + 16u (+ s's remainder, under 16 bytes)
         monkeypatch.setattr(cache_mod, "ROOM_FLOOR_BYTES", 4 * u)
@@ -797,3 +843,34 @@ def test_engine_plans_with_the_memory_in_use(model_path, monkeypatch):
             slots[used] = eng.placement.cache_slots[0][1]
             assert eng.caches[0].prompt_group_bytes == cache_mod.PROMPT_GROUP_BYTES
     assert slots[0] - slots[used_big] in (11, 12, 13), slots
+
+
+def test_prompt_passes_run_under_the_backends_budget_guard(model_path):
+    """Under a --vram-budget (vram_limit) a prompt pass (offload_min_batch tokens or more) starts the
+    backend's budget guard before it and stops it after (CuPy's pool then gives its free blocks back
+    before growing past the budget: CupyBackend.budget_guard); decode passes and a cache without a
+    budget never start it."""
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        for limit in (None, 1 << 40):
+            cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
+                                  vram_limit=limit)
+            lm = build_model(m, NumpyBackend(), experts=cache)
+            if cache not in lm.pass_hooks:
+                lm.pass_hooks.append(cache)
+            seen = []
+            real = cache._prompt_groups
+
+            def spy(*a):
+                seen.append(cache._guard is not None and cache._guard.on)
+                return real(*a)
+            cache._prompt_groups = spy
+            kv = lm.new_kv_cache(64)
+            lm.forward(np.arange(40), kv)
+            assert seen and all(seen) == (limit is not None)
+            assert cache._guard is None or not cache._guard.on  # stopped after the pass
+            starts = 0 if cache._guard is None else cache._guard.starts
+            lm.forward(np.array([3]), kv)  # a decode pass
+            assert (0 if cache._guard is None else cache._guard.starts) == starts == (limit is not None)
+            cache.close()

@@ -116,8 +116,16 @@ def test_logits_gpu_equal_cpu_on_every_arch(gpu, preset, tmp_path):
     assert np.isfinite(got).all() and rel < 1e-4
 
 
-@pytest.mark.parametrize("n_prompt,kv", [(12, "f32"), (24, "f32"), (80, "f16")])
-@pytest.mark.parametrize("preset", PRESETS)
+def _flash_presets() -> list[str]:
+    """The presets whose prompt attention over a float16 cache takes the tiled kernel (head sizes)."""
+    from moecache.backends.flash import FLASH_HEAD_DIMS
+    from moecache.testing.synth import PRESETS as P
+
+    return [p for p in PRESETS if P[p].head_dim in FLASH_HEAD_DIMS]
+
+
+@pytest.mark.parametrize("preset,n_prompt,kv", [(p, n, "f32") for n in (12, 24) for p in PRESETS] +
+                         [(p, 80, "f16") for p in _flash_presets()])
 def test_logits_gpu_8bit_activations_near_cpu_on_every_arch(gpu_q8, preset, n_prompt, kv, tmp_path):
     """The default GPU arithmetic (8-bit activations in the products of ubatches <= 16 tokens,
     float16 operands in larger ones) gives the logits of its CPU twin (NumpyBackend(act_q8=True):
@@ -126,8 +134,10 @@ def test_logits_gpu_8bit_activations_near_cpu_on_every_arch(gpu_q8, preset, n_pr
     or a swapped nibble would move them by about the rounding's own size (printed: the distance to
     the float32 CPU logits, 2e-3 .. 8e-2 on these tiny models); what remains is a value landing on
     the other side of a rounding boundary. With a float16 KV cache and 80 tokens the prompt's
-    attention is the tiled kernel (two key tiles; heads of 64 or 128) against its twin, whose
-    roundings NumpyBackend(act_q8=True) repeats. The float16 roundings are fine (an ulp is 2**-10 of the
+    attention is the tiled kernel (two key tiles) against its twin, whose roundings
+    NumpyBackend(act_q8=True) repeats: on the presets whose heads it takes (64 or 128: olmoe,
+    llama). Elsewhere 80 tokens would test only the GEMMs' flips, which grow with the tokens
+    (tiny-gemma3: 0.84 of the rounding, H200, sixteenth session). The float16 roundings are fine (an ulp is 2**-10 of the
     value) and the GPU's float32 sums differ from numpy's in their last bits, so a 24-token prompt
     flips many of them, each moving the next product by an ulp of one input: there the GPU stays
     within 3/4 of the rounding's size (0.06 .. 0.51 of it measured on the H200; the 12-token
@@ -478,6 +488,31 @@ def test_prompt_moe_in_float16_matches_numpy_twin(gpu_q8, types, n_tok):
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert err < 1e-4, f"{types} seed {seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("n_tok", [5, 40])
+@pytest.mark.parametrize("arith", ["default", "float32"])
+def test_moe_ffn_with_pairs_of_no_expert_matches_numpy_twin(gpu, gpu_q8, n_tok, arith):
+    """A routing with pairs of id -1 (the expert cache's prompt groups: the pairs of other groups)
+    on the GPU: the batched path plans and sums only the others, at any ubatch size (5 tokens too:
+    the decode kernels take no id < 0), against NumpyBackend's twin (itself against float64 in
+    tests/test_moe_kernel.py); a token of no expert at all gets zeros."""
+    from moecache.backends import NumpyBackend
+    from moecache.moe.routing import Routing
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    g, u, d, tt, h, r = _random_moe_case(("Q4_K", "Q4_K", "Q6_K"), n_tok, rng)
+    ids = np.where(rng.random(r.ids.shape) < 0.5, -1, r.ids).astype(np.int32)
+    ids[1] = -1
+    r = Routing(ids, r.weights)
+    be, twin = (gpu_q8, NumpyBackend(act_q8=True)) if arith == "default" else (gpu, NumpyBackend())
+    ref = twin.moe_ffn(g, u, d, tt, r, h, "silu")
+    poison(h.shape)
+    got = cp.asnumpy(be.moe_ffn(be.upload(g), be.upload(u), be.upload(d), tt, r, cp.asarray(h), "silu"))
+    assert np.isfinite(got).all() and not got[1].any()
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < (1e-4 if arith == "default" and n_tok > 16 else 1e-5), f"T={n_tok} {arith} seed {seed}: {err:.2e}"
 
 
 def test_moe_prompt_chunks_under_a_skewed_router_match_numpy_twin(gpu, monkeypatch):
@@ -1063,7 +1098,8 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
     mmap: misses on the CPU (hybrid, op by op); pin: misses read zero-copy, decode as a CUDA graph;
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
-    experts three at a time (the groups, the default: a token's pairs in one group summed on the GPU;
+    experts three at a time (the groups, the default: each group one call on the whole ubatch with
+    the other pairs marked -1, its copy on the copy stream while the group before computes (pin);
     the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
     after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt gathers the resident experts from their slots."""
@@ -1122,7 +1158,8 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
     computed from a stack of its experts (residents copied from their slots on the device, the rest
     from the host); with two stack buffers the next layer's non-resident experts are copied on the
     copy stream ahead (pin only: a mapped file copies each layer's own), with one (the stacks'
-    default) each layer copies its own; without stacks (0, the default), the groups of three experts; with one buffer in
+    default) each layer copies its own; without stacks (0, the default), the groups of three experts
+    (pin: two group buffers, the next group copied on the copy stream while one computes); with one buffer in
     halves (prompt_stack_halves, opt-in) the next layer's half is copied while the other half
     computes. Two 40-token prompts and decode steps give the CPU's logits. The copy stream is held
     up by a 300 ms spin kernel before each prompt, so only the compute stream's wait for the copy
@@ -1429,3 +1466,33 @@ def test_batched_decode_on_the_gpu_equals_each_sequence_alone(gpu, tmp_path, pre
                 got[i].append(lg[i])
     for i in range(3):
         np.testing.assert_allclose(np.array(got[i]), ref[i], rtol=0, atol=1e-3 * np.abs(ref[i]).max())
+
+
+def test_budget_guard_gives_the_pools_free_blocks_back_before_passing_the_limit(gpu):
+    """CupyBackend.budget_guard: with the pool holding a free 256 MiB block, a 512 MiB request (no
+    free block serves it) that would take the GPU's memory in use past the limit first gives the
+    free block back (the memory in use grows by 256 MiB, not 512); without the guard the pool keeps
+    it. stop() unregisters the hook; a second start() in the same thread does not register twice."""
+    from cupy.cuda.memory_hook import get_memory_hooks
+
+    pool = cp.get_default_memory_pool()
+    for guarded in (False, True):
+        pool.free_all_blocks()
+        a = cp.empty(256 << 20, cp.uint8)
+        del a  # a free 256 MiB block in the pool
+        used = gpu.memory_in_use()
+        g = gpu.budget_guard(used + (300 << 20))
+        if guarded:
+            g.start()
+            g.start()
+        try:
+            b = cp.empty(512 << 20, cp.uint8)
+            grew = gpu.memory_in_use() - used
+        finally:
+            g.stop()
+        assert g.name not in get_memory_hooks()
+        del b
+        print(f"guarded {guarded}: memory in use grew {grew >> 20} MiB, releases {g.releases}")
+        assert g.releases == int(guarded)
+        assert (grew < 400 << 20) if guarded else (grew >= 512 << 20)
+    pool.free_all_blocks()

@@ -165,10 +165,10 @@ def test_n_batch_raised_to_the_resolved_ubatch_is_a_reason():
 
 
 def test_policy_costs_and_budget_come_from_the_resolution():
-    """--vram-budget bounds the GPU the resolution sees (a 24 GiB card at 8 GiB: -ub 512); the
+    """--vram-budget bounds the GPU the resolution sees (a 24 GiB card at 4 GiB: -ub 1024); the
     policy's costs use the measured link unless --deterministic (or MOECACHE_DETERMINISTIC=1)."""
-    r = resolve(Settings(vram_budget="8GiB", moe_cache_window=16), BIG, Probe(HOST, (_gpu(24),)))
-    assert r.n_ubatch == 512 and r.placement.vram_budget == 8 * GiB and r.placement.prompt_gpu == 0
+    r = resolve(Settings(vram_budget="4GiB", moe_cache_window=16), BIG, Probe(HOST, (_gpu(24),)))
+    assert r.n_ubatch == 1024 and r.placement.vram_budget == 4 * GiB and r.placement.prompt_gpu == 0
     assert r.policy.window == 16 and r.policy.adaptive and r.policy.t_upload == pytest.approx(BIG.expert_each / 50e9)
     det = resolve(Settings(), BIG, Probe(HOST, (_gpu(24),)), environ={"MOECACHE_DETERMINISTIC": "1"})
     assert not det.policy.adaptive and det.policy.t_upload == pytest.approx(BIG.expert_each / 25e9)

@@ -187,6 +187,68 @@ def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew, m_al
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_moe_prompt_plan_leaves_out_pairs_of_no_expert(rng):
+    """A routing with pairs of id -1 (no expert: the expert cache's prompt groups mark the pairs of
+    other groups so) plans only the others: those pairs get no row (row_of_pair -1), and the plan
+    executed as above, each token's remaining pairs summed, equals the direct sum over them."""
+    from moecache.backends.ops import moe_prompt_plan
+
+    t, k, n_exp, d_in, d_out = 200, 4, 32, 24, 16
+    ids, w, h, mats, _ = _prompt_moe_case(rng, 2.0, t, k, n_exp, d_in, d_out)
+    ids = np.where(rng.random(ids.shape) < 0.6, -1, ids).astype(np.int32)
+    ids[0] = -1  # a token of no expert at all
+    ref = np.stack([sum((w[i, s] * mats[ids[i, s]] @ h[i] for s in range(k) if ids[i, s] >= 0), np.zeros(d_out))
+                    for i in range(t)])
+    plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, 40 * 4 * d_in, 16)
+    valid = ids.reshape(-1) >= 0
+    assert (plan.row_of_pair[~valid] == -1).all() and (plan.row_of_pair[valid] >= 0).all()
+    assert np.array_equal(plan.expert_ids[np.argsort(plan.expert_ids)], np.unique(ids[ids >= 0]))
+    e_at = r_at = 0
+    outs = []
+    for n_c, m in plan.chunks:
+        e = plan.expert_ids[e_at:e_at + n_c]
+        x = h[plan.token_rows[r_at:r_at + n_c * m]].reshape(n_c, m, d_in)
+        outs.append(np.einsum("cmi,coi->cmo", x, mats[e]).reshape(n_c * m, d_out))
+        e_at, r_at = e_at + n_c, r_at + n_c * m
+    y = np.concatenate(outs)
+    assert set(plan.token_rows.tolist()) <= set(np.flatnonzero((ids >= 0).any(axis=1)).tolist())
+    got = np.zeros((t, d_out))
+    for p in np.flatnonzero(valid):
+        got[p // k] += w.reshape(-1)[p] * y[plan.row_of_pair[p]]
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    none = moe_prompt_plan(np.full((3, k), -1, np.int32), n_exp, 7, 4 * d_in, 40 * 4 * d_in)
+    assert not none.chunks and (none.row_of_pair == -1).all()
+
+
+@pytest.mark.parametrize("n_tok,act_q8", [(5, False), (5, True), (40, False), (40, True)])
+def test_numpy_moe_ffn_skips_pairs_of_no_expert(rng, n_tok, act_q8):
+    """NumpyBackend.moe_ffn (the GPU's twin) with some pairs of id -1 gives the float64 sum over the
+    others (the reference above), in both arithmetics (act_q8: its 8-bit and float16 roundings,
+    ~1e-2 of the output)."""
+    from moecache.backends import NumpyBackend
+    from moecache.moe.routing import Routing
+
+    n_expert, n_embd, n_ff, top_k = 8, 256, 256, 3
+    Wg, tg, Rg = _experts("Q4_K", n_expert, n_ff, n_embd, rng)
+    Wu, tu, Ru = _experts("Q4_K", n_expert, n_ff, n_embd, rng)
+    Wd, td, Rd = _experts("Q6_K", n_expert, n_embd, n_ff, rng)
+    h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(n_expert, top_k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    w = rng.dirichlet(np.ones(top_k), n_tok).astype(np.float32)
+    ids[rng.random(ids.shape) < 0.5] = -1
+    ids[1] = -1
+    got = NumpyBackend(act_q8=act_q8).moe_ffn(Wg, Wu, Wd, (tg, tu, td), Routing(ids, w), h, "silu")
+    sel = [(int(ids[t, s]), t, float(w[t, s])) for t in range(n_tok) for s in range(top_k) if ids[t, s] >= 0]
+    sel.sort()
+    eids = np.array(sorted({e for e, _, _ in sel}), np.int32)
+    offs = np.concatenate([[0], np.cumsum([sum(1 for e2, _, _ in sel if e2 == e) for e in eids])])
+    ref = _reference(Rg, Ru, Rd, eids, offs, np.array([r for _, r, _ in sel]), np.array([x for _, _, x in sel]),
+                     h, cpu.ACT_SILU)
+    assert np.all(got[1] == 0)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < (2e-2 if act_q8 else 1e-5), f"{err:.2e}"
+
+
 def test_host_experts_compute_host_adds_the_layer_to_out(rng):
     """CPUExperts.compute_host (what a cut CUDA-graph decode step runs between segments, on host
     arrays) adds the routed experts' sum to ``out``: against the float64 reference above."""

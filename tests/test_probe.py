@@ -27,8 +27,10 @@ MOE_SHORT_CTX = moe_facts(60 * GiB, 55 * GiB, 8192)
 CASES = [
     # (name, model, gpus, flags, expected (ub, ctx, threads, mode, experts_in_ram, prompt_gpu))
     ("1 gpu 24G, big moe", MOE_BIG, [gpu(0, 24)], Settings(), (2048, 32768, 15, "pin", True, 0)),
-    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], Settings(), (1024, 32768, 15, "pin", True, 0)),
-    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], Settings(), (512, 32768, 15, "pin", True, 0)),
+    ("1 gpu 12G, big moe", MOE_BIG, [gpu(0, 12)], Settings(), (2048, 32768, 15, "pin", True, 0)),
+    ("1 gpu 8G, big moe", MOE_BIG, [gpu(0, 8)], Settings(), (2048, 32768, 15, "pin", True, 0)),
+    ("1 gpu 4G, big moe", MOE_BIG, [gpu(0, 4)], Settings(), (1024, 4096, 15, "pin", True, 0)),
+    ("1 gpu 2G, big moe", MOE_BIG, [gpu(0, 2)], Settings(), (512, 4096, 15, "pin", True, 0)),
     ("2 gpus, fastest link second", MOE_BIG, [gpu(0, 24, 25e9), gpu(1, 12, 50e9)], Settings(),
      (2048, 32768, 14, "pin", True, 1)),
     ("4 gpus mismatched", MOE_BIG, [gpu(0, 8), gpu(1, 8, 12e9), gpu(2, 8), gpu(3, 22, 3e9)], Settings(),

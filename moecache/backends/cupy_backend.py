@@ -139,6 +139,37 @@ class _SlotCopy:
         self.keep = []
 
 
+class _BudgetGuard(cp.cuda.memory_hook.MemoryHook):
+    """:meth:`CupyBackend.budget_guard`: ``start()`` / ``stop()`` register the hook in the calling
+    thread (once: a start after a pass an exception cut short finds it registered); ``releases``
+    counts the times it gave the pool's free blocks back."""
+
+    name = "moecache_vram_budget"
+
+    def __init__(self, device: int, limit: int):
+        self.device, self.limit, self.releases = device, int(limit), 0
+        self._on = False
+
+    def start(self) -> None:
+        if self.name not in cp.cuda.memory_hook.get_memory_hooks():
+            self.__enter__()
+            self._on = True
+
+    def stop(self) -> None:
+        if self._on and cp.cuda.memory_hook.get_memory_hooks().get(self.name) is self:
+            self.__exit__(None, None, None)
+        self._on = False
+
+    def alloc_preprocess(self, **kw: Any) -> None:
+        """Before the pool's cudaMalloc of ``mem_size`` bytes on the current device."""
+        if kw.get("device_id", self.device) != self.device:
+            return
+        free, total = cp.cuda.runtime.memGetInfo()
+        if total - free + int(kw.get("mem_size", 0)) > self.limit:
+            cp.get_default_memory_pool().free_all_blocks()
+            self.releases += 1
+
+
 class _Upload:
     """A whole-array upload on the copy stream: the device arrays and the copy's completion event."""
 
@@ -153,20 +184,26 @@ def _pinned_bytes(nbytes: int) -> np.ndarray:
     return cupyx.empty_pinned((nbytes,), np.uint8)
 
 
-def _dma_in_place(dst: cp.ndarray, w: np.ndarray, runs: list[tuple[int, int, int]], stream: cp.cuda.Stream) -> None:
-    """``dst[first:first + length] = w[first:first + length]`` for each run ``(_, first, length)``
+def _dma_in_place(dst: cp.ndarray, w: np.ndarray, runs: list[tuple[int, int, int]], stream: cp.cuda.Stream,
+                  compact: bool = False) -> None:
+    """``dst[first:first + length] = w[first:first + length]`` for each run ``(at, first, length)``
     (``expert_runs``), asynchronously on ``stream``: page-locked host experts ``w`` into device
-    experts ``dst`` of the same shape. One ``cudaMemcpyAsync`` per run on raw pointers when both
-    are C-contiguous (a prompt layer's non-resident experts make tens of runs; a slice and
+    experts ``dst`` of the same shape; with ``compact`` into ``dst[at:at + length]`` (``dst`` holds
+    at least the runs' experts). One ``cudaMemcpyAsync`` per run on raw pointers when both are
+    C-contiguous (a prompt layer's non-resident experts make tens of runs; a slice and
     ``ndarray.set`` each cost more host time than the call itself), else ``ndarray.set``."""
-    if dst.shape != w.shape or not (dst.flags.c_contiguous and w.flags.c_contiguous):
-        for _, first, length in runs:
-            dst[first:first + length].set(w[first:first + length], stream=stream)
+    same = dst.shape[1:] == w.shape[1:] and (compact or dst.shape[0] == w.shape[0])
+    if not same or not (dst.flags.c_contiguous and w.flags.c_contiguous):
+        for at, first, length in runs:
+            d = at if compact else first
+            dst[d:d + length].set(w[first:first + length], stream=stream)
         return
+    if compact and runs and runs[-1][0] + runs[-1][2] > dst.shape[0]:
+        raise ValueError(f"a compact upload of {runs[-1][0] + runs[-1][2]} experts into {dst.shape[0]}")
     per = int(w.strides[0])  # bytes of one expert
     d0, s0 = int(dst.data.ptr), int(w.ctypes.data)
-    for _, first, length in runs:
-        cp.cuda.runtime.memcpyAsync(d0 + first * per, s0 + first * per, length * per,
+    for at, first, length in runs:
+        cp.cuda.runtime.memcpyAsync(d0 + (at if compact else first) * per, s0 + first * per, length * per,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
 
@@ -332,7 +369,7 @@ class CupyBackend(ArrayOps):
         return self._copy_stream
 
     def start_upload(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
-                     out: tuple[cp.ndarray, ...] | None = None) -> "_Upload | None":
+                     out: tuple[cp.ndarray, ...] | None = None, compact: bool = False) -> "_Upload | None":
         """Begin copying page-locked host arrays ``ws`` (a layer's stacked experts, uint8 (n_expert,
         rows, row_bytes)) to this GPU on its copy stream, so that the copy runs while the compute
         stream works (the next layer of a prompt while this one computes: :mod:`moecache.moe.prefetch`,
@@ -343,7 +380,9 @@ class CupyBackend(ArrayOps):
         page-locked (``--load-mode mmap``: an asynchronous copy needs pinned memory) or when the
         GPU has no room; the caller uploads as before. ``out``: device arrays of the same shapes
         to copy into instead (nothing allocated; the caller orders their earlier readers before
-        this call on the compute stream).
+        this call on the compute stream). ``compact`` (with ``experts`` and ``out``): expert
+        ``experts[i]`` goes to position i of ``out`` (arrays of at least ``len(experts)`` experts: a
+        prompt group's buffer, :meth:`CachedExperts._prompt_groups`).
 
         The arrays are allocated on the compute stream (CuPy's pool is per stream), and the copy
         waits for the compute stream's work queued so far: the memory may have been freed by
@@ -364,7 +403,7 @@ class CupyBackend(ArrayOps):
             cs.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
             runs = [(0, 0, ws[0].shape[0])] if experts is None else expert_runs(experts)
             for o, w in zip(outs, ws):
-                _dma_in_place(o, w, runs, cs)
+                _dma_in_place(o, w, runs, cs, compact)
             return _Upload(outs, cs.record(cp.cuda.Event(disable_timing=True)))
 
     def room_for(self, nbytes: int, limit: int | None) -> bool:
@@ -403,6 +442,19 @@ class CupyBackend(ArrayOps):
         """Give CuPy's cached free blocks back to the driver (waits for the GPU's queued work)."""
         with cp.cuda.Device(self.device):
             cp.get_default_memory_pool().free_all_blocks()
+
+    def budget_guard(self, limit: int) -> "_BudgetGuard":
+        """A guard that keeps CuPy's pool from growing this GPU's memory in use past ``limit`` bytes
+        with blocks it holds free: while started (in the calling thread: CuPy's memory hooks are
+        per thread), a request the pool cannot serve from its free blocks first gives those blocks
+        back to the driver (``free_all_blocks``) when ``cudaMalloc`` would pass the limit.
+
+        Why: a prompt ubatch's transient arrays change size from layer to layer, and the pool keeps
+        every freed block; a new request larger than each free one takes new memory. At -ub 2048 a
+        prompt's pool grew 1312 MiB for 653 MiB of arrays alive at its peak (H200, 8 GiB,
+        ``bench/vram_peak.py``), taking the 12620-token prompt ~700 MiB past an 8 GiB budget.
+        Giving the blocks back costs a device synchronisation, only when near the limit."""
+        return _BudgetGuard(self.device, limit)
 
     def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
         """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's
@@ -827,8 +879,8 @@ class CupyBackend(ArrayOps):
         are device arrays of raw blocks, (n_expert, rows, row_bytes))."""
         h = cp.ascontiguousarray(h, dtype=cp.float32)
         t, n_embd = h.shape
-        if t > GEMV_MAX_TOKENS:
-            return self._moe_prompt(gate, up, down, types, routing, h, act)
+        if t > GEMV_MAX_TOKENS or (routing.on_host and routing.ids.size and routing.ids.min() < 0):
+            return self._moe_prompt(gate, up, down, types, routing, h, act)  # the decode kernels take no id < 0
         ids = cp.ascontiguousarray(cp.asarray(routing.ids), dtype=cp.int32)
         w = cp.ascontiguousarray(cp.asarray(routing.weights), dtype=cp.float32)
         if types[0] != types[1]:
@@ -986,14 +1038,28 @@ class CupyBackend(ArrayOps):
         per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
         plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN)
+        if not plan.chunks:  # every pair of no expert (id < 0)
+            return cp.zeros((t, n_embd), cp.float32)
+        # the weighted sum's pairs, token by token: all T * k, or those of an expert (ids >= 0)
+        flat = hr.ids.reshape(-1)
+        sel = None if flat.min() >= 0 else np.flatnonzero(flat >= 0)
+        if sel is None:
+            pair_rows, starts = plan.row_of_pair, np.arange(0, t * k + 1, k, dtype=np.int32)
+        else:
+            pair_rows = plan.row_of_pair[sel]
+            starts = np.concatenate([[0], np.cumsum((hr.ids >= 0).sum(axis=1))]).astype(np.int32)
+        n_p = pair_rows.size
         w_host = None if isinstance(routing.weights, cp.ndarray) else np.asarray(hr.weights, np.float32).reshape(-1)
-        pieces = [plan.expert_ids, plan.token_rows, plan.row_of_pair, np.arange(0, t * k + 1, k, dtype=np.int32)]
+        pieces = [plan.expert_ids, plan.token_rows, pair_rows, starts]
         if w_host is not None:
-            pieces.append(w_host.view(np.int32))
+            pieces.append((w_host if sel is None else w_host[sel]).view(np.int32))
         idx = cp.asarray(np.concatenate(pieces))  # every index of the layer in one upload
         n_e, n_r = plan.expert_ids.size, plan.token_rows.size
-        wts = (cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1) if w_host is None
-               else idx[idx.size - t * k:].view(cp.float32))
+        if w_host is None:
+            wts = cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1)
+            wts = wts if sel is None else wts[cp.asarray(sel)]
+        else:
+            wts = idx[idx.size - n_p:].view(cp.float32)
         scratch = cp.empty(min(max_experts, n_e) * ff * n_embd, dt)
         hx = self._prompt_operand(h)  # a shared expert reading h converts it once too
         y_rows = cp.empty((plan.n_rows, n_embd), cp.float32)  # each chunk's padded outputs, one after another
@@ -1010,7 +1076,7 @@ class CupyBackend(ArrayOps):
             a = self.glu(gg, uu, act).astype(dt, copy=False)
             run_gemm(down_in, self._deq_experts(down, types[2], e_dev, ff, scratch), a, y_rows[y_at:y_at + n_c * m])
         at = n_e + n_r
-        return self._combine(y_rows, idx[at:at + t * k], wts, idx[at + t * k:at + t * k + t + 1], t)
+        return self._combine(y_rows, idx[at:at + n_p], wts, idx[at + n_p:at + n_p + t + 1], t)
 
     def _moe_prompt_grouped(self, gate, up, down, types, routing: Routing, h: cp.ndarray, act: str) -> cp.ndarray | None:
         """The prompt MoE with 8-bit activations, grouped by expert (``prompt_q8``; llama.cpp's MMQ
@@ -1021,12 +1087,12 @@ class CupyBackend(ArrayOps):
         ``moe_combine`` sums each token's k rows with its weights: 8 launches and one upload a layer,
         no dequantized weights. The arithmetic of the decode kernels (moeq_glu / moeq_down) for
         every pair: h (T, n_embd) float32 C-contiguous -> float32 (T, n_embd). None (the caller takes
-        the GEMM path) when gate and up differ in type, a type has no 8-bit kernel, or the groups
+        the GEMM path) when a pair has no expert (id < 0), gate and up differ in type, a type has no 8-bit kernel, or the groups
         exceed the grid's 65535 rows."""
-        if not grouped_prompt_ok(types):
+        hr = routing.host()
+        if not grouped_prompt_ok(types) or (hr.ids.size and hr.ids.min() < 0):
             return None
         fmt_g, fmt_d = format_for(types[0]).name, format_for(types[2]).name
-        hr = routing.host()
         t, k = hr.ids.shape
         n_embd = h.shape[1]
         n_expert, ff, rb = gate.shape

@@ -98,15 +98,18 @@ class NumpyBackend(ArrayOps):
         return np.take(w, used, axis=0)
 
     def start_upload(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
-                     out: tuple[np.ndarray, ...] | None = None) -> "TwinUpload":
+                     out: tuple[np.ndarray, ...] | None = None, compact: bool = False) -> "TwinUpload":
         """Begin copying host arrays ``ws`` (a layer's stacked experts, uint8 (n_expert, rows,
         row_bytes)), or only the ``experts`` given (ascending ids, each to its own position), to this
         backend; :meth:`finish_upload` gives them. The CPU twin of the GPU's copy-stream upload: the
         arrays it will give are filled with 0xFF bytes (NaN scales) until then, and stay so where
         no expert was copied, so a caller that reads them too early or reads an expert not copied
         gets NaNs, as it could read half-copied bytes on the GPU. ``out``: arrays to copy into
-        instead (all of them 0xFF until finished, stale data gone)."""
-        return TwinUpload(ws, experts, out)
+        instead (all of them 0xFF until finished, stale data gone); ``compact`` (with ``experts``
+        and ``out``): ``experts[i]`` goes to position i."""
+        if compact and (experts is None or out is None or any(o.shape[0] < len(experts) for o in out)):
+            raise ValueError("a compact upload needs experts and out arrays that hold them")
+        return TwinUpload(ws, experts, out, compact)
 
     def room_for(self, nbytes: int, limit: int | None) -> bool:
         """The twin of the GPU's check (:meth:`CupyBackend.room_for`) against ``in_use``, the bytes a
@@ -124,6 +127,11 @@ class NumpyBackend(ArrayOps):
 
     def release_cached(self) -> None:
         """The twin of :meth:`CupyBackend.release_cached`: nothing is cached."""
+
+    def budget_guard(self, limit: int) -> "TwinGuard":
+        """The twin of :meth:`CupyBackend.budget_guard`: nothing is cached, so nothing to give back;
+        the guard counts its starts and stops (the expert cache starts it for prompt passes)."""
+        return TwinGuard(limit)
 
     def empty_u8(self, shape: tuple[int, ...]) -> np.ndarray:
         """uint8 "uninitialized" (0xFF bytes: NaN scales, so a read of a position never written shows)."""
@@ -226,15 +234,20 @@ class NumpyBackend(ArrayOps):
         Args:
             gate, up: uint8 (n_expert, expert_ff, row_bytes); down: uint8 (n_expert, n_embd, row_bytes).
             types: GGML type ids of (gate, up, down).
-            routing: ids into the stacked experts and weights, (T, k).
+            routing: ids into the stacked experts and weights, (T, k); a pair of id < 0 has no
+                expert and adds nothing (the expert cache computes a prompt ubatch's experts group
+                by group on the same routing).
             h: float32 (T, n_embd). act: "silu" or "gelu".
 
         Returns:
             float32 (T, n_embd).
         """
-        if types[0] == types[1] and self._q8(types[0], None, h.shape[0]) and self._q8(types[2], None, 1):
+        ids = np.asarray(routing.host().ids)
+        some = bool(ids.size) and ids.min() < 0
+        if (types[0] == types[1] and self._q8(types[0], None, h.shape[0]) and self._q8(types[2], None, 1)
+                and not some):  # the GPU takes the GEMM path for a routing with pairs of no expert
             return self._moe_ffn_q8(gate, up, down, types, routing, h, act)
-        eids, offs, rows, wts = routing.groups()
+        eids, offs, rows, wts = routing.groups(ids >= 0 if some else None)
         if self._f16(h.shape[0]):
             return self._moe_ffn_f16(gate, up, down, types, (eids, offs, rows, wts), h, act)
         return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
@@ -354,14 +367,29 @@ class TwinCopy:
         self.done()
 
 
+class TwinGuard:
+    """:meth:`NumpyBackend.budget_guard`'s guard: ``on`` while started; ``starts`` counts the starts."""
+
+    def __init__(self, limit: int):
+        self.limit, self.on, self.starts, self.releases = limit, False, 0, 0
+
+    def start(self) -> None:
+        self.on = True
+        self.starts += 1
+
+    def stop(self) -> None:
+        self.on = False
+
+
 class TwinUpload:
     """An upload in flight (see :meth:`NumpyBackend.start_upload`): its arrays hold 0xFF bytes until
     :meth:`finish`, and afterwards wherever no expert was copied."""
 
     def __init__(self, ws: tuple[np.ndarray, ...], experts: np.ndarray | None = None,
-                 out: tuple[np.ndarray, ...] | None = None):
+                 out: tuple[np.ndarray, ...] | None = None, compact: bool = False):
         self.srcs = ws
         self.experts = experts
+        self.compact = compact
         if out is not None:
             for o in out:
                 o[...] = 0xFF
@@ -370,7 +398,8 @@ class TwinUpload:
     def finish(self) -> tuple[np.ndarray, ...]:
         if self.srcs is not None:
             sel = slice(None) if self.experts is None else self.experts
+            to = slice(0, len(self.experts)) if self.compact else sel
             for d, s in zip(self.arrays, self.srcs):
-                d[sel] = s[sel]
+                d[to] = s[sel]
             self.srcs = None
         return self.arrays

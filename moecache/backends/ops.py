@@ -102,7 +102,7 @@ class MoePromptPlan:
         token_rows: int32, each chunk's C * m token rows (expert-major; an expert with fewer than m
             tokens repeats its first one), concatenated.
         row_of_pair: int32 (T * k,), pair ``t * k + s`` (token t's s-th expert) -> its row among the
-            chunks' outputs stacked in order (``sum(C * m)`` rows).
+            chunks' outputs stacked in order (``sum(C * m)`` rows); -1 for a pair of no expert.
     """
     chunks: list[tuple[int, int]]
     expert_ids: np.ndarray
@@ -118,9 +118,15 @@ def _pairs_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.nda
     """(order, used expert ids ascending, their pair counts) of routing ``ids`` int (T, k): ``order``
     lists the flat pair indices grouped by expert, each expert's tokens ascending (a stable sort; ids
     as uint16 take numpy's radix sort, one pass per byte: 38 -> 7 µs for 512 x 8 pairs on the
-    development VM, and a prompt ubatch plans every layer)."""
+    development VM, and a prompt ubatch plans every layer). Pairs of id < 0 (no expert) are left out."""
     flat = ids.reshape(-1)
-    order = np.argsort(flat.astype(np.uint16) if n_expert <= 1 << 16 else flat, kind="stable")
+    key = flat.astype(np.uint16) if n_expert <= 1 << 16 else flat
+    if flat.size and flat.min() < 0:
+        sel = np.flatnonzero(flat >= 0)
+        order = sel[np.argsort(key[sel], kind="stable")]
+        flat = flat[sel]
+    else:
+        order = np.argsort(key, kind="stable")
     per_expert = np.bincount(flat, minlength=n_expert)
     eids = np.flatnonzero(per_expert)
     return order, eids, per_expert[eids]
@@ -128,17 +134,18 @@ def _pairs_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.nda
 
 def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int,
                     act_bytes: int, m_align: int = 1) -> MoePromptPlan:
-    """The GPU's prompt-MoE plan for routing ``ids`` (int (T, k), values < ``n_expert``): used
-    experts chunked by :func:`moe_prompt_chunks` (``max_experts``, ``row_bytes``, ``act_bytes``,
-    ``m_align`` as there), each expert's tokens in increasing order, each chunk's experts padded to
-    its largest count rounded up to a multiple of ``m_align``. Plain numpy; the CPU tests run it
-    against a direct per-pair sum."""
+    """The GPU's prompt-MoE plan for routing ``ids`` (int (T, k), values < ``n_expert``; a pair of id
+    < 0 has no expert: it gets no row and ``row_of_pair`` -1): used experts chunked by
+    :func:`moe_prompt_chunks` (``max_experts``, ``row_bytes``, ``act_bytes``, ``m_align`` as there),
+    each expert's tokens in increasing order, each chunk's experts padded to its largest count
+    rounded up to a multiple of ``m_align``. Plain numpy; the CPU tests run it against a direct
+    per-pair sum."""
     ids = np.asarray(ids)
     t, k = ids.shape
     order, eids, counts = _pairs_by_expert(ids, n_expert)
     offs = np.concatenate([[0], np.cumsum(counts)])
     chunks, e_parts, r_parts, n_rows = [], [], [], 0
-    row_of_pair = np.empty(t * k, np.int32)
+    row_of_pair = np.full(t * k, -1, np.int32)
     for sel in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes, m_align):
         c = counts[sel]
         n_c, m = len(sel), _round_up(int(c.max()), m_align)

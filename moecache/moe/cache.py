@@ -43,8 +43,12 @@ the expert ids, the next layer's half copied while this layer's other half compu
 The stacks are up to ``prompt_stack_buffers`` (1 by default) buffers of one layer's experts each,
 allocated at the first prompt while the GPU's memory in use leaves room for them under
 ``--vram-budget`` (without one: the GPU's memory), and given back when a prompt's memory nears it.
-Without a stack, the used experts come in groups of ``prompt_group_bytes`` (copy, then compute,
-on one stream). Their usage counts, but they admit nothing (a long prompt's flat routing is a poor
+Without a stack (the default), the resident experts' pairs are computed from their slots in one
+call, the others in groups of ``prompt_group_bytes`` of experts, each group one call on the whole
+ubatch with the other pairs marked as none (id -1); with page-locked weights two group buffers
+alternate, the next group copied on the copy stream while this one computes
+(:meth:`CachedExperts._prompt_groups`). Under ``--vram-budget`` a prompt pass runs under the
+backend's ``budget_guard``: CuPy's pool gives its free blocks back before it would pass the budget. Their usage counts, but they admit nothing (a long prompt's flat routing is a poor
 guide to decode's hot set; routing.md).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
@@ -72,7 +76,9 @@ from moecache.placement import USABLE_FRACTION
 from moecache.quants import cpu
 
 
-PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time
+PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time (two
+# such buffers alternate with page-locked weights: H200, 8 GiB, qwen3-moe, the 12620-token prompt at -ub 512
+# 1144 t/s against 848 with one copy-then-compute group at a time, run h200-s16a/c)
 MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit (the fused decode kernels')
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
 # prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
@@ -168,8 +174,9 @@ class CachedExperts:
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
             of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
         prompt_group_bytes: a prompt ubatch (without ``prompt_stacks``, or when there is no room for
-            a stack buffer or it was given back) brings its used experts to the device this many bytes
-            at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call on the backend).
+            a stack buffer or it was given back) brings its non-resident used experts to the device
+            this many bytes at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call
+            on the backend; with page-locked weights two buffers of this size alternate).
         vram_limit: ``--vram-budget`` in bytes (None: none, and the GPU's own memory is the limit):
             the prompt stacks' buffers are allocated only while the GPU's memory in use leaves room
             under it for them and for :data:`STACK_MARGIN_BYTES` more (the backend's ``room_for``),
@@ -226,6 +233,7 @@ class CachedExperts:
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
         self._trans_seen: int | None = None  # the last prompt ubatch's transient bytes (_keep_room)
+        self._guard = None  # the backend's budget_guard, started for prompt passes under a --vram-budget
         self._growth = 0  # the largest growth of those from one prompt ubatch to the next
         self.log = log if log is not None else (lambda msg: None)
         self.offload = CPUExperts(layers, backend, offload_min_batch)
@@ -396,6 +404,11 @@ class CachedExperts:
         date (on the current stream, so the pass reads it). A pass that will not take the zero-copy
         path accounts the earlier passes first (it feeds the policy itself, in order)."""
         self._drop_flight()  # a copy started for a pass an exception cut short
+        if self.vram_limit is not None and self.offload_min_batch is not None and n_tokens >= self.offload_min_batch:
+            # a prompt pass: CuPy's pool gives its free blocks back before it grows past the budget
+            if self._guard is None:
+                self._guard = self.be.budget_guard(self.vram_limit)
+            self._guard.start()
         if self._prompt_seen and (self.offload_min_batch is None or n_tokens < self.offload_min_batch):
             self.fill_after_prompt()
         if not self.zero_copy:
@@ -443,6 +456,8 @@ class CachedExperts:
         """After a pass's output reached the host: bring its routing log to the host (processed by the
         next :meth:`launched`) and time the pass for the adaptive upload budget (the whole pass here;
         the hybrid path times its MoE stretch, first to last cached layer)."""
+        if self._guard is not None:
+            self._guard.stop()
         t = self._expect
         if not self.zero_copy or not t:
             return
@@ -552,12 +567,11 @@ class CachedExperts:
         """A prompt ubatch: every used expert computed on the backend; the resident ones are read from
         their slots (a device-side gather), only the others are copied from the host.
 
-        The used experts' weights are brought to the device ``prompt_group_bytes`` at a time, so
-        a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
-        prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise). Each group computes
-        its own (token, expert) pairs, weighted, and adds them into the output (in a fixed order: the
-        same sums on every run, as the ungrouped path). With ``prompt_stacks`` the layer is
-        one call on a stack of its experts: :meth:`_prompt_stack`."""
+        The non-resident experts' weights are brought to the device ``prompt_group_bytes`` at a time,
+        so a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
+        prompt uses ~120 of 128 experts per layer: 300+ MiB at once otherwise); the resident ones
+        are read in their slots (:meth:`_prompt_groups`). With ``prompt_stacks`` the layer is one
+        call on a stack of its experts: :meth:`_prompt_stack`."""
         if self.prompt_stacks:
             out = self._prompt_stack(il, e, h, r)
             if out is not None:
@@ -800,47 +814,63 @@ class CachedExperts:
         return [sum(f.started for f in fs), sum(f.used for f in fs), sum(f.dropped for f in fs)]
 
     def _prompt_groups(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray) -> Any:
-        """The pairs of ``r`` (``used``: its experts, ascending), ``prompt_group_bytes`` of experts at
-        a time (one group takes ``r`` as it is)."""
-        per = self._expert_bytes(e)
-        group = max(1, self.prompt_group_bytes // per)
-        if used.size <= group:
-            return self._prompt_group(il, e, h, r, used)
+        """The pairs of ``r`` (``used``: its experts, ascending): the resident experts' pairs in one
+        backend call on the slots where they are, then the others ``prompt_group_bytes`` of experts
+        at a time, each group one call on a buffer of its experts, the calls' outputs summed in that
+        order (the same sums on every run).
+
+        Every call takes the whole ubatch's routing with the pairs of other experts marked as none
+        (id -1): no per-pair copies of the activations, so the transients do not grow with the pairs
+        (at -ub 2048 the per-pair copies and their sum were ~0.5 GiB of a prompt's peak, H200,
+        ``bench/vram_peak.py``). With page-locked weights two group buffers alternate: the next
+        group's experts are copied on the copy stream while the resident pairs or the group before
+        compute (:meth:`~moecache.backends.cupy_backend.CupyBackend.start_upload`, ``compact``);
+        otherwise each group is uploaded (a page-locked staging gather), then computed."""
         be = self.be
-        out = be.zeros((h.shape[0], h.shape[1]), np.float32)
-        flat = r.ids.reshape(-1)
-        for g0 in range(0, used.size, group):
-            rows, sub = _pair_rows(r, np.flatnonzero(np.isin(flat, used[g0:g0 + group])))  # this group's pairs
-            y = self._prompt_group(il, e, h[be.asarray(rows)], sub, used[g0:g0 + group])
-            _add_rows(be, out, rows, y)
+        slots = self.slot_of[il][used]
+        res = slots >= 0
+        up = used[~res]
+        per = self._expert_bytes(e)
+        # buffers of one size for every layer and ubatch: CuPy's pool serves each from the last one's
+        # blocks (sizes that change per layer leave free blocks behind that the pool keeps)
+        size = min(max(1, self.prompt_group_bytes // per), e.gate.shape[0])
+        n_groups = -(-up.size // size)
+        pieces = [up[g * size:(g + 1) * size] for g in range(n_groups)]
+        ws = (e.gate, e.up, e.down)
+        bufs: list[tuple[Any, ...]] = []
+        flight = None
+        if pieces and be.zero_copy_ok(list(ws)) is None:  # page-locked weights: asynchronous copies
+            bufs = [tuple(be.empty_u8((size,) + tuple(w.shape[1:])) for w in ws) for _ in range(min(2, n_groups))]
+            flight = be.start_upload(ws, pieces[0], bufs[0], compact=True)
+        out = None
+        if res.any():
+            pool = self.pool
+            loc = self.slot_of[il][r.ids]  # slot, or -1 for an expert not resident
+            out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, Routing(loc.astype(np.int32), r.weights), h,
+                             e.act)
+            self.prompt_slot_reads += int(res.sum())
+        local = np.full(self.slot_of.shape[1], -1, np.int32)
+        for g, ids in enumerate(pieces):
+            if bufs:
+                arrays = be.finish_upload(flight)  # the compute stream waits for this group's copy
+                if g + 1 < n_groups:  # the next group's copy, after the calls that read its buffer
+                    flight = be.start_upload(ws, pieces[g + 1], bufs[(g + 1) % 2], compact=True)
+                parts = tuple(a[:ids.size] for a in arrays)
+            else:
+                parts = tuple(be.upload_experts(w, ids) for w in ws)
+            self.offload.offloaded_bytes += int(ids.size * per)
+            local[ids] = np.arange(ids.size, dtype=np.int32)
+            y = be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
+            local[ids] = -1
+            if out is None:
+                out = y
+            else:
+                out += y
         return out
 
     @staticmethod
     def _expert_bytes(e: ExpertWeights) -> int:
         return sum(int(np.prod(w.shape[1:])) * w.itemsize for w in (e.gate, e.up, e.down))
-
-    def _prompt_group(self, il: int, e: ExpertWeights, h: Any, r: Routing, used: np.ndarray) -> Any:
-        """The pairs of ``r`` (whose experts are all in ``used``, ascending) on the backend."""
-        be = self.be
-        slots = self.slot_of[il][used]
-        res = slots >= 0
-        order = np.concatenate([used[res], used[~res]])
-        local = np.zeros(self.slot_of.shape[1], np.int32)
-        local[order] = np.arange(order.size, dtype=np.int32)
-        up = used[~res]
-        parts = []
-        pool = self.pool
-        for w, pool_arr in zip((e.gate, e.up, e.down), (pool.gate, pool.up, pool.down)):
-            pieces = []
-            if res.any():
-                pieces.append(pool_arr[be.asarray(slots[res].astype(np.int64))] if be.device is not None
-                              else pool_arr[slots[res]])
-            if up.size:
-                pieces.append(be.upload_experts(w, up))
-                self.offload.offloaded_bytes += int(pieces[-1].nbytes)
-            parts.append(pieces[0] if len(pieces) == 1 else be.xp.concatenate(pieces))
-        self.prompt_slot_reads += int(res.sum())
-        return be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
 
     def close(self) -> None:
         """Wait for the slot copies in flight, give the stack buffers back, stop the miss worker.
