@@ -158,6 +158,19 @@ def _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out):
     return ids, w, h, mats, ref
 
 
+def _run_plan(plan, h, mats):
+    """A prompt-MoE plan executed with numpy stand-ins for the GEMMs (a matrix per expert): the
+    chunks' padded outputs stacked in order, and the expert ids the chunks read."""
+    e_at = r_at = 0
+    outs = []
+    for n_c, m in plan.chunks:
+        e = plan.expert_ids[e_at:e_at + n_c]
+        x = h[plan.token_rows[r_at:r_at + n_c * m]].reshape(n_c, m, h.shape[1])
+        outs.append(np.einsum("cmi,coi->cmo", x, mats[e]).reshape(n_c * m, mats.shape[1]))
+        e_at, r_at = e_at + n_c, r_at + n_c * m
+    return np.concatenate(outs), e_at
+
+
 @pytest.mark.parametrize("skew,m_align", [(0.0, 1), (3.0, 1), (0.0, 16), (3.0, 16)])
 def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew, m_align):
     """The GPU's prompt-MoE plan (moe_prompt_plan: chunks, each chunk's experts and padded token
@@ -173,14 +186,7 @@ def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew, m_al
     plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, act, m_align)  # <= 7 experts
     assert len(plan.chunks) > 2
     assert all(m % m_align == 0 and (n_c * m * 4 * d_in <= act or n_c == 1) for n_c, m in plan.chunks)
-    e_at = r_at = 0
-    outs = []
-    for n_c, m in plan.chunks:
-        e = plan.expert_ids[e_at:e_at + n_c]
-        x = h[plan.token_rows[r_at:r_at + n_c * m]].reshape(n_c, m, d_in)
-        outs.append(np.einsum("cmi,coi->cmo", x, mats[e]).reshape(n_c * m, d_out))
-        e_at, r_at = e_at + n_c, r_at + n_c * m
-    y = np.concatenate(outs)
+    y, e_at = _run_plan(plan, h, mats)
     n_used = np.unique(ids).size
     assert y.shape[0] == plan.n_rows <= 2 * t * k + (m_align - 1) * n_used and e_at == plan.expert_ids.size == n_used
     got = (w.reshape(-1, 1) * y[plan.row_of_pair]).reshape(t, k, d_out).sum(1)
@@ -203,14 +209,7 @@ def test_moe_prompt_plan_leaves_out_pairs_of_no_expert(rng):
     valid = ids.reshape(-1) >= 0
     assert (plan.row_of_pair[~valid] == -1).all() and (plan.row_of_pair[valid] >= 0).all()
     assert np.array_equal(plan.expert_ids[np.argsort(plan.expert_ids)], np.unique(ids[ids >= 0]))
-    e_at = r_at = 0
-    outs = []
-    for n_c, m in plan.chunks:
-        e = plan.expert_ids[e_at:e_at + n_c]
-        x = h[plan.token_rows[r_at:r_at + n_c * m]].reshape(n_c, m, d_in)
-        outs.append(np.einsum("cmi,coi->cmo", x, mats[e]).reshape(n_c * m, d_out))
-        e_at, r_at = e_at + n_c, r_at + n_c * m
-    y = np.concatenate(outs)
+    y, e_at = _run_plan(plan, h, mats)
     assert set(plan.token_rows.tolist()) <= set(np.flatnonzero((ids >= 0).any(axis=1)).tolist())
     got = np.zeros((t, d_out))
     for p in np.flatnonzero(valid):
