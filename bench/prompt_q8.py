@@ -24,8 +24,8 @@ layer's experts on a copy stream while the current layer computes (``moecache/mo
 ``--ab cache`` compares, behind the expert cache (``--vram-budget``), its prompt paths from
 empty slots (as ``bench -p N -r R`` runs it: a prompt fills no slot), each arm's warm-up and
 repetitions in a row, a different prompt each (the same list in every arm): the groups of
-``prompt_group_bytes`` (``prompt_stacks`` False: each group's experts copied, then computed, on one
-stream) against the stacks (``CachedExperts.prompt_stacks``, the default: one stack of the layer's
+``prompt_group_bytes`` (``prompt_stacks`` False, the default: residents read in their slots, two
+group buffers, the next group's copy on the copy stream while one computes) against the stacks (``CachedExperts.prompt_stacks``, the default: one stack of the layer's
 experts per layer) with two buffers (the next layer's non-resident experts copied on the copy
 stream while this one computes) and with one (``prompt_stack_buffers = 1``, the default: no copy
 ahead, half the memory), and one buffer in halves (``prompt_stack_halves``, opt-in: the next

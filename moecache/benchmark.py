@@ -103,7 +103,7 @@ class BenchParams:
 
     model: Path
     n_batch: int
-    n_ubatch: int
+    n_ubatch: int  # 0: not given (the resolved -ub)
     n_threads: int
     n_gpu_layers: int
     n_cpu_moe: int

@@ -18,7 +18,9 @@ says so). The rules, for MoE models that do not fit
   falls with the ubatch (H200, 8 GiB budget, the 12620-token prompt: 2459 t/s at -ub 2048, 1144 at
   512, sixteenth session); the budget holds the larger ubatch's transients because the expert
   cache's prompt groups do not grow with it and CuPy's pool gives its free blocks back before it
-  would pass the budget (``CupyBackend.budget_guard``);
+  would pass the budget (``CupyBackend.budget_guard``). Measured on one model shape (Qwen3-30B-A3B,
+  n_embd 2048: 8101 MiB of 8192 at -ub 2048); the reserve stays 1 GiB at every -ub, and a wider
+  model's activations at -ub 2048 are larger (not yet measured);
 - ``-c`` 32768 (at most the trained context), halved (not below 4096) while its KV cache would take
   more than a quarter of the VRAM left after the dense weights and the reserve: the rest is the
   expert cache's;

@@ -802,7 +802,7 @@ def test_executors_say_whether_a_decode_step_can_be_captured(model_path):
 
 
 def test_prompt_group_bytes_is_a_per_cache_setting(model_path, monkeypatch):
-    """prompt_group_bytes (the engine raises it for the grouped 8-bit prompt MoE): None takes the
+    """prompt_group_bytes: None takes the
     module's PROMPT_GROUP_BYTES at construction, a value caps each prompt group to that many bytes
     of experts, and the output stays the all-CPU output; a cap below one byte is refused."""
     import moecache.moe.cache as cache_mod
@@ -873,4 +873,12 @@ def test_prompt_passes_run_under_the_backends_budget_guard(model_path):
             starts = 0 if cache._guard is None else cache._guard.starts
             lm.forward(np.array([3]), kv)  # a decode pass
             assert (0 if cache._guard is None else cache._guard.starts) == starts == (limit is not None)
+            if limit is not None:  # a prompt pass an exception cut short leaves it started: the next
+                cache.begin_pass(40)  # decode pass stops it, and so does close()
+                assert cache._guard.on
+                cache.begin_pass(1)
+                assert not cache._guard.on
+                cache.begin_pass(40)
+                cache.close()
+                assert not cache._guard.on
             cache.close()

@@ -276,6 +276,22 @@ def test_bench_reports_the_ubatch_that_ran(tiny, args, ub, nb):
     assert {x["n_ubatch"] for x in recs} == {ub} and {x["n_batch"] for x in recs} == {nb}
 
 
+def test_bench_without_ub_takes_the_resolved_ubatch(tiny, monkeypatch):
+    """Without -ub, bench passes none to the settings road, so the resolved -ub applies as in run
+    (2048 for a MoE model whose experts stay in host RAM at 6 GiB free or more; llama-bench's 512
+    otherwise); a given -ub list is passed as it is."""
+    import moecache.cli.bench as bench_mod
+
+    seen = []
+    real = bench_mod.load_engine
+    monkeypatch.setattr(bench_mod, "load_engine", lambda m, s, *a, **k: (seen.append(s.n_ubatch), real(m, s, *a, **k))[1])
+    for args, want in (([], [None]), (["-ub", "16,32"], [16, 32])):
+        seen.clear()
+        r = runner.invoke(app, ["bench", "-m", str(tiny), "-p", "8", "-n", "1", "-r", "1", "-o", "jsonl", *args])
+        assert r.exit_code == 0, r.output
+        assert seen == want
+
+
 # ---- flags that cannot take effect say so, once ------------------------------------------------------------------
 CACHE_FLAGS = ["--moe-cache", "12GB", "--vram-budget", "8GiB", "--moe-cache-stats", "4", "--moe-cache-window", "8",
                "--deterministic", "--n-cpu-moe", "2"]

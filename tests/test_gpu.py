@@ -1102,7 +1102,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     the other pairs marked -1, its copy on the copy stream while the group before computes (pin);
     the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
     after the prompt fills the empty slots with the prompt's most-used experts; a
-    last prompt gathers the resident experts from their slots."""
+    last prompt reads the resident experts in their slots."""
     stage = load_mode == "pin-staged"
     load_mode = load_mode.removesuffix("-staged")
     from moecache.moe.policy import PolicyConfig
@@ -1140,7 +1140,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if load_mode == "pin":
             assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
-        # a new sequence's prompt with the resident experts gathered from their slots (the cache
+        # a new sequence's prompt with the resident experts read in their slots (the cache
         # keeps its residents across reset())
         reads, resident = cache.prompt_slot_reads, int((cache.slot_of >= 0).sum())
         ref.reset()
@@ -1496,3 +1496,11 @@ def test_budget_guard_gives_the_pools_free_blocks_back_before_passing_the_limit(
         assert g.releases == int(guarded)
         assert (grew < 400 << 20) if guarded else (grew >= 512 << 20)
     pool.free_all_blocks()
+    stale, fresh = gpu.budget_guard(1 << 40), gpu.budget_guard(1 << 40)
+    stale.start()  # left registered (a pass an exception cut short): a new guard of this GPU takes its place
+    fresh.start()
+    assert get_memory_hooks()[fresh.name] is fresh and fresh.name.endswith(str(gpu.device))
+    stale.stop()  # not its registration any more
+    assert get_memory_hooks()[fresh.name] is fresh
+    fresh.stop()
+    assert fresh.name not in get_memory_hooks()

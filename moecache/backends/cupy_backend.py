@@ -141,24 +141,24 @@ class _SlotCopy:
 
 class _BudgetGuard(cp.cuda.memory_hook.MemoryHook):
     """:meth:`CupyBackend.budget_guard`: ``start()`` / ``stop()`` register the hook in the calling
-    thread (once: a start after a pass an exception cut short finds it registered); ``releases``
-    counts the times it gave the pool's free blocks back."""
-
-    name = "moecache_vram_budget"
+    thread under a name per GPU (one guard per GPU, each for its own device); a start finds a guard
+    of its GPU left registered by a pass an exception cut short (or by an engine closed since) and
+    takes its place. ``releases`` counts the times it gave the pool's free blocks back."""
 
     def __init__(self, device: int, limit: int):
         self.device, self.limit, self.releases = device, int(limit), 0
-        self._on = False
+        self.name = f"moecache_vram_budget_{device}"
 
     def start(self) -> None:
-        if self.name not in cp.cuda.memory_hook.get_memory_hooks():
+        hooks = cp.cuda.memory_hook.get_memory_hooks()
+        if hooks.get(self.name) is not self:
+            hooks.pop(self.name, None)
             self.__enter__()
-            self._on = True
 
     def stop(self) -> None:
-        if self._on and cp.cuda.memory_hook.get_memory_hooks().get(self.name) is self:
-            self.__exit__(None, None, None)
-        self._on = False
+        hooks = cp.cuda.memory_hook.get_memory_hooks()
+        if hooks.get(self.name) is self:
+            del hooks[self.name]
 
     def alloc_preprocess(self, **kw: Any) -> None:
         """Before the pool's cudaMalloc of ``mem_size`` bytes on the current device."""
@@ -1090,7 +1090,11 @@ class CupyBackend(ArrayOps):
         the GEMM path) when a pair has no expert (id < 0), gate and up differ in type, a type has no 8-bit kernel, or the groups
         exceed the grid's 65535 rows."""
         hr = routing.host()
-        if not grouped_prompt_ok(types) or (hr.ids.size and hr.ids.min() < 0):
+        if hr.ids.size and hr.ids.min() < 0:
+            self._note("the grouped 8-bit prompt MoE (gpu_prompt_q8) does not take a routing with pairs of no "
+                       "expert (the expert cache's prompt groups and slots): those calls use the float16 GEMMs")
+            return None
+        if not grouped_prompt_ok(types):
             return None
         fmt_g, fmt_d = format_for(types[0]).name, format_for(types[2]).name
         t, k = hr.ids.shape

@@ -59,7 +59,7 @@ class BenchOptions:
     reps: int = 5
     threads: str | None = None
     batch: str = "2048"
-    ubatch: str = "512"
+    ubatch: str | None = None  # None: the resolved -ub (moecache.settings.resolve), as run has it
     ngl: str = "99"
     n_cpu_moe: str = "0"
     moe_cache: str | None = None
@@ -103,7 +103,7 @@ def bench_command(o: BenchOptions) -> None:
     tests = make_tests(ps, ns, list(zip(pgs[::2], pgs[1::2])), ds)
     if not tests:
         raise UserError("no tests: give -p, -n or -pg with values > 0")
-    lists = {"model": models, "n_batch": checked_list(o.batch, "-b"), "n_ubatch": checked_list(o.ubatch, "-ub"),
+    lists = {"model": models, "n_batch": checked_list(o.batch, "-b"), "n_ubatch": checked_list(o.ubatch, "-ub") or [0],
              "n_threads": checked_list(o.threads, "-t") or [0], "n_gpu_layers": checked_list(o.ngl, "-ngl"),
              "n_cpu_moe": checked_list(o.n_cpu_moe, "--n-cpu-moe"),
              "moe_cache": moe_cache_list(o.moe_cache) or [None],
@@ -111,7 +111,7 @@ def bench_command(o: BenchOptions) -> None:
              or [0],
              "moe_cache_window": checked_list(o.window, "--moe-cache-window") or [None],
              "routing": split_items(o.routing, "--routing") or [None]}
-    base = BenchParams(models[0], 2048, 512, 0, 99, 0, None, 0, None, None, o.load_mode or "auto")
+    base = BenchParams(models[0], 2048, 0, 0, 99, 0, None, 0, None, None, o.load_mode or "auto")
     try:
         combos = expand(base, **lists)
     except ValueError as e:
@@ -119,7 +119,7 @@ def bench_command(o: BenchOptions) -> None:
     if len(combos) * len(tests) > MAX_COMBINATIONS:
         raise UserError(f"{len(combos)} parameter combinations x {len(tests)} tests: at most {MAX_COMBINATIONS} runs")
     # the parameters given (varied, or not at their default): the md table's columns
-    defaults = {"n_batch": [2048], "n_ubatch": [512], "n_threads": [0], "n_gpu_layers": [99], "n_cpu_moe": [0],
+    defaults = {"n_batch": [2048], "n_ubatch": [0], "n_threads": [0], "n_gpu_layers": [99], "n_cpu_moe": [0],
                 "moe_cache": [None], "vram_budget": [0], "moe_cache_window": [None], "routing": [None]}
     shown = [k for k, v in lists.items() if k != "model" and (len(v) > 1 or v != defaults.get(k))]
     if cache_type != "f16":
@@ -134,7 +134,7 @@ def bench_command(o: BenchOptions) -> None:
     said: set[str] = set()  # notes said once for the whole bench, not once per combination
 
     def make_engine(p: BenchParams):
-        settings = Settings(n_ctx=n_ctx, n_batch=p.n_batch, n_ubatch=p.n_ubatch, n_threads=p.n_threads or None,
+        settings = Settings(n_ctx=n_ctx, n_batch=p.n_batch, n_ubatch=p.n_ubatch or None, n_threads=p.n_threads or None,
                             n_gpu_layers=p.n_gpu_layers, n_cpu_moe=p.n_cpu_moe, moe_cache=p.moe_cache,
                             vram_budget=p.vram_budget, cache_type=cache_type,
                             load_mode=None if p.load_mode == "auto" else p.load_mode,

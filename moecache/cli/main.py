@@ -365,7 +365,8 @@ def bench(
     reps: Annotated[int, typer.Option("-r", "--repetitions", min=1, max=INT32_MAX, help="Timed runs per test.")] = 5,
     threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="CPU threads.")] = None,
     batch_size: Annotated[str, typer.Option("-b", "--batch-size")] = "2048",
-    ubatch_size: Annotated[str, typer.Option("-ub", "--ubatch-size")] = "512",
+    ubatch_size: Annotated[Optional[str], typer.Option("-ub", "--ubatch-size", help="Physical batch sizes; default: "
+                                                       "the resolved -ub, as run has it (llama-bench: 512).")] = None,
     ngl: Annotated[str, typer.Option("-ngl", "--n-gpu-layers", help="GPU layers (-1 = all that fit).")] = "99",
     n_cpu_moe: Annotated[str, typer.Option("-ncmoe", "--n-cpu-moe")] = "0",
     moe_cache: Annotated[Optional[str], typer.Option("--moe-cache", help="Expert cache per GPU: -1 fill, 0 off, or "

@@ -48,7 +48,8 @@ call, the others in groups of ``prompt_group_bytes`` of experts, each group one 
 ubatch with the other pairs marked as none (id -1); with page-locked weights two group buffers
 alternate, the next group copied on the copy stream while this one computes
 (:meth:`CachedExperts._prompt_groups`). Under ``--vram-budget`` a prompt pass runs under the
-backend's ``budget_guard``: CuPy's pool gives its free blocks back before it would pass the budget. Their usage counts, but they admit nothing (a long prompt's flat routing is a poor
+backend's ``budget_guard``: CuPy's pool gives its free blocks back before it would pass the budget.
+A prompt's expert usage counts, but it admits nothing (a long prompt's flat routing is a poor
 guide to decode's hot set; routing.md).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
@@ -409,6 +410,9 @@ class CachedExperts:
             if self._guard is None:
                 self._guard = self.be.budget_guard(self.vram_limit)
             self._guard.start()
+        elif self._guard is not None:
+            self._guard.stop()  # left started by a prompt pass an exception cut short (a decode graph's
+            # capture must not give blocks back, a device synchronisation)
         if self._prompt_seen and (self.offload_min_batch is None or n_tokens < self.offload_min_batch):
             self.fill_after_prompt()
         if not self.zero_copy:
@@ -565,7 +569,7 @@ class CachedExperts:
 
     def _prompt(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         """A prompt ubatch: every used expert computed on the backend; the resident ones are read from
-        their slots (a device-side gather), only the others are copied from the host.
+        their slots, only the others are copied from the host.
 
         The non-resident experts' weights are brought to the device ``prompt_group_bytes`` at a time,
         so a prompt's VRAM peak does not grow with the experts it touches (a 111-token low-locality
@@ -650,7 +654,7 @@ class CachedExperts:
         ``[n/2, n)``; ``prompt_stack_halves``): per half, the copy of its non-resident experts begun
         during the layer before (:meth:`_start_flight`; the compute stream waits for it), the
         used experts it lacks filled here (:meth:`_fill_stack`), one backend call on that half's
-        (token, expert) pairs (one pair per row, as the groups compute them, added into the output),
+        (token, expert) pairs (one pair per row, added into the output),
         then the next cached layer's copy into this half begins on the copy stream. So the copy of
         one half overlaps the compute of the other and of the attention between the layers, in the
         memory of one buffer; with two buffers a whole layer is copied ahead instead. Its transients
@@ -842,30 +846,35 @@ class CachedExperts:
         if pieces and be.zero_copy_ok(list(ws)) is None:  # page-locked weights: asynchronous copies
             bufs = [tuple(be.empty_u8((size,) + tuple(w.shape[1:])) for w in ws) for _ in range(min(2, n_groups))]
             flight = be.start_upload(ws, pieces[0], bufs[0], compact=True)
-        out = None
-        if res.any():
-            pool = self.pool
-            loc = self.slot_of[il][r.ids]  # slot, or -1 for an expert not resident
-            out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types, Routing(loc.astype(np.int32), r.weights), h,
-                             e.act)
-            self.prompt_slot_reads += int(res.sum())
         local = np.full(self.slot_of.shape[1], -1, np.int32)
-        for g, ids in enumerate(pieces):
-            if bufs:
-                arrays = be.finish_upload(flight)  # the compute stream waits for this group's copy
-                if g + 1 < n_groups:  # the next group's copy, after the calls that read its buffer
-                    flight = be.start_upload(ws, pieces[g + 1], bufs[(g + 1) % 2], compact=True)
-                parts = tuple(a[:ids.size] for a in arrays)
-            else:
-                parts = tuple(be.upload_experts(w, ids) for w in ws)
-            self.offload.offloaded_bytes += int(ids.size * per)
-            local[ids] = np.arange(ids.size, dtype=np.int32)
-            y = be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
-            local[ids] = -1
-            if out is None:
-                out = y
-            else:
-                out += y
+        out = None
+        try:
+            if res.any():
+                pool = self.pool
+                loc = self.slot_of[il][r.ids]  # slot, or -1 for an expert not resident
+                out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types,
+                                 Routing(loc.astype(np.int32), r.weights), h, e.act)
+                self.prompt_slot_reads += int(res.sum())
+            for g, ids in enumerate(pieces):
+                if bufs:
+                    arrays = be.finish_upload(flight)  # the compute stream waits for this group's copy
+                    flight = None
+                    if g + 1 < n_groups:  # the next group's copy, after the calls that read its buffer
+                        flight = be.start_upload(ws, pieces[g + 1], bufs[(g + 1) % 2], compact=True)
+                    parts = tuple(a[:ids.size] for a in arrays)
+                else:
+                    parts = tuple(be.upload_experts(w, ids) for w in ws)
+                self.offload.offloaded_bytes += int(ids.size * per)
+                local[ids] = np.arange(ids.size, dtype=np.int32)
+                y = be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
+                local[ids] = -1
+                if out is None:
+                    out = y
+                else:
+                    out += y
+        finally:
+            if flight is not None:  # an exception: the buffers go back to the pool only after the copy
+                be.finish_upload(flight)
         return out
 
     @staticmethod
@@ -880,6 +889,8 @@ class CachedExperts:
         blocks) once the cache is dropped; a copy still queued would then write into whatever the
         pool hands those blocks to next (in the GPU suite, a later test's engine: its logits went
         wrong after a test that had held the copy stream up)."""
+        if self._guard is not None:
+            self._guard.stop()
         try:
             for copy in self._retired + [p[0] for p in self._pending]:  # retired first: each precedes
                 copy.wait()  # any pending copy into its slot
