@@ -134,28 +134,6 @@ class _Pool:
     owner: list = field(default_factory=list)  # slot -> (layer, expert) or None
 
 
-def _pair_rows(r: Routing, sel: np.ndarray) -> tuple[np.ndarray, Routing]:
-    """The (token, expert) pairs ``sel`` (indices into the flattened (T, k) routing ``r``, host
-    arrays) as a one-expert-per-row routing: (int64 (P,) token of each pair, Routing (P, 1) of their
-    experts and weights)."""
-    rows = (sel // r.ids.shape[1]).astype(np.int64)
-    return rows, Routing(r.ids.reshape(-1)[sel].reshape(-1, 1).astype(np.int32),
-                         np.asarray(r.weights, np.float32).reshape(-1)[sel].reshape(-1, 1))
-
-
-def _add_rows(be: Any, out: Any, rows: np.ndarray, y: Any) -> None:
-    """``out[rows[i]] += y[i]`` for every i, with ``rows`` non-decreasing (a row repeats for each of
-    its pairs): the repeats are summed in pair order (a padded gather and a reduction, no atomics),
-    so the result is the same on every run. out float32 (T, n), y float32 (P, n), rows int (P,)."""
-    uniq, start, counts = np.unique(rows, return_index=True, return_counts=True)
-    idx = np.full((uniq.size, int(counts.max())), rows.size, np.int64)  # padding: a zero row
-    for j in range(idx.shape[1]):
-        has = counts > j
-        idx[has, j] = start[has] + j
-    padded = be.xp.concatenate([y, be.zeros((1, y.shape[1]), y.dtype)])
-    out[be.asarray(uniq.astype(np.int64))] += padded[be.asarray(idx)].sum(axis=1)
-
-
 class CachedExperts:
     """Routed experts in host RAM with a cache of hot ones in slots on ``backend``.
 
@@ -653,28 +631,28 @@ class CachedExperts:
         """A prompt layer from the one stack buffer in two halves of the expert ids (``[0, n/2)``,
         ``[n/2, n)``; ``prompt_stack_halves``): per half, the copy of its non-resident experts begun
         during the layer before (:meth:`_start_flight`; the compute stream waits for it), the
-        used experts it lacks filled here (:meth:`_fill_stack`), one backend call on that half's
-        (token, expert) pairs (one pair per row, added into the output),
-        then the next cached layer's copy into this half begins on the copy stream. So the copy of
-        one half overlaps the compute of the other and of the attention between the layers, in the
-        memory of one buffer; with two buffers a whole layer is copied ahead instead. Its transients
-        exceed the one call's (each half's gathered rows of h, the pairs' outputs, the padded sum:
-        ~90 MiB more at -ub 512 on the 30B by estimate, four times that at -ub 2048), which
-        :data:`STACK_MARGIN_BYTES` does not count."""
+        used experts it lacks filled here (:meth:`_fill_stack`), one backend call on the whole ubatch
+        with the other half's pairs marked as none (id -1, as the prompt groups do), its output
+        added, then the next cached layer's copy into this half begins on the copy stream. So the
+        copy of one half overlaps the compute of the other and of the attention between the layers,
+        in the memory of one buffer; with two buffers a whole layer is copied ahead instead."""
         be = self.be
         n = self.slot_of.shape[1]
         stacks = self._bufs[0]
         used = np.unique(r.ids)
-        flat = r.ids.reshape(-1)
-        out = be.zeros((h.shape[0], h.shape[1]), np.float32)
+        out = None
         for half, (lo, hi) in enumerate(((0, n // 2), (n // 2, n))):
             got = self._ahead_halves[half].take_tagged(il)
             have = got[1][1] if got is not None else np.zeros(n, bool)
             mine = used[(used >= lo) & (used < hi)]
             if mine.size:
                 self._fill_stack(il, e, stacks, mine, have)
-                rows, sub = _pair_rows(r, np.flatnonzero((flat >= lo) & (flat < hi)))
-                _add_rows(be, out, rows, be.moe_ffn(*stacks, e.types, sub, h[be.asarray(rows)], e.act))
+                ids = np.where((r.ids >= lo) & (r.ids < hi), r.ids, -1).astype(np.int32)
+                y = be.moe_ffn(*stacks, e.types, Routing(ids, r.weights), h, e.act)
+                if out is None:
+                    out = y
+                else:
+                    out += y
             self._start_flight(il, r.ids.size, 0, lo, hi, self._ahead_halves[half])  # after this half's compute
         return out
 
