@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-r", "--reps", type=int, default=4, help="timed prompts before the profiled one")
-    ap.add_argument("--vram-budget", default="8192MiB")
-    ap.add_argument("--routing", default="qwen3-moe")
+    ap.add_argument("--vram-budget", default="8192MiB",
+                    help="'none': every layer and expert on the GPU (no expert cache; the gpu-pp512 case)")
+    ap.add_argument("--routing", default="qwen3-moe", help="'' or 'none': the model's own router")
     ap.add_argument("--load-mode", default="pin")
     ap.add_argument("-t", "--threads", type=int, default=15)
     ap.add_argument("--trace", type=Path, help="keep the Chrome trace here")
@@ -104,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     from moecache.llm import open_llm
     from moecache.settings import Settings
 
-    settings = Settings(n_ctx=a.n_prompt, n_gpu_layers=99, moe_cache=-1, vram_budget=a.vram_budget,
-                        routing=a.routing or None, load_mode=a.load_mode, n_threads=a.threads)
+    whole = a.vram_budget.lower() == "none"
+    settings = Settings(n_ctx=a.n_prompt, n_gpu_layers=99, moe_cache=None if whole else -1,
+                        vram_budget=None if whole else a.vram_budget,
+                        routing=None if a.routing in ("", "none") else a.routing, load_mode=a.load_mode, n_threads=a.threads)
     with open_llm(a.model, settings, command="bench", log=lambda m: print(m, file=sys.stderr, flush=True)) as llm:
         eng = llm.engine
         rng = np.random.default_rng(0)

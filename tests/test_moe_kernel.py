@@ -219,6 +219,70 @@ def test_moe_prompt_plan_leaves_out_pairs_of_no_expert(rng):
     assert not none.chunks and (none.row_of_pair == -1).all()
 
 
+def _numpy_plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):
+    """The prompt-MoE plan's rules written with numpy sorts and masks (the implementation before the
+    compiled one, kept as its reference): (chunks, expert_ids, token_rows, row_of_pair)."""
+    from moecache.backends.ops import moe_prompt_chunks
+
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    sel = np.flatnonzero(flat >= 0)
+    order = sel[np.argsort(flat[sel], kind="stable")]
+    per_expert = np.bincount(flat[sel], minlength=n_expert)
+    eids = np.flatnonzero(per_expert)
+    counts = per_expert[eids]
+    offs = np.concatenate([[0], np.cumsum(counts)])
+    chunks, e_parts, r_parts, n_rows = [], [], [], 0
+    row_of_pair = np.full(t * k, -1, np.int32)
+    for ch in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes, m_align):
+        c = counts[ch]
+        n_c, m = len(ch), -(-int(c.max()) // m_align) * m_align
+        slot = np.arange(m)[None, :]
+        valid = slot < c[:, None]
+        pairs = order[np.where(valid, offs[ch, None] + slot, offs[ch, None])]
+        row_of_pair[pairs[valid]] = n_rows + np.flatnonzero(valid.reshape(-1))
+        e_parts.append(eids[ch])
+        r_parts.append((pairs // k).reshape(-1))
+        chunks.append((n_c, m))
+        n_rows += n_c * m
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+    return chunks, cat(e_parts), cat(r_parts), row_of_pair
+
+
+def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
+    """moe_prompt_plan (compiled, moecache.backends.moe_plan) equals the numpy version of its rules
+    element for element, over random routings: skewed and flat, with pairs of no expert, tight and
+    loose chunk bounds, m_align 1 and 16; and layer_plan's one index buffer holds the same expert
+    ids and token rows, then each kept pair's row token by token and each token's first pair."""
+    from moecache.backends.moe_plan import layer_plan
+    from moecache.backends.ops import moe_prompt_plan
+
+    for trial in range(40):
+        t, k, n_exp = int(rng.integers(1, 300)), int(rng.integers(1, 9)), int(rng.integers(8, 129))
+        k = min(k, n_exp)
+        popular = float(rng.choice([0.0, 1.0, 3.0])) * rng.standard_normal(n_exp)
+        p = np.exp(popular) / np.exp(popular).sum()
+        ids = np.stack([rng.choice(n_exp, k, replace=False, p=p) for _ in range(t)]).astype(np.int32)
+        if trial % 3 == 0:
+            ids = np.where(rng.random(ids.shape) < 0.5, -1, ids).astype(np.int32)
+        max_experts, m_align = int(rng.integers(1, 50)), int(rng.choice([1, 16]))
+        row_bytes, act_bytes = int(rng.integers(1, 64)) * 4, int(rng.integers(1, 4000)) * 4
+        want = _numpy_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
+        got = moe_prompt_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
+        assert got.chunks == want[0], trial
+        for a, b in zip((got.expert_ids, got.token_rows, got.row_of_pair), want[1:]):
+            np.testing.assert_array_equal(a, b)
+        chunks, idx, n_e, n_r, n_p = layer_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
+        assert [tuple(c) for c in chunks.tolist()] == want[0] and idx.dtype == np.int32
+        np.testing.assert_array_equal(idx[:n_e], want[1])
+        np.testing.assert_array_equal(idx[n_e:n_e + n_r], want[2])
+        keep = ids >= 0
+        np.testing.assert_array_equal(idx[n_e + n_r:n_e + n_r + n_p], want[3][keep.reshape(-1)])
+        np.testing.assert_array_equal(idx[n_e + n_r + n_p:], np.concatenate([[0], np.cumsum(keep.sum(1))]))
+    with pytest.raises(ValueError, match="out of range"):
+        moe_prompt_plan(np.array([[0, 9]], np.int32), 8, 4, 4, 64)
+
+
 @pytest.mark.parametrize("n_tok,act_q8", [(5, False), (5, True), (40, False), (40, True)])
 def test_numpy_moe_ffn_skips_pairs_of_no_expert(rng, n_tok, act_q8):
     """NumpyBackend.moe_ffn (the GPU's twin) with some pairs of id -1 gives the float64 sum over the

@@ -26,10 +26,11 @@ import numpy as np
 
 from moecache.backends.flash import flash_ok
 from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
+from moecache.backends.moe_plan import layer_plan
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
 from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN, MOE_SCRATCH_BYTES, ArrayOps,
-                                   expert_runs, moe_prompt_groups, moe_prompt_plan)
+                                   expert_runs, moe_prompt_groups)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT, grouped_prompt_ok  # formats with 8-bit-activation kernels in mmvq.cu
@@ -713,12 +714,15 @@ class CupyBackend(ArrayOps):
                           np.int32(d), np.int32(cos.shape[1]), np.int32(bool(neox))))
         return y
 
-    def glu(self, gate: cp.ndarray, up: cp.ndarray, act: str) -> cp.ndarray:
+    def glu(self, gate: cp.ndarray, up: cp.ndarray, act: str, dtype: Any = cp.float32) -> cp.ndarray:
+        """``act(gate) * up`` of float32 arrays of one shape, as ``dtype`` (float32, or float16
+        rounded to nearest: one launch for the prompt MoE's down operand)."""
         gate = cp.ascontiguousarray(gate, dtype=cp.float32)
         up = cp.ascontiguousarray(up, dtype=cp.float32)
-        out = cp.empty_like(gate)
-        self._fn("glu")(((gate.size + THREADS - 1) // THREADS,), (THREADS,),
-                        (gate, up, out, _i64(gate.size), np.int32(act != "silu")))
+        half = cp.dtype(dtype) == cp.float16
+        out = cp.empty(gate.shape, cp.float16 if half else cp.float32)
+        self._fn("glu_f16" if half else "glu")(((gate.size + THREADS - 1) // THREADS,), (THREADS,),
+                                               (gate, up, out, _i64(gate.size), np.int32(act != "silu")))
         return out
 
     def positions(self, pos: np.ndarray) -> cp.ndarray:
@@ -1021,50 +1025,46 @@ class CupyBackend(ArrayOps):
         and run batched cuBLAS GEMMs (float32 results, :mod:`.gemm`) over their tokens (padded to the
         chunk's largest group), then sum each token's k outputs with its weights in one pass.
 
-        The host plans the whole layer from the routing (copied to the host once) and uploads every
-        index it needs in one array; each chunk's down product writes its padded rows straight into
-        one buffer that ``moe_combine`` reads through each pair's row (no scatter). Host work per
-        layer was the prompt's bottleneck (cProfile on the H200: ~13 uploads, 3 argsorts and a
-        scatter per layer for ~2 ms of Python against ~1.9 ms of kernels)."""
+        The host plans the whole layer from the routing's ids (copied to the host; weights already on
+        the device stay there) in one compiled pass (:func:`~moecache.backends.moe_plan.layer_plan`)
+        and uploads every index it needs in one array; each chunk's down product writes its padded
+        rows straight into one buffer that ``moe_combine`` reads through each pair's row (no
+        scatter); the gated product is rounded to the GEMM's float16 in the same launch (``glu_f16``).
+        Host work per layer is the all-GPU prompt's bottleneck (cProfile on the H200: ~13 uploads, 3
+        argsorts and a scatter per layer for ~2 ms of Python against ~1.9 ms of kernels, first;
+        then, 2026-12-02, the GPU busy 69 of 135 ms of a pp512 and the numpy plan 23 of the host's
+        168 ms)."""
         if self.prompt_q8 and self.act_q8:
             out = self._moe_prompt_grouped(gate, up, down, types, routing, h, act)
             if out is not None:
                 return out
-        hr = routing.host()
-        t, k = hr.ids.shape
+        on_dev = isinstance(routing.weights, cp.ndarray)  # the weights stay there; only the ids come to the host
+        ids_h = routing.host_ids() if on_dev else routing.host().ids
+        t, k = ids_h.shape
         n_embd = h.shape[1]
         n_expert, ff, _ = gate.shape
         dt = self.gemm_dtype(t)  # a decode-sized ubatch comes here too when gate and up differ in type
         per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
-        plan = moe_prompt_plan(hr.ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN)
-        if not plan.chunks:  # every pair of no expert (id < 0)
+        chunks, idx_h, n_e, n_r, n_p = layer_plan(ids_h, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES,
+                                                  MOE_PROMPT_M_ALIGN)
+        if not len(chunks):  # every pair of no expert (id < 0)
             return cp.zeros((t, n_embd), cp.float32)
-        # the weighted sum's pairs, token by token: all T * k, or those of an expert (ids >= 0)
-        flat = hr.ids.reshape(-1)
-        sel = None if flat.min() >= 0 else np.flatnonzero(flat >= 0)
-        if sel is None:
-            pair_rows, starts = plan.row_of_pair, np.arange(0, t * k + 1, k, dtype=np.int32)
-        else:
-            pair_rows = plan.row_of_pair[sel]
-            starts = np.concatenate([[0], np.cumsum((hr.ids >= 0).sum(axis=1))]).astype(np.int32)
-        n_p = pair_rows.size
-        w_host = None if isinstance(routing.weights, cp.ndarray) else np.asarray(hr.weights, np.float32).reshape(-1)
-        pieces = [plan.expert_ids, plan.token_rows, pair_rows, starts]
-        if w_host is not None:
-            pieces.append((w_host if sel is None else w_host[sel]).view(np.int32))
-        idx = cp.asarray(np.concatenate(pieces))  # every index of the layer in one upload
-        n_e, n_r = plan.expert_ids.size, plan.token_rows.size
-        if w_host is None:
+        # the weighted sum's pairs: all T * k, or those of an expert (ids >= 0)
+        sel = None if n_p == t * k else np.flatnonzero(ids_h.reshape(-1) >= 0)
+        if on_dev:
+            idx = cp.asarray(idx_h)  # every index of the layer in one upload
             wts = cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1)
             wts = wts if sel is None else wts[cp.asarray(sel)]
         else:
+            w_host = np.asarray(routing.host().weights, np.float32).reshape(-1)
+            idx = cp.asarray(np.concatenate([idx_h, (w_host if sel is None else w_host[sel]).view(np.int32)]))
             wts = idx[idx.size - n_p:].view(cp.float32)
         scratch = cp.empty(min(max_experts, n_e) * ff * n_embd, dt)
         hx = self._prompt_operand(h)  # a shared expert reading h converts it once too
-        y_rows = cp.empty((plan.n_rows, n_embd), cp.float32)  # each chunk's padded outputs, one after another
+        y_rows = cp.empty((n_r, n_embd), cp.float32)  # each chunk's padded outputs, one after another
         e_at, r_at = 0, n_e
-        for n_c, m in plan.chunks:
+        for n_c, m in chunks.tolist():
             e_dev, tok = idx[e_at:e_at + n_c], idx[r_at:r_at + n_c * m]
             y_at = r_at - n_e  # a chunk's outputs sit where its token rows sit in token_rows
             e_at, r_at = e_at + n_c, r_at + n_c * m
@@ -1073,7 +1073,7 @@ class CupyBackend(ArrayOps):
             gg, uu = cp.empty((n_c, m, ff), cp.float32), cp.empty((n_c, m, ff), cp.float32)
             run_gemm(up_in, self._deq_experts(gate, types[0], e_dev, n_embd, scratch), xp_, gg)
             run_gemm(up_in, self._deq_experts(up, types[1], e_dev, n_embd, scratch), xp_, uu)
-            a = self.glu(gg, uu, act).astype(dt, copy=False)
+            a = self.glu(gg, uu, act, dt)
             run_gemm(down_in, self._deq_experts(down, types[2], e_dev, ff, scratch), a, y_rows[y_at:y_at + n_c * m])
         at = n_e + n_r
         return self._combine(y_rows, idx[at:at + n_p], wts, idx[at + n_p:at + n_p + t + 1], t)

@@ -87,27 +87,39 @@ def emulate(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None
 
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
+_ONE_AT, _ZERO_AT = _ONE.ctypes.data, _ZERO.ctypes.data  # alpha and beta: host pointers, live as the arrays
+_LIBS: list[Any] = []  # (cupy, its cublas module, {dtype: cudaDataType_t}) once imported
+
+
+def _libs() -> tuple[Any, Any, dict]:
+    if not _LIBS:
+        import cupy as cp
+        from cupy_backends.cuda.libs import cublas
+
+        _LIBS.append((cp, cublas, {cp.dtype(cp.float16): CUDA_R_16F, cp.dtype(cp.float32): CUDA_R_32F}))
+    return _LIBS[0]
 
 
 def run(call: GemmCall, a: Any, b: Any, c: Any) -> None:
     """Run ``call`` on the current CUDA device and stream: ``a`` and ``b`` C-contiguous CuPy arrays,
     both float16 (tensor cores) or both float32, ``c`` a C-contiguous float32 CuPy array;
-    accumulation in float32. Raises ValueError for other dtypes or arrays smaller than ``call``."""
-    import cupy as cp
-    from cupy_backends.cuda.libs import cublas
-
-    ab = {cp.dtype(cp.float16): CUDA_R_16F, cp.dtype(cp.float32): CUDA_R_32F}.get(a.dtype)
-    for name, arr, need in (("A", a, call.stride_a), ("B", b, call.stride_b), ("C", c, call.stride_c)):
-        dt = cp.float32 if name == "C" else a.dtype
-        if ab is None or arr.dtype != dt or not arr.flags.c_contiguous or arr.size < need * call.batch:
-            raise ValueError(f"GEMM operand {name}: {arr.dtype} {arr.shape} does not fit {call} "
-                             f"(A and B float16 or float32, C float32)")
+    accumulation in float32. Raises ValueError for other dtypes or arrays smaller than ``call``.
+    A prompt ubatch runs a dozen of these per layer from the host, so the checks are plain
+    attribute reads (the prompt with every expert on the GPU is host-bound)."""
+    cp, cublas, types = _libs()
+    ab = types.get(a.dtype)
+    n = call.batch
+    if (ab is None or b.dtype != a.dtype or c.dtype != cp.float32
+            or not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous)
+            or a.size < call.stride_a * n or b.size < call.stride_b * n or c.size < call.stride_c * n):
+        raise ValueError(f"GEMM operands A {a.dtype} {a.shape}, B {b.dtype} {b.shape}, C {c.dtype} {c.shape} "
+                         f"do not fit {call} (A and B C-contiguous float16 or float32, C float32)")
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))  # alpha, beta: host
     cublas.gemmStridedBatchedEx(
-        handle, call.transa, call.transb, call.m, call.n, call.k, _ONE.ctypes.data,
+        handle, call.transa, call.transb, call.m, call.n, call.k, _ONE_AT,
         a.data.ptr, ab, call.lda, call.stride_a, b.data.ptr, ab, call.ldb, call.stride_b,
-        _ZERO.ctypes.data, c.data.ptr, CUDA_R_32F, call.ldc, call.stride_c, call.batch,
+        _ZERO_AT, c.data.ptr, CUDA_R_32F, call.ldc, call.stride_c, n,
         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
 
 

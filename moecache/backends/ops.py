@@ -135,30 +135,15 @@ def _pairs_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.nda
 def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int,
                     act_bytes: int, m_align: int = 1) -> MoePromptPlan:
     """The GPU's prompt-MoE plan for routing ``ids`` (int (T, k), values < ``n_expert``; a pair of id
-    < 0 has no expert: it gets no row and ``row_of_pair`` -1): used experts chunked by
-    :func:`moe_prompt_chunks` (``max_experts``, ``row_bytes``, ``act_bytes``, ``m_align`` as there),
-    each expert's tokens in increasing order, each chunk's experts padded to its largest count
-    rounded up to a multiple of ``m_align``. Plain numpy; the CPU tests run it against a direct
-    per-pair sum."""
-    ids = np.asarray(ids)
-    t, k = ids.shape
-    order, eids, counts = _pairs_by_expert(ids, n_expert)
-    offs = np.concatenate([[0], np.cumsum(counts)])
-    chunks, e_parts, r_parts, n_rows = [], [], [], 0
-    row_of_pair = np.full(t * k, -1, np.int32)
-    for sel in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes, m_align):
-        c = counts[sel]
-        n_c, m = len(sel), _round_up(int(c.max()), m_align)
-        slot = np.arange(m)[None, :]
-        valid = slot < c[:, None]
-        pairs = order[np.where(valid, offs[sel, None] + slot, offs[sel, None])]  # padding repeats a real pair
-        row_of_pair[pairs[valid]] = n_rows + np.flatnonzero(valid.reshape(-1))
-        e_parts.append(eids[sel].astype(np.int32))
-        r_parts.append((pairs // k).reshape(-1).astype(np.int32))
-        chunks.append((n_c, m))
-        n_rows += n_c * m
-    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int32)  # noqa: E731
-    return MoePromptPlan(chunks, cat(e_parts), cat(r_parts), row_of_pair)
+    < 0 has no expert: it gets no row and ``row_of_pair`` -1): used experts chunked as
+    :func:`moe_prompt_chunks` does (``max_experts``, ``row_bytes``, ``act_bytes``, ``m_align`` as
+    there), each expert's tokens in increasing order, each chunk's experts padded to its largest
+    count rounded up to a multiple of ``m_align``. Compiled (:mod:`moecache.backends.moe_plan`); the
+    CPU tests run it against a direct per-pair sum and against a numpy version of the same rules."""
+    from moecache.backends.moe_plan import plan_arrays
+
+    chunks, eids, rows, row_of_pair = plan_arrays(ids, n_expert, max_experts, row_bytes, act_bytes, m_align)
+    return MoePromptPlan([(int(c), int(m)) for c, m in chunks], eids, rows, row_of_pair)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,15 @@ class Routing:
             self._host.append(Routing(np.asarray(self.ids.get(), np.int32), np.asarray(self.weights.get(), np.float32)))
         return self._host[0]
 
+    def host_ids(self) -> np.ndarray:
+        """int32 (T, k) numpy ids: the host copy's if there is one, else only the ids are copied (a
+        consumer that keeps the weights on the device saves the weights' copy and its wait)."""
+        if self.on_host:
+            return self.ids
+        if self._host:
+            return self._host[0].ids
+        return np.asarray(self.ids.get(), np.int32)
+
     def groups(self, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The routed (token, expert) pairs grouped by expert (CSR), as :func:`moecache.quants.cpu.moe_ffn`
         takes them; with ``mask`` (bool (T, k)) only the pairs it selects (the expert cache's misses).

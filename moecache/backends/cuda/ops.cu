@@ -143,18 +143,26 @@ extern "C" __global__ void rope(const float *x, float *y, const float *cs, const
     }
 }
 
-// out = act(g) * u; act 0: SiLU, 1: GELU (tanh approximation, as ggml_gelu)
+// act 0: SiLU, 1: GELU (tanh approximation, as ggml_gelu)
+__device__ __forceinline__ float glu_act(float a, int act) {
+    if (act == 0) return a / (1.f + __expf(-a));
+    const float c = 0.7978845608028654f;
+    return 0.5f * a * (1.f + tanhf(c * (a + 0.044715f * a * a * a)));
+}
+
+// out = act(g) * u
 extern "C" __global__ void glu(const float *g, const float *u, float *out, long long n, int act) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float a = g[i];
-    if (act == 0) {
-        a = a / (1.f + __expf(-a));
-    } else {
-        const float c = 0.7978845608028654f;
-        a = 0.5f * a * (1.f + tanhf(c * (a + 0.044715f * a * a * a)));
-    }
-    out[i] = a * u[i];
+    out[i] = glu_act(g[i], act) * u[i];
+}
+
+// out = act(g) * u rounded to float16 (the prompt MoE's down-product operand: one launch, no
+// float32 copy of the product)
+extern "C" __global__ void glu_f16(const float *g, const float *u, __half *out, long long n, int act) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = __float2half_rn(glu_act(g[i], act) * u[i]);
 }
 
 // Attention of T few queries over the cache (the decode shape). q (T, H, D); K (n_ctx, Hkv, D),
