@@ -252,7 +252,8 @@ def _numpy_plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):
 def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
     """moe_prompt_plan (compiled, moecache.backends.moe_plan) equals the numpy version of its rules
     element for element, over random routings: skewed and flat, with pairs of no expert, tight and
-    loose chunk bounds, m_align 1 and 16; and layer_plan's one index buffer holds the same expert
+    loose chunk bounds, m_align 1 and 16, an expert twice in a token's row, no pair with an expert
+    at all; and layer_plan's one index buffer holds the same expert
     ids and token rows, then each kept pair's row token by token and each token's first pair."""
     from moecache.backends.moe_plan import layer_plan
     from moecache.backends.ops import moe_prompt_plan
@@ -262,9 +263,9 @@ def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
         k = min(k, n_exp)
         popular = float(rng.choice([0.0, 1.0, 3.0])) * rng.standard_normal(n_exp)
         p = np.exp(popular) / np.exp(popular).sum()
-        ids = np.stack([rng.choice(n_exp, k, replace=False, p=p) for _ in range(t)]).astype(np.int32)
-        if trial % 3 == 0:
-            ids = np.where(rng.random(ids.shape) < 0.5, -1, ids).astype(np.int32)
+        ids = np.stack([rng.choice(n_exp, k, replace=trial % 5 == 1, p=p) for _ in range(t)]).astype(np.int32)
+        if trial % 3 == 0:  # pairs of no expert; every fourth such routing has none with an expert
+            ids = np.where(rng.random(ids.shape) < (1.0 if trial % 4 == 0 else 0.5), -1, ids).astype(np.int32)
         max_experts, m_align = int(rng.integers(1, 50)), int(rng.choice([1, 16]))
         row_bytes, act_bytes = int(rng.integers(1, 64)) * 4, int(rng.integers(1, 4000)) * 4
         want = _numpy_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
@@ -281,6 +282,10 @@ def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
         np.testing.assert_array_equal(idx[n_e + n_r + n_p:], np.concatenate([[0], np.cumsum(keep.sum(1))]))
     with pytest.raises(ValueError, match="out of range"):
         moe_prompt_plan(np.array([[0, 9]], np.int32), 8, 4, 4, 64)
+    with pytest.raises(ValueError, match="out of range"):  # not wrapped by the cast to int32
+        moe_prompt_plan(np.array([[2**32 + 1, 0]], np.int64), 4, 2, 4, 64)
+    with pytest.raises(ValueError, match="integers"):
+        moe_prompt_plan(np.array([[0.5, 1.0]]), 4, 2, 4, 64)
 
 
 @pytest.mark.parametrize("n_tok,act_q8", [(5, False), (5, True), (40, False), (40, True)])

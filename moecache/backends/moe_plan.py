@@ -140,15 +140,15 @@ def plan_arrays(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int
     """The plan of routing ``ids`` (int (T, k), values < ``n_expert``; < 0: no expert) as arrays:
     (chunks int64 (C, 2) of (experts, padded rows per expert), expert_ids int32, token_rows int32,
     row_of_pair int32 (T * k,)); the arguments as :func:`moecache.backends.ops.moe_prompt_plan`'s.
-    Raises ValueError for an id >= n_expert or a non-positive size argument."""
-    ids = np.ascontiguousarray(ids, np.int32)
-    if ids.ndim != 2:
-        raise ValueError(f"routing ids must be (T, k), got shape {ids.shape}")
+    Raises ValueError for ids that are not integers (T, k), an id >= n_expert or a size argument < 1."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise ValueError(f"routing ids must be integers (T, k), got {ids.dtype} {ids.shape}")
     if min(n_expert, max_experts, row_bytes, act_bytes, m_align) < 1:
         raise ValueError("moe prompt plan: n_expert, max_experts, row_bytes, act_bytes and m_align must be >= 1")
-    if ids.size and int(ids.max()) >= n_expert:
+    if ids.size and int(ids.max()) >= n_expert:  # checked before the cast to int32, which could wrap
         raise ValueError(f"expert id {int(ids.max())} out of range [0, {n_expert})")
-    return _plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align)
+    return _plan(np.ascontiguousarray(ids, np.int32), n_expert, max_experts, row_bytes, act_bytes, m_align)
 
 
 def layer_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int, act_bytes: int,
@@ -157,9 +157,8 @@ def layer_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int,
     MoE uploads them: ``idx = [expert_ids (n_e), token_rows (n_r), pair_rows (n_p), starts (T + 1)]``
     where ``pair_rows`` lists the output row of each pair with an expert, token by token, and token
     i's pairs are ``pair_rows[starts[i]:starts[i + 1]]``. Returns (chunks (C, 2), idx, n_e, n_r, n_p)."""
-    ids = np.ascontiguousarray(ids, np.int32)
     chunks, eids, rows, row_of_pair = plan_arrays(ids, n_expert, max_experts, row_bytes, act_bytes, m_align)
-    pair_rows, starts = _sum_index(ids, row_of_pair)
+    pair_rows, starts = _sum_index(np.ascontiguousarray(ids, np.int32), row_of_pair)
     idx = np.concatenate([eids, rows, pair_rows, starts])
     return chunks, idx, eids.size, rows.size, pair_rows.size
 

@@ -42,7 +42,7 @@ class Routing:
         """int32 (T, k) numpy ids: the host copy's if there is one, else only the ids are copied (a
         consumer that keeps the weights on the device saves the weights' copy and its wait)."""
         if self.on_host:
-            return self.ids
+            return np.asarray(self.ids, np.int32)
         if self._host:
             return self._host[0].ids
         return np.asarray(self.ids.get(), np.int32)
