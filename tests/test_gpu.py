@@ -365,13 +365,16 @@ def test_q8_activation_moe_matches_reference(gpu_q8, types, n_tok):
     _check_q8_moe(gpu_q8, types, n_tok, 10)
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q5_K", "Q5_K", "Q4_0")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q5_K", "Q5_K", "Q4_0"),
+                                   ("Q4_K", "Q4_K", "Q4_K")])
 @pytest.mark.parametrize("n_tok,n_exp", [(40, 10), (300, 10), (70, 64)])
 def test_grouped_q8_prompt_moe_matches_reference(gpu, types, n_tok, n_exp):
     """The prompt MoE grouped by expert (CupyBackend(prompt_q8=True): moeq_gglu / moeq_gdown, each
-    expert's rows read once per group of up to 16 tokens) against the same float64 reference as the
-    decode kernels: 300 tokens over 10 experts give groups of 16 and a remainder per expert, 70
-    tokens over 64 experts groups of 1-16 tokens."""
+    expert's rows read once per group of up to 16 tokens; Q4_K matrices on sm_80+ the tensor-core
+    moeq_mma_gglu / moeq_mma_gdown, groups of up to 32) against the same float64 reference as the
+    decode kernels: 300 tokens over 10 experts give groups of 16 (32) and a remainder per expert,
+    70 tokens over 64 experts groups of 1-16 tokens; Q4_K gate/up and Q4_K down each take the
+    tensor-core kernel in one of the type triples."""
     from moecache.backends.cupy_backend import CupyBackend
 
     _check_q8_moe(CupyBackend(act_q8=True, prompt_q8=True), types, n_tok, n_exp)

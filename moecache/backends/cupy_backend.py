@@ -43,6 +43,10 @@ OPS_SRC = Path(__file__).resolve().parent / "cuda" / "ops.cu"
 SUFFIX = {name: name.lower() for name in FORMATS}
 THREADS = 256  # DEQ_THREADS of dequant.cu (the dequantize kernels rely on it)
 MMVQ_WARPS = 4  # MMVQ_WARPS of mmvq.cu
+MMQ_TOK = 32  # MMQ_TOK of mmvq.cu: rows (pairs) per group of the tensor-core prompt MoE (moeq_mma_*)
+MMQ_WARPS = 4  # MMQ_WARPS of mmvq.cu
+MMQ_ROWS = 16 * MMQ_WARPS  # weight rows per block of moeq_mma_*
+MMQ_FORMATS = ("Q4_K",)  # weight formats with a moeq_mma_* kernel (sm_80+)
 GEMV_MAX_TOKENS = DECODE_MAX_TOKENS  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
 WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
 ATT_MAX_TOKENS = 16  # queries from which attention uses the batched-matmul path instead of attn_decode
@@ -814,7 +818,8 @@ class CupyBackend(ArrayOps):
 
     @cached_property
     def _mma(self) -> bool:
-        """Whether the GPU has mma.m16n8k16 (sm_80+), which ``attn_prompt_*`` needs."""
+        """Whether the GPU has mma.m16n8k16 and mma.m16n8k32 (sm_80+), which ``attn_prompt_*`` and
+        ``moeq_mma_*`` need."""
         return int(cp.cuda.Device(self.device).compute_capability) >= 80
 
     def _attention_prompt(self, q: cp.ndarray, k_all: cp.ndarray, v_all: cp.ndarray, pos: cp.ndarray, scale: float,
@@ -1085,8 +1090,12 @@ class CupyBackend(ArrayOps):
         in that order, ``moeq_gglu`` reads each expert's gate and up rows once per group of up
         to DECODE_MAX_TOKENS rows, the gated activations are quantized, ``moeq_gdown`` likewise, and
         ``moe_combine`` sums each token's k rows with its weights: 8 launches and one upload a layer,
-        no dequantized weights. The arithmetic of the decode kernels (moeq_glu / moeq_down) for
-        every pair: h (T, n_embd) float32 C-contiguous -> float32 (T, n_embd). None (the caller takes
+        no dequantized weights. Q4_K matrices on sm_80+ take ``moeq_mma_gglu`` / ``moeq_mma_gdown``
+        instead: the same groups cut at MMQ_TOK rows, each 32-weight unit's integer dot an int8
+        tensor-core MMA (mma.m16n8k32; seventeenth session, H200, every expert on the GPU: pp512 3366
+        t/s against the float16 GEMMs' 3906, the dp4a kernels' 1707 against 3799 before;
+        ``bench/results/prompt-q8-h200.md``). The arithmetic of the decode kernels (moeq_glu /
+        moeq_down) for every pair: h (T, n_embd) float32 C-contiguous -> float32 (T, n_embd). None (the caller takes
         the GEMM path) when a pair has no expert (id < 0), gate and up differ in type, a type has no 8-bit kernel, or the groups
         exceed the grid's 65535 rows."""
         hr = routing.host()
@@ -1101,17 +1110,24 @@ class CupyBackend(ArrayOps):
         n_embd = h.shape[1]
         n_expert, ff, rb = gate.shape
         rbd = down.shape[2]
+        # Q4_K on sm_80+: the tensor-core kernels (moeq_mma_*, groups of MMQ_TOK rows); others dp4a's
+        mma_g, mma_d = (self._mma and f in MMQ_FORMATS for f in (fmt_g, fmt_d))
         pg = moe_prompt_groups(hr.ids, n_expert, DECODE_MAX_TOKENS)
-        n_g, p = pg.groups.shape[0], t * k
-        if n_g > 65535:
+        pgm = moe_prompt_groups(hr.ids, n_expert, MMQ_TOK) if mma_g or mma_d else pg
+        grp_g, grp_d = (pgm if mma_g else pg).groups, (pgm if mma_d else pg).groups
+        p = t * k
+        if max(grp_g.shape[0], grp_d.shape[0]) > 65535:
             return None
+        n_gg, n_gd = grp_g.shape[0], grp_d.shape[0]
         w_host = None if isinstance(routing.weights, cp.ndarray) else np.asarray(hr.weights, np.float32).reshape(-1)
-        pieces = [pg.token_of_row, pg.row_of_pair, np.arange(0, p + 1, k, dtype=np.int32), pg.groups.reshape(-1)]
+        pieces = [pg.token_of_row, pg.row_of_pair, np.arange(0, p + 1, k, dtype=np.int32), grp_g.reshape(-1),
+                  grp_d.reshape(-1)]
         if w_host is not None:
             pieces.append(w_host.view(np.int32))
         idx = cp.asarray(np.concatenate(pieces))  # every index of the layer in one upload
         tok_rows, pair_rows, starts = idx[:p], idx[p:2 * p], idx[2 * p:2 * p + t + 1]
-        grp = idx[2 * p + t + 1:2 * p + t + 1 + 3 * n_g]
+        at = 2 * p + t + 1
+        gg, gd = idx[at:at + 3 * n_gg], idx[at + 3 * n_gg:at + 3 * n_gg + 3 * n_gd]
         wts = (cp.ascontiguousarray(routing.weights, dtype=cp.float32).reshape(-1) if w_host is None
                else idx[idx.size - p:].view(cp.float32))
         # h quantized once (T rows), its quants gathered in pair order: row i = pair i's token (the
@@ -1119,19 +1135,29 @@ class CupyBackend(ArrayOps):
         xq, xd, xs = (cp.take(q, tok_rows, axis=0)
                       for q in self._quantize_rows(cp.ascontiguousarray(h, dtype=cp.float32)))
         a = cp.empty((p, ff), cp.float32)
-        lpr = lanes_per_row(n_embd, fmt_g)
-        rpb = 32 * MMVQ_WARPS // lpr
-        self._fn("moeq_gglu_" + SUFFIX[fmt_g])(
-            ((ff + rpb - 1) // rpb, n_g), (32 * MMVQ_WARPS,),
-            (gate, up, grp, xq, xd, xs, a, _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
-             np.int32(act != "silu"), np.int32(lpr)))
+        if mma_g:
+            self._fn("moeq_mma_gglu_" + SUFFIX[fmt_g])(
+                ((ff + MMQ_ROWS - 1) // MMQ_ROWS, n_gg), (32 * MMQ_WARPS,),
+                (gate, up, gg, xq, xd, xs, a, _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd), np.int32(act != "silu")))
+        else:
+            lpr = lanes_per_row(n_embd, fmt_g)
+            rpb = 32 * MMVQ_WARPS // lpr
+            self._fn("moeq_gglu_" + SUFFIX[fmt_g])(
+                ((ff + rpb - 1) // rpb, n_gg), (32 * MMVQ_WARPS,),
+                (gate, up, gg, xq, xd, xs, a, _i64(ff), _i64(rb), _i64(ff * rb), _i64(n_embd),
+                 np.int32(act != "silu"), np.int32(lpr)))
         aq, ad, as_ = self._quantize_rows(a)
-        lpr = lanes_per_row(ff, fmt_d)
-        rpb = 32 * MMVQ_WARPS // lpr
         y_rows = cp.empty((p, n_embd), cp.float32)
-        self._fn("moeq_gdown_" + SUFFIX[fmt_d])(
-            ((n_embd + rpb - 1) // rpb, n_g), (32 * MMVQ_WARPS,),
-            (down, grp, aq, ad, as_, y_rows, _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), np.int32(lpr)))
+        if mma_d:
+            self._fn("moeq_mma_gdown_" + SUFFIX[fmt_d])(
+                ((n_embd + MMQ_ROWS - 1) // MMQ_ROWS, n_gd), (32 * MMQ_WARPS,),
+                (down, gd, aq, ad, as_, y_rows, _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff)))
+        else:
+            lpr = lanes_per_row(ff, fmt_d)
+            rpb = 32 * MMVQ_WARPS // lpr
+            self._fn("moeq_gdown_" + SUFFIX[fmt_d])(
+                ((n_embd + rpb - 1) // rpb, n_gd), (32 * MMVQ_WARPS,),
+                (down, gd, aq, ad, as_, y_rows, _i64(n_embd), _i64(rbd), _i64(n_embd * rbd), _i64(ff), np.int32(lpr)))
         return self._combine(y_rows, pair_rows, wts, starts, t)
 
     def _combine(self, y_rows: cp.ndarray, pair_rows: cp.ndarray, wts: cp.ndarray, starts: cp.ndarray,

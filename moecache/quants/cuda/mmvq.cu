@@ -393,3 +393,159 @@ VFORMAT(q4_0, vdot_q4_0, 1, 32, 18)
 VFORMAT(q4_k, vdot_q4_k, 4, 256, 144)
 VFORMAT(q5_k, vdot_q5_k, 4, 256, 176)
 VFORMAT(q6_k, vdot_q6_k, 4, 256, 210)
+
+// ---- The grouped prompt MoE on the tensor cores (sm_80+): Q4_K weights x 8-bit activations ----
+// moeq_mma_gglu_q4_k / moeq_mma_gdown_q4_k take the arguments and give the results of
+// moeq_gglu_q4_k / moeq_gdown_q4_k (the same groups of pairs sorted by expert, here of up to
+// MMQ_TOK rows), with each 32-weight unit's integer dot computed by mma.m16n8k32 (s8 x s8 -> s32)
+// instead of dp4a: the weights' nibbles (0..15) are already int8 values, the activations
+// quantize_q8's; every unit's int32 dot is exact, then scaled as vdot_k4_units does:
+// d * sc_j * xd_j * dot - dmin * m_j * xs_j. A block of MMQ_WARPS warps takes 16 * MMQ_WARPS rows of
+// one group; a warp's 16 rows x 32 tokens are four m16n8 tiles sharing the weight fragments.
+// Fragments (PTX ISA, mma.m16n8k32 .s8): lane = 4 g + t; A (16 x 32, row-major) regs: rows g, g + 8,
+// g, g + 8 at k = 4t .. 4t + 3, 4t .. 4t + 3, 16 + 4t .., 16 + 4t ..; B (32 x 8, column-major)
+// regs: column g at k = 4t .. 4t + 3 and 16 + 4t ..; C: rows g, g, g + 8, g + 8 at columns 2t,
+// 2t + 1, 2t, 2t + 1. Unit 2p of a Q4_K block is the low nibbles of qs[32p .. 32p + 32), unit
+// 2p + 1 their high nibbles, so one word of qs gives four k of both units.
+#define MMQ_TOK 32
+#define MMQ_WARPS 4
+
+__device__ __forceinline__ void mma_s8_16832(int c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// acc[nt][i] += rows (ra, ra, rb, rb)[i] of W . token rows nt * 8 + 2t + (i & 1) of xq (n rows, n_in
+// values each; xd, xs per 32), over every block of the rows; rows not valid (va, vb false) read nothing
+__device__ __forceinline__ void mmq_q4_k_rows(const unsigned char *W, long long row_bytes, long long ra, long long rb,
+                                              bool va, bool vb, const signed char *xq, const float *xd,
+                                              const float *xs, long long n_in, int n, float acc[4][4]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    long long nd = n_in / 32;
+    const unsigned char *Ra = W + ra * row_bytes, *Rb = W + rb * row_bytes;
+    for (long long b = 0; b < n_in / 256; ++b) {
+        const unsigned char *ba = Ra + b * 144, *bb = Rb + b * 144;
+        unsigned dda = va ? *(const unsigned *)ba : 0u, ddb = vb ? *(const unsigned *)bb : 0u;
+        float da = __half2float(__ushort_as_half((unsigned short)(dda & 0xFFFF)));
+        float dma = __half2float(__ushort_as_half((unsigned short)(dda >> 16)));
+        float db = __half2float(__ushort_as_half((unsigned short)(ddb & 0xFFFF)));
+        float dmb = __half2float(__ushort_as_half((unsigned short)(ddb >> 16)));
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            unsigned qa0 = va ? *(const unsigned *)(ba + 16 + 32 * p + 4 * t) : 0u;
+            unsigned qa1 = va ? *(const unsigned *)(ba + 32 + 32 * p + 4 * t) : 0u;
+            unsigned qb0 = vb ? *(const unsigned *)(bb + 16 + 32 * p + 4 * t) : 0u;
+            unsigned qb1 = vb ? *(const unsigned *)(bb + 32 + 32 * p + 4 * t) : 0u;
+            const unsigned lo[4] = {qa0 & 0x0F0F0F0Fu, qb0 & 0x0F0F0F0Fu, qa1 & 0x0F0F0F0Fu, qb1 & 0x0F0F0F0Fu};
+            const unsigned hi[4] = {(qa0 >> 4) & 0x0F0F0F0Fu, (qb0 >> 4) & 0x0F0F0F0Fu, (qa1 >> 4) & 0x0F0F0F0Fu,
+                                    (qb1 >> 4) & 0x0F0F0F0Fu};
+            int sa0 = 0, ma0 = 0, sa1 = 0, ma1 = 0, sb0 = 0, mb0 = 0, sb1 = 0, mb1 = 0;
+            if (va) {
+                scale_min_k4(2 * p, ba + 4, &sa0, &ma0);
+                scale_min_k4(2 * p + 1, ba + 4, &sa1, &ma1);
+            }
+            if (vb) {
+                scale_min_k4(2 * p, bb + 4, &sb0, &mb0);
+                scale_min_k4(2 * p + 1, bb + 4, &sb1, &mb1);
+            }
+            float fa0 = da * (float)sa0, fa1 = da * (float)sa1, fb0 = db * (float)sb0, fb1 = db * (float)sb1;
+            float ga0 = dma * (float)ma0, ga1 = dma * (float)ma1, gb0 = dmb * (float)mb0, gb1 = dmb * (float)mb1;
+            long long j = b * 8 + 2 * p;  // the low unit's index among the row's 32-value units
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                if (nt * 8 < n) {  // uniform over the block
+                    int tok = nt * 8 + g;
+                    unsigned b0l = 0u, b1l = 0u, b0h = 0u, b1h = 0u;
+                    if (tok < n) {
+                        const signed char *x = xq + (long long)tok * n_in + 32 * j;
+                        b0l = *(const unsigned *)(x + 4 * t);
+                        b1l = *(const unsigned *)(x + 16 + 4 * t);
+                        b0h = *(const unsigned *)(x + 32 + 4 * t);
+                        b1h = *(const unsigned *)(x + 48 + 4 * t);
+                    }
+                    int cl[4] = {0, 0, 0, 0}, ch[4] = {0, 0, 0, 0};
+                    mma_s8_16832(cl, lo, b0l, b1l);
+                    mma_s8_16832(ch, hi, b0h, b1h);
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        int tk = nt * 8 + 2 * t + s;
+                        float xdl = 0.f, xdh = 0.f, xsl = 0.f, xsh = 0.f;
+                        if (tk < n) {
+                            xdl = xd[tk * nd + j];
+                            xdh = xd[tk * nd + j + 1];
+                            xsl = xs[tk * nd + j];
+                            xsh = xs[tk * nd + j + 1];
+                        }
+                        acc[nt][s] += fa0 * xdl * (float)cl[s] + fa1 * xdh * (float)ch[s] - (ga0 * xsl + ga1 * xsh);
+                        acc[nt][2 + s] += fb0 * xdl * (float)cl[2 + s] + fb1 * xdh * (float)ch[2 + s] -
+                                          (gb0 * xsl + gb1 * xsh);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Prompt MoE gate/up on the tensor cores: as moeq_gglu_q4_k (groups GR of up to MMQ_TOK rows).
+// Grid ((n_rows + 16 MMQ_WARPS - 1) / (16 MMQ_WARPS), groups), blocks of 32 MMQ_WARPS threads
+extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS) moeq_mma_gglu_q4_k(
+        const unsigned char *Wg, const unsigned char *Wu, const int *GR, const signed char *XQ, const float *XD,
+        const float *XS, float *A, long long n_rows, long long row_bytes, long long expert_bytes, long long n_in,
+        int act) {
+#if __CUDA_ARCH__ >= 800
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int *gr = GR + 3 * (long long)blockIdx.y;
+    long long e = gr[0], p0 = gr[1], nd = n_in / 32;
+    int n = gr[2];
+    long long ra = (long long)blockIdx.x * 16 * MMQ_WARPS + (threadIdx.x >> 5) * 16 + g, rb = ra + 8;
+    bool va = ra < n_rows, vb = rb < n_rows;
+    float ga[4][4], ua[4][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) ga[i / 4][i % 4] = ua[i / 4][i % 4] = 0.f;
+    const signed char *xq = XQ + p0 * n_in;
+    const float *xd = XD + p0 * nd, *xs = XS + p0 * nd;
+    mmq_q4_k_rows(Wg + e * expert_bytes, row_bytes, ra, rb, va, vb, xq, xd, xs, n_in, n, ga);
+    mmq_q4_k_rows(Wu + e * expert_bytes, row_bytes, ra, rb, va, vb, xq, xd, xs, n_in, n, ua);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int tk = nt * 8 + 2 * t + (i & 1);
+            long long r = i < 2 ? ra : rb;
+            if (tk < n && (i < 2 ? va : vb)) A[(p0 + tk) * n_rows + r] = activate(ga[nt][i], act) * ua[nt][i];
+        }
+    }
+#endif
+}
+
+// Prompt MoE down on the tensor cores: as moeq_gdown_q4_k (groups GR of up to MMQ_TOK rows)
+extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS) moeq_mma_gdown_q4_k(
+        const unsigned char *Wd, const int *GR, const signed char *AQ, const float *AD, const float *AS, float *Y,
+        long long n_rows, long long row_bytes, long long expert_bytes, long long n_in) {
+#if __CUDA_ARCH__ >= 800
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int *gr = GR + 3 * (long long)blockIdx.y;
+    long long e = gr[0], p0 = gr[1], nd = n_in / 32;
+    int n = gr[2];
+    long long ra = (long long)blockIdx.x * 16 * MMQ_WARPS + (threadIdx.x >> 5) * 16 + g, rb = ra + 8;
+    bool va = ra < n_rows, vb = rb < n_rows;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i / 4][i % 4] = 0.f;
+    mmq_q4_k_rows(Wd + e * expert_bytes, row_bytes, ra, rb, va, vb, AQ + p0 * n_in, AD + p0 * nd, AS + p0 * nd, n_in,
+                  n, acc);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int tk = nt * 8 + 2 * t + (i & 1);
+            long long r = i < 2 ? ra : rb;
+            if (tk < n && (i < 2 ? va : vb)) Y[(p0 + tk) * n_rows + r] = acc[nt][i];
+        }
+    }
+#endif
+}
