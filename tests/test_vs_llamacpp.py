@@ -153,7 +153,13 @@ def test_experts_in_vram_per_gib_of_budget():
     rows = [V.row_of({"avg_ts": 2040.0}, "r", c, "llama.cpp", 8141, 29, 0, 2432),
             V.row_of({"avg_ts": 832.0}, "r", c, "moecache", 8161, None, 0, 1895)]
     md = V.render(rows, "r", "# h")
-    assert "| 8g-pp512 | pp512 | 2040.00 ± 0.00 | 832.00 ± 0.00 | 0.41 | 8141 (29) | 8161 | 8192 | - | 304 / 237 |" in md
+    assert "| 8g-pp512 | pp512 | 2040.00 ± 0.00 | 832.00 ± 0.00 | 0.41 | - | 8141 (29) | 8161 | 8192 | - | 304 / 237 |" in md
+    # the ratio of the samples' medians beside the means' (run h200-s17b's gpu-pp512: 0.83 and 0.78)
+    g = V.CASES["gpu-pp512"]
+    md3 = V.render([V.row_of({"avg_ts": 7178.0, "samples_ts": [6007.04, 7778.76, 7748.19]}, "r", g, "llama.cpp", 1, None, 0),
+                    V.row_of({"avg_ts": 5945.73, "samples_ts": [6083.61, 6070.29, 5683.30]}, "r", g, "moecache", 1, None, 0)],
+                   "r", "# h")
+    assert "| 0.83 | 0.78 |" in md3
     x2 = V.CASES["x2-8g-tg128-uniform"]  # 8 GiB per GPU, two GPUs: per GiB of the 16 GiB in all
     md2 = V.render([V.row_of({"avg_ts": 1.0}, "r", x2, "llama.cpp", 8000, 10, 0, 4096),
                     V.row_of({"avg_ts": 1.0}, "r", x2, "moecache", 8000, None, 0, 2048)], "r", "# h")
