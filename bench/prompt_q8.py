@@ -29,7 +29,8 @@ group buffers, the next group's copy on the copy stream while one computes) agai
 experts per layer) with two buffers (the next layer's non-resident experts copied on the copy
 stream while this one computes) and with one (``prompt_stack_buffers = 1``, the default: no copy
 ahead, half the memory), and one buffer in halves (``prompt_stack_halves``, opt-in: the next
-layer's half of the experts copied while this layer's other half computes). ``--routing``
+layer's half of the experts copied while this layer's other half computes), and the groups with the
+next layer's first group copied during this layer (``prompt_group_ahead``, opt-in). ``--routing``
 replaces the routers' choices as ``bench --routing`` does (the ``8g-*`` cases use qwen3-moe),
 restarted at the same seed for the same prompt in every arm, so the arms' last logits compare:
 
@@ -112,8 +113,11 @@ def main() -> None:
         #  from empty slots)
         if prefetch:
             arms = [("op offload", False, 1, False, False), ("prefetch next layer", False, 1, True, False)]
-        elif a.ab == "cache":  # the fourth field: prompt_stacks (2: with prompt_stack_buffers 1; 3: and in halves)
-            arms = [("groups, empty slots", False, 1, False, True), ("stacks, empty slots", False, 1, True, True),
+        elif a.ab == "cache":  # the fourth field: prompt_stacks (2: with prompt_stack_buffers 1; 3: and in halves;
+            # 4: no stacks, the groups with prompt_group_ahead)
+            arms = [("groups, empty slots", False, 1, False, True),
+                    ("groups, next layer's first group ahead, empty slots", False, 1, 4, True),
+                    ("stacks, empty slots", False, 1, True, True),
                     ("stacks, 1 buffer, empty slots", False, 1, 2, True),
                     ("stacks, 1 buffer in halves, empty slots", False, 1, 3, True)]
         else:
@@ -129,13 +133,16 @@ def main() -> None:
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
                 if a.ab == "cache":
-                    c.prompt_stacks = bool(arm[3])
+                    c.prompt_stacks = arm[3] in (True, 2, 3)
                     c.prompt_stack_halves = arm[3] == 3
+                    c.prompt_group_ahead = arm[3] == 4
+                    if not c.prompt_group_ahead:
+                        c.drop_group_buffers()  # the arm before's kept buffers: not this arm's memory
                     if c.prompt_stack_buffers != (1 if arm[3] in (2, 3) else 2):
                         c.drop_stacks()
                         c.prompt_stack_buffers = 1 if arm[3] in (2, 3) else 2
             for e in host:
-                e.prefetch = shared if arm[3] else None
+                e.prefetch = shared if arm[3] is True else None
             toks = prompts[i if a.ab == "cache" or a.fresh else 0]
             restart = getattr(eng.model.routing_override, "restart", None)  # a trace file replays as it is
             if restart is not None:
@@ -187,7 +194,8 @@ def main() -> None:
                       f"({(allocs.bytes - b0) >> 20} MiB)")
                 free, total = cp.cuda.runtime.memGetInfo()
                 print(f"{arm[0]}: {sum(c.prompt_slot_reads for c in eng.caches)} experts read from slots so far; "
-                      f"next-layer copies (started, used, dropped) {[c.stack_prefetch for c in eng.caches]}; "
+                      f"next-layer copies (started, used, dropped) {[c.stack_prefetch for c in eng.caches]}, "
+                      f"first groups ahead {[c.group_prefetch for c in eng.caches]}; "
                       f"GPU memory in use now {(total - free) >> 20} MiB, CuPy pool {pool.total_bytes() >> 20} MiB")
         else:
             for arm in arms:

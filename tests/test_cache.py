@@ -453,6 +453,123 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         cache.close()
 
 
+def test_prompt_group_ahead_copies_the_next_layers_first_group_during_this_layer(model_path, monkeypatch):
+    """prompt_group_ahead (opt-in, page-locked weights): after a prompt layer's groups, the next cached
+    layer's first group (its first non-resident experts by id) is copied into the free one of two
+    group buffers kept across the layers; that layer computes its first group from it. The logits
+    equal the all-CPU model's (the twin's buffers read NaN until their copy finishes, so a group
+    computed from a buffer whose copy was not finished, or was restarted under it, would show); every
+    layer but the first takes its first group from the copy ahead, none is dropped; the two buffers
+    are made once for the pass; no resident expert is copied; a decode pass gives the buffers back."""
+    import moecache.moe.cache as cache_mod
+
+    rng = np.random.default_rng(7)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        per = CachedExperts._expert_bytes(ew[0])
+        monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
+        cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        cache.prompt_group_ahead = True
+        # three residents in layers 0 and 1, two in layer 2: odd numbers of groups, so copies ahead land
+        # in either buffer
+        resident = [(il, e) for il in range(c.n_layer) for e in (0, 6, 11)][:8]
+        _fill(cache, ew, resident)
+        starts, allocs, aheads = [], [], []
+        _spy(monkeypatch, cache.be, "empty_u8", allocs)
+        _spy(monkeypatch, cache._group_ahead, "begin", aheads)
+        real_start = cache.be.start_upload
+        monkeypatch.setattr(cache.be, "start_upload", lambda ws, experts=None, out=None, compact=False: (
+            starts.append((ws, experts.copy(), out, compact)), real_start(ws, experts, out, compact))[1])
+        sizes = _prompt_group_sizes(m, cache, rng, monkeypatch)
+        assert max(sizes) == 3
+        assert cache.group_prefetch == [c.n_layer - 1, c.n_layer - 1, 0]
+        assert len(allocs) == 6  # two buffers of gate, up, down for the whole pass
+        assert {tag[0] for *_, tag in aheads} == {0, 1}  # both buffers took a copy ahead
+        assert cache.offload.offloaded_bytes == per * sum(ids.size for _, ids, _, _ in starts)  # each copy once
+        outs = {id(o[0]) for *_, o, _ in starts}
+        assert len(outs) == 2 and all(compact for *_, compact in starts)
+        res = set(resident)
+        for ws, ids, _, _ in starts:
+            il = next(i for i in ew if ws[0] is ew[i].gate)
+            assert not {(il, int(x)) for x in ids} & res
+        # the copies ahead: each layer after the first, its first non-resident experts by id
+        firsts = [(next(i for i in ew if ws[0] is ew[i].gate), ids) for ws, ids, _, _ in starts]
+        for il in range(1, c.n_layer):
+            want = np.flatnonzero(cache.slot_of[il] < 0)[:3]
+            assert any(j == il and np.array_equal(ids, want) for j, ids in firsts)
+        assert cache._gbufs is not None
+        cache._prompt_seen = False  # (no fill after the prompt: _fill set the slots behind the policy's back)
+        cache.begin_pass(1)  # a decode pass: the kept buffers go back
+        assert cache._gbufs is None
+        cache.close()
+
+
+def test_prompt_group_ahead_skips_unused_and_newly_resident_experts(model_path):
+    """The first group copied ahead is chosen before the layer's routing: an expert of it that the
+    ubatch does not use is not computed (a group none of whose experts is used makes no call), and
+    one made resident since the copy began is computed from its slot only, not twice; the layer's
+    output equals the CPU kernel's over the same routing."""
+    from moecache.moe.routing import Routing
+    from moecache.quants import cpu
+
+    rng = np.random.default_rng(11)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        per = CachedExperts._expert_bytes(ew[0])
+        cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
+                              prompt_group_bytes=3 * per)
+        cache.prompt_group_ahead = True
+        t, k = 40, c.n_expert_used
+        h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+        ids0 = np.stack([rng.choice(c.n_expert, k, replace=False) for _ in range(t)]).astype(np.int32)
+        w = rng.dirichlet(np.ones(k), t).astype(np.float32)
+        cache._prompt_groups(0, ew[0], h, Routing(ids0, w), np.unique(ids0))
+        assert cache.group_prefetch[0] == 1  # layer 1's experts 0, 1, 2 in flight
+        _fill(cache, ew, [(1, 1)])  # expert 1 of layer 1 made resident while its copy ran
+        ids1 = np.stack([rng.choice(np.arange(1, c.n_expert), k, replace=False) for _ in range(t)]).astype(np.int32)
+        ids1[0, 0] = 1  # expert 1 used (from its slot); expert 0 never used
+        r1 = Routing(ids1, w)
+        calls = []
+        real = cache.be.moe_ffn
+        cache.be.moe_ffn = lambda *a: (calls.append(np.asarray(a[4].ids)), real(*a))[1]
+        got = cache._prompt_groups(1, ew[1], h, r1, np.unique(ids1))
+        e1 = ew[1]
+        eids, offs, rows, wts = r1.groups()
+        want = cpu.moe_ffn(e1.gate, e1.up, e1.down, e1.types, eids, offs, rows, wts, h)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert cache.group_prefetch[1] == 1
+        slot_call, first_group = calls[0], calls[1]
+        assert (slot_call[ids1 == 1] == cache.slot_of[1, 1]).all()
+        assert (first_group[ids1 == 1] == -1).all() and (first_group[ids1 == 2] == 2).all()
+        # a first group of which nothing is used: no call for it
+        cache._prompt_groups(0, ew[0], h, Routing(ids0, w), np.unique(ids0))
+        ids2 = np.stack([rng.choice(np.arange(4, c.n_expert), k, replace=False) for _ in range(t)]).astype(np.int32)
+        calls.clear()
+        got = cache._prompt_groups(1, ew[1], h, Routing(ids2, w), np.unique(ids2))
+        eids, offs, rows, wts = Routing(ids2, w).groups()
+        np.testing.assert_allclose(got, cpu.moe_ffn(e1.gate, e1.up, e1.down, e1.types, eids, offs, rows, wts, h),
+                                   rtol=1e-4, atol=1e-5)
+        # no resident expert used, experts 4-15 in four groups of three; the group ahead (0, 2, 3) not called
+        assert len(calls) == 4 and cache.group_prefetch[1] == 2
+        # lifecycle: a copy ahead that no layer takes is dropped by the next pass; the kept buffers stay
+        # for prompt passes, go back for a decode pass and when the option is switched off
+        cache.be.moe_ffn = real
+        s0, u0, d0 = cache.group_prefetch  # layer 1 left a copy for layer 2 in flight
+        cache._prompt_groups(0, ew[0], h, Routing(ids0, w), np.unique(ids0))  # drops it, starts layer 1's
+        cache.begin_pass(t)  # a new prompt pass: layer 1's copy is dropped, the buffers stay
+        assert cache.group_prefetch == [s0 + 1, u0, d0 + 2] and cache._gbufs is not None
+        cache.begin_pass(1)
+        assert cache._gbufs is None
+        cache._prompt_groups(0, ew[0], h, Routing(ids0, w), np.unique(ids0))
+        assert cache._gbufs is not None
+        cache.prompt_group_ahead = False
+        cache._prompt_groups(0, ew[0], h, Routing(ids0, w), np.unique(ids0))
+        assert cache._gbufs is None and cache.group_prefetch == [s0 + 2, u0, d0 + 3]
+        cache.close()
+
+
 def _prompt_matches_cpu(lm, ref_lm, prompt):
     """Every position's logits of ``prompt`` through ``lm`` equal the all-CPU model's ``ref_lm``'s."""
     np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),

@@ -1095,7 +1095,7 @@ def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, **engine_kw)
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 
-@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged"])
+@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged", "pin-ahead"])
 def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
@@ -1103,11 +1103,14 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
     experts three at a time (the groups, the default: each group one call on the whole ubatch with
     the other pairs marked -1, its copy on the copy stream while the group before computes (pin);
-    the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); the first decode step
-    after the prompt fills the empty slots with the prompt's most-used experts; a
+    the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); pin-ahead: with the
+    opt-in prompt_group_ahead (the next layer's first group copied during this layer, into the
+    group buffer kept free for it; added in the seventeenth session, not yet run on a GPU); the
+    first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt reads the resident experts in their slots."""
     stage = load_mode == "pin-staged"
-    load_mode = load_mode.removesuffix("-staged")
+    ahead = load_mode == "pin-ahead"
+    load_mode = load_mode.removesuffix("-staged").removesuffix("-ahead")
     from moecache.moe.policy import PolicyConfig
 
     rng = np.random.default_rng(5)
@@ -1115,6 +1118,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         cache = eng.caches[0]
         cache.prompt_stacks = False  # the groups, the default (the stacks: test_prompt_stacks_on_the_gpu_match_cpu)
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
+        cache.prompt_group_ahead = ahead
         assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
         assert cache.zero_copy == (load_mode == "pin")
@@ -1152,6 +1156,9 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         b = ref.eval(toks)
         np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
         assert resident > 0 and cache.prompt_slot_reads > reads
+        if ahead:  # every prompt layer after a pass's first took its first group from a copy ahead
+            started, used, dropped = cache.group_prefetch
+            assert started > 0 and used == started and dropped == 0
 
 
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])

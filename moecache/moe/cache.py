@@ -181,6 +181,20 @@ class CachedExperts:
             pass (H200, fifteenth session), but ``bench/prompt_q8.py --ab cache`` there gave it 547
             t/s against the groups' 780, every stack arm having given its buffer back after the
             warm-up prompt (its overlap was not measured in isolation).
+        prompt_group_ahead: with page-locked weights, before a prompt layer's last group call is
+            queued, the next cached layer's first group is copied into the other group buffer: its
+            first ``prompt_group_bytes`` of non-resident experts by id, chosen before its routing is
+            known (a ubatch of :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` pairs per expert
+            or more uses nearly all of them). The copy then runs during the last group's call, the
+            next layer's attention and router, the host's plan and the next layer's resident call
+            (the compute stream waits for it only before that group's call), where the copy stream
+            otherwise idles. On the H200 the 8 GiB pp512 left the GPU idle 191 of 530 ms (6e8b9af,
+            seventeenth session; that timeline did not locate the idle time by layer). Cost: the
+            two group buffers (2 x ``prompt_group_bytes``) stay allocated from a prompt layer to the
+            next and across prompt passes, until a decode pass (``begin_pass``), ``close`` or the
+            flag switched off; without it they go back to CuPy's pool between layers. False by
+            default: its CPU twin tests pass; it has not run on a GPU.
+        group_prefetch: [started, used, dropped] copies of a next layer's first group.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
         prompt_fills, prompt_slot_reads: experts loaded into empty slots after a prompt, experts
@@ -208,6 +222,11 @@ class CachedExperts:
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
+        # opt-in: the next cached layer's first prompt group copied while this layer's groups compute
+        # (_prompt_groups), before that layer's routing is known: its first non-resident experts by id
+        self.prompt_group_ahead = False
+        self._group_ahead = LayerPrefetch({})  # that copy, tagged (buffer, experts copied)
+        self._gbufs: list[tuple[Any, ...]] | None = None  # the two group buffers kept across layers (group ahead)
         self._copy_ok = True  # False once a copy ahead could not start (weights not page-locked)
         self._bufs: list[tuple[Any, Any, Any]] | None = None  # the prompt stacks' buffers (_stack_buffers)
         self._turn = 0  # the buffer the next prompt layer without a copy ahead uses
@@ -383,6 +402,9 @@ class CachedExperts:
         date (on the current stream, so the pass reads it). A pass that will not take the zero-copy
         path accounts the earlier passes first (it feeds the policy itself, in order)."""
         self._drop_flight()  # a copy started for a pass an exception cut short
+        self._group_ahead.drop()
+        if self.offload_min_batch is None or n_tokens < self.offload_min_batch:
+            self.drop_group_buffers()  # not a prompt pass: the kept group buffers go back
         if self.vram_limit is not None and self.offload_min_batch is not None and n_tokens >= self.offload_min_batch:
             # a prompt pass: CuPy's pool gives its free blocks back before it grows past the budget
             if self._guard is None:
@@ -807,7 +829,10 @@ class CachedExperts:
         ``bench/vram_peak.py``). With page-locked weights two group buffers alternate: the next
         group's experts are copied on the copy stream while the resident pairs or the group before
         compute (:meth:`~moecache.backends.cupy_backend.CupyBackend.start_upload`, ``compact``);
-        otherwise each group is uploaded (a page-locked staging gather), then computed."""
+        otherwise each group is uploaded (a page-locked staging gather), then computed. With
+        ``prompt_group_ahead`` the first group may be one copied during the layer before (experts
+        chosen before this layer's routing: the unused ones are not computed, a group of which none
+        is used makes no call)."""
         be = self.be
         slots = self.slot_of[il][used]
         res = slots >= 0
@@ -815,15 +840,28 @@ class CachedExperts:
         per = self._expert_bytes(e)
         # buffers of one size for every layer and ubatch: CuPy's pool serves each from the last one's
         # blocks (sizes that change per layer leave free blocks behind that the pool keeps)
-        size = min(max(1, self.prompt_group_bytes // per), e.gate.shape[0])
-        n_groups = -(-up.size // size)
-        pieces = [up[g * size:(g + 1) * size] for g in range(n_groups)]
+        size = self._group_size(e)
         ws = (e.gate, e.up, e.down)
+        pinned = be.zero_copy_ok(list(ws)) is None
+        if not self.prompt_group_ahead:
+            self.drop_group_buffers()  # (kept from when it was on)
+        # each group: (its experts, their positions in its buffer, the buffer's experts in use)
+        pieces: list[tuple[np.ndarray, np.ndarray, int]] = []
+        b0, flight = 0, None
+        ahead = self._group_ahead.take_unfinished(il) if self.prompt_group_ahead else None
+        if ahead is not None:  # this layer's first group is being copied since the layer before (the
+            flight, (b0, copied) = ahead  # compute stream waits for it only before that group's call)
+            keep = self.slot_of[il][copied] < 0  # made resident since: its slot serves it (not twice)
+            pieces.append((copied[keep], np.flatnonzero(keep).astype(np.int32), copied.size))
+            up = np.setdiff1d(up, copied, assume_unique=True)
+        pieces += [(x, np.arange(x.size, dtype=np.int32), x.size) for x in (up[i:i + size] for i in range(0, up.size, size))]
+        n_groups = len(pieces)
         bufs: list[tuple[Any, ...]] = []
-        flight = None
-        if pieces and be.zero_copy_ok(list(ws)) is None:  # page-locked weights: asynchronous copies
-            bufs = [tuple(be.empty_u8((size,) + tuple(w.shape[1:])) for w in ws) for _ in range(min(2, n_groups))]
-            flight = be.start_upload(ws, pieces[0], bufs[0], compact=True)
+        if pieces and pinned:  # page-locked weights: asynchronous copies
+            bufs = self._group_buffers(e, size) if self.prompt_group_ahead else \
+                [tuple(be.empty_u8((size,) + tuple(w.shape[1:])) for w in ws) for _ in range(min(2, n_groups))]
+            if flight is None:
+                flight = be.start_upload(ws, pieces[0][0], bufs[0], compact=True)
         local = np.full(self.slot_of.shape[1], -1, np.int32)
         out = None
         try:
@@ -833,27 +871,86 @@ class CachedExperts:
                 out = be.moe_ffn(pool.gate, pool.up, pool.down, pool.types,
                                  Routing(loc.astype(np.int32), r.weights), h, e.act)
                 self.prompt_slot_reads += int(res.sum())
-            for g, ids in enumerate(pieces):
+            for g, (ids, pos, n_buf) in enumerate(pieces):
                 if bufs:
                     arrays = be.finish_upload(flight)  # the compute stream waits for this group's copy
                     flight = None
                     if g + 1 < n_groups:  # the next group's copy, after the calls that read its buffer
-                        flight = be.start_upload(ws, pieces[g + 1], bufs[(g + 1) % 2], compact=True)
-                    parts = tuple(a[:ids.size] for a in arrays)
+                        flight = be.start_upload(ws, pieces[g + 1][0], bufs[(b0 + g + 1) % 2], compact=True)
+                    elif self.prompt_group_ahead:  # the next layer's first group, queued before this
+                        # last call (after the calls that read its buffer), so the copy overlaps it
+                        self._start_group_ahead(il, r.ids.size, (b0 + n_groups) % 2)
+                    parts = tuple(a[:n_buf] for a in arrays)
                 else:
                     parts = tuple(be.upload_experts(w, ids) for w in ws)
-                self.offload.offloaded_bytes += int(ids.size * per)
-                local[ids] = np.arange(ids.size, dtype=np.int32)
-                y = be.moe_ffn(*parts, e.types, Routing(local[r.ids], r.weights), h, e.act)
+                if not (g == 0 and ahead is not None):
+                    self.offload.offloaded_bytes += int(ids.size * per)  # (a copy ahead counted when begun)
+                local[ids] = pos
+                routed = local[r.ids]
                 local[ids] = -1
+                if not (routed >= 0).any():  # a group copied ahead that this ubatch does not use
+                    continue
+                y = be.moe_ffn(*parts, e.types, Routing(routed, r.weights), h, e.act)
                 if out is None:
                     out = y
                 else:
                     out += y
+            if self.prompt_group_ahead and pinned and not bufs:  # no group here: after the residents' call
+                self._start_group_ahead(il, r.ids.size, b0)
         finally:
             if flight is not None:  # an exception: the buffers go back to the pool only after the copy
                 be.finish_upload(flight)
-        return out
+        return out  # (a group is skipped only when none of its experts is used: every used one is computed)
+
+    def _group_size(self, e: ExpertWeights) -> int:
+        """Experts per prompt group of layer experts ``e``: ``prompt_group_bytes`` of them, at least
+        one, at most the layer's."""
+        return min(max(1, self.prompt_group_bytes // self._expert_bytes(e)), e.gate.shape[0])
+
+    def _group_buffers(self, e: ExpertWeights, size: int) -> list[tuple[Any, ...]]:
+        """The two group buffers kept across a prompt pass's layers (``prompt_group_ahead``), made on
+        first use: (gate, up, down) arrays of ``size`` experts each (every cached layer shares one
+        expert signature)."""
+        if self._gbufs is None or self._gbufs[0][0].shape[0] != size:
+            self._group_ahead.drop()
+            self._gbufs = [tuple(self.be.empty_u8((size,) + tuple(w.shape[1:])) for w in (e.gate, e.up, e.down))
+                           for _ in range(2)]
+        return self._gbufs
+
+    def drop_group_buffers(self) -> None:
+        """Give the group buffers kept for ``prompt_group_ahead`` back (a copy into one in flight is
+        dropped first: the compute stream waits for it)."""
+        self._group_ahead.drop()
+        self._gbufs = None
+
+    def _start_group_ahead(self, il: int, n_pairs: int, b: int) -> None:
+        """Before layer ``il``'s last group call is queued (or after its residents' call when it has no
+        group): begin copying the next cached layer's first group (its first non-resident experts by
+        id, one group's worth) into group buffer ``b`` (not the last group's) on the copy stream, for
+        a ubatch of ``n_pairs`` (token, expert) pairs (none below
+        :data:`~moecache.moe.prefetch.MIN_PAIRS_PER_EXPERT` per expert, none after the last layer).
+        The copy waits for the compute stream's work queued so far, which holds the last reads of
+        buffer ``b``."""
+        nxt = self._next_to_copy(il, n_pairs)
+        if nxt is None:
+            return
+        e = self.layers[nxt]
+        size = self._group_size(e)
+        copied = np.flatnonzero(self.slot_of[nxt] < 0)[:size]
+        if not copied.size:
+            return
+        upl = self.be.start_upload((e.gate, e.up, e.down), copied, self._group_buffers(e, size)[b], compact=True)
+        if upl is None:
+            return
+        nbytes = int(copied.size) * self._expert_bytes(e)
+        self._group_ahead.begin(nxt, self.be, upl, nbytes, (b, copied))
+        self.offload.offloaded_bytes += nbytes
+
+    @property
+    def group_prefetch(self) -> list[int]:
+        """[started, used, dropped] copies of a next layer's first prompt group (``prompt_group_ahead``)."""
+        f = self._group_ahead
+        return [f.started, f.used, f.dropped]
 
     @staticmethod
     def _expert_bytes(e: ExpertWeights) -> int:
@@ -874,5 +971,6 @@ class CachedExperts:
                 copy.wait()  # any pending copy into its slot
         finally:
             self._pending, self._retired = [], []
+            self.drop_group_buffers()
             self.drop_stacks()
             self._workers.shutdown(wait=True)

@@ -92,6 +92,18 @@ class LayerPrefetch:
         self.drop()
         return None
 
+    def take_unfinished(self, il: int) -> tuple[Any, Any] | None:
+        """:meth:`take_tagged` without the wait: (the upload, its tag) or None; the caller calls
+        ``finish_upload`` when it needs the arrays (work it queues before then does not wait for the
+        copy). Any other upload in flight is dropped."""
+        f = self._flight
+        if f is not None and f.layer == il:
+            self._flight = None
+            self.used += 1
+            return f.upload, f.tag
+        self.drop()
+        return None
+
     def begin(self, il: int, backend: Any, upload: Any, nbytes: int, tag: Any = None) -> None:
         """Count an upload of layer ``il``'s experts that the caller began (``backend.start_upload``:
         ``nbytes`` bytes) as the one in flight, with ``tag`` kept for :meth:`take_tagged`; one in
