@@ -17,7 +17,7 @@ import cProfile
 import io
 import pstats
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=45, help="functions printed per order")
     a = ap.parse_args(argv)
 
-    import cupy as cp
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from prompt_timeline import timed_prompt
 
     from moecache.llm import open_llm
     from moecache.settings import Settings
@@ -46,13 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         vocab = eng.gguf.config.n_vocab
 
-        def prompt() -> float:
-            eng.reset()
-            t = time.perf_counter()
-            eng.eval(rng.integers(0, vocab, a.n_prompt))
-            cp.cuda.runtime.deviceSynchronize()
-            return time.perf_counter() - t
-
+        prompt = timed_prompt(eng, a.n_prompt, rng, vocab)
         for i in range(a.reps):
             dt = prompt()
             print(f"prompt {i}: {dt * 1e3:.1f} ms, {a.n_prompt / dt:.0f} t/s")

@@ -85,6 +85,20 @@ def summarize(events: list[dict], top: int = 24) -> list[str]:
     return out
 
 
+def timed_prompt(eng, n_prompt: int, rng: np.random.Generator, vocab: int):
+    """A function that evaluates a fresh ``n_prompt``-token prompt from an emptied context on ``eng``
+    and returns its wall time in s, the GPU synchronized (CuPy)."""
+    import cupy as cp
+
+    def prompt() -> float:
+        eng.reset()
+        t = time.perf_counter()
+        eng.eval(rng.integers(0, vocab, n_prompt))
+        cp.cuda.runtime.deviceSynchronize()
+        return time.perf_counter() - t
+    return prompt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
@@ -98,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, help="keep the Chrome trace here")
     a = ap.parse_args(argv)
 
-    import cupy as cp
     import torch  # noqa: F401 - its profiler (CUPTI) records the CuPy kernels too
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,13 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"routing process: a {a.n_prompt}-token pass drawn alone in {(time.perf_counter() - t) * 1e3:.1f} ms "
                   f"(drawn ahead on a worker: {getattr(proc, 'draw_passes_ahead', False)})")
 
-        def prompt() -> float:
-            eng.reset()
-            t = time.perf_counter()
-            eng.eval(rng.integers(0, vocab, a.n_prompt))
-            cp.cuda.runtime.deviceSynchronize()
-            return time.perf_counter() - t
-
+        prompt = timed_prompt(eng, a.n_prompt, rng, vocab)
         for i in range(a.reps):
             dt = prompt()
             print(f"prompt {i}: {dt * 1e3:.1f} ms, {a.n_prompt / dt:.0f} t/s")

@@ -424,9 +424,7 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
         _spy(monkeypatch, cache, "_prompt_groups", layers)
         _spy(monkeypatch, cache.be, "upload_experts", uploads)
         _spy(monkeypatch, cache.be, "empty_u8", allocs)
-        real_start = cache.be.start_upload
-        monkeypatch.setattr(cache.be, "start_upload", lambda ws, experts=None, out=None, compact=False: (
-            starts.append((ws, experts.copy(), out, compact)), real_start(ws, experts, out, compact))[1])
+        _spy_starts(monkeypatch, cache, starts)
         sizes = _prompt_group_sizes(m, cache, rng, monkeypatch)
         assert max(sizes) == 3 and len(sizes) >= c.n_layer * 2  # every layer split, none over the cap
         assert cache.prompt_slot_reads > 0  # resident experts read from their slots
@@ -478,9 +476,7 @@ def test_prompt_group_ahead_copies_the_next_layers_first_group_during_this_layer
         starts, allocs, aheads = [], [], []
         _spy(monkeypatch, cache.be, "empty_u8", allocs)
         _spy(monkeypatch, cache._group_ahead, "begin", aheads)
-        real_start = cache.be.start_upload
-        monkeypatch.setattr(cache.be, "start_upload", lambda ws, experts=None, out=None, compact=False: (
-            starts.append((ws, experts.copy(), out, compact)), real_start(ws, experts, out, compact))[1])
+        _spy_starts(monkeypatch, cache, starts)
         sizes = _prompt_group_sizes(m, cache, rng, monkeypatch)
         assert max(sizes) == 3
         assert cache.group_prefetch == [c.n_layer - 1, c.n_layer - 1, 0]
@@ -574,6 +570,14 @@ def _prompt_matches_cpu(lm, ref_lm, prompt):
     """Every position's logits of ``prompt`` through ``lm`` equal the all-CPU model's ``ref_lm``'s."""
     np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
                                ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+
+
+def _spy_starts(monkeypatch, cache, starts):
+    """Record each ``start_upload`` of ``cache``'s backend in ``starts`` as (ws, experts copied, out,
+    compact), then make the call."""
+    real = cache.be.start_upload
+    monkeypatch.setattr(cache.be, "start_upload", lambda ws, experts=None, out=None, compact=False: (
+        starts.append((ws, experts.copy(), out, compact)), real(ws, experts, out, compact))[1])
 
 
 def _spy(monkeypatch, obj, name, calls):
