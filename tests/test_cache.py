@@ -406,15 +406,9 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
     call (the twin's buffer reads NaN until its copy finishes, so a call on a buffer whose copy was
     not finished, or whose copy was restarted under it, would show); otherwise each group is
     uploaded in turn."""
-    import moecache.moe.cache as cache_mod
-
     rng = np.random.default_rng(5)
     with open_gguf(model_path) as m:
-        c = m.config
-        ew = expert_weights(m, "silu")
-        per = CachedExperts._expert_bytes(ew[0])
-        monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
-        cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        c, ew, per, cache = _group_cache(m, monkeypatch)
         cache.prompt_stacks = False  # the groups (the default)
         if not pinned:
             monkeypatch.setattr(cache.be, "zero_copy_ok", lambda arrays: "host experts are not in page-locked memory")
@@ -459,15 +453,9 @@ def test_prompt_group_ahead_copies_the_next_layers_first_group_during_this_layer
     computed from a buffer whose copy was not finished, or was restarted under it, would show); every
     layer but the first takes its first group from the copy ahead, none is dropped; the two buffers
     are made once for the pass; no resident expert is copied; a decode pass gives the buffers back."""
-    import moecache.moe.cache as cache_mod
-
     rng = np.random.default_rng(7)
     with open_gguf(model_path) as m:
-        c = m.config
-        ew = expert_weights(m, "silu")
-        per = CachedExperts._expert_bytes(ew[0])
-        monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
-        cache = _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
+        c, ew, per, cache = _group_cache(m, monkeypatch)
         cache.prompt_group_ahead = True
         # three residents in layers 0 and 1, two in layer 2: odd numbers of groups, so copies ahead land
         # in either buffer
@@ -570,6 +558,18 @@ def _prompt_matches_cpu(lm, ref_lm, prompt):
     """Every position's logits of ``prompt`` through ``lm`` equal the all-CPU model's ``ref_lm``'s."""
     np.testing.assert_allclose(lm.forward(prompt, lm.new_kv_cache(64), logits="all"),
                                ref_lm.forward(prompt, ref_lm.new_kv_cache(64), logits="all"), rtol=1e-4, atol=1e-5)
+
+
+def _group_cache(m, monkeypatch):
+    """(config, expert weights, bytes of one expert, a cache of 8 slots that never uploads) for model
+    ``m``, with prompt groups of three experts."""
+    import moecache.moe.cache as cache_mod
+
+    c = m.config
+    ew = expert_weights(m, "silu")
+    per = CachedExperts._expert_bytes(ew[0])
+    monkeypatch.setattr(cache_mod, "PROMPT_GROUP_BYTES", 3 * per)
+    return c, ew, per, _cache(ew, c.n_layer, c.n_expert, 8, NEVER)
 
 
 def _spy_starts(monkeypatch, cache, starts):

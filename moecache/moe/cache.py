@@ -842,8 +842,7 @@ class CachedExperts:
         # blocks (sizes that change per layer leave free blocks behind that the pool keeps)
         size = self._group_size(e)
         ws = (e.gate, e.up, e.down)
-        pinned = be.zero_copy_ok(list(ws)) is None
-        if not self.prompt_group_ahead:
+        if not self.prompt_group_ahead and self._gbufs is not None:
             self.drop_group_buffers()  # (kept from when it was on)
         # each group: (its experts, their positions in its buffer, the buffer's experts in use)
         pieces: list[tuple[np.ndarray, np.ndarray, int]] = []
@@ -854,12 +853,15 @@ class CachedExperts:
             keep = self.slot_of[il][copied] < 0  # made resident since: its slot serves it (not twice)
             pieces.append((copied[keep], np.flatnonzero(keep).astype(np.int32), copied.size))
             up = np.setdiff1d(up, copied, assume_unique=True)
-        pieces += [(x, np.arange(x.size, dtype=np.int32), x.size) for x in (up[i:i + size] for i in range(0, up.size, size))]
+        pieces += [(x, np.arange(x.size, dtype=np.int32), x.size)
+                   for x in (up[i:i + size] for i in range(0, up.size, size))]
         n_groups = len(pieces)
+        # page-locked weights: asynchronous copies (asked only when something may be copied)
+        pinned = (n_groups > 0 or self.prompt_group_ahead) and be.zero_copy_ok(list(ws)) is None
         bufs: list[tuple[Any, ...]] = []
-        if pieces and pinned:  # page-locked weights: asynchronous copies
-            bufs = self._group_buffers(e, size) if self.prompt_group_ahead else \
-                [tuple(be.empty_u8((size,) + tuple(w.shape[1:])) for w in ws) for _ in range(min(2, n_groups))]
+        if pieces and pinned:
+            bufs = (self._group_buffers(e, size) if self.prompt_group_ahead
+                    else self._new_group_buffers(e, size, min(2, n_groups)))
             if flight is None:
                 flight = be.start_upload(ws, pieces[0][0], bufs[0], compact=True)
         local = np.full(self.slot_of.shape[1], -1, np.int32)
@@ -913,9 +915,12 @@ class CachedExperts:
         expert signature)."""
         if self._gbufs is None or self._gbufs[0][0].shape[0] != size:
             self._group_ahead.drop()
-            self._gbufs = [tuple(self.be.empty_u8((size,) + tuple(w.shape[1:])) for w in (e.gate, e.up, e.down))
-                           for _ in range(2)]
+            self._gbufs = self._new_group_buffers(e, size, 2)
         return self._gbufs
+
+    def _new_group_buffers(self, e: ExpertWeights, size: int, n: int) -> list[tuple[Any, ...]]:
+        """``n`` group buffers on the backend: (gate, up, down) arrays of ``size`` experts of ``e``'s shapes."""
+        return [tuple(self.be.empty_u8((size,) + tuple(w.shape[1:])) for w in (e.gate, e.up, e.down)) for _ in range(n)]
 
     def drop_group_buffers(self) -> None:
         """Give the group buffers kept for ``prompt_group_ahead`` back (a copy into one in flight is
