@@ -1,7 +1,8 @@
 """CPU kernel bandwidth: weight bytes streamed per second by the Numba kernels, per format, at 1
 and 8 tokens, next to the machine's RAM read bandwidth measured the same way (an all-threads
 Numba ``prange`` read of a large array). Also the grouped MoE kernel (the expert cache's miss path)
-on one Qwen3-30B-A3B-shaped layer (128 experts, top-8, n_embd 2048, expert ff 768).
+on one Qwen3-30B-A3B-shaped layer (128 experts, top-8, n_embd 2048, expert ff 768), with float32
+activations and with ``act_q8`` (8-bit activations, integer dots for Q4_K).
 
 Decode on the CPU is memory-bound: GB/s of weights read is the honest headline (gpt-fast's habit).
 Each matrix is larger than the last-level cache, so every call streams from RAM.
@@ -112,7 +113,7 @@ def main() -> None:
         Wd = random_rows(q4k, n_expert * n_embd, n_ff, rng, std=0.02).reshape(n_expert, n_embd, -1)
         bytes_per_expert = Wg[0].nbytes + Wu[0].nbytes + Wd[0].nbytes
         types = (q4k.ggml_type,) * 3
-        for n_tok in (1, 8):
+        for n_tok, q8 in ((1, False), (1, True), (8, False), (8, True)):
             h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
 
             def routed():
@@ -128,12 +129,12 @@ def main() -> None:
             calls = [routed() for _ in range(args.reps + 2)]
             out = np.zeros((n_tok, n_embd), np.float32)
             it = iter(calls)
-            t = median_time(lambda: cpu.moe_ffn(Wg, Wu, Wd, types, *next(it), h, out=out), args.reps)
+            t = median_time(lambda: cpu.moe_ffn(Wg, Wu, Wd, types, *next(it), h, out=out, act_q8=q8), args.reps)
             n_distinct = float(np.mean([len(c[0]) for c in calls]))
             gbps = n_distinct * bytes_per_expert / t / 1e9
-            moe.append({"n_tokens": n_tok, "distinct_experts": n_distinct, "ms": t * 1e3, "gbps": gbps,
+            moe.append({"n_tokens": n_tok, "act_q8": q8, "distinct_experts": n_distinct, "ms": t * 1e3, "gbps": gbps,
                         "frac_ram": gbps / ram_all})
-            print(f"moe_ffn Q4_K {n_tok} tok: {t * 1e3:.2f} ms, {gbps:.1f} GB/s", file=sys.stderr)
+            print(f"moe_ffn Q4_K {n_tok} tok{' act_q8' if q8 else ''}: {t * 1e3:.2f} ms, {gbps:.1f} GB/s", file=sys.stderr)
 
     host = {"cpu": cpu_model(), "threads": args.threads, "logical_cpus": os.cpu_count(),
             "numba": numba.__version__, "numpy": np.__version__, "python": platform.python_version(),
@@ -155,10 +156,12 @@ def main() -> None:
                      f"{100 * r['frac_ram_1tok']:.0f}% | {r['gbps_8tok']:.1f} | {r['ms_1tok']:.2f} | {r['ms_8tok']:.2f} |")
     if moe:
         lines += ["", "Grouped MoE kernel (`moe_ffn`), one Qwen3-30B-A3B-shaped layer: 128 Q4_K experts, "
-                  "top-8, n_embd 2048, expert ff 768 (0.84 MiB of Q4_K per matrix); random routing:", "",
-                  "| tokens | distinct experts | ms | expert GB/s | % of RAM read |", "|---:|---:|---:|---:|---:|"]
+                  "top-8, n_embd 2048, expert ff 768 (0.84 MiB of Q4_K per matrix); random routing; activations "
+                  "float32, or rounded to 8 bits with integer dots (`act_q8`):", "",
+                  "| tokens | activations | distinct experts | ms | expert GB/s | % of RAM read |",
+                  "|---:|---|---:|---:|---:|---:|"]
         for m in moe:
-            lines.append(f"| {m['n_tokens']} | {m['distinct_experts']:.1f} | {m['ms']:.2f} | {m['gbps']:.1f} | "
+            lines.append(f"| {m['n_tokens']} | {'8-bit' if m['act_q8'] else 'float32'} | {m['distinct_experts']:.1f} | {m['ms']:.2f} | {m['gbps']:.1f} | "
                          f"{100 * m['frac_ram']:.0f}% |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -30,7 +30,7 @@ experts per layer) with two buffers (the next layer's non-resident experts copie
 stream while this one computes) and with one (``prompt_stack_buffers = 1``, the default: no copy
 ahead, half the memory), and one buffer in halves (``prompt_stack_halves``, opt-in: the next
 layer's half of the experts copied while this layer's other half computes), and the groups with the
-next layer's first group copied during this layer (``prompt_group_ahead``, opt-in). ``--routing``
+next layer's first group copied during this layer (``prompt_group_ahead``, on by default). ``--routing``
 replaces the routers' choices as ``bench --routing`` does (the ``8g-*`` cases use qwen3-moe),
 restarted at the same seed for the same prompt in every arm, so the arms' last logits compare:
 

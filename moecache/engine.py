@@ -141,6 +141,16 @@ class PerplexityResult:
     seconds: float
 
 
+def cpu_experts_round(asked: bool | None, has_gpu: bool, gpu_act_q8: bool) -> bool:
+    """Whether the CPU's expert kernels round activations to 8 bits (``Engine(cpu_act_q8=...)``):
+    ``asked`` when given; by default only beside a GPU whose decode products round by the same rule
+    (``gpu_act_q8``: ``--cpu-moe``, ``-ncmoe`` and the expert cache's CPU misses then share it).
+    On the CPU alone, and with ``gpu_act_q8=False``, the experts keep float32: that path is the
+    reference the tests hold to transformers and to the CPU engine, and a rounding turns float
+    noise (a batch's other summation order) into whole quantization steps."""
+    return asked if asked is not None else has_gpu and gpu_act_q8
+
+
 class Engine:
     """One loaded model, its tokenizer and one sequence's KV cache.
 
@@ -176,6 +186,12 @@ class Engine:
             expert (``CupyBackend.prompt_q8``), instead of float16 tensor-core GEMMs of dequantized
             experts; off by default: it measured slower on the H200 (``bench/prompt_q8.py``,
             ``bench/results/prompt-q8-h200.md``).
+        cpu_act_q8: the routed experts computed on the CPU round their activations to int8 per 32
+            values, the GPU's rule, and Q4_K experts multiply in integers
+            (:mod:`moecache.quants.int_dots`; llama.cpp's CPU kernels round activations too, per
+            256 values): the MoE layer 2.4x faster at 8 tokens on the H200 machine's 16 cores,
+            1.3x at one (``bench/kernels.py``). None (default): :func:`cpu_experts_round`; True or
+            False forces it.
         prefetch_experts: prompt ubatches whose routed experts stay in host RAM (``--cpu-moe``,
             ``--n-cpu-moe``; op offload) copy the next such layer's experts to the GPU on a copy
             stream while the current layer computes (:mod:`moecache.moe.prefetch`; page-locked
@@ -195,7 +211,8 @@ class Engine:
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
                  policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True,
-                 batch_graph: bool = True, gpu_prompt_q8: bool = False, prefetch_experts: bool = False):
+                 batch_graph: bool = True, gpu_prompt_q8: bool = False, prefetch_experts: bool = False,
+                 cpu_act_q8: bool | None = None):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -213,6 +230,7 @@ class Engine:
         self.stage_misses = stage_misses
         self.gpu_act_q8 = gpu_act_q8
         self.gpu_prompt_q8 = gpu_prompt_q8
+        self.cpu_act_q8 = cpu_act_q8
         self.prefetch_experts = prefetch_experts
         try:
             if load_mode not in LOAD_MODES:
@@ -299,12 +317,13 @@ class Engine:
         bes = make_backends(pl.devices + [CPU], self.log, self.gpu_act_q8, self.gpu_prompt_q8)
         layer_bes = [bes[d] for d in pl.layer_device]
         ew = expert_weights(self.gguf, model_class(self.gguf).act)
+        cpu_q8 = cpu_experts_round(self.cpu_act_q8, bool(pl.devices), self.gpu_act_q8)
         if self.prefetch_experts and pl.cache_slots:
             self.log("note: prefetch_experts is not used: the expert cache's own prompt path copies the host experts")
         experts = placed_experts(ew, pl.experts_on_device, layer_bes, pl.offload_min_batch,
                                  bes[pl.prompt_gpu] if pl.prompt_gpu is not None else None,
                                  # with an expert cache its own prompt path copies the host experts
-                                 self.prefetch_experts and not pl.cache_slots)
+                                 self.prefetch_experts and not pl.cache_slots, cpu_q8)
         self.caches = []
         c = self.gguf.config
         for g, slots in pl.cache_slots:
@@ -313,7 +332,7 @@ class Engine:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
                                   pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
-                                  vram_limit=opts.vram_budget or None, log=self.log)
+                                  vram_limit=opts.vram_budget or None, log=self.log, act_q8=cpu_q8)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

@@ -410,6 +410,7 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
     with open_gguf(model_path) as m:
         c, ew, per, cache = _group_cache(m, monkeypatch)
         cache.prompt_stacks = False  # the groups (the default)
+        cache.prompt_group_ahead = False  # buffers per layer (the copy ahead: the tests below)
         if not pinned:
             monkeypatch.setattr(cache.be, "zero_copy_ok", lambda arrays: "host experts are not in page-locked memory")
         resident = [(il, e) for il in range(c.n_layer) for e in (1, 6, 11, 14)][:8]
@@ -446,7 +447,7 @@ def test_prompt_ubatch_brings_its_experts_in_bounded_groups(model_path, monkeypa
 
 
 def test_prompt_group_ahead_copies_the_next_layers_first_group_during_this_layer(model_path, monkeypatch):
-    """prompt_group_ahead (opt-in, page-locked weights): after a prompt layer's groups, the next cached
+    """prompt_group_ahead (on by default, page-locked weights): after a prompt layer's groups, the next cached
     layer's first group (its first non-resident experts by id) is copied into the free one of two
     group buffers kept across the layers; that layer computes its first group from it. The logits
     equal the all-CPU model's (the twin's buffers read NaN until their copy finishes, so a group

@@ -124,3 +124,33 @@ def test_f16_kv_cache_halves_its_bytes_and_keeps_the_logits(tmp_path):
         assert model_sizes(m, 32, 2).kv * 2 == model_sizes(m, 32).kv
     with pytest.raises(ValueError, match="-ctk/-ctv"):
         Engine(path, EngineConfig(cache_type="q8_0"))
+
+
+def test_cpu_experts_round_activations_only_beside_a_gpu_or_when_asked(code_moe_tiny):
+    """``Engine(cpu_act_q8=...)``: the default (None) keeps float32 in the CPU's expert kernels when
+    the placement has no GPU; True rounds their activations to 8 bits (the logits move by the
+    rounding, by less than a tenth of their spread, and the next token stays)."""
+    from moecache.placement import PlacementOptions
+
+    toks = [1, 563, 1209, 264, 13]
+    logits = {}
+    for q8 in (None, True):
+        with Engine(code_moe_tiny, EngineConfig(n_ctx=64), placement=PlacementOptions(n_gpu_layers=0),
+                    cpu_act_q8=q8) as e:
+            assert [x.act_q8 for x in e.model.experts.executors.values()] == [bool(q8)] * len(e.model.experts.executors)
+            logits[q8] = e.eval(toks)[-1].astype(np.float64)
+    ref = logits[None]
+    moved = np.abs(logits[True] - ref).max() / ref.std()
+    assert 1e-5 < moved < 0.1 and logits[True].argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("asked,has_gpu,gpu_q8,want", [
+    (None, True, True, True),  # beside a GPU that rounds: the CPU experts round too
+    (None, True, False, False),  # gpu_act_q8=False keeps float32 throughout
+    (None, False, True, False),  # the CPU alone: float32
+    (True, False, False, True), (False, True, True, False),  # asked
+])
+def test_cpu_experts_round_by_default_only_beside_a_rounding_gpu(asked, has_gpu, gpu_q8, want):
+    from moecache.engine import cpu_experts_round
+
+    assert cpu_experts_round(asked, has_gpu, gpu_q8) is want

@@ -1103,9 +1103,9 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     pin-staged: misses copied into a VRAM scratch by stage_misses first. Prompt ubatches bring their
     experts three at a time (the groups, the default: each group one call on the whole ubatch with
     the other pairs marked -1, its copy on the copy stream while the group before computes (pin);
-    the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); pin-ahead: with the
-    opt-in prompt_group_ahead (the next layer's first group copied during this layer, into the
-    group buffer kept free for it; added in the seventeenth session, not yet run on a GPU); the
+    the opt-in prompt_stacks are test_prompt_stacks_on_the_gpu_match_cpu's); pin: without
+    prompt_group_ahead; pin-ahead: with it (on by default since the eighteenth session: the next
+    layer's first group copied during this layer, into the group buffer kept free for it); the
     first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt reads the resident experts in their slots."""
     stage = load_mode == "pin-staged"

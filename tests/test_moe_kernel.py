@@ -38,9 +38,11 @@ def _route(n_tok, n_expert, top_k, rng):
     return eids, offs, rows, wts
 
 
-def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act):
+def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act, rounded=None):
+    """float64 sum of the routed experts; ``rounded``: a rule applied to h and to the gated
+    activations (those in float32 first, as the kernel holds them)."""
     out = np.zeros((h.shape[0], Wd.shape[1]))
-    h = h.astype(np.float64)
+    h = h.astype(np.float64) if rounded is None else rounded(h)
     for g, e in enumerate(eids):
         for p in range(offs[g], offs[g + 1]):
             x = h[rows[p]]
@@ -49,8 +51,22 @@ def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act):
                 a = gate / (1 + np.exp(-gate)) * up
             else:
                 a = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
+            if rounded is not None:
+                a = rounded(a.astype(np.float32))
             out[rows[p]] += wts[p] * (Wd[e] @ a)
     return out
+
+
+def _layer(types, n_tok, n_ff, rng, n_expert=8, n_embd=256, top_k=3):
+    """Random experts of ``types`` (gate, up, down), h, a routing and the output's prior contents:
+    (weights, their float64 references, h, the CSR groups, base)."""
+    Wg, tg, Rg = _experts(types[0], n_expert, n_ff, n_embd, rng)
+    Wu, tu, Ru = _experts(types[1], n_expert, n_ff, n_embd, rng)
+    Wd, td, Rd = _experts(types[2], n_expert, n_embd, n_ff, rng)
+    h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    groups = _route(n_tok, n_expert, top_k, rng)
+    base = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    return (Wg, Wu, Wd, (tg, tu, td)), (Rg, Ru, Rd), h, groups, base
 
 
 @pytest.mark.parametrize("types,n_tok,act", [
@@ -62,19 +78,52 @@ def _reference(Wg, Wu, Wd, eids, offs, rows, wts, h, act):
     # are all tail; the other fused dots over full steps: tests/test_quants.py, 1 token)
 ])
 def test_moe_ffn_matches_reference(types, n_tok, act, rng):
-    n_expert, n_embd, n_ff, top_k = 8, 256, 256 if types[2] in ("Q4_K", "Q6_K") else 96, 3
-    Wg, tg, Rg = _experts(types[0], n_expert, n_ff, n_embd, rng)
-    Wu, tu, Ru = _experts(types[1], n_expert, n_ff, n_embd, rng)
-    Wd, td, Rd = _experts(types[2], n_expert, n_embd, n_ff, rng)
-    h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
-    eids, offs, rows, wts = _route(n_tok, n_expert, top_k, rng)
-    base = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    (Wg, Wu, Wd, tt), refs, h, groups, base = _layer(types, n_tok, 256 if types[2] in ("Q4_K", "Q6_K") else 96, rng)
     out = base.copy()
-    cpu.moe_ffn(Wg, Wu, Wd, (tg, tu, td), eids, offs, rows, wts, h, out=out, act=act)
-    ref = base + _reference(Rg, Ru, Rd, eids, offs, rows, wts, h, act)
+    cpu.moe_ffn(Wg, Wu, Wd, tt, *groups, h, out=out, act=act)
+    ref = base + _reference(*refs, *groups, h, act)
     delta = ref - base
     err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(delta)
     assert np.all(np.isfinite(out)) and err < 1e-5
+
+
+@pytest.mark.parametrize("types,n_tok,act", [
+    (("Q4_K", "Q4_K", "Q4_K"), 1, cpu.ACT_SILU),  # integer dots in every matrix
+    (("Q4_K", "Q4_K", "Q4_K"), 6, cpu.ACT_GELU),  # experts shared by several tokens
+    (("Q4_K", "Q4_K", "Q6_K"), 1, cpu.ACT_SILU),  # down: the float kernel on the rounded values
+    (("Q8_0", "Q8_0", "Q4_K"), 4, cpu.ACT_SILU),  # gate/up float, down integer
+])
+def test_moe_ffn_act_q8_matches_reference(types, n_tok, act, rng):
+    """``act_q8``: h and the gated activations rounded by the GPU's rule (test_act_q8's ``rule``),
+    gguf-py's weights in float64. Tolerance 5e-4: the kernel's float32 gated activation and the
+    reference's can fall on two sides of a rounding boundary (one quant apart: ~4e-5 measured in
+    one of 40 seeded runs); without the rounding the result is 5e-3 to 1.5e-2 away."""
+    from test_act_q8 import rule
+
+    (Wg, Wu, Wd, tt), refs, h, groups, base = _layer(types, n_tok, 256, rng)
+    out = base.copy()
+    cpu.moe_ffn(Wg, Wu, Wd, tt, *groups, h, out=out, act=act, act_q8=True)
+    delta = _reference(*refs, *groups, h, act, rounded=rule)
+    err = np.linalg.norm(out.astype(np.float64) - base - delta) / np.linalg.norm(delta)
+    assert np.all(np.isfinite(out)) and err < 5e-4
+    plain = _reference(*refs, *groups, h, act)
+    assert np.linalg.norm(plain - delta) / np.linalg.norm(delta) > 1e-3  # the rounding is seen
+
+
+def test_moe_ffn_act_q8_row_with_an_infinite_scale(rng):
+    """A Q4_K gate row whose block scale d is +inf: the integer road leaves it to the float kernel;
+    the tokens routed to that expert get non-finite outputs, the others the reference's."""
+    from test_act_q8 import rule
+
+    (Wg, Wu, Wd, tt), refs, h, _, _ = _layer(("Q4_K",) * 3, 2, 256, rng, n_expert=4)
+    Wg = Wg.copy()
+    Wg[2, 5, 0:2] = (0x00, 0x7C)  # f16 +inf, little-endian
+    eids, offs = np.array([1, 2], np.int32), np.array([0, 1, 2], np.int32)
+    rows, wts = np.array([0, 1], np.int32), np.array([0.5, 0.5], np.float32)
+    out = cpu.moe_ffn(Wg, Wu, Wd, tt, eids, offs, rows, wts, h, act_q8=True)
+    assert not np.isfinite(out[1]).all()
+    ref = _reference(*refs, eids[:1], offs[:2], rows[:1], wts[:1], h, cpu.ACT_SILU, rounded=rule)
+    assert np.linalg.norm(out[0] - ref[0]) / np.linalg.norm(ref[0]) < 5e-4
 
 
 def test_moe_ffn_empty_and_bad_csr(rng):

@@ -161,6 +161,9 @@ class CachedExperts:
             under it for them and for :data:`STACK_MARGIN_BYTES` more (the backend's ``room_for``),
             and given back when a prompt's memory nears it (:meth:`_keep_room`).
         log: where a one-time note goes (the engine's log); None: nowhere.
+        act_q8: misses computed on the CPU (and ubatches below ``offload_min_batch`` without the
+            zero-copy path) round activations to 8 bits in the Numba kernel (``cpu.moe_ffn``'s
+            ``act_q8``), as the GPU's hits do with ``CupyBackend(act_q8=True)``.
 
     Attributes:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
@@ -192,8 +195,10 @@ class CachedExperts:
             seventeenth session; that timeline did not locate the idle time by layer). Cost: the
             two group buffers (2 x ``prompt_group_bytes``) stay allocated from a prompt layer to the
             next and across prompt passes, until a decode pass (``begin_pass``), ``close`` or the
-            flag switched off; without it they go back to CuPy's pool between layers. False by
-            default: its CPU twin tests pass; it has not run on a GPU.
+            flag switched off; without it they go back to CuPy's pool between layers. True by
+            default since the eighteenth session: ``bench/prompt_q8.py --ab cache`` (H200, 8 GiB,
+            pin, qwen3-moe routing, pp512, empty slots) ran 1152 t/s against the groups' 989
+            without it (``bench/results/prompt-q8-h200.md``).
         group_prefetch: [started, used, dropped] copies of a next layer's first group.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
@@ -204,7 +209,7 @@ class CachedExperts:
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
                  stage_misses: bool = False, prompt_group_bytes: int | None = None, vram_limit: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, act_q8: bool = False):
         prompt_group_bytes = PROMPT_GROUP_BYTES if prompt_group_bytes is None else prompt_group_bytes
         if prompt_group_bytes < 1:
             raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
@@ -222,9 +227,9 @@ class CachedExperts:
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
-        # opt-in: the next cached layer's first prompt group copied while this layer's groups compute
+        # the next cached layer's first prompt group copied while this layer's groups compute
         # (_prompt_groups), before that layer's routing is known: its first non-resident experts by id
-        self.prompt_group_ahead = False
+        self.prompt_group_ahead = True
         self._group_ahead = LayerPrefetch({})  # that copy, tagged (buffer, experts copied)
         self._gbufs: list[tuple[Any, ...]] | None = None  # the two group buffers kept across layers (group ahead)
         self._copy_ok = True  # False once a copy ahead could not start (weights not page-locked)
@@ -234,7 +239,8 @@ class CachedExperts:
         self._guard = None  # the backend's budget_guard, started for prompt passes under a --vram-budget
         self._growth = 0  # the largest growth of those from one prompt ubatch to the next
         self.log = log if log is not None else (lambda msg: None)
-        self.offload = CPUExperts(layers, backend, offload_min_batch)
+        self.act_q8 = act_q8
+        self.offload = CPUExperts(layers, backend, offload_min_batch, act_q8=act_q8)
         self.offload_min_batch = offload_min_batch
         self.stats = CacheStats()  # tokens of every pass; hits and misses of decode ubatches
         self.prompt_slot_reads = 0  # experts prompt ubatches read from slots instead of copying
@@ -563,7 +569,7 @@ class CachedExperts:
 
     def _timed_cpu(self, il, e, eids, offs, rows, wts, hh, act):
         t0 = time.perf_counter()
-        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, None, act)
+        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, None, act, self.act_q8)
         self.cpu_s[il] += time.perf_counter() - t0
         return out
 

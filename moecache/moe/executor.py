@@ -64,11 +64,14 @@ class CPUExperts:
         offload_min_batch: tokens from which a ubatch is offloaded; None = never.
         offload_backend: the GPU offloaded ubatches run on (the one with the fastest host link);
             default: the layer's backend. h moves there and the result comes back.
+        act_q8: the Numba kernel rounds activations to 8 bits per 32 values and takes integer dots
+            for Q4_K experts (``cpu.moe_ffn(act_q8=True)``, the GPU's rounding rule); False = float32.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None,
-                 offload_backend: Any = None, prefetch: LayerPrefetch | None = None):
+                 offload_backend: Any = None, prefetch: LayerPrefetch | None = None, act_q8: bool = False):
         self.layers = layers
+        self.act_q8 = act_q8
         self.backend = backend
         self.offload_min_batch = offload_min_batch
         self.offload_backend = offload_backend if offload_backend is not None else backend
@@ -99,7 +102,7 @@ class CPUExperts:
         e = self.layers[il]
         eids, offs, rows, wts = routing.host().groups()
         act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-        return cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h, out=out, act=act)
+        return cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h, out=out, act=act, act_q8=self.act_q8)
 
     def _offload(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         ob = self.offload_backend
@@ -181,13 +184,14 @@ class ExpertsByLayer:
 
 def placed_experts(layers: dict[int, ExpertWeights], on_device: list[bool] | tuple[bool, ...],
                    layer_backends: list[Any], offload_min_batch: int | None,
-                   offload_backend: Any = None, prefetch: bool = False) -> ExpertsByLayer:
+                   offload_backend: Any = None, prefetch: bool = False, act_q8: bool = False) -> ExpertsByLayer:
     """The executor of a placement: each MoE layer's experts resident on its backend
     (:class:`DeviceExperts`) where ``on_device[il]``, else in host RAM (:class:`CPUExperts`, op
     offload from ``offload_min_batch`` tokens to ``offload_backend``, default the layer's GPU;
     never on a CPU layer). With ``prefetch`` the host-expert GPU layers share one
     :class:`~moecache.moe.prefetch.LayerPrefetch`: an offloaded ubatch copies the next such layer's
-    experts while the current one computes."""
+    experts while the current one computes. ``act_q8``: the host-expert layers' Numba kernels round
+    activations to 8 bits (:class:`CPUExperts`)."""
     ex: dict[int, ExpertExecutor] = {}
     host: dict[int, tuple[ExpertWeights, Any]] = {}
     for il, e in layers.items():
@@ -196,7 +200,8 @@ def placed_experts(layers: dict[int, ExpertWeights], on_device: list[bool] | tup
             ex[il] = DeviceExperts({il: e}, be)
         else:
             gpu = be.device is not None
-            ex[il] = CPUExperts({il: e}, be, offload_min_batch if gpu else None, offload_backend if gpu else None)
+            ex[il] = CPUExperts({il: e}, be, offload_min_batch if gpu else None, offload_backend if gpu else None,
+                                act_q8=act_q8)
             if gpu and offload_min_batch is not None:
                 host[il] = (e, ex[il].offload_backend)
     if prefetch and host:

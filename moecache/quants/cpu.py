@@ -10,6 +10,8 @@ One token (decode) takes another road for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K: the f
 (``dot_step``); a row with an infinite or NaN scale field falls back to the dequantize path, whose
 NaN/inf pattern is gguf-py's. Several tokens dequantize a row's full steps into a row scratch and
 dot it with four tokens per pass.
+``moe_ffn(act_q8=True)`` rounds the activations to 8 bits first and takes the integer Q4_K dots of
+:mod:`moecache.quants.int_dots` (``rows_q8``).
 All kernels are ``nogil`` (the hybrid executor runs them beside the GPU) and cached on disk.
 
 Shapes and dtypes:
@@ -34,6 +36,7 @@ from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, de
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
 from moecache.quants.dots import DOTS
 from moecache.quants.formats import BY_TYPE, FORMATS, BlockFormat, format_for
+from moecache.quants.int_dots import ROW_DOTS, quantize_row, quantize_rows
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
 _INLINE = dict(inline="always", **_KERNEL)
@@ -447,11 +450,51 @@ def _activate(act, g, u):
     return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g))) * u
 
 
-@functools.cache
-def _moe_kernel(fg: int, fu: int, fd: int):
-    FG, FU, FD = fg, fu, fd
+def rows_q8(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf):
+    """``Y[p, r] = W[r] · a_p`` for r in [r0, r1), p in [p0, p1), the activations rounded to 8 bits:
+    a format of :data:`moecache.quants.int_dots.ROW_DOTS` (GGML type id ``fmt``, a compile-time
+    constant) takes its integer dot with row ``qrow[p]`` of ``Q``, ``D``, ``S``
+    (:func:`moecache.quants.int_dots.quantize_row`), row by row for each pair (the row stays in L1
+    for the next); a row with an infinite or NaN scale field, and the other formats, take the float
+    kernel (:func:`rows_for`) on the rounded values ``X`` (pair p's in row p) and their block sums
+    ``XS``. Callable from Numba code only."""
+    raise NotImplementedError("rows_q8 is only callable from Numba code")
 
-    def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk, nbuf):
+
+@overload(rows_q8)
+def _rows_q8_impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf):
+    f = _literal_format(fmt)
+    kernel = _ROWS[f.name]
+    if f.name not in ROW_DOTS:
+        return lambda fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf: kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
+    dot, nonfinite = ROW_DOTS[f.name], DOTS[f.name][1]
+    bs, tsz = kernel_block(f)
+    step_bytes = STEP // bs * tsz
+
+    def impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf):
+        for r in range(r0, r1):
+            row = W[r]
+            bad = np.int32(0)
+            for b in range(row.shape[0] // step_bytes):
+                bad |= nonfinite(row, b * step_bytes)
+            if bad:
+                kernel(W, X, XS, Y, r, r + 1, p0, p1, nbuf)
+            else:
+                for p in range(p0, p1):
+                    q = qrow[p]
+                    Y[p, r] = dot(row, Q[q], D[q], S[q])
+    return impl
+
+
+@functools.cache
+def _moe_kernel(fg: int, fu: int, fd: int, q8: bool):
+    """The grouped MoE kernel of one (gate, up, down) format triple; ``q8``: the activations rounded
+    to 8 bits per 32 values (h before, by the caller, into XQ/XD/XS and Hg; the gated activations
+    here, each job its own 32-value units) and every product through :func:`rows_q8`."""
+    FG, FU, FD, Q8 = fg, fu, fd, q8
+
+    def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk, nbuf,
+                   XQ, XD, XS, GQ, GD, GS, GR, pairs):
         n_groups = eids.shape[0]
         n_ff = Wg.shape[1]
         HS = block_sums(Hg)
@@ -465,21 +508,32 @@ def _moe_kernel(fg: int, fu: int, fd: int):
             e = eids[g]
             p0 = offs[g]
             p1 = offs[g + 1]
-            rows_for(FG, Wg[e], Hg, HS, Gt, f0, f1, p0, p1, nbuf)
-            rows_for(FU, Wu[e], Hg, HS, Ut, f0, f1, p0, p1, nbuf)
+            if Q8:
+                rows_q8(FG, Wg[e], XQ, XD, XS, rows, Hg, HS, Gt, f0, f1, p0, p1, nbuf)
+                rows_q8(FU, Wu[e], XQ, XD, XS, rows, Hg, HS, Ut, f0, f1, p0, p1, nbuf)
+            else:
+                rows_for(FG, Wg[e], Hg, HS, Gt, f0, f1, p0, p1, nbuf)
+                rows_for(FU, Wu[e], Hg, HS, Ut, f0, f1, p0, p1, nbuf)
             for p in range(p0, p1):
                 for f in range(f0, f1):
                     Gt[p, f] = _activate(act, Gt[p, f], Ut[p, f])
+                if Q8:  # f_chunk is a multiple of 32: the job owns whole units of the rounding
+                    quantize_row(Gt[p, f0:f1], GQ[p, f0:f1], GD[p, f0 // 32:f1 // 32], GS[p, f0 // 32:f1 // 32],
+                                 GR[p, f0:f1])
         # phase 2: each output-row chunk: every expert's down rows, then the weighted sum into Out
         # (a chunk owns its output columns: no races)
+        A = GR if Q8 else Gt
+        AS = block_sums(A)
         n_out = Wd.shape[1]
-        GS = block_sums(Gt)
         n_rc = (n_out + r_chunk - 1) // r_chunk
         for c in prange(n_rc):
             r0 = c * r_chunk
             r1 = min(n_out, r0 + r_chunk)
             for g in range(n_groups):
-                rows_for(FD, Wd[eids[g]], Gt, GS, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
+                if Q8:
+                    rows_q8(FD, Wd[eids[g]], GQ, GD, GS, pairs, A, AS, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
+                else:
+                    rows_for(FD, Wd[eids[g]], A, AS, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
             for p in range(rows.shape[0]):
                 t = rows[p]
                 w = wts[p]
@@ -487,13 +541,13 @@ def _moe_kernel(fg: int, fu: int, fd: int):
                     Out[t, r] += w * Dt[p, r]
 
     names = "_".join(BY_TYPE[f].name.lower() for f in (fg, fu, fd))
-    return _jit(moe_kernel, f"moe_ffn_{names}", parallel=True)
+    return _jit(moe_kernel, f"moe_ffn_{'q8_' if q8 else ''}{names}", parallel=True)
 
 
 def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
             types: tuple[int, int, int], expert_ids: np.ndarray, offsets: np.ndarray,
             token_rows: np.ndarray, weights: np.ndarray, h: np.ndarray,
-            out: np.ndarray | None = None, act: int = ACT_SILU) -> np.ndarray:
+            out: np.ndarray | None = None, act: int = ACT_SILU, act_q8: bool = False) -> np.ndarray:
     """Weighted sum of gated-FFN experts for one MoE layer, in one parallel call.
 
     ``out[t] += sum over routed pairs (e, t, w) of w * down_e(act(gate_e(h[t])) * up_e(h[t]))``
@@ -509,9 +563,13 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
         h: float32 (n_tokens, n_embd) hidden states.
         out: float32 (n_tokens, n_embd) accumulated into; zeros if None.
         act: ACT_SILU (SwiGLU) or ACT_GELU (GeGLU).
+        act_q8: round h and the gated activations to 8 bits per 32 values first (the GPU's rule,
+            :mod:`moecache.quants.act_q8`); Q4_K experts then take integer dots
+            (:mod:`moecache.quants.int_dots`), the other formats the float kernel on the rounded values.
 
     Returns:
         ``out``. Raises ValueError on inconsistent shapes, UnsupportedQuantError on unknown types.
+        (Every format's block is a multiple of 32 weights, so ``act_q8``'s units always fit.)
     """
     gate_exps, up_exps, down_exps = (readonly(np.ascontiguousarray(a)) for a in (gate_exps, up_exps, down_exps))
     H = np.ascontiguousarray(h, dtype=np.float32)
@@ -543,14 +601,31 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
     if rows.size == 0:
         return out
     n_pairs = rows.shape[0]
-    Hg = H[rows]
+    nt = numba.get_num_threads()
+    if act_q8:  # (n_embd and n_ff are multiples of 32: every kernel block is)
+        XQ = np.empty((n_tok, n_embd), np.int8)
+        XD = np.empty((n_tok, n_embd // 32), np.float32)
+        XS = np.empty_like(XD)
+        XR = np.empty((n_tok, n_embd), np.float32)
+        quantize_rows(H, XQ, XD, XS, XR)
+        Hg = XR[rows]
+        GQ = np.empty((n_pairs, n_ff), np.int8)
+        GD = np.empty((n_pairs, n_ff // 32), np.float32)
+        GS = np.empty_like(GD)
+        GR = np.empty((n_pairs, n_ff), np.float32)
+        # ff-row chunks of whole 32-value units (each job rounds its own): 64 rows where that still
+        # leaves every thread 8 jobs, else 32
+        f_chunk = 64 if n_ff * eids.shape[0] >= 64 * 8 * nt else 32
+    else:
+        Hg = H[rows]
+        XQ, GQ = np.empty((0, 0), np.int8), np.empty((0, 0), np.int8)
+        XD = XS = GD = GS = GR = np.empty((0, 0), np.float32)
+        # ff-row chunks: enough jobs across all experts for every thread
+        f_chunk = int(max(4, min(64, n_ff * eids.shape[0] // (4 * nt))))
     Gt = np.empty((n_pairs, n_ff), np.float32)
     Ut = np.empty((n_pairs, n_ff), np.float32)
     Dt = np.empty((n_pairs, n_embd), np.float32)
-    nt = numba.get_num_threads()
-    # ff-row chunks: enough jobs across all experts for every thread
-    f_chunk = int(max(4, min(64, n_ff * eids.shape[0] // (4 * nt))))
-    kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type)
+    kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type, bool(act_q8))
     kernel(gate_exps, up_exps, down_exps, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, out, f_chunk, _chunk(n_embd),
-           STEP)
+           STEP, XQ, XD, XS, GQ, GD, GS, GR, np.arange(n_pairs, dtype=np.int32))
     return out

@@ -1,0 +1,240 @@
+"""Integer block dots of 8-bit activations, written in LLVM IR: the CPU's 8-bit expert kernels.
+
+With ``act_q8`` the CPU expert kernel (:func:`moecache.quants.cpu.moe_ffn`) rounds each activation
+row once per layer by the GPU's rule (:mod:`moecache.quants.act_q8`: per 32 values ``d = max|x| /
+127``, ``q = rint(x / d)``) and multiplies the weights' integer quants into those int8 values with
+integer products, the idea of llama.cpp's CPU ``vec_dot`` kernels (there the activations are
+rounded per 256 values). Numba widens every uint8/int8 product to int64, so the dots are written
+in LLVM IR (a function per format, linked into the kernels that call it through
+:func:`q4k_row_dot`): on a CPU with AVX512-VNNI each 64 byte products take one ``vpdpbusd``
+(``llvm.x86.avx512.vpdpbusd.512``), elsewhere the same lanes are summed by portable vector IR
+(LLVM picks the instructions), so both give the same integers.
+
+Q4_K (layout: ggml-common.h ``block_q4_K``; the scale unpacking is ``blocks256._scale_min_k4``'s,
+done on three 32-bit words): for sub-block j of 32 weights with 6-bit scale ``sc_j`` and min
+``m_j``, weight ``d*sc_j*n - dmin*m_j`` (n the nibble); with activation quants ``q`` of scale
+``dx_j``, the block's dot is ``sum_j d*sc_j*dx_j * sum(n*q) - dmin * sum_j m_j * dx_j*sum(q)``.
+The integer sums ``sum(n*q)`` are exact; the float combination runs in 16 vector lanes, summed once
+per row. The per-32 sums ``dx_j*sum(q)`` come from :func:`quantize_rows` (``xs``).
+"""
+
+from __future__ import annotations
+
+from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+Q4_K_BYTES = 144  # bytes of one block_q4_K (256 weights)
+
+
+def host_has_vnni() -> bool:
+    """Whether LLVM compiles for a CPU with AVX512-VNNI and AVX512-BW (``vpdpbusd`` on 512 bits)."""
+    feats = set(llvm.get_host_cpu_features().flatten().split(","))
+    return {"+avx512vnni", "+avx512bw", "+avx512f"} <= feats
+
+
+def _dot_ir(name: str, vnni: bool) -> list[str]:
+    """IR lines computing ``%name = <16 x i32>`` lane sums of ``%n_<name>`` (u8) times ``%x_<name>``
+    (s8), both <64 x i8>: lane i sums the products of bytes 4i .. 4i+3 (``vpdpbusd``'s lanes)."""
+    if vnni:
+        return [f"  %{name} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                f"<64 x i8> %n_{name}, <64 x i8> %x_{name})"]
+    lines = [f"  %zn_{name} = zext <64 x i8> %n_{name} to <64 x i32>",
+             f"  %sx_{name} = sext <64 x i8> %x_{name} to <64 x i32>",
+             f"  %m_{name} = mul <64 x i32> %zn_{name}, %sx_{name}"]
+    for k in range(4):
+        idx = ", ".join(f"i32 {4 * i + k}" for i in range(16))
+        lines.append(f"  %m{k}_{name} = shufflevector <64 x i32> %m_{name}, <64 x i32> poison, <16 x i32> <{idx}>")
+    lines += [f"  %a_{name} = add <16 x i32> %m0_{name}, %m1_{name}",
+              f"  %b_{name} = add <16 x i32> %m2_{name}, %m3_{name}",
+              f"  %{name} = add <16 x i32> %a_{name}, %b_{name}"]
+    return lines
+
+
+def _splat(ty: str, n: int, v: str) -> str:
+    return f"<{', '.join(f'{ty} {v}' for _ in range(n))}>"
+
+
+def q4k_ir(vnni: bool) -> str:
+    """LLVM IR of ``float @moecache_q4k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of
+    ``nb`` Q4_K blocks at ``row`` with int8 quants ``xq`` (nb*256), their per-32 scales ``xd`` and
+    scaled sums ``xs`` (float32, nb*8 each)."""
+    nib15 = _splat("i8", 32, "15")
+    nib4 = _splat("i8", 32, "4")
+    cat = ", ".join(f"i32 {i}" for i in range(64))
+    body = [
+        "  %o = mul i64 %b, 144",
+        "  %blk = getelementptr i8, ptr %row, i64 %o",
+        "  %dh = load <2 x half>, ptr %blk, align 1",
+        "  %dd = fpext <2 x half> %dh to <2 x float>",
+        "  %d = extractelement <2 x float> %dd, i64 0",
+        "  %dmin = extractelement <2 x float> %dd, i64 1",
+        "  %p0 = getelementptr i8, ptr %blk, i64 4",
+        "  %w0 = load i32, ptr %p0, align 1",
+        "  %p1 = getelementptr i8, ptr %blk, i64 8",
+        "  %w1 = load i32, ptr %p1, align 1",
+        "  %p2 = getelementptr i8, ptr %blk, i64 12",
+        "  %w2 = load i32, ptr %p2, align 1",
+        # scales j < 4: low 6 bits of bytes 0..3; mins j < 4: of bytes 4..7
+        "  %sclo = and i32 %w0, 1061109567",  # 0x3F3F3F3F
+        "  %mnlo = and i32 %w1, 1061109567",
+        # j >= 4: low (scales) / high (mins) nibble of bytes 8..11, top 2 bits of bytes 0..3 / 4..7
+        "  %t0 = and i32 %w2, 252645135",  # 0x0F0F0F0F
+        "  %t1 = lshr i32 %w0, 2",
+        "  %t2 = and i32 %t1, 808464432",  # 0x30303030
+        "  %schi = or i32 %t0, %t2",
+        "  %t3 = lshr i32 %w2, 4",
+        "  %t4 = and i32 %t3, 252645135",
+        "  %t5 = lshr i32 %w1, 2",
+        "  %t6 = and i32 %t5, 808464432",
+        "  %mnhi = or i32 %t4, %t6",
+        "  %sv0 = insertelement <2 x i32> poison, i32 %sclo, i64 0",
+        "  %sv = insertelement <2 x i32> %sv0, i32 %schi, i64 1",
+        "  %sb = bitcast <2 x i32> %sv to <8 x i8>",
+        "  %scf = uitofp <8 x i8> %sb to <8 x float>",
+        "  %mv0 = insertelement <2 x i32> poison, i32 %mnlo, i64 0",
+        "  %mv = insertelement <2 x i32> %mv0, i32 %mnhi, i64 1",
+        "  %mb = bitcast <2 x i32> %mv to <8 x i8>",
+        "  %mnf = uitofp <8 x i8> %mb to <8 x float>",
+        "  %xi = mul i64 %b, 8",
+        "  %pxd = getelementptr float, ptr %xd, i64 %xi",
+        "  %xdv = load <8 x float>, ptr %pxd, align 4",
+        "  %pxs = getelementptr float, ptr %xs, i64 %xi",
+        "  %xsv = load <8 x float>, ptr %pxs, align 4",
+        "  %d0 = insertelement <8 x float> poison, float %d, i64 0",
+        "  %dv = shufflevector <8 x float> %d0, <8 x float> poison, <8 x i32> zeroinitializer",
+        "  %m0 = insertelement <8 x float> poison, float %dmin, i64 0",
+        "  %mv8 = shufflevector <8 x float> %m0, <8 x float> poison, <8 x i32> zeroinitializer",
+        "  %fs0 = fmul <8 x float> %scf, %xdv",
+        "  %fs = fmul <8 x float> %fs0, %dv",  # d * sc_j * dx_j
+        "  %mm0 = fmul <8 x float> %mnf, %xsv",
+        "  %accm1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %mm0, <8 x float> %mv8, <8 x float> %accm)",
+        "  %xo = mul i64 %b, 256",
+    ]
+    acc = "%acc"
+    for p in range(4):  # qs[32p:32p+32]: low nibbles = sub-block 2p, high = 2p+1
+        nm = f"i{p}"
+        sel = ", ".join([f"i32 {2 * p}"] * 8 + [f"i32 {2 * p + 1}"] * 8)
+        body += [
+            f"  %pq{p} = getelementptr i8, ptr %blk, i64 {16 + 32 * p}",
+            f"  %q{p} = load <32 x i8>, ptr %pq{p}, align 1",
+            f"  %lo{p} = and <32 x i8> %q{p}, {nib15}",
+            f"  %hi{p} = lshr <32 x i8> %q{p}, {nib4}",
+            f"  %n_{nm} = shufflevector <32 x i8> %lo{p}, <32 x i8> %hi{p}, <64 x i32> <{cat}>",
+            f"  %xo{p} = add i64 %xo, {64 * p}",
+            f"  %px{p} = getelementptr i8, ptr %xq, i64 %xo{p}",
+            f"  %x_{nm} = load <64 x i8>, ptr %px{p}, align 1",
+            *_dot_ir(nm, vnni),
+            f"  %f{p} = sitofp <16 x i32> %{nm} to <16 x float>",
+            f"  %s{p} = shufflevector <8 x float> %fs, <8 x float> poison, <16 x i32> <{sel}>",
+            f"  %acc{p + 1} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{p}, <16 x float> %s{p}, "
+            f"<16 x float> {acc})",
+        ]
+        acc = f"%acc{p + 1}"
+    lines = [
+        "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)" if vnni else "",
+        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+        "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)",
+        "declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)",
+        "declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)",
+        "define float @moecache_q4k_q8_row(ptr noalias readonly %row, ptr noalias readonly %xq, "
+        "ptr noalias readonly %xd, ptr noalias readonly %xs, i64 %nb) alwaysinline {",
+        "entry:",
+        "  %any = icmp sgt i64 %nb, 0",
+        "  br i1 %any, label %loop, label %done",
+        "loop:",
+        "  %b = phi i64 [0, %entry], [%bn, %loop]",
+        "  %acc = phi <16 x float> [zeroinitializer, %entry], [%acc4, %loop]",
+        "  %accm = phi <8 x float> [zeroinitializer, %entry], [%accm1, %loop]",
+        *body,
+        "  %bn = add i64 %b, 1",
+        "  %more = icmp slt i64 %bn, %nb",
+        "  br i1 %more, label %loop, label %done",
+        "done:",
+        "  %af = phi <16 x float> [zeroinitializer, %entry], [%acc4, %loop]",
+        "  %mf = phi <8 x float> [zeroinitializer, %entry], [%accm1, %loop]",
+        "  %ra = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> %af)",
+        "  %rm = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %mf)",
+        "  %r = fsub float %ra, %rm",
+        "  ret float %r",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+_LIBS: dict[int, object] = {}  # id(codegen) -> its code library of the IR functions
+
+
+def _library(context):
+    cg = context.codegen()
+    lib = _LIBS.get(id(cg))
+    if lib is None:
+        lib = cg.create_library("moecache_int_dots")
+        lib.add_llvm_module(llvm.parse_assembly(q4k_ir(host_has_vnni())))
+        lib.finalize()
+        _LIBS[id(cg)] = lib
+    return lib
+
+
+@intrinsic
+def q4k_row_dot(typingctx, row, xq, xd, xs):
+    """float32 ``dot(dequantize(row), q * d)`` of one Q4_K row and one activation row rounded to
+    8 bits: ``row`` uint8 (nb*144,), ``xq`` int8 (nb*256,), ``xd`` and ``xs`` float32 (nb*8,)
+    (per 32 values: the scale d and ``d * sum(q)``; :func:`quantize_rows`). All C-contiguous; the
+    lengths are not checked here (the callers' shapes guarantee them). Callable from Numba code."""
+    sig = types.float32(row, xq, xd, xs)
+
+    def codegen(context, builder, signature, args):
+        context.active_code_library.add_linking_library(_library(context))
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.FloatType(), [i8p, i8p, i8p, i8p, ir.IntType(64)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "moecache_q4k_q8_row")
+        arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        nb = builder.udiv(arrs[0].nitems, ir.Constant(ir.IntType(64), Q4_K_BYTES))
+        ptrs = [builder.bitcast(a.data, i8p) for a in arrs]
+        return builder.call(fn, [*ptrs, nb])
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def quantize_row(x, q, d, s, r):
+    """Round one float32 row ``x`` (n,) to 8 bits per 32 values (the rule of
+    :mod:`moecache.quants.act_q8`; compiled without fastmath, so ``x / d`` is a true division and
+    the quants equal the GPU's): ``q`` int8 (n,), ``d`` float32 (n/32,) the scales, ``s`` float32
+    (n/32,) ``d * sum(q)`` per 32, ``r`` float32 (n,) the rounded values ``q * d``. A unit holding
+    an infinite or NaN value gets the scale NaN (its products NaN: nothing non-finite is lost)."""
+    for u in range(x.shape[0] // 32):
+        m = np.float32(0.0)
+        finite = True
+        for i in range(32):
+            a = abs(x[u * 32 + i])
+            finite &= np.isfinite(a)
+            if a > m:
+                m = a
+        dd = m / np.float32(127.0) if finite else np.float32(np.nan)
+        t = 0
+        for i in range(32):
+            v = np.int32(np.rint(x[u * 32 + i] / dd)) if dd > 0 else np.int32(0)  # False for NaN
+            q[u * 32 + i] = v
+            r[u * 32 + i] = np.float32(v) * dd
+            t += v
+        d[u] = dd
+        s[u] = np.float32(t) * dd
+
+
+@njit(cache=True, nogil=True)
+def quantize_rows(X, Q, D, S, R):
+    """:func:`quantize_row` for each row of ``X`` float32 (n, m): ``Q`` int8 (n, m), ``D`` and ``S``
+    float32 (n, m/32), ``R`` float32 (n, m)."""
+    for t in range(X.shape[0]):
+        quantize_row(X[t], Q[t], D[t], S[t], R[t])
+
+
+# GGML type name -> the IR dot of one row of that format with 8-bit activations
+ROW_DOTS = {"Q4_K": q4k_row_dot}

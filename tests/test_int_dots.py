@@ -1,0 +1,119 @@
+"""The CPU's 8-bit-activation integer dots (moecache/quants/int_dots.py), in CI.
+
+References are independent of the code under test: the rounding rule written out per element
+(tests/test_act_q8.py's ``rule``), the weights dequantized by gguf-py in float64. The IR is checked
+on both of its roads on any machine: the one the host compiles (through the Numba kernels) and the
+portable one, run through llvmlite's MCJIT; where the host has AVX512-VNNI the two must agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import llvmlite.binding as llvm
+import numpy as np
+import pytest
+from gguf.quants import dequantize as gguf_dequantize
+from numba import njit
+from test_act_q8 import rule
+
+from moecache.quants import int_dots
+from moecache.quants.formats import FORMATS
+from moecache.quants.random_blocks import random_rows
+
+Q4_K = FORMATS["Q4_K"]
+
+
+def _activations(rng, n: int) -> np.ndarray:
+    x = (rng.standard_normal(n) * rng.uniform(0.01, 100)).astype(np.float32)
+    x[32:64] = 0.0  # a unit of zeros: scale 0
+    x[100] = 1e6 * (1 + abs(x[100]))  # one large value: its unit's others round to 0
+    return x
+
+
+def _quantize(x: np.ndarray):
+    n = x.shape[0]
+    q, r = np.empty(n, np.int8), np.empty(n, np.float32)
+    d, s = np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
+    int_dots.quantize_row(x, q, d, s, r)
+    return q, d, s, r
+
+
+def test_quantize_row_follows_the_rule(rng):
+    x = _activations(rng, 512)
+    q, d, s, r = _quantize(x)
+    want = rule(x)
+    np.testing.assert_array_equal(r.astype(np.float64), want.astype(np.float32).astype(np.float64))
+    np.testing.assert_array_equal(q.astype(np.float64) * d.repeat(32), want)  # q * d, exact in float64
+    sums = q.astype(np.int64).reshape(-1, 32).sum(1)
+    np.testing.assert_array_equal(s, (sums.astype(np.float32) * d))
+    assert d[1] == 0 and not q[32:64].any()
+    for bad in (np.inf, np.nan):  # a non-finite value: its unit's scale and values NaN, the others kept
+        y = x.copy()
+        y[70] = bad
+        _, d2, s2, r2 = _quantize(y)
+        assert np.isnan(d2[2]) and np.isnan(s2[2]) and np.isnan(r2[64:96]).all()
+        np.testing.assert_array_equal(np.delete(r2, np.s_[64:96]), np.delete(r, np.s_[64:96]))
+
+
+@njit
+def _rows(W, q, d, s):
+    out = np.empty(W.shape[0], np.float32)
+    for i in range(W.shape[0]):
+        out[i] = int_dots.q4k_row_dot(W[i], q, d, s)
+    return out
+
+
+def _check_rows(y: np.ndarray, W: np.ndarray, x: np.ndarray) -> None:
+    """y against gguf-py's float64 weights times the rule's activations: within 5e-5 of the sum
+    of the products' magnitudes (float32 scales and sums; the scale and the min term of a Q4_K
+    weight are summed apart, and each can exceed the weight itself, so 1e-5 is not always kept)."""
+    Wf = gguf_dequantize(W, Q4_K.ggml_type).astype(np.float64)
+    xr = rule(x)
+    ref = Wf @ xr
+    bound = np.abs(Wf) @ np.abs(xr)
+    assert (np.abs(y.astype(np.float64) - ref) <= 5e-5 * bound).all()
+
+
+@pytest.mark.parametrize("n_in", [256, 2048])
+def test_q4k_row_dot_matches_gguf(n_in, rng):
+    W = random_rows(Q4_K, 24, n_in, rng, std=0.05)
+    x = _activations(rng, n_in)
+    q, d, s, _ = _quantize(x)
+    _check_rows(_rows(W, q, d, s), W, x)
+
+
+def _mcjit(vnni: bool):
+    """The IR's function compiled by llvmlite's MCJIT (for the host CPU), as a ctypes function."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    mod = llvm.parse_assembly(int_dots.q4k_ir(vnni))
+    mod.verify()
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    addr = engine.get_function_address("moecache_q4k_q8_row")
+    fn = ctypes.CFUNCTYPE(ctypes.c_float, *[ctypes.c_void_p] * 4, ctypes.c_int64)(addr)
+    return engine, fn
+
+
+def _call(fn, row, q, d, s) -> np.float32:
+    return np.float32(fn(row.ctypes.data, q.ctypes.data, d.ctypes.data, s.ctypes.data, row.shape[0] // 144))
+
+
+def test_portable_ir_matches_gguf_and_the_vnni_road(rng):
+    """The portable IR (what a CPU without AVX512-VNNI runs) against the reference on any machine;
+    where the host has VNNI, its ``vpdpbusd`` road gives the same floats."""
+    W = random_rows(Q4_K, 16, 1024, rng, std=0.05)
+    x = _activations(rng, 1024)
+    q, d, s, _ = _quantize(x)
+    keep, portable = _mcjit(False)
+    y = np.array([_call(portable, W[i], q, d, s) for i in range(W.shape[0])])
+    _check_rows(y, W, x)
+    np.testing.assert_allclose(_rows(W, q, d, s), y, rtol=1e-6, atol=0)  # the kernels' road
+    if int_dots.host_has_vnni():
+        keep2, vnni = _mcjit(True)
+        yv = np.array([_call(vnni, W[i], q, d, s) for i in range(W.shape[0])])
+        np.testing.assert_array_equal(yv, y)
+    assert keep is not None
