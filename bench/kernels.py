@@ -2,7 +2,7 @@
 and 8 tokens, next to the machine's RAM read bandwidth measured the same way (an all-threads
 Numba ``prange`` read of a large array). Also the grouped MoE kernel (the expert cache's miss path)
 on one Qwen3-30B-A3B-shaped layer (128 experts, top-8, n_embd 2048, expert ff 768), with float32
-activations and with ``act_q8`` (8-bit activations, integer dots for Q4_K).
+activations and with ``act_q8`` (8-bit activations, integer dots for Q4_K and Q6_K).
 
 Decode on the CPU is memory-bound: GB/s of weights read is the honest headline (gpt-fast's habit).
 Each matrix is larger than the last-level cache, so every call streams from RAM.

@@ -144,7 +144,8 @@ class PerplexityResult:
 def cpu_experts_round(asked: bool | None, has_gpu: bool, gpu_act_q8: bool) -> bool:
     """Whether the CPU's expert kernels round activations to 8 bits (``Engine(cpu_act_q8=...)``):
     ``asked`` when given; by default only beside a GPU whose decode products round by the same rule
-    (``gpu_act_q8``: ``--cpu-moe``, ``-ncmoe`` and the expert cache's CPU misses then share it).
+    (``gpu_act_q8``): then every routed expert the CPU computes rounds (``--cpu-moe``, ``-ncmoe``,
+    the expert cache's CPU misses, and the layers ``-ngl`` leaves on the CPU).
     On the CPU alone, and with ``gpu_act_q8=False``, the experts keep float32: that path is the
     reference the tests hold to transformers and to the CPU engine, and a rounding turns float
     noise (a batch's other summation order) into whole quantization steps."""
@@ -187,11 +188,11 @@ class Engine:
             experts; off by default: it measured slower on the H200 (``bench/prompt_q8.py``,
             ``bench/results/prompt-q8-h200.md``).
         cpu_act_q8: the routed experts computed on the CPU round their activations to int8 per 32
-            values, the GPU's rule, and Q4_K experts multiply in integers
+            values, the GPU's rule, and Q4_K and Q6_K experts multiply in integers
             (:mod:`moecache.quants.int_dots`; llama.cpp's CPU kernels round activations too, per
-            256 values): the MoE layer 2.4x faster at 8 tokens on the H200 machine's 16 cores,
-            1.3x at one (``bench/kernels.py``). None (default): :func:`cpu_experts_round`; True or
-            False forces it.
+            256 values): on the H200 machine the ``--cpu-moe`` decode step's Numba kernel took 644
+            µs per layer against 1078 (``bench/cpu_moe_step.py``). None (default):
+            :func:`cpu_experts_round`; True or False forces it.
         prefetch_experts: prompt ubatches whose routed experts stay in host RAM (``--cpu-moe``,
             ``--n-cpu-moe``; op offload) copy the next such layer's experts to the GPU on a copy
             stream while the current layer computes (:mod:`moecache.moe.prefetch`; page-locked

@@ -80,6 +80,14 @@ def test_all_hits_and_all_misses(model_path):
         empty = _cache(ew, c.n_layer, c.n_expert, 4, NEVER)
         np.testing.assert_allclose(empty(0, h, r), ref, rtol=1e-5, atol=1e-6)
         assert empty.stats.hits == 0
+        # act_q8: the misses computed on the CPU take the 8-bit kernel (CPUExperts(act_q8=True)'s
+        # sums, visibly off the float32 ones)
+        q8 = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, NEVER), 32, act_q8=True)
+        got = q8(0, h, r)
+        assert q8.stats.misses > 0 and q8.stats.hits == 0 and q8.offload.act_q8
+        np.testing.assert_allclose(got, CPUExperts(ew, NumpyBackend(), act_q8=True)(0, h, r), rtol=1e-5, atol=1e-6)
+        assert np.abs(got - ref).max() > 1e-4 * np.abs(ref).max()
+        q8.close()
 
 
 def test_slots_are_not_read_while_their_copy_is_in_flight(model_path):

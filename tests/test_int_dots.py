@@ -21,7 +21,9 @@ from moecache.quants import int_dots
 from moecache.quants.formats import FORMATS
 from moecache.quants.random_blocks import random_rows
 
-Q4_K = FORMATS["Q4_K"]
+# format -> (its row dot, the IR symbol, where its f16 d sits in a block, the block's bytes)
+ROADS = {"Q4_K": (int_dots.q4k_row_dot, "moecache_q4k_q8_row", 0, 144),
+         "Q6_K": (int_dots.q6k_row_dot, "moecache_q6k_q8_row", 208, 210)}
 
 
 def _activations(rng, n: int) -> np.ndarray:
@@ -56,64 +58,77 @@ def test_quantize_row_follows_the_rule(rng):
         np.testing.assert_array_equal(np.delete(r2, np.s_[64:96]), np.delete(r, np.s_[64:96]))
 
 
-@njit
-def _rows(W, q, d, s):
-    out = np.empty(W.shape[0], np.float32)
-    for i in range(W.shape[0]):
-        out[i] = int_dots.q4k_row_dot(W[i], q, d, s)
-    return out
+def _rows_of(dot):
+    @njit
+    def rows(W, q, d, s):
+        out = np.empty(W.shape[0], np.float32)
+        for i in range(W.shape[0]):
+            out[i] = dot(W[i], q, d, s)
+        return out
+    return rows
 
 
-def _check_rows(y: np.ndarray, W: np.ndarray, x: np.ndarray) -> None:
+_ROWS = {name: _rows_of(road[0]) for name, road in ROADS.items()}
+
+
+def _check_rows(y: np.ndarray, W: np.ndarray, x: np.ndarray, fmt: str) -> None:
     """y against gguf-py's float64 weights times the rule's activations: within 5e-5 of the sum
     of the products' magnitudes (float32 scales and sums; the scale and the min term of a Q4_K
-    weight are summed apart, and each can exceed the weight itself, so 1e-5 is not always kept)."""
-    Wf = gguf_dequantize(W, Q4_K.ggml_type).astype(np.float64)
+    weight, and the offset 32 of a Q6_K quant, are summed apart, and each can exceed the weight
+    itself, so 1e-5 is not always kept)."""
+    Wf = gguf_dequantize(W, FORMATS[fmt].ggml_type).astype(np.float64)
     xr = rule(x)
     ref = Wf @ xr
     bound = np.abs(Wf) @ np.abs(xr)
     assert (np.abs(y.astype(np.float64) - ref) <= 5e-5 * bound).all()
 
 
+@pytest.mark.parametrize("fmt", sorted(ROADS))
 @pytest.mark.parametrize("n_in", [256, 2048])
-def test_q4k_row_dot_matches_gguf(n_in, rng):
-    W = random_rows(Q4_K, 24, n_in, rng, std=0.05)
+def test_row_dot_matches_gguf(fmt, n_in, rng):
+    W = random_rows(FORMATS[fmt], 24, n_in, rng, std=0.05)
+    at = ROADS[fmt][2]
+    W[1, at:at + 2] = (0x05, 0x00)  # a subnormal f16 d (the IR widens halves with integer ops)
+    W[2, at:at + 2] = (0x10, 0x83)  # a negative subnormal one
     x = _activations(rng, n_in)
     q, d, s, _ = _quantize(x)
-    _check_rows(_rows(W, q, d, s), W, x)
+    _check_rows(_ROWS[fmt](W, q, d, s), W, x, fmt)
 
 
 def _mcjit(vnni: bool):
-    """The IR's function compiled by llvmlite's MCJIT (for the host CPU), as a ctypes function."""
+    """The IR's function compiled by llvmlite's MCJIT as a ctypes function: the VNNI road for the
+    host CPU; the portable road for a generic x86-64 (no AVX, no F16C: what any CPU can run)."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    mod = llvm.parse_assembly(int_dots.q4k_ir(vnni))
+    mod = llvm.parse_assembly(int_dots.module_ir(vnni))
     mod.verify()
-    tm = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
+    cpu, feats = (llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()) if vnni else ("generic", "")
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=feats, opt=2)
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
-    addr = engine.get_function_address("moecache_q4k_q8_row")
-    fn = ctypes.CFUNCTYPE(ctypes.c_float, *[ctypes.c_void_p] * 4, ctypes.c_int64)(addr)
-    return engine, fn
+    proto = ctypes.CFUNCTYPE(ctypes.c_float, *[ctypes.c_void_p] * 4, ctypes.c_int64)
+    return engine, {name: proto(engine.get_function_address(road[1])) for name, road in ROADS.items()}
 
 
-def _call(fn, row, q, d, s) -> np.float32:
-    return np.float32(fn(row.ctypes.data, q.ctypes.data, d.ctypes.data, s.ctypes.data, row.shape[0] // 144))
+def _call(fn, row, q, d, s, block_bytes) -> np.float32:
+    return np.float32(fn(row.ctypes.data, q.ctypes.data, d.ctypes.data, s.ctypes.data, row.shape[0] // block_bytes))
 
 
-def test_portable_ir_matches_gguf_and_the_vnni_road(rng):
-    """The portable IR (what a CPU without AVX512-VNNI runs) against the reference on any machine;
-    where the host has VNNI, its ``vpdpbusd`` road gives the same floats."""
-    W = random_rows(Q4_K, 16, 1024, rng, std=0.05)
+@pytest.mark.parametrize("fmt", sorted(ROADS))
+def test_portable_ir_matches_gguf_and_the_vnni_road(fmt, rng):
+    """The portable IR, compiled for a generic x86-64 (what a CPU without AVX512-VNNI runs), against
+    the reference on any machine; where the host has VNNI, its ``vpdpbusd`` road gives the same
+    floats."""
+    W = random_rows(FORMATS[fmt], 16, 1024, rng, std=0.05)
     x = _activations(rng, 1024)
     q, d, s, _ = _quantize(x)
+    nbytes = ROADS[fmt][3]
     keep, portable = _mcjit(False)
-    y = np.array([_call(portable, W[i], q, d, s) for i in range(W.shape[0])])
-    _check_rows(y, W, x)
-    np.testing.assert_allclose(_rows(W, q, d, s), y, rtol=1e-6, atol=0)  # the kernels' road
+    y = np.array([_call(portable[fmt], W[i], q, d, s, nbytes) for i in range(W.shape[0])])
+    _check_rows(y, W, x, fmt)
+    np.testing.assert_allclose(_ROWS[fmt](W, q, d, s), y, rtol=1e-6, atol=0)  # the kernels' road
     if int_dots.host_has_vnni():
         keep2, vnni = _mcjit(True)
-        yv = np.array([_call(vnni, W[i], q, d, s) for i in range(W.shape[0])])
+        yv = np.array([_call(vnni[fmt], W[i], q, d, s, nbytes) for i in range(W.shape[0])])
         np.testing.assert_array_equal(yv, y)
     assert keep is not None

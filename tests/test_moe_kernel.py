@@ -90,8 +90,9 @@ def test_moe_ffn_matches_reference(types, n_tok, act, rng):
 @pytest.mark.parametrize("types,n_tok,act", [
     (("Q4_K", "Q4_K", "Q4_K"), 1, cpu.ACT_SILU),  # integer dots in every matrix
     (("Q4_K", "Q4_K", "Q4_K"), 6, cpu.ACT_GELU),  # experts shared by several tokens
-    (("Q4_K", "Q4_K", "Q6_K"), 1, cpu.ACT_SILU),  # down: the float kernel on the rounded values
-    (("Q8_0", "Q8_0", "Q4_K"), 4, cpu.ACT_SILU),  # gate/up float, down integer
+    (("Q4_K", "Q4_K", "Q6_K"), 1, cpu.ACT_SILU),  # a Q4_K_M file's down matrices: Q6_K's integer dot
+    (("Q8_0", "Q8_0", "Q4_K"), 4, cpu.ACT_SILU),  # gate/up: the float kernel on the rounded values
+    (("Q5_K", "Q5_K", "Q8_0"), 3, cpu.ACT_GELU),  # no integer dot at all
 ])
 def test_moe_ffn_act_q8_matches_reference(types, n_tok, act, rng):
     """``act_q8``: h and the gated activations rounded by the GPU's rule (test_act_q8's ``rule``),

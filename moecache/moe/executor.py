@@ -65,7 +65,7 @@ class CPUExperts:
         offload_backend: the GPU offloaded ubatches run on (the one with the fastest host link);
             default: the layer's backend. h moves there and the result comes back.
         act_q8: the Numba kernel rounds activations to 8 bits per 32 values and takes integer dots
-            for Q4_K experts (``cpu.moe_ffn(act_q8=True)``, the GPU's rounding rule); False = float32.
+            for Q4_K and Q6_K experts (``cpu.moe_ffn(act_q8=True)``, the GPU's rounding rule); False = float32.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None,

@@ -6,9 +6,12 @@ row once per layer by the GPU's rule (:mod:`moecache.quants.act_q8`: per 32 valu
 integer products, the idea of llama.cpp's CPU ``vec_dot`` kernels (there the activations are
 rounded per 256 values). Numba widens every uint8/int8 product to int64, so the dots are written
 in LLVM IR (a function per format, linked into the kernels that call it through
-:func:`q4k_row_dot`): on a CPU with AVX512-VNNI each 64 byte products take one ``vpdpbusd``
+:data:`ROW_DOTS`): on a CPU with AVX512-VNNI each 64 byte products take one ``vpdpbusd``
 (``llvm.x86.avx512.vpdpbusd.512``), elsewhere the same lanes are summed by portable vector IR
 (LLVM picks the instructions), so both give the same integers.
+
+Formats: Q4_K and Q6_K (the two of a Q4_K_M file's experts); the others take the float kernel on
+the rounded values. Q6_K: see :func:`_q6k_ir`.
 
 Q4_K (layout: ggml-common.h ``block_q4_K``; the scale unpacking is ``blocks256._scale_min_k4``'s,
 done on three 32-bit words): for sub-block j of 32 weights with 6-bit scale ``sc_j`` and min
@@ -25,16 +28,21 @@ from moecache.quants import _numba_setup  # noqa: F401  (configures numba before
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import errors, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 Q4_K_BYTES = 144  # bytes of one block_q4_K (256 weights)
+Q6_K_BYTES = 210  # bytes of one block_q6_K
 
 
 def host_has_vnni() -> bool:
-    """Whether LLVM compiles for a CPU with AVX512-VNNI and AVX512-BW (``vpdpbusd`` on 512 bits)."""
-    feats = set(llvm.get_host_cpu_features().flatten().split(","))
+    """Whether Numba compiles for a CPU with AVX512-VNNI and AVX512-BW (``vpdpbusd`` on 512 bits):
+    the features of its CPU target (``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` respected, so a
+    generic target takes the portable IR rather than an instruction it cannot select)."""
+    from numba.core.registry import cpu_target
+
+    feats = set(getattr(cpu_target.target_context.codegen(), "_tm_features", "").split(","))
     return {"+avx512vnni", "+avx512bw", "+avx512f"} <= feats
 
 
@@ -60,18 +68,78 @@ def _splat(ty: str, n: int, v: str) -> str:
     return f"<{', '.join(f'{ty} {v}' for _ in range(n))}>"
 
 
-def q4k_ir(vnni: bool) -> str:
-    """LLVM IR of ``float @moecache_q4k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of
-    ``nb`` Q4_K blocks at ``row`` with int8 quants ``xq`` (nb*256), their per-32 scales ``xd`` and
-    scaled sums ``xs`` (float32, nb*8 each)."""
+def _halves_ir(p: str, ptr: str, n: int) -> list[str]:
+    """IR lines widening the ``n`` IEEE halves at ``ptr`` to ``%<p>d = <n x float>`` with integer
+    ops (no half type: a target without F16C would call a conversion routine the JIT does not
+    link): the magnitude's bits moved to a float's place and scaled by 2^112 (exact for normal and
+    subnormal halves), inf and NaN kept."""
+    v = lambda ty: f"<{n} x {ty}>"  # noqa: E731
+    c = lambda x: _splat("i32", n, x)  # noqa: E731
+    big = ", ".join(["float 0x46F0000000000000"] * n)
+    return [f"  %{p}w = load {v('i16')}, ptr {ptr}, align 1",
+            f"  %{p}z = zext {v('i16')} %{p}w to {v('i32')}",
+            f"  %{p}ab = and {v('i32')} %{p}z, {c('32767')}",
+            f"  %{p}sh = shl {v('i32')} %{p}ab, {c('13')}",
+            f"  %{p}mag = bitcast {v('i32')} %{p}sh to {v('float')}",
+            f"  %{p}sc = fmul {v('float')} %{p}mag, <{big}>",
+            f"  %{p}sb = bitcast {v('float')} %{p}sc to {v('i32')}",
+            f"  %{p}ex = and {v('i32')} %{p}z, {c('31744')}",  # 0x7C00: exponent all ones
+            f"  %{p}nf = icmp eq {v('i32')} %{p}ex, {c('31744')}",
+            f"  %{p}inf = or {v('i32')} %{p}sh, {c('2139095040')}",  # 0x7F800000
+            f"  %{p}mb = select {v('i1')} %{p}nf, {v('i32')} %{p}inf, {v('i32')} %{p}sb",
+            f"  %{p}sg0 = and {v('i32')} %{p}z, {c('32768')}",
+            f"  %{p}sg = shl {v('i32')} %{p}sg0, {c('16')}",
+            f"  %{p}bits = or {v('i32')} %{p}mb, %{p}sg",
+            f"  %{p}d = bitcast {v('i32')} %{p}bits to {v('float')}"]
+
+
+def _row_function(symbol: str, block_bytes: int, body: list[str], acc: str, accm: str | None = None) -> str:
+    """``float @<symbol>(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: a loop over the row's ``nb``
+    blocks of ``block_bytes`` running ``body`` with ``%b`` the block, ``%blk`` its bytes, ``%xo``
+    its first activation and ``%xdv`` its 8 activation scales; ``body`` leaves the new 16-lane float
+    accumulator in ``acc`` (and an 8-lane one subtracted at the end in ``accm``); the lanes are
+    summed once, after the loop."""
+    head = [f"define float @{symbol}(ptr noalias readonly %row, ptr noalias readonly %xq, "
+            "ptr noalias readonly %xd, ptr noalias readonly %xs, i64 %nb) alwaysinline {",
+            "entry:",
+            "  %any = icmp sgt i64 %nb, 0",
+            "  br i1 %any, label %loop, label %done",
+            "loop:",
+            "  %b = phi i64 [0, %entry], [%bn, %loop]",
+            f"  %acc = phi <16 x float> [zeroinitializer, %entry], [{acc}, %loop]"]
+    done = [f"  %af = phi <16 x float> [zeroinitializer, %entry], [{acc}, %loop]"]
+    if accm:
+        head.append(f"  %accm = phi <8 x float> [zeroinitializer, %entry], [{accm}, %loop]")
+        done.append(f"  %mf = phi <8 x float> [zeroinitializer, %entry], [{accm}, %loop]")
+    head += [f"  %o = mul i64 %b, {block_bytes}",
+             "  %blk = getelementptr i8, ptr %row, i64 %o",
+             "  %xi = mul i64 %b, 8",
+             "  %pxd = getelementptr float, ptr %xd, i64 %xi",
+             "  %xdv = load <8 x float>, ptr %pxd, align 4",
+             "  %xo = mul i64 %b, 256"]
+    done.append("  %ra = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> %af)")
+    if accm:
+        done += ["  %rm = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %mf)",
+                 "  %r = fsub float %ra, %rm",
+                 "  ret float %r"]
+    else:
+        done.append("  ret float %ra")
+    tail = ["  %bn = add i64 %b, 1",
+            "  %more = icmp slt i64 %bn, %nb",
+            "  br i1 %more, label %loop, label %done",
+            "done:"]
+    return "\n".join(head + body + tail + done + ["}"]) + "\n"
+
+
+def _q4k_ir(vnni: bool) -> str:
+    """``float @moecache_q4k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
+    Q4_K blocks at ``row`` with int8 quants ``xq`` (nb*256), their per-32 scales ``xd`` and scaled
+    sums ``xs`` (float32, nb*8 each)."""
     nib15 = _splat("i8", 32, "15")
     nib4 = _splat("i8", 32, "4")
     cat = ", ".join(f"i32 {i}" for i in range(64))
     body = [
-        "  %o = mul i64 %b, 144",
-        "  %blk = getelementptr i8, ptr %row, i64 %o",
-        "  %dh = load <2 x half>, ptr %blk, align 1",
-        "  %dd = fpext <2 x half> %dh to <2 x float>",
+        *_halves_ir("d", "%blk", 2),  # %dd: <2 x float> d, dmin
         "  %d = extractelement <2 x float> %dd, i64 0",
         "  %dmin = extractelement <2 x float> %dd, i64 1",
         "  %p0 = getelementptr i8, ptr %blk, i64 4",
@@ -101,9 +169,6 @@ def q4k_ir(vnni: bool) -> str:
         "  %mv = insertelement <2 x i32> %mv0, i32 %mnhi, i64 1",
         "  %mb = bitcast <2 x i32> %mv to <8 x i8>",
         "  %mnf = uitofp <8 x i8> %mb to <8 x float>",
-        "  %xi = mul i64 %b, 8",
-        "  %pxd = getelementptr float, ptr %xd, i64 %xi",
-        "  %xdv = load <8 x float>, ptr %pxd, align 4",
         "  %pxs = getelementptr float, ptr %xs, i64 %xi",
         "  %xsv = load <8 x float>, ptr %pxs, align 4",
         "  %d0 = insertelement <8 x float> poison, float %d, i64 0",
@@ -114,7 +179,6 @@ def q4k_ir(vnni: bool) -> str:
         "  %fs = fmul <8 x float> %fs0, %dv",  # d * sc_j * dx_j
         "  %mm0 = fmul <8 x float> %mnf, %xsv",
         "  %accm1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %mm0, <8 x float> %mv8, <8 x float> %accm)",
-        "  %xo = mul i64 %b, 256",
     ]
     acc = "%acc"
     for p in range(4):  # qs[32p:32p+32]: low nibbles = sub-block 2p, high = 2p+1
@@ -136,35 +200,89 @@ def q4k_ir(vnni: bool) -> str:
             f"<16 x float> {acc})",
         ]
         acc = f"%acc{p + 1}"
-    lines = [
+    return _row_function("moecache_q4k_q8_row", Q4_K_BYTES, body, acc, "%accm1")
+
+
+def _q6k_ir(vnni: bool) -> str:
+    """``float @moecache_q6k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
+    Q6_K blocks (ggml-common.h ``block_q6_K``, 210 bytes: ql[128], qh[64], int8 scales[16], f16 d)
+    with int8 quants ``xq`` and their per-32 scales ``xd`` (``xs`` unused). Weight n*128 + j*32 + l
+    (n < 2, j < 4, l < 32) is ``d * sc[n*8 + 2j + l//16] * (q - 32)``, q's low 4 bits nibble j//2 of
+    ql[n*64 + (j%2)*32 + l], its high 2 bits bits 2j, 2j+1 of qh[n*32 + l] (``blocks256.deq_q6_k``'s
+    layout). Sub-blocks j and j+1 (j even) fill one 64-byte vector of q against 64 activations;
+    ``sum((q - 32) * x)`` per 4-lane group is ``dot(q, x) - 32 * dot(1, x)``, exact."""
+    m15, m3 = _splat("i8", 64, "15"), _splat("i8", 32, "3")
+    ones = _splat("i8", 64, "1")
+    cat = ", ".join(f"i32 {i}" for i in range(64))
+    body = [
+        "  %pdh = getelementptr i8, ptr %blk, i64 208",
+        *_halves_ir("d", "%pdh", 1),
+        "  %d = extractelement <1 x float> %dd, i64 0",
+        "  %d0 = insertelement <16 x float> poison, float %d, i64 0",
+        "  %dv = shufflevector <16 x float> %d0, <16 x float> poison, <16 x i32> zeroinitializer",
+        "  %psc = getelementptr i8, ptr %blk, i64 192",
+        "  %scb = load <16 x i8>, ptr %psc, align 1",
+        "  %scf = sitofp <16 x i8> %scb to <16 x float>",
+        "  %sd = fmul <16 x float> %scf, %dv",  # d * sc, one per 16 weights
+    ]
+    acc = "%acc"
+    for n in range(2):
+        body += [
+            f"  %pl{n} = getelementptr i8, ptr %blk, i64 {64 * n}",
+            f"  %ql{n} = load <64 x i8>, ptr %pl{n}, align 1",
+            f"  %ph{n} = getelementptr i8, ptr %blk, i64 {128 + 32 * n}",
+            f"  %qh{n} = load <32 x i8>, ptr %ph{n}, align 1",
+        ]
+        for half in range(2):  # sub-blocks j = 2*half, 2*half + 1
+            k = f"{n}{half}"
+            j0 = 2 * half
+            lo = f"%ql{n}" if half == 0 else f"%qs{k}"
+            if half == 1:
+                body.append(f"  %qs{k} = lshr <64 x i8> %ql{n}, {_splat('i8', 64, '4')}")
+            body += [
+                f"  %nb{k} = and <64 x i8> {lo}, {m15}",
+                f"  %ha{k} = lshr <32 x i8> %qh{n}, {_splat('i8', 32, str(2 * j0))}",
+                f"  %hb{k} = lshr <32 x i8> %qh{n}, {_splat('i8', 32, str(2 * j0 + 2))}",
+                f"  %ha3{k} = and <32 x i8> %ha{k}, {m3}",
+                f"  %hb3{k} = and <32 x i8> %hb{k}, {m3}",
+                f"  %hc{k} = shufflevector <32 x i8> %ha3{k}, <32 x i8> %hb3{k}, <64 x i32> <{cat}>",
+                f"  %hs{k} = shl <64 x i8> %hc{k}, {_splat('i8', 64, '4')}",
+                f"  %n_q{k} = or <64 x i8> %nb{k}, %hs{k}",
+                f"  %xo{k} = add i64 %xo, {128 * n + 64 * half}",
+                f"  %px{k} = getelementptr i8, ptr %xq, i64 %xo{k}",
+                f"  %x_q{k} = load <64 x i8>, ptr %px{k}, align 1",
+                f"  %n_o{k} = bitcast <64 x i8> {ones} to <64 x i8>",
+                f"  %x_o{k} = bitcast <64 x i8> %x_q{k} to <64 x i8>",
+                *_dot_ir(f"q{k}", vnni),
+                *_dot_ir(f"o{k}", vnni),
+                f"  %o32{k} = shl <16 x i32> %o{k}, {_splat('i32', 16, '5')}",
+                f"  %iq{k} = sub <16 x i32> %q{k}, %o32{k}",
+                f"  %f{k} = sitofp <16 x i32> %iq{k} to <16 x float>",
+            ]
+            # lanes 4g .. 4g+3 hold 16 weights of scale n*8 + 2j + (g % 2), j = j0 + g // 2
+            scl = ", ".join(f"i32 {n * 8 + 2 * (j0 + g // 2) + g % 2}" for g in range(4) for _ in range(4))
+            dxl = ", ".join(f"i32 {n * 4 + j0 + g // 2}" for g in range(4) for _ in range(4))
+            body += [
+                f"  %s{k} = shufflevector <16 x float> %sd, <16 x float> poison, <16 x i32> <{scl}>",
+                f"  %u{k} = shufflevector <8 x float> %xdv, <8 x float> poison, <16 x i32> <{dxl}>",
+                f"  %w{k} = fmul <16 x float> %s{k}, %u{k}",
+                f"  %acc{k} = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{k}, <16 x float> %w{k}, "
+                f"<16 x float> {acc})",
+            ]
+            acc = f"%acc{k}"
+    return _row_function("moecache_q6k_q8_row", Q6_K_BYTES, body, acc)
+
+
+def module_ir(vnni: bool) -> str:
+    """The LLVM IR module of every row dot (:data:`ROW_DOTS`), with ``vpdpbusd`` or portable IR."""
+    decls = [
         "declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)" if vnni else "",
         "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
         "declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)",
         "declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)",
         "declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)",
-        "define float @moecache_q4k_q8_row(ptr noalias readonly %row, ptr noalias readonly %xq, "
-        "ptr noalias readonly %xd, ptr noalias readonly %xs, i64 %nb) alwaysinline {",
-        "entry:",
-        "  %any = icmp sgt i64 %nb, 0",
-        "  br i1 %any, label %loop, label %done",
-        "loop:",
-        "  %b = phi i64 [0, %entry], [%bn, %loop]",
-        "  %acc = phi <16 x float> [zeroinitializer, %entry], [%acc4, %loop]",
-        "  %accm = phi <8 x float> [zeroinitializer, %entry], [%accm1, %loop]",
-        *body,
-        "  %bn = add i64 %b, 1",
-        "  %more = icmp slt i64 %bn, %nb",
-        "  br i1 %more, label %loop, label %done",
-        "done:",
-        "  %af = phi <16 x float> [zeroinitializer, %entry], [%acc4, %loop]",
-        "  %mf = phi <8 x float> [zeroinitializer, %entry], [%accm1, %loop]",
-        "  %ra = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> %af)",
-        "  %rm = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %mf)",
-        "  %r = fsub float %ra, %rm",
-        "  ret float %r",
-        "}",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(decls) + "\n" + _q4k_ir(vnni) + _q6k_ir(vnni)
 
 
 _LIBS: dict[int, object] = {}  # id(codegen) -> its code library of the IR functions
@@ -175,31 +293,43 @@ def _library(context):
     lib = _LIBS.get(id(cg))
     if lib is None:
         lib = cg.create_library("moecache_int_dots")
-        lib.add_llvm_module(llvm.parse_assembly(q4k_ir(host_has_vnni())))
+        lib.add_llvm_module(llvm.parse_assembly(module_ir(host_has_vnni())))
         lib.finalize()
         _LIBS[id(cg)] = lib
     return lib
 
 
-@intrinsic
-def q4k_row_dot(typingctx, row, xq, xd, xs):
-    """float32 ``dot(dequantize(row), q * d)`` of one Q4_K row and one activation row rounded to
-    8 bits: ``row`` uint8 (nb*144,), ``xq`` int8 (nb*256,), ``xd`` and ``xs`` float32 (nb*8,)
-    (per 32 values: the scale d and ``d * sum(q)``; :func:`quantize_rows`). All C-contiguous; the
-    lengths are not checked here (the callers' shapes guarantee them). Callable from Numba code."""
-    sig = types.float32(row, xq, xd, xs)
+def _row_dot(fmt: str, symbol: str, block_bytes: int):
+    """A Numba intrinsic ``(row, xq, xd, xs) -> float32`` calling the IR function ``symbol``: one row
+    of ``fmt`` (uint8, nb * ``block_bytes``) dotted with an activation row rounded to 8 bits (``xq``
+    int8 (nb*256,), ``xd`` and ``xs`` float32 (nb*8,): per 32 values the scale and ``d * sum(q)``,
+    :func:`quantize_row`). All C-contiguous 1-D (a TypingError otherwise); the lengths are not
+    checked (the callers' shapes guarantee them)."""
 
-    def codegen(context, builder, signature, args):
-        context.active_code_library.add_linking_library(_library(context))
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.FloatType(), [i8p, i8p, i8p, i8p, ir.IntType(64)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "moecache_q4k_q8_row")
-        arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
-        nb = builder.udiv(arrs[0].nitems, ir.Constant(ir.IntType(64), Q4_K_BYTES))
-        ptrs = [builder.bitcast(a.data, i8p) for a in arrs]
-        return builder.call(fn, [*ptrs, nb])
+    def typer(typingctx, row, xq, xd, xs):
+        for a, dt in ((row, types.uint8), (xq, types.int8), (xd, types.float32), (xs, types.float32)):
+            if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt):
+                raise errors.TypingError(f"{fmt} row dot: expected C-contiguous 1-D {dt} arrays, got {a}")
+        sig = types.float32(row, xq, xd, xs)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            context.active_code_library.add_linking_library(_library(context))
+            i8p = ir.IntType(8).as_pointer()
+            fnty = ir.FunctionType(ir.FloatType(), [i8p, i8p, i8p, i8p, ir.IntType(64)])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
+            arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+            nb = builder.udiv(arrs[0].nitems, ir.Constant(ir.IntType(64), block_bytes))
+            ptrs = [builder.bitcast(a.data, i8p) for a in arrs]
+            return builder.call(fn, [*ptrs, nb])
+
+        return sig, codegen
+
+    typer.__name__ = f"{fmt.lower()}_row_dot"
+    return intrinsic(typer)
+
+
+q4k_row_dot = _row_dot("Q4_K", "moecache_q4k_q8_row", Q4_K_BYTES)
+q6k_row_dot = _row_dot("Q6_K", "moecache_q6k_q8_row", Q6_K_BYTES)
 
 
 @njit(cache=True, nogil=True)
@@ -221,6 +351,7 @@ def quantize_row(x, q, d, s, r):
         t = 0
         for i in range(32):
             v = np.int32(np.rint(x[u * 32 + i] / dd)) if dd > 0 else np.int32(0)  # False for NaN
+            v = min(127, max(-127, v))  # |x / d| <= 127 but for a subnormal d (whose division overflows)
             q[u * 32 + i] = v
             r[u * 32 + i] = np.float32(v) * dd
             t += v
@@ -237,4 +368,4 @@ def quantize_rows(X, Q, D, S, R):
 
 
 # GGML type name -> the IR dot of one row of that format with 8-bit activations
-ROW_DOTS = {"Q4_K": q4k_row_dot}
+ROW_DOTS = {"Q4_K": q4k_row_dot, "Q6_K": q6k_row_dot}
