@@ -13,8 +13,6 @@ that rule to compare with its recorded numbers.)
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 # format -> (pieces per block, weights per block) of the mmvq.cu kernels (VFORMAT's PPB, QK)
@@ -32,22 +30,21 @@ def grouped_prompt_ok(types: tuple[int, int, int]) -> bool:
     return g == u and g in Q8_ACT and d in Q8_ACT
 
 
-def q8_round(x: Any) -> Any:
+def q8_round(x: np.ndarray) -> np.ndarray:
     """float32 (..., n), n % 32 == 0 -> float32 (..., n): each value replaced by ``q * d`` of its
-    32-value unit (the module's rule). Works on numpy and CuPy arrays.
+    32-value unit (the module's rule), by the CPU expert kernels' own rounding
+    (:func:`moecache.quants.int_dots.quantize_rows`; a unit holding inf or NaN becomes NaN).
 
     Raises:
         ValueError: n is not a multiple of 32.
     """
+    from moecache.quants.int_dots import quantize_rows
+
     n = x.shape[-1]
     if n % 32:
         raise ValueError(f"q8_round: rows of {n} values are not a multiple of 32")
-    if isinstance(x, np.ndarray):
-        xp = np
-    else:
-        import cupy as xp
-    b = xp.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], n // 32, 32)
-    d = (xp.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    safe = xp.where(d > 0, d, np.float32(1))
-    q = xp.where(d > 0, xp.rint(b / safe), np.float32(0)).astype(np.float32)
-    return (q * d).reshape(x.shape)
+    b = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)
+    d = np.empty((b.shape[0], n // 32), np.float32)
+    r = np.empty_like(b)
+    quantize_rows(b, np.empty(b.shape, np.int8), d, np.empty_like(d), r)
+    return r.reshape(x.shape)
