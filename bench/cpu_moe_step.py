@@ -4,7 +4,8 @@ Loads a model with every layer on the GPU and every routed expert in host RAM (t
 ``cpu-moe-tg64`` case of bench/vs_llamacpp.py), runs ``-n`` single-token decode steps and splits
 each step's wall time, per MoE layer, into: waiting for the routing (the GPU runs the layer's
 attention and router, then the ids and weights come to the host), the hidden state's copy to the
-host, the Numba kernel (:func:`moecache.quants.cpu.moe_ffn`), the result's copy back, and the rest
+host, the Numba kernel (:func:`moecache.quants.cpu.moe_ffn_routed`, and of it the compiled call
+alone), the result's copy back, and the rest
 (Python and kernel launches of the dense ops, sampling). Host clocks only: every piece ends in a
 host synchronisation already, so timing it adds nothing. OpenMP threads wait actively, as the
 ``moecache`` command sets them up for ``--cpu-moe`` (``OMP_WAIT_POLICY=PASSIVE`` or a
@@ -51,6 +52,7 @@ def main() -> None:
         cuda_graph = None
     from moecache.engine import Engine, EngineConfig
     from moecache.moe import executor as ex
+    from moecache.moe.routing import Routing
     from moecache.placement import PlacementOptions
     from moecache.quants import cpu
 
@@ -58,34 +60,44 @@ def main() -> None:
         numba.set_num_threads(a.t)
     acc: dict[str, float] = defaultdict(float)
     calls = [0]
+    kern = [0.0]  # seconds in the compiled MoE kernel (inside moe_ffn_routed's time)
+    seen: list = []  # (a CPUExperts, a layer) the steps called
 
     def timed_call(self, il, h, routing):  # CPUExperts.__call__ with clocks (same steps)
+        seen[:] = [(self, il)]
         t0 = time.perf_counter()
         e = self.layers[il]
         r = routing.host()
         t1 = time.perf_counter()
-        eids, offs, rows, wts = r.groups()
-        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
         be = self.backend
-        hh = be.to_host(h)
+        hh = np.ascontiguousarray(be.to_host(h), dtype=np.float32)
         t2 = time.perf_counter()
-        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, act=act)
+        out = self.compute_host(il, hh, r, np.zeros((hh.shape[0], e.down.shape[1]), np.float32))
         t3 = time.perf_counter()
         res = be.asarray(out)
         t4 = time.perf_counter()
         acc["routing to host (waits for the GPU)"] += t1 - t0
-        acc["groups + h to host"] += t2 - t1
-        acc["moe_ffn (Numba)"] += t3 - t2
+        acc["h to host"] += t2 - t1
         acc["result to GPU"] += t4 - t3
-        calls[0] += 1
         return res
 
     def timed_compute_host(self, il, h, routing, out, _orig=ex.CPUExperts.compute_host):
+        seen[:] = [(self, il)]
         t0 = time.perf_counter()
         r = _orig(self, il, h, routing, out)
-        acc["moe_ffn (Numba)"] += time.perf_counter() - t0
+        acc["moe_ffn_routed (Python + compiled)"] += time.perf_counter() - t0
         calls[0] += 1
         return r
+
+    def timed_kernel_factory(*key, _orig=cpu._moe_kernel):  # the compiled call alone
+        kernel = _orig(*key)
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            res = kernel(*args)
+            kern[0] += time.perf_counter() - t0
+            return res
+        return timed
 
     def timed_cut(self, stream):  # graph segments: the whole host part of a cut
         t0 = time.perf_counter()
@@ -102,7 +114,9 @@ def main() -> None:
         for _ in range(4):
             eng.eval([int(rng.integers(0, vocab))])
         ex.CPUExperts.__call__ = timed_call
+        timed_compute_host.__wrapped_orig__ = ex.CPUExperts.compute_host
         ex.CPUExperts.compute_host = timed_compute_host
+        cpu._moe_kernel = timed_kernel_factory
         if cuda_graph is not None:
             cuda_graph._Cut.run = timed_cut
         toks = rng.integers(0, vocab, a.n)
@@ -111,18 +125,40 @@ def main() -> None:
             eng.eval([int(t)])
         wall = time.perf_counter() - t0
         mode = "CUDA-graph segments" if eng.model.decode_graph is not None else "op by op"
+        acc_steps, kern_steps, calls_steps = dict(acc), kern[0], calls[0]
+        # the same kernel back to back on one layer's experts (random routing, no GPU between calls)
+        b2b = None
+        if seen:
+            cx, il = seen[0]
+            e = cx.layers[il]
+            k = eng.gguf.config.n_expert_used
+            n_exp = e.gate.shape[0]
+            args = [(rng.standard_normal((1, e.down.shape[1])).astype(np.float32),
+                     Routing(rng.choice(n_exp, k, replace=False).astype(np.int32)[None], np.full((1, k), 1 / k, np.float32)),
+                     np.zeros((1, e.down.shape[1]), np.float32)) for _ in range(64)]
+            kern[0] = 0.0
+            t0 = time.perf_counter()
+            for hh, r, out in args:
+                ex.CPUExperts.compute_host.__wrapped_orig__(cx, il, hh, r, out)
+            b2b = ((time.perf_counter() - t0) / 64, kern[0] / 64)
+    acc, calls[0] = acc_steps, calls_steps
+    kern[0] = kern_steps
     n = a.n
     layers = calls[0] / n
     print(f"\n{a.model.name}: {n} decode steps, {layers:.0f} CPU-expert layers per step, {numba.get_num_threads()} "
           f"threads, load mode {a.load_mode}, {mode}")
     if "cut: sync + copies (graph)" in acc:  # the kernel's time is inside the cut's
-        acc["cut: sync + copies (graph)"] -= acc["moe_ffn (Numba)"]
+        acc["cut: sync + copies (graph)"] -= acc["moe_ffn_routed (Python + compiled)"]
     print(f"wall {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} t/s)")
     rest = wall - sum(acc.values())
-    for k, v in [*acc.items(), ("rest (dense ops, launches, sampling)", rest)]:
+    rows = [*acc.items(), ("  of it the compiled kernel", kern[0]), ("rest (dense ops, launches, sampling)", rest)]
+    for k, v in rows:
         if not calls[0]:
             break
         print(f"  {k:40s} {v / n * 1e3:7.2f} ms/token {v / calls[0] * 1e6:8.1f} µs/layer {100 * v / wall:5.1f}%")
+    if b2b is not None:
+        print(f"back to back on layer {seen[0][1]}'s experts (64 calls, random routing, no GPU between them): "
+              f"moe_ffn_routed {b2b[0] * 1e6:.1f} µs/call, of it the compiled kernel {b2b[1] * 1e6:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """CPU kernel bandwidth: weight bytes streamed per second by the Numba kernels, per format, at 1
 and 8 tokens, next to the machine's RAM read bandwidth measured the same way (an all-threads
-Numba ``prange`` read of a large array). Also the grouped MoE kernel (the expert cache's miss path)
+Numba ``prange`` read of a large array). Also the grouped MoE kernel (``moe_ffn_routed``: the expert cache's
+miss path and ``--cpu-moe``'s)
 on one Qwen3-30B-A3B-shaped layer (128 experts, top-8, n_embd 2048, expert ff 768), with float32
 activations and with ``act_q8`` (8-bit activations, integer dots for Q4_K and Q6_K).
 
 Decode on the CPU is memory-bound: GB/s of weights read is the honest headline (gpt-fast's habit).
 Each matrix is larger than the last-level cache, so every call streams from RAM.
 
-    python bench/kernels.py [--threads N] [--mib 256] [--formats Q4_K,Q8_0] [--out FILE.md]
+    python bench/kernels.py [--threads N] [--mib 256] [--formats Q4_K,Q8_0] [--moe-k 1,2,4] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--moe-k", default="", help="also time one token through k experts of the MoE layer with 8-bit "
+                    "activations, for each k of this comma list (the fixed cost of a call against its per-expert "
+                    "slope: the CPU's share of an expert cache's misses is a few experts)")
     ap.add_argument("--out", type=Path, help="write a markdown table here (and .jsonl beside it)")
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
@@ -113,28 +117,26 @@ def main() -> None:
         Wd = random_rows(q4k, n_expert * n_embd, n_ff, rng, std=0.02).reshape(n_expert, n_embd, -1)
         bytes_per_expert = Wg[0].nbytes + Wu[0].nbytes + Wd[0].nbytes
         types = (q4k.ggml_type,) * 3
-        for n_tok, q8 in ((1, False), (1, True), (8, False), (8, True)):
+        runs = [(1, False, top_k), (1, True, top_k), (8, False, top_k), (8, True, top_k)]
+        runs += [(1, True, int(k)) for k in args.moe_k.split(",") if k and int(k) != top_k]
+        for n_tok, q8, k_used in runs:
             h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
 
-            def routed():
-                ids = np.stack([rng.choice(n_expert, top_k, replace=False) for _ in range(n_tok)])
-                order = np.argsort(ids.reshape(-1), kind="stable")
-                flat = ids.reshape(-1)[order]
-                eids, counts = np.unique(flat, return_counts=True)
-                offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-                rows_ = (order // top_k).astype(np.int32)
-                w = np.full(rows_.shape, 1.0 / top_k, np.float32)
-                return eids.astype(np.int32), offs, rows_, w
+            def routed():  # the router's (T, k) ids and weights, as the engine hands them over
+                ids = np.stack([rng.choice(n_expert, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+                return ids, np.full(ids.shape, 1.0 / k_used, np.float32)
 
             calls = [routed() for _ in range(args.reps + 2)]
             out = np.zeros((n_tok, n_embd), np.float32)
             it = iter(calls)
-            t = median_time(lambda: cpu.moe_ffn(Wg, Wu, Wd, types, *next(it), h, out=out, act_q8=q8), args.reps)
-            n_distinct = float(np.mean([len(c[0]) for c in calls]))
+            t = median_time(lambda: cpu.moe_ffn_routed(Wg, Wu, Wd, types, *next(it), h, out=out, act_q8=q8),
+                            args.reps)
+            n_distinct = float(np.mean([len(np.unique(c[0])) for c in calls]))
             gbps = n_distinct * bytes_per_expert / t / 1e9
-            moe.append({"n_tokens": n_tok, "act_q8": q8, "distinct_experts": n_distinct, "ms": t * 1e3, "gbps": gbps,
-                        "frac_ram": gbps / ram_all})
-            print(f"moe_ffn Q4_K {n_tok} tok{' act_q8' if q8 else ''}: {t * 1e3:.2f} ms, {gbps:.1f} GB/s", file=sys.stderr)
+            moe.append({"n_tokens": n_tok, "act_q8": q8, "experts_per_token": k_used, "distinct_experts": n_distinct,
+                        "ms": t * 1e3, "gbps": gbps, "frac_ram": gbps / ram_all})
+            print(f"moe_ffn Q4_K {n_tok} tok x {k_used}{' act_q8' if q8 else ''}: {t * 1e3:.3f} ms, {gbps:.1f} GB/s",
+                  file=sys.stderr)
 
     host = {"cpu": cpu_model(), "threads": args.threads, "logical_cpus": os.cpu_count(),
             "numba": numba.__version__, "numpy": np.__version__, "python": platform.python_version(),
@@ -155,14 +157,14 @@ def main() -> None:
         lines.append(f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_mib']:.0f} | {r['gbps_1tok']:.1f} | "
                      f"{100 * r['frac_ram_1tok']:.0f}% | {r['gbps_8tok']:.1f} | {r['ms_1tok']:.2f} | {r['ms_8tok']:.2f} |")
     if moe:
-        lines += ["", "Grouped MoE kernel (`moe_ffn`), one Qwen3-30B-A3B-shaped layer: 128 Q4_K experts, "
+        lines += ["", "Grouped MoE kernel (`moe_ffn_routed`, the engine's call), one Qwen3-30B-A3B-shaped layer: 128 Q4_K experts, "
                   "top-8, n_embd 2048, expert ff 768 (0.84 MiB of Q4_K per matrix); random routing; activations "
                   "float32, or rounded to 8 bits with integer dots (`act_q8`):", "",
-                  "| tokens | activations | distinct experts | ms | expert GB/s | % of RAM read |",
-                  "|---:|---|---:|---:|---:|---:|"]
+                  "| tokens | experts per token | activations | distinct experts | ms | expert GB/s | % of RAM read |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
         for m in moe:
-            lines.append(f"| {m['n_tokens']} | {'8-bit' if m['act_q8'] else 'float32'} | {m['distinct_experts']:.1f} | {m['ms']:.2f} | {m['gbps']:.1f} | "
-                         f"{100 * m['frac_ram']:.0f}% |")
+            lines.append(f"| {m['n_tokens']} | {m['experts_per_token']} | {'8-bit' if m['act_q8'] else 'float32'} | "
+                         f"{m['distinct_experts']:.1f} | {m['ms']:.3f} | {m['gbps']:.1f} | {100 * m['frac_ram']:.0f}% |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

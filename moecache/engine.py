@@ -368,7 +368,8 @@ class Engine:
     def close(self) -> None:
         """Release the model file, the expert caches (their copies in flight waited for, their
         worker threads stopped) and an expert upload still in flight (dropped)."""
-        drop = getattr(self.model.experts, "drop_uploads", None)  # placed experts (ExpertsByLayer) have it
+        model = getattr(self, "model", None)  # None when __init__ failed before the model was built
+        drop = getattr(getattr(model, "experts", None), "drop_uploads", None)  # placed experts (ExpertsByLayer)
         if drop is not None:
             drop()
         for c in self.caches:

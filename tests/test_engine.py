@@ -154,3 +154,10 @@ def test_cpu_experts_round_by_default_only_beside_a_rounding_gpu(asked, has_gpu,
     from moecache.engine import cpu_experts_round
 
     assert cpu_experts_round(asked, has_gpu, gpu_q8) is want
+
+
+def test_a_failed_load_raises_its_own_error(code_moe_tiny):
+    """An engine whose __init__ fails before the model is built closes what it opened and raises the
+    first error (its close() once raised AttributeError for the model it never had)."""
+    with pytest.raises(ValueError, match="load_mode must be"):
+        Engine(code_moe_tiny, EngineConfig(n_ctx=64), load_mode="bogus")

@@ -87,6 +87,85 @@ def test_moe_ffn_matches_reference(types, n_tok, act, rng):
     assert np.all(np.isfinite(out)) and err < 1e-5
 
 
+@pytest.mark.parametrize("n_tok,act_q8", [(1, False), (1, True), (7, False), (7, True)])
+def test_moe_ffn_routed_matches_reference(n_tok, act_q8, rng):
+    """The routing as the router gives it, (T, k) ids and weights, some pairs marked -1 (the expert
+    cache's hits): grouped inside the compiled call, against the float64 reference of the pairs
+    that remain. With ``act_q8``: bit-equal to :func:`cpu.moe_ffn` on the CSR groups this test
+    builds from the routing, and within 5e-3 of the reference rounded by the GPU's rule (the
+    kernel's float32 gated activation can round to the next quant where the reference's does not:
+    one such flip moved a 7-token case's largest output by 2e-3)."""
+    from test_act_q8 import rule
+
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    (Wg, Wu, Wd, tt), refs, h, _, base = _layer(types, n_tok, 256, rng)
+    n_expert, top_k = Wg.shape[0], 3
+    ids = np.stack([rng.choice(n_expert, top_k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    w = rng.random((n_tok, top_k)).astype(np.float32)
+    first = ids[0, 0]
+    ids[rng.random(ids.shape) < 0.3] = -1
+    ids[0, 0] = first  # at least one pair (a token's experts stay distinct)
+    keep = [(int(ids[t, j]), t, float(w[t, j])) for t in range(n_tok) for j in range(top_k) if ids[t, j] >= 0]
+    keep.sort()
+    eids = np.array(sorted({p[0] for p in keep}), np.int32)
+    offs = np.concatenate([[0], np.cumsum([sum(p[0] == e for p in keep) for e in eids])]).astype(np.int32)
+    rows = np.array([p[1] for p in keep], np.int32)
+    wts = np.array([p[2] for p in keep], np.float32)
+    out = base.copy()
+    assert cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w, h, out=out, act_q8=act_q8) is out
+    delta = _reference(*refs, eids, offs, rows, wts, h, cpu.ACT_SILU, rounded=rule if act_q8 else None)
+    err = np.linalg.norm(out.astype(np.float64) - base - delta) / np.linalg.norm(delta)
+    assert np.all(np.isfinite(out)) and err < (5e-3 if act_q8 else 1e-5)
+    if act_q8:
+        assert np.array_equal(out, cpu.moe_ffn(Wg, Wu, Wd, tt, eids, offs, rows, wts, h, out=base.copy(), act_q8=True))
+    none = np.full_like(ids, -1)
+    assert np.array_equal(cpu.moe_ffn_routed(Wg, Wu, Wd, tt, none, w, h), np.zeros_like(base))
+
+
+def test_moe_ffn_routed_rejects_bad_routing(rng):
+    (Wg, Wu, Wd, tt), _, h, _, _ = _layer(("Q4_K", "Q4_K", "Q4_K"), 2, 256, rng)
+    ids = np.array([[0, 1, 2], [3, Wg.shape[0], 4]], np.int32)
+    w = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match=f"expert id {Wg.shape[0]} out of range"):
+        cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w, h)
+    with pytest.raises(ValueError, match="must be .n_tokens, k."):
+        cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids[:1], w[:1], h)
+    with pytest.raises(ValueError, match="must be .n_tokens, k."):
+        cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w[:, :2], h)
+    with pytest.raises(ValueError, match="act must be"):
+        cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids % Wg.shape[0], w, h, act=7)
+    with pytest.raises(ValueError, match="must be integers"):
+        cpu.moe_ffn_routed(Wg, Wu, Wd, tt, (ids % Wg.shape[0]).astype(np.float32), w, h)
+    big = ids.astype(np.int64)
+    big[1, 1] = 2**32 + 1
+    with pytest.raises(ValueError, match="out of range"):  # not wrapped to expert 1 by the cast to int32
+        cpu.moe_ffn_routed(Wg, Wu, Wd, tt, big, w, h)
+
+
+def test_moe_ffn_routed_act_q8_non_finite_inputs(rng):
+    """With 8-bit activations (integer dots, fastmath kernels compiled in the process): a NaN in h
+    makes its token's outputs NaN and leaves the other token's alone; an infinite scale in one
+    down row of an expert makes only that output of the tokens routed to it NaN."""
+    from test_act_q8 import rule
+
+    (Wg, Wu, Wd, tt), refs, h, _, _ = _layer(("Q4_K",) * 3, 2, 256, rng, n_expert=4)
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    w = np.full((2, 2), 0.5, np.float32)
+    cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w, h, act_q8=True)  # the kernel compiled first
+    hb = h.copy()
+    hb[1, 40] = np.nan
+    out = cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w, hb, act_q8=True)
+    assert np.isnan(out[1]).all()
+    eids, offs = np.array([0, 1], np.int32), np.array([0, 1, 2], np.int32)
+    ref = _reference(*refs, eids, offs, np.array([0, 0], np.int32), np.array([0.5, 0.5], np.float32), h,
+                     cpu.ACT_SILU, rounded=rule)
+    assert np.linalg.norm(out[0] - ref[0]) / np.linalg.norm(ref[0]) < 5e-3
+    Wd2 = Wd.copy()
+    Wd2[2, 17, 0:2] = (0x00, 0x7C)  # expert 2's down row 17: block scale d = +inf
+    out = cpu.moe_ffn_routed(Wg, Wu, Wd2, tt, ids, w, h, act_q8=True)
+    assert np.isnan(out[1, 17]) and np.isfinite(np.delete(out[1], 17)).all() and np.isfinite(out[0]).all()
+
+
 @pytest.mark.parametrize("types,n_tok,act", [
     (("Q4_K", "Q4_K", "Q4_K"), 1, cpu.ACT_SILU),  # integer dots in every matrix
     (("Q4_K", "Q4_K", "Q4_K"), 6, cpu.ACT_GELU),  # experts shared by several tokens
@@ -112,8 +191,9 @@ def test_moe_ffn_act_q8_matches_reference(types, n_tok, act, rng):
 
 
 def test_moe_ffn_act_q8_row_with_an_infinite_scale(rng):
-    """A Q4_K gate row whose block scale d is +inf: the integer road leaves it to the float kernel;
-    the tokens routed to that expert get non-finite outputs, the others the reference's."""
+    """A Q4_K gate row whose block scale d is +inf: the token routed to that expert gets NaN outputs
+    (the kernels run with fastmath: the flag comes from the integer dot's bits), the other the
+    reference's."""
     from test_act_q8 import rule
 
     (Wg, Wu, Wd, tt), refs, h, _, _ = _layer(("Q4_K",) * 3, 2, 256, rng, n_expert=4)
@@ -122,7 +202,7 @@ def test_moe_ffn_act_q8_row_with_an_infinite_scale(rng):
     eids, offs = np.array([1, 2], np.int32), np.array([0, 1, 2], np.int32)
     rows, wts = np.array([0, 1], np.int32), np.array([0.5, 0.5], np.float32)
     out = cpu.moe_ffn(Wg, Wu, Wd, tt, eids, offs, rows, wts, h, act_q8=True)
-    assert not np.isfinite(out[1]).all()
+    assert np.isnan(out[1]).all()
     ref = _reference(*refs, eids[:1], offs[:2], rows[:1], wts[:1], h, cpu.ACT_SILU, rounded=rule)
     assert np.linalg.norm(out[0] - ref[0]) / np.linalg.norm(ref[0]) < 5e-4
 

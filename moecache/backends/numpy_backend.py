@@ -247,11 +247,10 @@ class NumpyBackend(ArrayOps):
         if (types[0] == types[1] and self._q8(types[0], None, h.shape[0]) and self._q8(types[2], None, 1)
                 and not some):  # the GPU takes the GEMM path for a routing with pairs of no expert
             return self._moe_ffn_q8(gate, up, down, types, routing, h, act)
-        eids, offs, rows, wts = routing.groups(ids >= 0 if some else None)
         if self._f16(h.shape[0]):
-            return self._moe_ffn_f16(gate, up, down, types, (eids, offs, rows, wts), h, act)
-        return cpu.moe_ffn(gate, up, down, types, eids, offs, rows, wts, h,
-                           act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
+            return self._moe_ffn_f16(gate, up, down, types, routing.groups(ids >= 0 if some else None), h, act)
+        return cpu.moe_ffn_routed(gate, up, down, types, ids, routing.host().weights, h,
+                                  act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
 
     def _moe_ffn_f16(self, gate, up, down, types, groups, h: np.ndarray, act: str) -> np.ndarray:
         """The GPU's prompt MoE with float16 operands (CupyBackend._moe_prompt): per used expert, h

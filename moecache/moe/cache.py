@@ -162,7 +162,7 @@ class CachedExperts:
             and given back when a prompt's memory nears it (:meth:`_keep_room`).
         log: where a one-time note goes (the engine's log); None: nowhere.
         act_q8: misses computed on the CPU (and ubatches below ``offload_min_batch`` without the
-            zero-copy path) round activations to 8 bits in the Numba kernel (``cpu.moe_ffn``'s
+            zero-copy path) round activations to 8 bits in the Numba kernel (``cpu.moe_ffn_routed``'s
             ``act_q8``), as the GPU's hits do with ``CupyBackend(act_q8=True)``.
 
     Attributes:
@@ -506,10 +506,9 @@ class CachedExperts:
         be = self.be
         cpu_part = None
         if n_hit < hit.size:  # misses: CPU, in the worker thread, while the backend computes hits
-            eids, offs, rows, wts = r.groups(~hit)
             hh = be.to_host(h)
             act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-            cpu_part = self._workers.submit(self._timed_cpu, il, e, eids, offs, rows, wts, hh, act)
+            cpu_part = self._workers.submit(self._timed_cpu, il, e, np.where(hit, -1, r.ids), r.weights, hh, act)
         out = None
         if n_hit:
             pool = self.pool
@@ -567,9 +566,9 @@ class CachedExperts:
         self.wait_s[:] = 0.0
         self._pass_start = None
 
-    def _timed_cpu(self, il, e, eids, offs, rows, wts, hh, act):
+    def _timed_cpu(self, il, e, ids, weights, hh, act):
         t0 = time.perf_counter()
-        out = cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, hh, None, act, self.act_q8)
+        out = cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, weights, hh, None, act, self.act_q8)
         self.cpu_s[il] += time.perf_counter() - t0
         return out
 

@@ -65,7 +65,7 @@ class CPUExperts:
         offload_backend: the GPU offloaded ubatches run on (the one with the fastest host link);
             default: the layer's backend. h moves there and the result comes back.
         act_q8: the Numba kernel rounds activations to 8 bits per 32 values and takes integer dots
-            for Q4_K and Q6_K experts (``cpu.moe_ffn(act_q8=True)``, the GPU's rounding rule); False = float32.
+            for Q4_K and Q6_K experts (``cpu.moe_ffn_routed(act_q8=True)``, the GPU's rounding rule); False = float32.
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], backend: Any = None, offload_min_batch: int | None = None,
@@ -100,9 +100,10 @@ class CPUExperts:
             h: float32 (T, n_embd); routing: host arrays; out: float32 (T, n_embd), added to.
         Returns ``out``."""
         e = self.layers[il]
-        eids, offs, rows, wts = routing.host().groups()
+        r = routing.host()
         act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-        return cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h, out=out, act=act, act_q8=self.act_q8)
+        return cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, r.ids, r.weights, h, out=out, act=act,
+                                  act_q8=self.act_q8)
 
     def _offload(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         ob = self.offload_backend

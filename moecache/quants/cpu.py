@@ -36,7 +36,7 @@ from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, de
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
 from moecache.quants.dots import DOTS
 from moecache.quants.formats import BY_TYPE, FORMATS, BlockFormat, format_for
-from moecache.quants.int_dots import ROW_DOTS, quantize_row, quantize_rows
+from moecache.quants.int_dots import ROW_DOTS, finite_f32, quantize_row, quantize_rows
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
 _INLINE = dict(inline="always", **_KERNEL)
@@ -441,66 +441,181 @@ def dequantize(W: np.ndarray, ggml_type: int, n_in: int, name: str | None = None
     return out
 
 
-@njit(**_INLINE)
-def _activate(act, g, u):
-    if act == 0:
-        return g / (np.float32(1.0) + np.exp(-g)) * u
-    # GELU, tanh approximation (Hendrycks & Gimpel 2016), as ggml_gelu
+@njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+def _activate_rows(act, G, U, p0, p1, f0, f1):
+    """``G[p, f] = act(G[p, f]) * U[p, f]`` for p in [p0, p1), f in [f0, f1): SiLU (act 0) or GELU's
+    tanh approximation (Hendrycks & Gimpel 2016, as ggml_gelu). Compiled without fastmath, as a
+    function of its own: a product that overflows must reach
+    :func:`~moecache.quants.int_dots.quantize_row`'s check as an inf, which an instruction flagged
+    no-inf (the kernels' fastmath) would not guarantee (``fastmath=False`` spelled out: Numba
+    compiles a callee without the option with its first caller's flags; so compiled, its
+    zero-division branch raised ZeroDivisionError on a NaN gate). IEEE division
+    (``error_model="numpy"``): no such branch at all."""
     c = np.float32(0.7978845608028654)
-    return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g))) * u
+    for p in range(p0, p1):
+        for f in range(f0, f1):
+            g = G[p, f]
+            if act == 0:
+                G[p, f] = g / (np.float32(1.0) + np.exp(-g)) * U[p, f]
+            else:
+                G[p, f] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g))) \
+                    * U[p, f]
 
 
-def rows_q8(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf):
+def rows_q8(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
     """``Y[p, r] = W[r] · a_p`` for r in [r0, r1), p in [p0, p1), the activations rounded to 8 bits:
     a format of :data:`moecache.quants.int_dots.ROW_DOTS` (GGML type id ``fmt``, a compile-time
     constant) takes its integer dot with row ``qrow[p]`` of ``Q``, ``D``, ``S``
     (:func:`moecache.quants.int_dots.quantize_row`), row by row for each pair (the row stays in L1
-    for the next); a row with an infinite or NaN scale field, and the other formats, take the float
-    kernel (:func:`rows_for`) on the rounded values ``X`` (pair p's in row p) and their block sums
-    ``XS``. Callable from Numba code only."""
+    for the next); a dot that is not finite (an infinite or NaN scale field, of the weights or of an
+    activation unit, always makes it so; an overflow may) sets ``bad[p] = 1`` (int32, per pair) and
+    is stored as it is. The other formats take the float kernel (:func:`rows_for`) on the rounded
+    values ``X`` (pair p's in row p) and their block sums ``XS``. Callable from Numba code only."""
     raise NotImplementedError("rows_q8 is only callable from Numba code")
 
 
 @overload(rows_q8)
-def _rows_q8_impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf):
+def _rows_q8_impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
     f = _literal_format(fmt)
     kernel = _ROWS[f.name]
     if f.name not in ROW_DOTS:
-        return lambda fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf: kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
-    dot, nonfinite = ROW_DOTS[f.name], DOTS[f.name][1]
-    bs, tsz = kernel_block(f)
-    step_bytes = STEP // bs * tsz
+        return lambda fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad: \
+            kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
+    dot = ROW_DOTS[f.name]
 
-    def impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf):
+    def impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
         for r in range(r0, r1):
             row = W[r]
-            bad = np.int32(0)
-            for b in range(row.shape[0] // step_bytes):
-                bad |= nonfinite(row, b * step_bytes)
-            if bad:
-                kernel(W, X, XS, Y, r, r + 1, p0, p1, nbuf)
-            else:
-                for p in range(p0, p1):
-                    q = qrow[p]
-                    Y[p, r] = dot(row, Q[q], D[q], S[q])
+            for p in range(p0, p1):
+                q = qrow[p]
+                y = dot(row, Q[q], D[q], S[q])
+                Y[p, r] = y
+                if not finite_f32(y):  # (integer bits: np.isfinite is True under fastmath)
+                    bad[p] = 1
     return impl
+
+
+@njit(**_KERNEL)
+def _group_pairs(ids, idw, n_exp):
+    """The (token, expert) pairs of ``ids`` int32 (T, k) (negative: no pair) grouped by expert, as
+    :func:`moe_ffn` takes them: ``(expert_ids, offsets, token_rows, weights)`` with experts in
+    increasing order and tokens increasing within a group (``Routing.groups``' order, by a counting
+    sort), or ``(None-like empty arrays, bad)`` with ``bad`` = 1 + the flat index of an id >= n_exp."""
+    T, K = ids.shape
+    counts = np.empty(n_exp, np.int32)
+    for e in range(n_exp):
+        counts[e] = 0
+    for t in range(T):
+        for j in range(K):
+            e = ids[t, j]
+            if e >= n_exp:
+                return (np.empty(0, np.int32), np.empty(1, np.int32), np.empty(0, np.int32),
+                        np.empty(0, np.float32), t * K + j + 1)
+            if e >= 0:
+                counts[e] += 1
+    n_groups = 0
+    for e in range(n_exp):
+        if counts[e]:
+            n_groups += 1
+    eids = np.empty(n_groups, np.int32)
+    offs = np.empty(n_groups + 1, np.int32)
+    nxt = np.empty(n_exp, np.int32)
+    offs[0] = 0
+    g = 0
+    for e in range(n_exp):
+        if counts[e]:
+            eids[g] = e
+            nxt[e] = offs[g]
+            offs[g + 1] = offs[g] + counts[e]
+            g += 1
+    n_pairs = offs[n_groups]
+    rows = np.empty(n_pairs, np.int32)
+    wts = np.empty(n_pairs, np.float32)
+    for t in range(T):
+        for j in range(K):
+            e = ids[t, j]
+            if e >= 0:
+                p = nxt[e]
+                rows[p] = t
+                wts[p] = idw[t, j]
+                nxt[e] = p + 1
+    return eids, offs, rows, wts, 0
 
 
 @functools.cache
 def _moe_kernel(fg: int, fu: int, fd: int, q8: bool):
-    """The grouped MoE kernel of one (gate, up, down) format triple; ``q8``: the activations rounded
-    to 8 bits per 32 values (h before, by the caller, into XQ/XD/XS and Hg; the gated activations
-    here, each job its own 32-value units) and every product through :func:`rows_q8`."""
+    """The grouped MoE kernel of one (gate, up, down) format triple, one call per MoE layer:
+    a serial prologue (the pairs grouped by expert when ``grouped`` is False, the scratch, ``q8``'s
+    rounding of h), then two parallel regions. ``q8``: the activations rounded to 8 bits per 32
+    values (h in the prologue; the gated activations by each phase-1 job, its own 32-value units)
+    and every product through :func:`rows_q8`; a pair whose gate or up dot is not finite gives NaN
+    in all of its token's outputs, a non-finite down dot NaN in that output. Returns 0, or 1 + the flat index of an expert id out
+    of range (``grouped`` False). ``nt``: the threads (``numba.get_num_threads()``, passed in: that
+    call inside the kernel would keep it out of the on-disk cache). The prologue's loops are plain ``range`` loops: an array
+    expression there would become a parallel region of its own (a fork and join)."""
     FG, FU, FD, Q8 = fg, fu, fd, q8
 
-    def moe_kernel(Wg, Wu, Wd, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, Out, f_chunk, r_chunk, nbuf,
-                   XQ, XD, XS, GQ, GD, GS, GR, pairs):
+    def moe_kernel(Wg, Wu, Wd, grouped, eids_in, offs_in, rows_in, wts_in, ids, idw, H, act, Out, nbuf, nt):
+        if grouped:
+            eids, offs, rows, wts = eids_in, offs_in, rows_in, wts_in
+        else:
+            eids, offs, rows, wts, err = _group_pairs(ids, idw, Wg.shape[0])
+            if err:
+                return err
         n_groups = eids.shape[0]
+        n_pairs = rows.shape[0]
+        if n_pairs == 0:
+            return 0
         n_ff = Wg.shape[1]
+        n_tok, n_embd = H.shape
+        Hg = np.empty((n_pairs, n_embd), np.float32)
+        if Q8:  # (n_embd and n_ff are multiples of 32: every kernel block is)
+            XQ = np.empty((n_tok, n_embd), np.int8)
+            XD = np.empty((n_tok, n_embd // 32), np.float32)
+            XS = np.empty((n_tok, n_embd // 32), np.float32)
+            XR = np.empty((n_tok, n_embd), np.float32)
+            quantize_rows(H, XQ, XD, XS, XR)
+            GQ = np.empty((n_pairs, n_ff), np.int8)
+            GD = np.empty((n_pairs, n_ff // 32), np.float32)
+            GS = np.empty((n_pairs, n_ff // 32), np.float32)
+            GR = np.empty((n_pairs, n_ff), np.float32)
+            # ff-row chunks of whole 32-value units (each job rounds its own): 64 rows where that still
+            # leaves every thread 8 jobs, else 32
+            f_chunk = 64 if n_ff * n_groups >= 64 * 8 * nt else 32
+        else:
+            XR = H
+            XQ = np.empty((0, 0), np.int8)
+            XD = np.empty((0, 0), np.float32)
+            XS = np.empty((0, 0), np.float32)
+            GQ = np.empty((0, 0), np.int8)
+            GD = np.empty((0, 0), np.float32)
+            GS = np.empty((0, 0), np.float32)
+            GR = np.empty((0, 0), np.float32)
+            # ff-row chunks: enough jobs across all experts for every thread
+            f_chunk = max(4, min(64, n_ff * n_groups // (4 * nt)))
+        for p in range(n_pairs):  # h gathered in pair order: an expert's tokens are contiguous
+            t = rows[p]
+            for i in range(n_embd):
+                Hg[p, i] = XR[t, i]
+        # output-row chunks of at most 64 rows, the same number for every thread (prange divides its
+        # range into one equal part per thread: 2048 rows in chunks of 32 gave 4 of 15 threads a
+        # fifth chunk, 17% over the others)
+        per = (n_embd + nt - 1) // nt
+        r_chunk = (n_embd + nt * ((per + 63) // 64) - 1) // (nt * ((per + 63) // 64))
+        Gt = np.empty((n_pairs, n_ff), np.float32)
+        Ut = np.empty((n_pairs, n_ff), np.float32)
+        Dt = np.empty((n_pairs, n_embd), np.float32)
+        pairs = np.empty(n_pairs, np.int32)
+        bad = np.empty(n_pairs, np.int32)  # q8: a gate or up dot of the pair was not finite
+        bad_down = np.empty(n_pairs, np.int32)  # (the down dots' flags: their Dt values are checked instead)
+        for p in range(n_pairs):
+            pairs[p] = p
+            bad[p] = 0
+            bad_down[p] = 0
         HS = block_sums(Hg)
         n_fc = (n_ff + f_chunk - 1) // f_chunk
-        # phase 1: each (expert, ff-row chunk) job: gate and up rows for that expert's tokens
-        # (Hg holds h gathered in pair order, so an expert's tokens are contiguous), then act(gate)*up
+        # phase 1: each (expert, ff-row chunk) job: gate and up rows for that expert's tokens, then
+        # act(gate)*up
         for job in prange(n_groups * n_fc):
             g = job // n_fc
             f0 = (job % n_fc) * f_chunk
@@ -509,14 +624,13 @@ def _moe_kernel(fg: int, fu: int, fd: int, q8: bool):
             p0 = offs[g]
             p1 = offs[g + 1]
             if Q8:
-                rows_q8(FG, Wg[e], XQ, XD, XS, rows, Hg, HS, Gt, f0, f1, p0, p1, nbuf)
-                rows_q8(FU, Wu[e], XQ, XD, XS, rows, Hg, HS, Ut, f0, f1, p0, p1, nbuf)
+                rows_q8(FG, Wg[e], XQ, XD, XS, rows, Hg, HS, Gt, f0, f1, p0, p1, nbuf, bad)
+                rows_q8(FU, Wu[e], XQ, XD, XS, rows, Hg, HS, Ut, f0, f1, p0, p1, nbuf, bad)
             else:
                 rows_for(FG, Wg[e], Hg, HS, Gt, f0, f1, p0, p1, nbuf)
                 rows_for(FU, Wu[e], Hg, HS, Ut, f0, f1, p0, p1, nbuf)
+            _activate_rows(act, Gt, Ut, p0, p1, f0, f1)
             for p in range(p0, p1):
-                for f in range(f0, f1):
-                    Gt[p, f] = _activate(act, Gt[p, f], Ut[p, f])
                 if Q8:  # f_chunk is a multiple of 32: the job owns whole units of the rounding
                     quantize_row(Gt[p, f0:f1], GQ[p, f0:f1], GD[p, f0 // 32:f1 // 32], GS[p, f0 // 32:f1 // 32],
                                  GR[p, f0:f1])
@@ -531,17 +645,75 @@ def _moe_kernel(fg: int, fu: int, fd: int, q8: bool):
             r1 = min(n_out, r0 + r_chunk)
             for g in range(n_groups):
                 if Q8:
-                    rows_q8(FD, Wd[eids[g]], GQ, GD, GS, pairs, A, AS, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
+                    rows_q8(FD, Wd[eids[g]], GQ, GD, GS, pairs, A, AS, Dt, r0, r1, offs[g], offs[g + 1], nbuf,
+                            bad_down)
                 else:
                     rows_for(FD, Wd[eids[g]], A, AS, Dt, r0, r1, offs[g], offs[g + 1], nbuf)
-            for p in range(rows.shape[0]):
+            for p in range(n_pairs):
                 t = rows[p]
                 w = wts[p]
-                for r in range(r0, r1):
-                    Out[t, r] += w * Dt[p, r]
+                if Q8:
+                    if bad[p] == 0:
+                        for r in range(r0, r1):
+                            if finite_f32(Dt[p, r]):
+                                Out[t, r] += w * Dt[p, r]
+                else:
+                    for r in range(r0, r1):
+                        Out[t, r] += w * Dt[p, r]
+            if Q8:  # a pair with a non-finite dot gives NaN, stored last (the fastmath sums above may
+                # assume finite operands: an inf or NaN must not pass through them)
+                for p in range(n_pairs):
+                    t = rows[p]
+                    for r in range(r0, r1):
+                        if bad[p] != 0 or not finite_f32(Dt[p, r]):
+                            Out[t, r] = np.float32(np.nan)
+        return 0
 
     names = "_".join(BY_TYPE[f].name.lower() for f in (fg, fu, fd))
     return _jit(moe_kernel, f"moe_ffn_{'q8_' if q8 else ''}{names}", parallel=True)
+
+
+_NO_I32 = np.empty(0, np.int32)
+_NO_F32 = np.empty(0, np.float32)
+_NO_IDS = np.empty((0, 0), np.int32)
+_NO_IDW = np.empty((0, 0), np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _expert_formats(types: tuple[int, int, int], gate: tuple, up: tuple, down: tuple,
+                    dtypes: tuple) -> tuple[BlockFormat, BlockFormat, BlockFormat]:
+    """The formats of an expert triple, its shapes checked (uint8 (n_expert, n_ff, row_bytes) gate
+    and up, (n_expert, n_embd, row_bytes) down): ValueError / UnsupportedQuantError otherwise. A
+    function of shapes and types only, so a layer's checks run once, not per call."""
+    if len(gate) != 3 or len(up) != 3 or len(down) != 3:
+        raise ValueError(f"expert tensors must be 3-D, got gate {gate}, up {up}, down {down}")
+    n_exp, n_ff, _ = gate
+    n_embd = down[1]
+    fg = _check_weights(np.empty((0, gate[2]), dtypes[0]), types[0], n_embd, "ffn_gate_exps")
+    fu = _check_weights(np.empty((0, up[2]), dtypes[1]), types[1], n_embd, "ffn_up_exps")
+    fd = _check_weights(np.empty((0, down[2]), dtypes[2]), types[2], n_ff, "ffn_down_exps")
+    if up[:2] != (n_exp, n_ff) or down[0] != n_exp:
+        raise ValueError(f"expert tensor shapes disagree: gate {gate}, up {up}, down {down}")
+    return fg, fu, fd
+
+
+def _expert_args(gate_exps, up_exps, down_exps, types, h, out):
+    gate_exps, up_exps, down_exps = (readonly(np.ascontiguousarray(a)) for a in (gate_exps, up_exps, down_exps))
+    fg, fu, fd = _expert_formats(tuple(int(t) for t in types), gate_exps.shape, up_exps.shape, down_exps.shape,
+                                 (gate_exps.dtype, up_exps.dtype, down_exps.dtype))
+    H = np.ascontiguousarray(h, dtype=np.float32)
+    if H.ndim != 2 or H.shape[1] != down_exps.shape[1]:
+        raise ValueError(f"h must be (n_tokens, {down_exps.shape[1]}), got {H.shape}")
+    if out is None:
+        out = np.zeros(H.shape, np.float32)
+    else:
+        _check_out(out, H.shape)
+    return gate_exps, up_exps, down_exps, (fg, fu, fd), H, out
+
+
+def _check_act(act) -> None:
+    if act not in (ACT_SILU, ACT_GELU):
+        raise ValueError(f"moe_ffn: act must be ACT_SILU ({ACT_SILU}) or ACT_GELU ({ACT_GELU}), got {act!r}")
 
 
 def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
@@ -565,22 +737,17 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
         act: ACT_SILU (SwiGLU) or ACT_GELU (GeGLU).
         act_q8: round h and the gated activations to 8 bits per 32 values first (the GPU's rule,
             :mod:`moecache.quants.act_q8`); Q4_K and Q6_K experts then take integer dots
-            (:mod:`moecache.quants.int_dots`), the other formats the float kernel on the rounded values.
+            (:mod:`moecache.quants.int_dots`), the other formats the float kernel on the rounded
+            values. A non-finite integer dot (an inf or NaN scale in the weights or in h) makes the
+            token's outputs NaN (all of them for a gate or up row, that one for a down row).
 
     Returns:
         ``out``. Raises ValueError on inconsistent shapes, UnsupportedQuantError on unknown types.
         (Every format's block is a multiple of 32 weights, so ``act_q8``'s units always fit.)
     """
-    gate_exps, up_exps, down_exps = (readonly(np.ascontiguousarray(a)) for a in (gate_exps, up_exps, down_exps))
-    H = np.ascontiguousarray(h, dtype=np.float32)
-    n_tok, n_embd = H.shape
-    n_exp, n_ff = gate_exps.shape[:2]
-    fg = _check_weights(gate_exps.reshape(-1, gate_exps.shape[2]), types[0], n_embd, "ffn_gate_exps")
-    fu = _check_weights(up_exps.reshape(-1, up_exps.shape[2]), types[1], n_embd, "ffn_up_exps")
-    fd = _check_weights(down_exps.reshape(-1, down_exps.shape[2]), types[2], n_ff, "ffn_down_exps")
-    if up_exps.shape[:2] != (n_exp, n_ff) or down_exps.shape[:2] != (n_exp, n_embd):
-        raise ValueError(f"expert tensor shapes disagree: gate {gate_exps.shape}, up {up_exps.shape}, "
-                         f"down {down_exps.shape}, n_embd {n_embd}")
+    gate_exps, up_exps, down_exps, (fg, fu, fd), H, out = _expert_args(gate_exps, up_exps, down_exps, types, h, out)
+    n_tok = H.shape[0]
+    n_exp = gate_exps.shape[0]
     eids = np.ascontiguousarray(expert_ids, dtype=np.int32)
     offs = np.ascontiguousarray(offsets, dtype=np.int32)
     rows = np.ascontiguousarray(token_rows, dtype=np.int32)
@@ -592,40 +759,53 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
         raise ValueError(f"moe_ffn: expert id out of range [0, {n_exp})")
     if rows.size and (rows.min() < 0 or rows.max() >= n_tok):
         raise ValueError(f"moe_ffn: token row out of range [0, {n_tok})")
-    if act not in (ACT_SILU, ACT_GELU):
-        raise ValueError(f"moe_ffn: act must be ACT_SILU ({ACT_SILU}) or ACT_GELU ({ACT_GELU}), got {act!r}")
-    if out is None:
-        out = np.zeros((n_tok, n_embd), np.float32)
-    else:
-        _check_out(out, (n_tok, n_embd))
+    _check_act(act)
     if rows.size == 0:
         return out
-    n_pairs = rows.shape[0]
-    nt = numba.get_num_threads()
-    if act_q8:  # (n_embd and n_ff are multiples of 32: every kernel block is)
-        XQ = np.empty((n_tok, n_embd), np.int8)
-        XD = np.empty((n_tok, n_embd // 32), np.float32)
-        XS = np.empty_like(XD)
-        XR = np.empty((n_tok, n_embd), np.float32)
-        quantize_rows(H, XQ, XD, XS, XR)
-        Hg = XR[rows]
-        GQ = np.empty((n_pairs, n_ff), np.int8)
-        GD = np.empty((n_pairs, n_ff // 32), np.float32)
-        GS = np.empty_like(GD)
-        GR = np.empty((n_pairs, n_ff), np.float32)
-        # ff-row chunks of whole 32-value units (each job rounds its own): 64 rows where that still
-        # leaves every thread 8 jobs, else 32
-        f_chunk = 64 if n_ff * eids.shape[0] >= 64 * 8 * nt else 32
-    else:
-        Hg = H[rows]
-        XQ, GQ = np.empty((0, 0), np.int8), np.empty((0, 0), np.int8)
-        XD = XS = GD = GS = GR = np.empty((0, 0), np.float32)
-        # ff-row chunks: enough jobs across all experts for every thread
-        f_chunk = int(max(4, min(64, n_ff * eids.shape[0] // (4 * nt))))
-    Gt = np.empty((n_pairs, n_ff), np.float32)
-    Ut = np.empty((n_pairs, n_ff), np.float32)
-    Dt = np.empty((n_pairs, n_embd), np.float32)
     kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type, bool(act_q8))
-    kernel(gate_exps, up_exps, down_exps, eids, offs, rows, wts, Hg, act, Gt, Ut, Dt, out, f_chunk, _chunk(n_embd),
-           STEP, XQ, XD, XS, GQ, GD, GS, GR, np.arange(n_pairs, dtype=np.int32))
+    kernel(gate_exps, up_exps, down_exps, True, eids, offs, rows, wts, _NO_IDS, _NO_IDW, H, act, out, STEP,
+           numba.get_num_threads())
+    return out
+
+
+def moe_ffn_routed(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
+                   types: tuple[int, int, int], ids: np.ndarray, weights: np.ndarray, h: np.ndarray,
+                   out: np.ndarray | None = None, act: int = ACT_SILU, act_q8: bool = False) -> np.ndarray:
+    """:func:`moe_ffn` on a layer's routing as the router gives it: the pairs are grouped by expert
+    inside the compiled call (the decode step's road: one Python call and one compiled call per
+    layer, no numpy sort).
+
+    ``out[t] += sum over j with ids[t, j] >= 0 of weights[t, j] * expert_{ids[t, j]}(h[t])``
+
+    Args:
+        gate_exps, up_exps, down_exps, types, h, out, act, act_q8: as :func:`moe_ffn`.
+        ids: int32 (T, k) expert of each pair; a negative id is no pair (the expert cache's hits,
+            computed elsewhere).
+        weights: float32 (T, k) routing weight of each pair.
+
+    Returns:
+        ``out``. Raises ValueError on inconsistent shapes, ids that are not integers or an id >=
+        n_expert, UnsupportedQuantError on unknown types.
+    """
+    gate_exps, up_exps, down_exps, (fg, fu, fd), H, out = _expert_args(gate_exps, up_exps, down_exps, types, h, out)
+    ids = np.asarray(ids)
+    if ids.dtype != np.int32:  # (the engine's ids are int32: no scan on its road)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"moe_ffn_routed: ids must be integers, got {ids.dtype}")
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if hi >= gate_exps.shape[0] or lo < np.iinfo(np.int32).min:
+            raise ValueError(f"moe_ffn_routed: expert id {hi if hi >= gate_exps.shape[0] else lo} out of range "
+                             f"[0, {gate_exps.shape[0]})")
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    idw = np.ascontiguousarray(weights, dtype=np.float32)
+    if ids.ndim != 2 or ids.shape[0] != H.shape[0] or idw.shape != ids.shape:
+        raise ValueError(f"moe_ffn_routed: ids {ids.shape} and weights {idw.shape} must be (n_tokens, k) with "
+                         f"n_tokens {H.shape[0]}")
+    _check_act(act)
+    kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type, bool(act_q8))
+    bad = kernel(gate_exps, up_exps, down_exps, False, _NO_I32, _NO_I32, _NO_I32, _NO_F32, ids, idw, H, act, out, STEP,
+                 numba.get_num_threads())
+    if bad:
+        raise ValueError(f"moe_ffn_routed: expert id {int(ids.reshape(-1)[bad - 1])} out of range "
+                         f"[0, {gate_exps.shape[0]})")
     return out

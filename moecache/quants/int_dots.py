@@ -71,22 +71,30 @@ def _splat(ty: str, n: int, v: str) -> str:
 def _halves_ir(p: str, ptr: str, n: int) -> list[str]:
     """IR lines widening the ``n`` IEEE halves at ``ptr`` to ``%<p>d = <n x float>`` with integer
     ops (no half type: a target without F16C would call a conversion routine the JIT does not
-    link): the magnitude's bits moved to a float's place and scaled by 2^112 (exact for normal and
-    subnormal halves), inf and NaN kept."""
+    link). The magnitude's bits move to a float's place and its exponent is rebased by integer
+    addition (112 << 23); inf and NaN get the all-ones exponent; a subnormal half (exponent 0) is
+    rebased one step further and 2^-14 subtracted, which renormalizes it exactly. No operand of a
+    float instruction is ever a float subnormal: on x86 each subnormal operand costs a microcode
+    assist (a scale of 1e-4, common in Q4_K files, made the row dot 6x slower when the rebase was a
+    multiplication by 2^112)."""
     v = lambda ty: f"<{n} x {ty}>"  # noqa: E731
     c = lambda x: _splat("i32", n, x)  # noqa: E731
-    big = ", ".join(["float 0x46F0000000000000"] * n)
+    two14 = ", ".join(["float 0x3F10000000000000"] * n)  # 2^-14, the smallest normal half
     return [f"  %{p}w = load {v('i16')}, ptr {ptr}, align 1",
             f"  %{p}z = zext {v('i16')} %{p}w to {v('i32')}",
             f"  %{p}ab = and {v('i32')} %{p}z, {c('32767')}",
             f"  %{p}sh = shl {v('i32')} %{p}ab, {c('13')}",
-            f"  %{p}mag = bitcast {v('i32')} %{p}sh to {v('float')}",
-            f"  %{p}sc = fmul {v('float')} %{p}mag, <{big}>",
-            f"  %{p}sb = bitcast {v('float')} %{p}sc to {v('i32')}",
-            f"  %{p}ex = and {v('i32')} %{p}z, {c('31744')}",  # 0x7C00: exponent all ones
-            f"  %{p}nf = icmp eq {v('i32')} %{p}ex, {c('31744')}",
-            f"  %{p}inf = or {v('i32')} %{p}sh, {c('2139095040')}",  # 0x7F800000
-            f"  %{p}mb = select {v('i1')} %{p}nf, {v('i32')} %{p}inf, {v('i32')} %{p}sb",
+            f"  %{p}ex = and {v('i32')} %{p}sh, {c('260046848')}",  # 0x0F800000: the half's exponent
+            f"  %{p}nb = add {v('i32')} %{p}sh, {c('939524096')}",  # 112 << 23: a normal half's bits
+            f"  %{p}nf = icmp eq {v('i32')} %{p}ex, {c('260046848')}",
+            f"  %{p}inf = or {v('i32')} %{p}sh, {c('2139095040')}",  # 0x7F800000: inf / NaN
+            f"  %{p}sub = icmp eq {v('i32')} %{p}ex, {c('0')}",
+            f"  %{p}sb1 = add {v('i32')} %{p}sh, {c('947912704')}",  # 113 << 23: 2^-14 * (1 + m / 1024)
+            f"  %{p}sf1 = bitcast {v('i32')} %{p}sb1 to {v('float')}",
+            f"  %{p}sf = fsub {v('float')} %{p}sf1, <{two14}>",  # 2^-14 * m / 1024, exact
+            f"  %{p}sbits = bitcast {v('float')} %{p}sf to {v('i32')}",
+            f"  %{p}m1 = select {v('i1')} %{p}nf, {v('i32')} %{p}inf, {v('i32')} %{p}nb",
+            f"  %{p}mb = select {v('i1')} %{p}sub, {v('i32')} %{p}sbits, {v('i32')} %{p}m1",
             f"  %{p}sg0 = and {v('i32')} %{p}z, {c('32768')}",
             f"  %{p}sg = shl {v('i32')} %{p}sg0, {c('16')}",
             f"  %{p}bits = or {v('i32')} %{p}mb, %{p}sg",
@@ -94,12 +102,14 @@ def _halves_ir(p: str, ptr: str, n: int) -> list[str]:
 
 
 def _row_function(symbol: str, block_bytes: int, body: list[str], acc: str, accm: str | None = None) -> str:
-    """``float @<symbol>(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: a loop over the row's ``nb``
+    """``i32 @<symbol>(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: a loop over the row's ``nb``
     blocks of ``block_bytes`` running ``body`` with ``%b`` the block, ``%blk`` its bytes, ``%xo``
     its first activation and ``%xdv`` its 8 activation scales; ``body`` leaves the new 16-lane float
     accumulator in ``acc`` (and an 8-lane one subtracted at the end in ``accm``); the lanes are
-    summed once, after the loop."""
-    head = [f"define float @{symbol}(ptr noalias readonly %row, ptr noalias readonly %xq, "
+    summed once, after the loop. The float32 result is returned as its bits: Numba marks a call
+    returning a float with its fastmath flags (no inf, no NaN), which would let LLVM fold the
+    callers' check of an infinite or NaN result away."""
+    head = [f"define i32 @{symbol}(ptr noalias readonly %row, ptr noalias readonly %xq, "
             "ptr noalias readonly %xd, ptr noalias readonly %xs, i64 %nb) alwaysinline {",
             "entry:",
             "  %any = icmp sgt i64 %nb, 0",
@@ -121,9 +131,11 @@ def _row_function(symbol: str, block_bytes: int, body: list[str], acc: str, accm
     if accm:
         done += ["  %rm = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %mf)",
                  "  %r = fsub float %ra, %rm",
-                 "  ret float %r"]
+                 "  %rbits = bitcast float %r to i32",
+                 "  ret i32 %rbits"]
     else:
-        done.append("  ret float %ra")
+        done += ["  %rbits = bitcast float %ra to i32",
+                 "  ret i32 %rbits"]
     tail = ["  %bn = add i64 %b, 1",
             "  %more = icmp slt i64 %bn, %nb",
             "  br i1 %more, label %loop, label %done",
@@ -132,7 +144,7 @@ def _row_function(symbol: str, block_bytes: int, body: list[str], acc: str, accm
 
 
 def _q4k_ir(vnni: bool) -> str:
-    """``float @moecache_q4k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
+    """``i32 @moecache_q4k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
     Q4_K blocks at ``row`` with int8 quants ``xq`` (nb*256), their per-32 scales ``xd`` and scaled
     sums ``xs`` (float32, nb*8 each)."""
     nib15 = _splat("i8", 32, "15")
@@ -204,7 +216,7 @@ def _q4k_ir(vnni: bool) -> str:
 
 
 def _q6k_ir(vnni: bool) -> str:
-    """``float @moecache_q6k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
+    """``i32 @moecache_q6k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
     Q6_K blocks (ggml-common.h ``block_q6_K``, 210 bytes: ql[128], qh[64], int8 scales[16], f16 d)
     with int8 quants ``xq`` and their per-32 scales ``xd`` (``xs`` unused). Weight n*128 + j*32 + l
     (n < 2, j < 4, l < 32) is ``d * sc[n*8 + 2j + l//16] * (q - 32)``, q's low 4 bits nibble j//2 of
@@ -315,12 +327,12 @@ def _row_dot(fmt: str, symbol: str, block_bytes: int):
         def codegen(context, builder, signature, args):
             context.active_code_library.add_linking_library(_library(context))
             i8p = ir.IntType(8).as_pointer()
-            fnty = ir.FunctionType(ir.FloatType(), [i8p, i8p, i8p, i8p, ir.IntType(64)])
+            fnty = ir.FunctionType(ir.IntType(32), [i8p, i8p, i8p, i8p, ir.IntType(64)])
             fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
             arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
             nb = builder.udiv(arrs[0].nitems, ir.Constant(ir.IntType(64), block_bytes))
             ptrs = [builder.bitcast(a.data, i8p) for a in arrs]
-            return builder.call(fn, [*ptrs, nb])
+            return builder.bitcast(builder.call(fn, [*ptrs, nb]), ir.FloatType())
 
         return sig, codegen
 
@@ -332,25 +344,53 @@ q4k_row_dot = _row_dot("Q4_K", "moecache_q4k_q8_row", Q4_K_BYTES)
 q6k_row_dot = _row_dot("Q6_K", "moecache_q6k_q8_row", Q6_K_BYTES)
 
 
-@njit(cache=True, nogil=True)
+@intrinsic
+def finite_f32(typingctx, x):
+    """Whether a float32 is finite, read from its exponent bits with integer ops. ``np.isfinite``
+    cannot be trusted in a process that compiles fastmath kernels: LLVM folds it to True under
+    no-inf/no-NaN flags, and Numba compiles the ufunc's float32 loop once per process, with the
+    flags of the first kernel that uses it (measured: after the MoE kernel compiled,
+    :func:`quantize_row` missed a NaN)."""
+    if x != types.float32:
+        raise errors.TypingError(f"finite_f32: expected float32, got {x}")
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        exp = builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7F800000))
+        return builder.icmp_unsigned("!=", exp, ir.Constant(i32, 0x7F800000))
+
+    return types.boolean(x), codegen
+
+
+@njit(cache=True, nogil=True, fastmath=False)
 def quantize_row(x, q, d, s, r):
     """Round one float32 row ``x`` (n,) to 8 bits per 32 values (the rule of
     :mod:`moecache.quants.act_q8`; compiled without fastmath, so ``x / d`` is a true division and
     the quants equal the GPU's): ``q`` int8 (n,), ``d`` float32 (n/32,) the scales, ``s`` float32
     (n/32,) ``d * sum(q)`` per 32, ``r`` float32 (n,) the rounded values ``q * d``. A unit holding
-    an infinite or NaN value gets the scale NaN (its products NaN: nothing non-finite is lost)."""
+    an infinite or NaN value gets the scale, the sum and the rounded values NaN and the quants 0
+    (its products NaN: nothing non-finite is lost), stored as constants: when a fastmath kernel in
+    the process compiled first, this function's own float arithmetic on a NaN could not be trusted
+    (measured: ``0 * NaN`` came out 0, see :func:`finite_f32`)."""
     for u in range(x.shape[0] // 32):
         m = np.float32(0.0)
         finite = True
         for i in range(32):
             a = abs(x[u * 32 + i])
-            finite &= np.isfinite(a)
+            finite &= finite_f32(x[u * 32 + i])
             if a > m:
                 m = a
-        dd = m / np.float32(127.0) if finite else np.float32(np.nan)
+        if not finite:
+            for i in range(32):
+                q[u * 32 + i] = 0
+                r[u * 32 + i] = np.float32(np.nan)
+            d[u] = np.float32(np.nan)
+            s[u] = np.float32(np.nan)
+            continue
+        dd = m / np.float32(127.0)
         t = 0
         for i in range(32):
-            v = np.int32(np.rint(x[u * 32 + i] / dd)) if dd > 0 else np.int32(0)  # False for NaN
+            v = np.int32(np.rint(x[u * 32 + i] / dd)) if dd > 0 else np.int32(0)
             v = min(127, max(-127, v))  # |x / d| <= 127 but for a subnormal d (whose division overflows)
             q[u * 32 + i] = v
             r[u * 32 + i] = np.float32(v) * dd
@@ -359,7 +399,7 @@ def quantize_row(x, q, d, s, r):
         s[u] = np.float32(t) * dd
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def quantize_rows(X, Q, D, S, R):
     """:func:`quantize_row` for each row of ``X`` float32 (n, m): ``Q`` int8 (n, m), ``D`` and ``S``
     float32 (n, m/32), ``R`` float32 (n, m)."""
