@@ -500,7 +500,7 @@ def _group_pairs(ids, idw, n_exp):
     """The (token, expert) pairs of ``ids`` int32 (T, k) (negative: no pair) grouped by expert, as
     :func:`moe_ffn` takes them: ``(expert_ids, offsets, token_rows, weights)`` with experts in
     increasing order and tokens increasing within a group (``Routing.groups``' order, by a counting
-    sort), or ``(None-like empty arrays, bad)`` with ``bad`` = 1 + the flat index of an id >= n_exp."""
+    sort), and 0; or empty arrays and 1 + the flat index of the first id >= n_exp."""
     T, K = ids.shape
     counts = np.empty(n_exp, np.int32)
     for e in range(n_exp):
@@ -549,10 +549,11 @@ def _moe_kernel(fg: int, fu: int, fd: int, q8: bool):
     rounding of h), then two parallel regions. ``q8``: the activations rounded to 8 bits per 32
     values (h in the prologue; the gated activations by each phase-1 job, its own 32-value units)
     and every product through :func:`rows_q8`; a pair whose gate or up dot is not finite gives NaN
-    in all of its token's outputs, a non-finite down dot NaN in that output. Returns 0, or 1 + the flat index of an expert id out
-    of range (``grouped`` False). ``nt``: the threads (``numba.get_num_threads()``, passed in: that
-    call inside the kernel would keep it out of the on-disk cache). The prologue's loops are plain ``range`` loops: an array
-    expression there would become a parallel region of its own (a fork and join)."""
+    in all of its token's outputs, a non-finite down dot NaN in that output. Returns 0, or 1 + the
+    flat index of an expert id out of range (``grouped`` False). ``nt``: the threads
+    (``numba.get_num_threads()``, passed in: that call inside the kernel would keep it out of the
+    on-disk cache). The prologue's loops are plain ``range`` loops: an array expression there would
+    become a parallel region of its own (a fork and join)."""
     FG, FU, FD, Q8 = fg, fu, fd, q8
 
     def moe_kernel(Wg, Wu, Wd, grouped, eids_in, offs_in, rows_in, wts_in, ids, idw, H, act, Out, nbuf, nt):
