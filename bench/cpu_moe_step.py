@@ -11,7 +11,11 @@ host synchronisation already, so timing it adds nothing. OpenMP threads wait act
 ``moecache`` command sets them up for ``--cpu-moe`` (``OMP_WAIT_POLICY=PASSIVE`` or a
 ``GOMP_SPINCOUNT`` in the environment wins, to compare).
 
-    python bench/cpu_moe_step.py -m /tmp/q30.gguf -n 32 [--load-mode pin] [-t 16]
+With a CUDA graph, the CPU-expert layers are handed over inside the graph by default
+(:mod:`moecache.moe.handoff`; the time the host spends answering them, spins on the GPU's posts
+included, is the "handoff" row); ``--cut`` ends the graph at each such layer instead (the "cut" row).
+
+    python bench/cpu_moe_step.py -m /tmp/q30.gguf -n 32 [--load-mode pin] [-t 16] [--cut]
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ def main() -> None:
     ap.add_argument("-t", type=int, default=0, help="CPU threads (0 = physical cores minus one, as the moecache "
                     "command resolves -t with one GPU; active waiting needs that free core)")
     ap.add_argument("--load-mode", default="pin", choices=("pin", "mmap"))
-    ap.add_argument("--no-graph", action="store_true", help="decode op by op (no CUDA-graph segments)")
+    ap.add_argument("--no-graph", action="store_true", help="decode op by op (no CUDA graph)")
+    ap.add_argument("--cut", action="store_true", help="end the graph at each CPU-expert layer (graph segments) "
+                    "instead of the host handoff inside it")
     a = ap.parse_args()
     from moecache.threads import openmp_wait_for_args
 
@@ -104,11 +110,17 @@ def main() -> None:
         orig_cut(self, stream)
         acc["cut: sync + copies (graph)"] += time.perf_counter() - t0
 
+    def timed_serve(self):  # the host handoff: spins on the GPU's posts + the answers
+        t0 = time.perf_counter()
+        orig_serve(self)
+        acc["handoff: spins + answers (graph)"] += time.perf_counter() - t0
+
     orig_cut = cuda_graph._Cut.run if cuda_graph is not None else None
+    orig_serve = cuda_graph._HandoffExperts.serve if cuda_graph is not None else None
 
     cfg = EngineConfig(n_ctx=a.c, n_ubatch=512, cache_type="f16", n_threads=a.t)
     rng = np.random.default_rng(0)
-    with Engine(a.model, cfg, log=print, load_mode=a.load_mode, cuda_graph=not a.no_graph,
+    with Engine(a.model, cfg, log=print, load_mode=a.load_mode, cuda_graph=not a.no_graph, graph_handoff=not a.cut,
                 placement=PlacementOptions(n_gpu_layers=99, cpu_moe=True, moe_cache=0)) as eng:
         vocab = eng.gguf.config.n_vocab
         for _ in range(4):
@@ -119,12 +131,14 @@ def main() -> None:
         cpu._moe_kernel = timed_kernel_factory
         if cuda_graph is not None:
             cuda_graph._Cut.run = timed_cut
+            cuda_graph._HandoffExperts.serve = timed_serve
         toks = rng.integers(0, vocab, a.n)
         t0 = time.perf_counter()
         for t in toks:
             eng.eval([int(t)])
         wall = time.perf_counter() - t0
-        mode = "CUDA-graph segments" if eng.model.decode_graph is not None else "op by op"
+        mode = "op by op" if eng.model.decode_graph is None else \
+            "CUDA graph, graph segments" if a.cut else "CUDA graph, host handoff"
         acc_steps, kern_steps, calls_steps = dict(acc), kern[0], calls[0]
         # the same kernel back to back on one layer's experts (random routing, no GPU between calls)
         b2b = None
@@ -147,8 +161,9 @@ def main() -> None:
     layers = calls[0] / n
     print(f"\n{a.model.name}: {n} decode steps, {layers:.0f} CPU-expert layers per step, {numba.get_num_threads()} "
           f"threads, load mode {a.load_mode}, {mode}")
-    if "cut: sync + copies (graph)" in acc:  # the kernel's time is inside the cut's
-        acc["cut: sync + copies (graph)"] -= acc["moe_ffn_routed (Python + compiled)"]
+    for k in ("cut: sync + copies (graph)", "handoff: spins + answers (graph)"):
+        if k in acc:  # the kernel's time is inside the cut's or the handoff's
+            acc[k] -= acc["moe_ffn_routed (Python + compiled)"]
     print(f"wall {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} t/s)")
     rest = wall - sum(acc.values())
     rows = [*acc.items(), ("  of it the compiled kernel", kern[0]), ("rest (dense ops, launches, sampling)", rest)]

@@ -172,6 +172,14 @@ class Engine:
             lone slot needs no capture of its own); False = those steps run op by op (H200,
             Qwen3-30B-A3B shape, all on the GPU: 8 sequences 8.5 ms per step against 18.6 ms op by
             op, ``bench/batch_steps.py``).
+        graph_handoff: in a decode graph, layers whose routed experts the CPU computes (``--cpu-moe``,
+            ``-ncmoe``) hand them over inside the graph (:mod:`moecache.moe.handoff`: the GPU posts
+            the layer's input to page-locked memory and waits for the CPU's sum); False = the graph
+            ends at each such layer and a new segment starts after it (a sync and copies from
+            Python per layer); batched steps with such layers then run op by op.
+        miss_split: the expert caches' decode graphs hand a share of each layer's misses to the CPU
+            (:class:`moecache.moe.cache.CachedExperts`; needs the zero-copy path); off by default
+            until its speed is measured (``--miss-split``).
         load_mode: "mmap" (weights read from the mapped file) or "pin" (copied into page-locked RAM
             at load, :func:`moecache.load_mode.pin_model`; ``pin_progress`` sees the copy).
         policy_config: the expert cache's policy knobs (default :class:`PolicyConfig`; the CLI
@@ -213,7 +221,7 @@ class Engine:
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
                  policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True,
                  batch_graph: bool = True, gpu_prompt_q8: bool = False, prefetch_experts: bool = False,
-                 cpu_act_q8: bool | None = None):
+                 cpu_act_q8: bool | None = None, graph_handoff: bool = True, miss_split: bool = False):
         config.validate()
         self.log = log or (lambda s: None)
         self.config = config
@@ -233,6 +241,7 @@ class Engine:
         self.gpu_prompt_q8 = gpu_prompt_q8
         self.cpu_act_q8 = cpu_act_q8
         self.prefetch_experts = prefetch_experts
+        self.miss_split = miss_split
         try:
             if load_mode not in LOAD_MODES:
                 raise ValueError(f"load_mode must be {' or '.join(LOAD_MODES)}, got {load_mode!r}")
@@ -253,7 +262,10 @@ class Engine:
                 self.model = self._place(placement)
                 self.backend = self.model.output_be
                 if self.placement is not None and self.placement.devices:
-                    self._decode_graph(cuda_graph, batch_graph)
+                    self._decode_graph(cuda_graph, batch_graph, graph_handoff)
+                    if any(c.handoff is not None for c in self.caches) and self.model.decode_graph is None:
+                        self.log("note: --miss-split has no effect: the misses are split inside CUDA-graph decode "
+                                 "steps, and this run decodes op by op")
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             if config.n_batch < min(config.n_ubatch, self.n_ctx):
                 self.log(f"note: -ub {config.n_ubatch} is more than -b {config.n_batch}: {self.n_ubatch} "
@@ -333,7 +345,8 @@ class Engine:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
                                   pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
-                                  vram_limit=opts.vram_budget or None, log=self.log, act_q8=cpu_q8)
+                                  vram_limit=opts.vram_budget or None, log=self.log, act_q8=cpu_q8,
+                                  miss_split=self.miss_split)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")
@@ -345,14 +358,14 @@ class Engine:
                 experts.executors[il] = cache
         return build_model(self.gguf, layer_bes[0], experts, layer_bes, bes[pl.output_device], pass_hooks=self.caches)
 
-    def _decode_graph(self, wanted: bool, batched: bool = False) -> None:
+    def _decode_graph(self, wanted: bool, batched: bool = False, handoff: bool = True) -> None:
         if getattr(self.model.output_be, "name", "") != "cuda":
             return  # graphs are a CUDA feature; nothing to say on other backends
         from moecache.backends.cuda_graph import DecodeGraph, eligible
 
         why = eligible(self.model) if wanted else "disabled"
         if why is None:
-            self.model.decode_graph = DecodeGraph(self.model, self.log, batched=batched)
+            self.model.decode_graph = DecodeGraph(self.model, self.log, batched=batched, handoff=handoff)
         elif wanted:
             self.log(f"note: decode steps run op by op, not as a CUDA graph ({why})")
 

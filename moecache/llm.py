@@ -57,6 +57,7 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
                                       ("--moe-cache-window", settings.moe_cache_window is not None),
                                       ("--moe-cache-stats", bool(settings.moe_cache_stats)),
                                       ("--deterministic", bool(settings.deterministic)),
+                                      ("--miss-split", bool(settings.miss_split)),
                                       ("--moe-profile", settings.moe_profile is not None)) if given]
     moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
                                     ("--n-cpu-moe", bool(placement.n_cpu_moe))) if given]
@@ -267,7 +268,7 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         compiled = counting.enter_context(count_compiles())  # the load's and the warm-up's compilations
         eng = Engine(gguf, res.engine_config(), log=once, placement=res.placement, load_mode=res.load_mode,
                      pin_progress=pin_progress() if pin_progress is not None and res.load_mode == "pin" else None,
-                     policy_config=res.policy)
+                     policy_config=res.policy, miss_split=bool(settings.miss_split))
     except BaseException:
         counting.close()
         gguf.close()

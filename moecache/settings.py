@@ -103,6 +103,8 @@ class Settings:
             into the expert cache at start and add to at exit (None: the model's file under
             ``~/.cache/moecache/profiles/``).
         no_moe_profile: ``--no-moe-profile``: neither load nor save one.
+        miss_split: ``--miss-split``: the expert cache's decode graphs hand a share of each layer's
+            misses to the CPU (``Engine(miss_split=True)``; opt-in, not measured on a GPU yet).
     """
 
     n_ctx: int | None = None
@@ -128,6 +130,7 @@ class Settings:
     deterministic: bool | None = None
     moe_profile: str | None = None
     no_moe_profile: bool = False
+    miss_split: bool = False
 
     def check(self) -> None:
         """Every check that needs neither the model nor the machine.

@@ -1001,3 +1001,137 @@ def test_prompt_passes_run_under_the_backends_budget_guard(model_path):
                 cache.close()
                 assert not cache._guard.on
             cache.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_miss_split_twin_gives_the_zero_copy_output(model_path, seed):
+    """--miss-split in the CPU twin (the inline handoff): up to ncpu misses of each token go to the
+    CPU kernel from host RAM, the rest of the misses and the hits to the backend, summed. Slots hold
+    the *next* expert's bytes (as in the zero-copy test above): the output equals the all-CPU one with
+    hits shifted only if every hit is still read from its slot and every miss, on either side, from
+    the host; the CPU's pair count is the split rule's."""
+    from moecache.moe.handoff import split_pairs
+    from moecache.moe.routing import Routing
+
+    print("seed", seed)
+    rng = np.random.default_rng(200 + seed)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = int(rng.integers(2, c.n_layer * c.n_expert // 2))
+        cache = CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(c.n_layer, c.n_expert, n_slots, NEVER), 32,
+                              zero_copy=True, top_k=c.n_expert_used, miss_split=True)
+        assert cache.handoff is not None and cache.handoff.inline
+        pairs = [(int(p) // c.n_expert, int(p) % c.n_expert)
+                 for p in rng.choice(c.n_layer * c.n_expert, n_slots, replace=False)]
+        _fill(cache, ew, [(il, (e + 1) % c.n_expert) for il, e in pairs])
+        cache.slot_of[:] = -1
+        for s, (il, e) in enumerate(pairs):
+            cache.slot_of[il, e] = s
+        cache._map_dirty = True
+        n_cpu = int(rng.integers(1, c.n_expert_used + 1))
+        cache.split.ncpu[:] = n_cpu
+        cache._ncpu_dirty = True
+        ref_ex = CPUExperts(ew, NumpyBackend())
+        t = int(rng.integers(1, 5))
+        cache.begin_pass(t)
+        np.testing.assert_array_equal(cache._ncpu_dev, n_cpu)
+        want_cpu = 0
+        for il in ew:
+            h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+            r = topk_routing(rng.dirichlet(np.ones(c.n_expert), t).astype(np.float32), c.n_expert_used, True)
+            hit = cache.slot_of[il][r.ids] >= 0
+            shifted = Routing(np.where(hit, (r.ids + 1) % c.n_expert, r.ids).astype(np.int32), r.weights)
+            np.testing.assert_allclose(cache(il, h, r), ref_ex(il, h, shifted), rtol=1e-5, atol=1e-6)
+            want_cpu += int((split_pairs(r.ids, cache.slot_of[il], n_cpu)[0] >= 0).sum())
+        cache.launched()
+        cache.end_pass()
+        assert want_cpu > 0 and cache.stats.cpu_misses == want_cpu
+        cache.launched()
+        assert cache.stats.hits + cache.stats.misses == len(ew) * t * c.n_expert_used
+        cache.close()
+
+
+class _ThreadHandoff:
+    """The GPU's side of a replayed graph with the miss split, played by a test thread: the cache's
+    replay road (serve in launched(), the controller in end_pass) without a GPU."""
+
+    inline = False
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.seq = 0
+
+    def go(self, seq, stream=None):
+        self.seq = seq
+
+
+def test_miss_split_replay_road_serves_only_layers_with_a_share(model_path):
+    """A replayed pass (no layer called op by op) with the miss split: launched() answers the posts
+    of the layers whose share is non-zero, in order, with the layer's own experts; end_pass() counts
+    the CPU's pairs, refits the shares, and raises when the GPU gave up waiting."""
+    import threading
+
+    from moecache.errors import MoecacheError
+    from moecache.moe.handoff import HandoffBuffers
+    from moecache.moe.routing import Routing
+
+    rng = np.random.default_rng(7)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        k = c.n_expert_used
+        cache = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, NEVER), 32,
+                              zero_copy=True, top_k=k, miss_split=True)
+        buf = HandoffBuffers.allocate(c.n_layer, 16, c.n_embd, k)
+        cache.handoff = _ThreadHandoff(buf)
+        layers = sorted(cache.cached_layers)
+        cache._split_layers = list(layers)  # as a capture records them
+        served = layers[1]
+        cache.split.ncpu[:] = 0
+        cache.split.ncpu[served] = 2
+        cache._ncpu_dirty = True
+        cache.begin_pass(1)
+        assert cache._serve == [served] and cache._replayed_split()
+        h = rng.standard_normal((1, c.n_embd)).astype(np.float32)
+        ids = np.full((1, k), -1, np.int32)
+        ids[0, -2:] = rng.choice(c.n_expert, 2, replace=False)
+        w = rng.random((1, k)).astype(np.float32)
+        got = {}
+
+        def gpu():
+            for il in layers:  # every layer posts; only the served one has pairs for the CPU
+                if il == served:
+                    buf.h[:1], buf.ids[:1], buf.w[:1] = h, ids, w
+                buf.count[il] = 2 if il == served else 0
+                buf.n_miss[il] = 3
+                buf.n_tok[il] = 1
+                buf.wait_ns[il] = 0
+                buf.flag[il] = cache.handoff.seq
+                if il == served:
+                    while buf.done[il] < cache.handoff.seq:
+                        pass
+                    got[il] = buf.out[:1].copy()
+
+        th = threading.Thread(target=gpu)
+        th.start()
+        cache.launched()
+        th.join(10)
+        assert not th.is_alive() and list(got) == [served]
+        ref = CPUExperts(ew, NumpyBackend())(served, h, Routing(np.where(ids >= 0, ids, 0).astype(np.int32),
+                                                                 np.where(ids >= 0, w, 0).astype(np.float32)))
+        np.testing.assert_allclose(got[served], ref, rtol=1e-5, atol=1e-6)
+        calm = cache.split.calm.copy()
+        cache.end_pass()
+        assert cache.stats.cpu_misses == 2
+        others = [il for il in layers if il != served]
+        assert (cache.split.calm[others] == calm[others] + 1).all()  # misses left to the GPU, no wait
+        # a pass in which the GPU stopped waiting: the error surfaces at its end
+        cache.begin_pass(1)
+        buf.count[:] = 0
+        buf.flag[:] = cache.handoff.seq
+        cache.launched()
+        buf.err[0] = served + 1
+        with pytest.raises(MoecacheError, match=f"layer {served}"):
+            cache.end_pass()
+        cache.close()

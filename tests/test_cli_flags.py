@@ -294,7 +294,7 @@ def test_bench_without_ub_takes_the_resolved_ubatch(tiny, monkeypatch):
 
 # ---- flags that cannot take effect say so, once ------------------------------------------------------------------
 CACHE_FLAGS = ["--moe-cache", "12GB", "--vram-budget", "8GiB", "--moe-cache-stats", "4", "--moe-cache-window", "8",
-               "--deterministic", "--n-cpu-moe", "2"]
+               "--deterministic", "--miss-split", "--n-cpu-moe", "2"]
 
 
 def test_cache_flags_on_a_cpu_only_run_are_said_once(tiny):
@@ -303,7 +303,7 @@ def test_cache_flags_on_a_cpu_only_run_are_said_once(tiny):
     notes = [ln for ln in r.output.splitlines() if "ignored" in ln]
     assert len(notes) == 1 and "CPU only" in notes[0], r.output
     for f in ("--moe-cache", "--vram-budget", "--moe-cache-stats", "--moe-cache-window", "--deterministic",
-              "--n-cpu-moe"):
+              "--miss-split", "--n-cpu-moe"):
         assert f in notes[0]
     quiet = runner.invoke(app, ["run", "-m", str(tiny), "-p", "x", "-n", "2", "--temp", "0", "-ngl", "0"])
     assert quiet.exit_code == 0 and "ignored" not in quiet.output
@@ -357,9 +357,10 @@ def test_cache_flags_on_a_dense_model_are_said(tiny_dense, tmp_path):
 
 def test_bench_says_an_ignored_flag_once_over_its_combinations(tiny):
     r = runner.invoke(app, ["bench", "-m", str(tiny), "-p", "0", "-n", "1", "-r", "1", "-ngl", "0",
-                            "--moe-cache", "1GiB,2GiB", "-o", "json"])
+                            "--moe-cache", "1GiB,2GiB", "--miss-split", "-o", "json"])
     assert r.exit_code == 0, r.output
-    assert sum("ignored" in ln for ln in r.output.splitlines()) == 1
+    notes = [ln for ln in r.output.splitlines() if "ignored" in ln]
+    assert len(notes) == 1 and "--moe-cache" in notes[0] and "--miss-split" in notes[0], r.output
 
 
 def test_ignored_flag_notes_on_a_gpu_run():

@@ -946,11 +946,13 @@ def test_cuda_graph_decode_equals_op_by_op(gpu, tmp_path):
             assert b.model.decode_graph.failed is None and b.model.decode_graph.replays >= 50
 
 
+@pytest.mark.parametrize("handoff", [True, False])
 @pytest.mark.parametrize("placement", [dict(cpu_moe=True), dict(n_cpu_moe=1)])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-olmoe"])
-def test_cuda_graph_decode_with_cpu_experts_equals_op_by_op(gpu, tmp_path, preset, placement):
-    """--cpu-moe / -ncmoe: the decode graph is cut at every CPU-expert layer (segments replayed
-    around the Numba kernel) and gives the op-by-op logits at every position, after a reset too."""
+def test_cuda_graph_decode_with_cpu_experts_equals_op_by_op(gpu, tmp_path, preset, placement, handoff):
+    """--cpu-moe / -ncmoe: CPU-expert layers handed over inside the decode graph (handoff, the
+    default) or the graph cut at each of them (segments replayed around the Numba kernel); either
+    gives the op-by-op logits at every position, after a reset too."""
     from moecache.backends.cuda_graph import host_expert_layers
     from moecache.engine import Engine, EngineConfig
     from moecache.placement import PlacementOptions
@@ -962,7 +964,7 @@ def test_cuda_graph_decode_with_cpu_experts_equals_op_by_op(gpu, tmp_path, prese
     tokens = np.random.default_rng(5).integers(0, 200, 24)
     opts = PlacementOptions(n_gpu_layers=99, moe_cache=0, **placement)
     with Engine(path, EngineConfig(n_ctx=64), placement=opts, cuda_graph=False) as a, \
-            Engine(path, EngineConfig(n_ctx=64), placement=opts) as b:
+            Engine(path, EngineConfig(n_ctx=64), placement=opts, graph_handoff=handoff) as b:
         host = host_expert_layers(b.model)
         assert a.model.decode_graph is None and b.model.decode_graph is not None and host
         for rep in range(2):
@@ -973,7 +975,67 @@ def test_cuda_graph_decode_with_cpu_experts_equals_op_by_op(gpu, tmp_path, prese
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=preset)
         g = b.model.decode_graph
         assert g.failed is None and g.replays >= 38
-        assert len(g._cap.cuts) == len(g._cap.segments) == len(host)
+        if handoff:
+            hf = g._cap.handoff
+            assert not g._cap.cuts and not g._cap.segments
+            assert hf.layers == sorted(host) and hf.seq >= 19
+            assert (hf.hf.buf.done[hf.layers] == hf.seq).all() and hf.hf.buf.err[0] == 0
+        else:
+            assert g._cap.handoff is None and len(g._cap.cuts) == len(g._cap.segments) == len(host)
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_handoff_kernels_split_post_and_add(gpu, t):
+    """handoff_post / handoff_wait of ops.cu against the host module's rule (split_pairs) and a
+    host answer: the CPU's pairs and rows reach the page-locked buffers, the GPU's pairs come back
+    with -1 for the CPU's, and the host's sum is added to (or copied into) the output."""
+    from moecache.backends.handoff_cuda import CudaHandoff
+    from moecache.moe import handoff
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    be = gpu
+    n_layer, n_embd, k, n_exp = 4, 64, 8, 32
+    hf = CudaHandoff(be, n_layer, 16, n_embd, k)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for seq, (il, n_cpu, use_map, add) in enumerate([(1, 2, True, True), (3, 0, True, True), (0, 8, False, False),
+                                                      (2, 3, True, False)], start=1):
+        ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
+        w = rng.random((t, k)).astype(np.float32)
+        h = rng.standard_normal((t, n_embd)).astype(np.float32)
+        slot_map = np.where(rng.random(n_exp) < 0.5, rng.integers(0, 9, n_exp), -1).astype(np.int32)
+        ncpu = np.full(n_layer, n_cpu, np.int32)
+        base = rng.standard_normal((t, n_embd)).astype(np.float32)
+        want_cpu, want_gpu = handoff.split_pairs(ids, slot_map if use_map else None, n_cpu)
+        got = {}
+
+        def compute(il_, hh, cids, ww, out):
+            got.update(il=il_, h=hh.copy(), ids=cids.copy(), w=ww.copy())
+            out[...] = hh * 2 + il_
+
+        with stream:
+            hf.go(seq, stream)
+            gids = hf.post(il, cp.asarray(h), cp.asarray(ids), cp.asarray(w),
+                           cp.asarray(slot_map) if use_map else None, cp.asarray(ncpu) if use_map else None)
+            out = hf.wait(il, cp.asarray(base), add=add)
+            n = handoff.serve(hf.buf, [il], seq, compute, timeout_s=20)
+            res = out.get()
+        handoff.check(hf.buf)
+        if use_map:
+            np.testing.assert_array_equal(gids.get(), want_gpu)
+        else:
+            assert gids is None
+        if (want_cpu >= 0).any():
+            assert n == 1 and got["il"] == il
+            np.testing.assert_array_equal(got["ids"], want_cpu)
+            np.testing.assert_array_equal(got["w"], w)
+            np.testing.assert_array_equal(got["h"], h)
+            cpu_part = h * 2 + il
+        else:
+            assert n == 0 and not got
+            cpu_part = np.zeros_like(h)
+        np.testing.assert_allclose(res, (base if add else 0) + cpu_part, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("preset,n_ctx,n_prompt", [("tiny", 600, 280), ("tiny-llama", 1200, 1012)])
@@ -1095,7 +1157,7 @@ def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, **engine_kw)
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 
-@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged", "pin-ahead"])
+@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged", "pin-ahead", "pin-split"])
 def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
@@ -1107,15 +1169,22 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     prompt_group_ahead; pin-ahead: with it (on by default since the eighteenth session: the next
     layer's first group copied during this layer, into the group buffer kept free for it); the
     first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
-    last prompt reads the resident experts in their slots."""
+    last prompt reads the resident experts in their slots. pin-split: miss_split, with the CPU held
+    at two misses per token (never judged late), so the graph's handoffs run on every layer."""
     stage = load_mode == "pin-staged"
     ahead = load_mode == "pin-ahead"
-    load_mode = load_mode.removesuffix("-staged").removesuffix("-ahead")
+    split = load_mode == "pin-split"
+    load_mode = load_mode.removesuffix("-staged").removesuffix("-ahead").removesuffix("-split")
     from moecache.moe.policy import PolicyConfig
 
     rng = np.random.default_rng(5)
-    with _cache_pair(tmp_path, 21, load_mode, PolicyConfig(**CHURN), stage_misses=stage) as (ref, eng):
+    with _cache_pair(tmp_path, 21, load_mode, PolicyConfig(**CHURN), stage_misses=stage, miss_split=split) as (ref, eng):
         cache = eng.caches[0]
+        assert (cache.handoff is not None) == split
+        if split:
+            cache.split.ncpu[:] = 2
+            cache.split.late_ns = 10**15
+            cache._ncpu_dirty = True
         cache.prompt_stacks = False  # the groups, the default (the stacks: test_prompt_stacks_on_the_gpu_match_cpu)
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         cache.prompt_group_ahead = ahead
@@ -1145,6 +1214,9 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         assert s.hits > 0 and s.misses > 0 and s.uploads > eng.placement.cache_slots[0][1]
         if stage:  # the scratch starts zeroed: staged misses wrote into it
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
+        if split:  # the replays handed misses to the CPU on every cached layer
+            assert s.cpu_misses > 0 and cache._split_layers == sorted(cache.cached_layers)
+            assert cache.handoff.buf.err[0] == 0
         if load_mode == "pin":
             assert eng.model.decode_graph.failed is None and eng.model.decode_graph.replays >= 40
         # a new sequence's prompt with the resident experts read in their slots (the cache
@@ -1323,33 +1395,86 @@ def test_a_closed_cache_leaves_no_slot_copy_in_flight(gpu, tmp_path):
         assert all(not bool(a.any()) for a in new)
 
 
+def _pinned_q4k_layer(rng, n_exp: int, ff: int, d: int):
+    """A layer's Q4_K experts (gate, up (n_exp, ff, d); down (n_exp, d, ff)) in page-locked memory,
+    five of them resident in the first slots of a pool with two garbage slots after: (host arrays,
+    slot map int32 (n_exp,), pool as device arrays, the resident experts)."""
+    import cupy as cp
+    import cupyx
+
+    from moecache.quants.formats import FORMATS
+    from moecache.quants.random_blocks import random_rows
+
+    host = []
+    for rows, n_in in ((ff, d), (ff, d), (d, ff)):
+        w = np.stack([random_rows(FORMATS["Q4_K"], rows, n_in, rng, std=0.05) for _ in range(n_exp)])
+        pinned = cupyx.empty_pinned(w.shape, np.uint8)
+        pinned[...] = w
+        host.append(pinned)
+    slot_map = np.full(n_exp, -1, np.int32)
+    resident = rng.choice(n_exp, 5, replace=False)
+    slot_map[resident] = np.arange(5)
+    pool = tuple(cp.asarray(np.concatenate([a[resident], np.full((2, *a.shape[1:]), 0xFF, np.uint8)])) for a in host)
+    return host, slot_map, pool, resident
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("act_q8", [False, True])
+def test_pairs_of_no_expert_add_nothing_in_moe_ffn_cached(gpu, act_q8, staged):
+    """moe_ffn_cached with some pairs of id -1 (the host handoff gives those to the CPU): the result
+    equals the same routing with those pairs' weights 0, hits and misses among the rest, and the
+    CPU twin (NumpyBackend.moe_ffn_cached) agrees."""
+    import cupy as cp
+
+    from moecache.backends import NumpyBackend
+    from moecache.backends.cupy_backend import CupyBackend
+    from moecache.moe.routing import Routing
+    from moecache.quants.formats import FORMATS
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    fmt, n_exp, ff, d, k, t = FORMATS["Q4_K"], 12, 256, 512, 4, 3
+    host, slot_map, pool, _ = _pinned_q4k_layer(rng, n_exp, ff, d)
+    be = CupyBackend(0, act_q8=act_q8)
+    scratch = tuple(cp.full((t * k, *a.shape[1:]), 0xFF, cp.uint8) for a in host) if staged else None
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
+    wts = rng.dirichlet(np.ones(k), t).astype(np.float32)
+    none = rng.random((t, k)) < 0.4
+    none[0, 0] = True
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    types = (fmt.ggml_type,) * 3
+    smap = cp.asarray(slot_map)
+
+    def run(i, w_):
+        return be.moe_ffn_cached(pool, types, Routing(cp.asarray(i), cp.asarray(w_)), cp.asarray(h), "silu", smap,
+                                 tuple(host), scratch).get()
+
+    got = run(np.where(none, -1, ids).astype(np.int32), wts)
+    want = run(ids, np.where(none, 0.0, wts).astype(np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    twin = NumpyBackend(act_q8=act_q8).moe_ffn_cached(
+        tuple(np.asarray(a.get()) for a in pool), types, Routing(np.where(none, -1, ids).astype(np.int32), wts), h,
+        "silu", slot_map, tuple(host), tuple(np.zeros(a.shape, np.uint8) for a in scratch) if staged else None)
+    assert np.linalg.norm(got - twin) / np.linalg.norm(twin) < (1e-3 if act_q8 else 1e-4)
+
+
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("act_q8", [False, True])
 def test_staged_misses_give_the_same_output_as_direct_reads(gpu, t, act_q8):
     """moe_ffn_cached with the stage_misses copy kernel against direct zero-copy reads and the CPU:
     Qwen3-30B-shaped Q4_K experts (2048 x 768) in page-locked memory, a random slot map."""
     import cupy as cp
-    import cupyx
 
     from moecache.backends.cupy_backend import CupyBackend
     from moecache.moe.routing import Routing
     from moecache.quants import cpu
     from moecache.quants.formats import FORMATS
-    from moecache.quants.random_blocks import random_rows
 
     rng = np.random.default_rng(40 + t)
     fmt, n_exp, ff, d, k = FORMATS["Q4_K"], 12, 768, 2048, 4
-    host = []
-    for rows, n_in in ((ff, d), (ff, d), (d, ff)):
-        w = np.stack([random_rows(fmt, rows, n_in, rng, std=0.05) for _ in range(n_exp)])
-        pinned = cupyx.empty_pinned(w.shape, np.uint8)
-        pinned[...] = w
-        host.append(pinned)
+    host, slot_map, pool, resident = _pinned_q4k_layer(rng, n_exp, ff, d)
     be = CupyBackend(0, act_q8=act_q8)
-    slot_map = np.full(n_exp, -1, np.int32)
-    resident = rng.choice(n_exp, 5, replace=False)
-    slot_map[resident] = np.arange(5)
-    pool = tuple(cp.asarray(np.concatenate([a[resident], np.full((2, *a.shape[1:]), 0xFF, np.uint8)])) for a in host)
     scratch = tuple(cp.full((2 * k, *a.shape[1:]), 0xFF, cp.uint8) for a in host)
     others = np.setdiff1d(np.arange(n_exp), resident)
     ids = np.stack([rng.permutation(np.concatenate([rng.choice(resident, 2, replace=False),
@@ -1394,7 +1519,8 @@ def test_f16_kv_cache_on_the_gpu_matches_the_cpu_twin(gpu, tmp_path):
 
 
 @pytest.mark.parametrize("preset,placement", [("tiny", {}), ("tiny-gemma3", {}),
-                                              ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 1})])
+                                              ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 1}),
+                                              ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 0})])
 def test_batched_decode_graphs_equal_each_sequence_alone(gpu, tmp_path, preset, placement):
     """Batched decode steps replayed as CUDA graphs (Engine batch_graph=True; one graph per batch
     size, any slots): slots join and leave between steps (batches of 3, 2, 1 and 3 again, in other

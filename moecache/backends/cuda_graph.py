@@ -18,14 +18,20 @@ the launch on the graph's stream, the host's policy work while the graph runs). 
 op-by-op decoding would get), copied into persistent device buffers the captured layers read; the
 next pass is drawn on the host while the current replay runs (``draw_ahead``).
 
-Routed experts computed on the CPU (``--cpu-moe``, ``-ncmoe``: :class:`CPUExperts` layers) cut
-the step into segments: the capture ends where such a layer's experts are called and a new one
-begins after them, reading the experts' sum from a persistent device buffer. A replay launches
-segment k, copies the layer's input and routing to page-locked host buffers (one synchronisation),
-runs the Numba kernel into a page-locked result buffer, queues its upload and launches segment k+1:
-the host work per layer is one sync and three small copies instead of every dense op's launch
-from Python (H200 machine, Qwen3-30B-A3B-shaped model, ``bench/cpu_moe_step.py``: ~0.4 ms of
-op-by-op launches per layer before).
+Routed experts computed on the CPU (``--cpu-moe``, ``-ncmoe``: :class:`CPUExperts` layers) stay
+inside the graph by default (``handoff``, :mod:`moecache.moe.handoff`): such a layer is captured as
+two kernels, one posting the layer's input and routing to page-locked host buffers and raising a
+flag, one waiting for the host's flag and copying the experts' sum back. A replay launches the whole
+graph, and the launching thread answers the posts in step order with the Numba kernel. H200
+machine, Qwen3-30B-A3B-shaped model, ``bench/cpu_moe_step.py``: 25.25 ms per token against 28.35
+ms with cuts, the host's time outside the kernel 65 us per layer against 84, and most of those 65
+us is the GPU's own work on the layer (attention, router), which the host waits for either way.
+With ``handoff=False`` the step is cut into segments instead: the capture ends where such a layer's
+experts are called and a new one begins after them, reading the experts' sum from a persistent
+device buffer; a replay launches segment k, copies the layer's input and routing to page-locked
+host buffers (one synchronisation), runs the Numba kernel into a page-locked result buffer, queues
+its upload and launches segment k+1. Batched steps with CPU-expert layers replay graphs only with
+the handoff.
 
 A capture that fails (an operation that needs the host mid-step) is said once and the steps run op
 by op from then on.
@@ -34,9 +40,9 @@ Batched decode steps (``batched=True``; continuous batching of serve's slots): B
 slices of one KV cache (:meth:`moecache.engine.Engine.sequences`), one token each, replay a graph
 captured once per B for any B of those sequences: the token ids, positions and each token's first
 KV row (``kv_base``) are persistent device buffers, so slots may join and leave between steps
-without a new capture (a new one when the slots are cut to another size). Layers whose experts the
-CPU computes, and batches the decode kernels or the expert cache's zero-copy path do not take, run
-op by op. Each batch size's graph keeps a private memory pool (its activations and logits, a few MB
+without a new capture (a new one when the slots are cut to another size). Batches the decode
+kernels or the expert cache's zero-copy path do not take run op by op, and so do batches with
+CPU-expert layers when the handoff is off. Each batch size's graph keeps a private memory pool (its activations and logits, a few MB
 per token); these are not counted in ``--vram-budget``. On by default (``Engine(batch_graph=...)``);
 H200, Qwen3-30B-A3B shape, all on the GPU, distinct tokens: 8 sequences take 8.5 ms per step
 against 18.6 ms op by op (``bench/batch_steps.py``).
@@ -67,6 +73,7 @@ class _Captured:
     cuts: list = None  # _Cut per CPU-expert layer, in step order
     base: cp.ndarray | None = None  # batched steps: each token's first KV row, int32 (B,)
     n_ctx: int = 0  # batched steps: the rows of each sequence (the attention grids follow it)
+    handoff: "_HandoffExperts | None" = None  # CPU-expert layers handed over inside the graph
 
 
 @dataclass
@@ -132,6 +139,53 @@ class _CutExperts:
         return out
 
 
+class _HandoffExperts:
+    """The experts' executor while a step is captured with the host handoff
+    (:mod:`moecache.moe.handoff`): a CPU-expert layer becomes two kernels in the graph (post the
+    layer's input and routing to page-locked buffers, wait for the CPU's sum); the replay's host
+    answers the posts (:meth:`serve`). Every other layer is captured as usual."""
+
+    def __init__(self, experts: Any, host: dict[int, Any], be: Any, n_tok: int, cfg: Any):
+        from moecache.backends.handoff_cuda import CudaHandoff
+
+        self.experts, self.host = experts, host
+        # made before the capture: its device counters are zeroed by kernels a capture would record
+        self.hf = CudaHandoff(be, cfg.n_layer, n_tok, cfg.n_embd, cfg.n_expert_used)
+        self.layers: list[int] = []  # CPU-expert layers in step order
+        self.seq = 0
+
+    def __call__(self, il: int, h: Any, routing: Any) -> Any:
+        if il not in self.host:
+            return self.experts(il, h, routing)
+        self.hf.post(il, h, routing.ids, routing.weights)
+        self.layers.append(il)
+        return self.hf.wait(il, cp.empty(h.shape, cp.float32), add=False)
+
+    def go(self, stream: cp.cuda.Stream) -> None:
+        """Before a replay's launch: the next pass number, on ``stream``."""
+        self.seq += 1
+        self.hf.go(self.seq, stream)
+
+    def serve(self) -> None:
+        """After the launch: answer the pass's posts in step order (raises MoecacheError when the
+        GPU does not post within the timeout)."""
+        from moecache.moe import handoff
+        from moecache.moe.routing import Routing
+
+        host = self.host
+
+        def compute(il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+            host[il].compute_host(il, h, Routing(ids, w), out)
+
+        handoff.serve(self.hf.buf, self.layers, self.seq, compute)
+
+    def check(self) -> None:
+        """After the pass's end: raise when the GPU stopped waiting for an answer."""
+        from moecache.moe import handoff
+
+        handoff.check(self.hf.buf)
+
+
 class _Routes:
     """A routing process's choices for one decode step of ``n`` tokens, in persistent device buffers
     that the captured graph reads: ids int32 and weights float32, (n_layer, n, k)."""
@@ -179,15 +233,19 @@ class DecodeGraph:
             on ``model.output_be``.
         log: where the one-line note of a failed capture goes.
         batched: also replay batched steps (:meth:`run_seqs`, the module docstring says how).
+        handoff: CPU-expert layers are handed to the host inside the graph; False = the graph is
+            cut at each of them (segments).
     """
 
-    def __init__(self, model: Any, log: Callable[[str], None] | None = None, batched: bool = False):
+    def __init__(self, model: Any, log: Callable[[str], None] | None = None, batched: bool = False,
+                 handoff: bool = True):
         self.be = model.output_be
+        self.handoff = handoff  # CPU-expert layers inside the graph (else: cuts between segments)
         self.log = log or (lambda s: None)
         self.failed: str | None = None
         self._cap: _Captured | None = None
         self.replays = 0
-        self.host_layers = host_expert_layers(model)  # the cuts between segments
+        self.host_layers = host_expert_layers(model)  # handed to the host (or cuts, without the handoff)
         self.batched = batched
         self.batched_failed: dict[int, str] = {}  # B -> why its capture failed (that B runs op by op)
         self._batched: dict[int, _Captured] = {}  # B -> the capture of B-token steps
@@ -215,8 +273,9 @@ class DecodeGraph:
     def takes_seqs(self, model: Any, kvs: list[Any]) -> bool:
         """Whether :meth:`run_seqs` replays (or captures) a graph for one token of each of ``kvs``:
         batched graphs on, no failed capture of this batch size (nor of the one-token step), no
-        CPU-expert layers or route observers, caches that are slices of one cache, a batch the
-        decode kernels and every pass hook's zero-copy path take."""
+        route observers, CPU-expert layers only with the handoff (and then no routing process or
+        pass hooks), caches that are slices of one cache, a batch the decode kernels and every pass
+        hook's zero-copy path take."""
         return self._shared_if_taken(model, kvs) is not None
 
     def _shared_if_taken(self, model: Any, kvs: list[Any]) -> tuple | None:
@@ -226,7 +285,9 @@ class DecodeGraph:
 
         b = len(kvs)
         if not self.batched or b > DECODE_MAX_TOKENS or b in self.batched_failed or self.failed is not None \
-                or model.route_observers or self.host_layers:
+                or model.route_observers:
+            return None
+        if self.host_layers and (not self.handoff or model.routing_override is not None or model.pass_hooks):
             return None
         if not all(getattr(hk, "takes_zero_copy", lambda n: True)(b) for hk in model.pass_hooks):
             return None
@@ -269,15 +330,21 @@ class DecodeGraph:
                 cap.tok.set(cap.staged[0].astype(np.int64), stream=cap.stream)
                 cap.pos.set(cap.staged[1].astype(np.int32), stream=cap.stream)
                 cap.base.set(cap.staged[2].astype(np.int32), stream=cap.stream)
+            if cap.handoff is not None:
+                cap.handoff.go(cap.stream)
             cap.graph.launch(cap.stream)
             for cut, seg in zip(cap.cuts or (), cap.segments or ()):
                 cut.run(cap.stream)
                 seg.launch(cap.stream)
+            if cap.handoff is not None:
+                cap.handoff.serve()
             for hk in model.pass_hooks:
                 hk.launched()
             if cap.routes is not None:
                 cap.routes.draw_ahead()
             out = cap.out.get(stream=cap.stream)
+            if cap.handoff is not None:
+                cap.handoff.check()
             for hk in model.pass_hooks:
                 hk.end_pass()
         return out
@@ -334,7 +401,11 @@ class DecodeGraph:
 
         host = self.host_layers
         experts = model.experts
-        cutter = _CutExperts(experts, host, stream) if host else None
+        cutter = handing = None
+        if host and self.handoff:
+            handing = _HandoffExperts(experts, host, self.be, n, model.cfg)
+        elif host:
+            cutter = _CutExperts(experts, host, stream)
         model.routing_override = routes  # the captured layers read the persistent buffers
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
@@ -346,8 +417,8 @@ class DecodeGraph:
                 step()  # warm-up on this stream: loads kernels, fills caches (writes this step's KV)
                 stream.synchronize()
                 stream.begin_capture()
-                if cutter is not None:
-                    model.experts = cutter
+                if cutter is not None or handing is not None:
+                    model.experts = cutter or handing
                 try:
                     out = step()
                 finally:
@@ -369,7 +440,8 @@ class DecodeGraph:
             model.routing_override = process
         graphs = [*cutter.graphs, graph] if cutter is not None else [graph]
         return _Captured(kv, graphs[0], stream, pool, tok, posb, out, np.zeros(2, np.int64), routes,
-                         graphs[1:], cutter.cuts if cutter is not None else [])
+                         graphs[1:], cutter.cuts if cutter is not None else [],
+                         handoff=handing if handing is not None and handing.layers else None)
 
 
 def _stale_routes(cap: _Captured, model: Any) -> bool:
@@ -395,7 +467,8 @@ def _capturing(stream: cp.cuda.Stream) -> bool:
 
 def host_expert_layers(model: Any) -> dict[int, Any]:
     """Layer -> its :class:`CPUExperts` executor, for the layers whose routed experts the CPU
-    computes (the cuts between captured segments); empty when there are none."""
+    computes (handed to the host inside the graph, or cuts between captured segments without the
+    handoff); empty when there are none."""
     from moecache.moe.executor import CPUExperts
 
     ex = getattr(model.experts, "executors", None) or {}
@@ -404,8 +477,8 @@ def host_expert_layers(model: Any) -> dict[int, Any]:
 
 def eligible(model: Any) -> str | None:
     """None if ``model`` can replay decode steps as a graph, else the reason it cannot (the
-    experts' executor says for itself: ``graph_capturable``; CPU-expert layers are cuts between
-    segments, not a reason)."""
+    experts' executor says for itself: ``graph_capturable``; CPU-expert layers are handed to the
+    host inside the graph, or cut it into segments, not a reason)."""
     be = model.output_be
     if getattr(be, "name", "") != "cuda":
         return "output not on a GPU"

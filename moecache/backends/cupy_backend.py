@@ -952,6 +952,13 @@ class CupyBackend(ArrayOps):
             if _is_pinned(src):
                 stream.synchronize()
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (False where CuPy cannot say)."""
+        try:
+            return bool(cp.cuda.get_current_stream().is_capturing())
+        except AttributeError:
+            return False
+
     def zero_copy_ok(self, arrays: list[np.ndarray]) -> str | None:
         """None if the GPU can read every host array in place (page-locked: ``--load-mode pin``),
         else the reason it cannot."""
@@ -974,7 +981,8 @@ class CupyBackend(ArrayOps):
         Args:
             pool: (gate, up, down) slot arrays, uint8 (n_slots, rows, row_bytes) on this GPU.
             types: GGML type ids of (gate, up, down); gate and up must match.
-            routing: ids and weights (T, k), T <= 16 (host or device arrays).
+            routing: ids and weights (T, k), T <= 16 (host or device arrays); a pair of id -1 adds
+                nothing (the host handoff's CPU pairs: moecache/moe/handoff.py).
             h: float32 (T, n_embd) on this GPU. act: "silu" or "gelu".
             slot_map: int32 (n_expert,) on this GPU: the slot of each expert of this layer, or -1.
             host: the layer's (gate, up, down) stacked experts, uint8 (n_expert, rows, row_bytes),

@@ -305,24 +305,28 @@ class NumpyBackend(ArrayOps):
                        scratch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """The CPU twin of :meth:`CupyBackend.moe_ffn_cached`: pairs whose expert has a slot
         (``slot_map[e] >= 0``) are computed from ``pool[slot]``, the others from ``host[e]``, or,
-        with a ``scratch``, from ``scratch[p]`` after copying expert e of pair p there."""
+        with a ``scratch``, from ``scratch[p]`` after copying expert e of pair p there; a pair of id
+        -1 adds nothing."""
         ids = np.asarray(routing.ids)
         w = np.asarray(routing.weights, np.float32)
-        slots = np.asarray(slot_map)[ids]
+        pair = ids >= 0  # id -1: no pair (the host handoff's CPU pairs)
+        slots = np.where(pair, np.asarray(slot_map)[np.maximum(ids, 0)], -1)
         hit = slots >= 0
+        w = np.where(pair, w, 0.0).astype(np.float32)
         if scratch is not None:
             if scratch[0].shape[0] < ids.size:
                 raise ValueError(f"moe_ffn_cached: a scratch of {scratch[0].shape[0]} experts cannot stage {ids.size} pairs")
-            missed = np.flatnonzero(~hit.reshape(-1))
+            missed = np.flatnonzero((~hit & pair).reshape(-1))
             for p in missed:
                 for dst, src in zip(scratch, host):
                     dst[p] = src[ids.flat[p]]
             out = np.zeros((h.shape[0], host[2].shape[1]), np.float32)
-            if missed.size:  # hit pairs ride along on a staged row with weight 0 (never a stale row)
-                pair = np.where(hit, missed[0], np.arange(ids.size).reshape(ids.shape)).astype(np.int32)
-                out = self.moe_ffn(*scratch, types, Routing(pair, np.where(hit, 0.0, w).astype(np.float32)), h, act)
+            if missed.size:  # hit pairs (and no-pairs) ride along on a staged row with weight 0 (never a stale row)
+                rows = np.where(hit | ~pair, missed[0], np.arange(ids.size).reshape(ids.shape)).astype(np.int32)
+                out = self.moe_ffn(*scratch, types, Routing(rows, np.where(hit, 0.0, w).astype(np.float32)), h, act)
         else:
-            out = self.moe_ffn(*host, types, Routing(ids, np.where(hit, 0.0, w).astype(np.float32)), h, act)
+            out = self.moe_ffn(*host, types, Routing(np.where(pair, ids, 0).astype(np.int32),
+                                                     np.where(hit, 0.0, w).astype(np.float32)), h, act)
         if hit.any():
             fill = int(slots[hit][0])  # misses ride along on a mapped slot with weight 0
             local = Routing(np.where(hit, slots, fill).astype(np.int32), np.where(hit, w, 0.0).astype(np.float32))

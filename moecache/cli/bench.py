@@ -73,6 +73,7 @@ class BenchOptions:
     ctx_size: int | None = None
     cache_type_k: str | None = None
     cache_type_v: str | None = None
+    miss_split: bool = False  # --miss-split (one value for the whole bench)
 
 
 def bench_command(o: BenchOptions) -> None:
@@ -138,7 +139,7 @@ def bench_command(o: BenchOptions) -> None:
                             n_gpu_layers=p.n_gpu_layers, n_cpu_moe=p.n_cpu_moe, moe_cache=p.moe_cache,
                             vram_budget=p.vram_budget, cache_type=cache_type,
                             load_mode=None if p.load_mode == "auto" else p.load_mode,
-                            moe_cache_window=p.moe_cache_window, routing=p.routing)
+                            moe_cache_window=p.moe_cache_window, routing=p.routing, miss_split=o.miss_split)
         return load_engine(p.model, settings, "bench", said=said).engine
 
     from rich.console import Console

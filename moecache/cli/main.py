@@ -93,6 +93,10 @@ MoeProfileOpt = Annotated[Optional[Path], typer.Option("--moe-profile", help="Sa
                                                        "model's file under $XDG_CACHE_HOME or ~/.cache, "
                                                        "moecache/profiles/).")]
 NoMoeProfileOpt = Annotated[bool, typer.Option("--no-moe-profile", help="Neither preload nor save the expert usage.")]
+MissSplitOpt = Annotated[bool, typer.Option("--miss-split", help="Expert cache with --load-mode pin: decode steps "
+                                            "hand a share of each layer's misses to the CPU inside the CUDA graph, "
+                                            "the share refit per layer from the measured wait (opt-in; not "
+                                            "measured on a GPU yet).")]
 
 
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", min=-1, max=INT32_MAX, help="Layers on the GPU, counted from the "
@@ -189,6 +193,7 @@ def run(
     deterministic: DeterministicOpt = False,
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
+    miss_split: MissSplitOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -224,7 +229,7 @@ def run(
                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                              flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
-                             no_moe_profile=no_moe_profile)
+                             no_moe_profile=no_moe_profile, miss_split=miss_split)
         opts = RunOptions(model=model, prompt=prompt, file=file, n_predict=n_predict, conversation=conversation,
                           system=system, chat_template=chat_template, as_json=as_json, escape=escape, special=special,
                           verbose=verbose, display_prompt=not no_display_prompt)
@@ -316,6 +321,7 @@ def serve(
     deterministic: DeterministicOpt = False,
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
+    miss_split: MissSplitOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -345,7 +351,7 @@ def serve(
                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                              flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
-                             no_moe_profile=no_moe_profile)
+                             no_moe_profile=no_moe_profile, miss_split=miss_split)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose,
                                    timeout=timeout),
@@ -385,6 +391,7 @@ def bench(
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
+    miss_split: MissSplitOpt = False,
     version: VersionOpt = None,
 ) -> None:
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
@@ -397,7 +404,7 @@ def bench(
                                    moe_cache=moe_cache, vram_budget=vram_budget, window=moe_cache_window,
                                    routing=routing, n_gen_warmup=n_gen_warmup, warmup=not no_warmup,
                                    load_mode=load_mode, output=output, ctx_size=ctx_size, cache_type_k=cache_type_k,
-                                   cache_type_v=cache_type_v))
+                                   cache_type_v=cache_type_v, miss_split=miss_split))
     _user_errors(body)
 
 

@@ -70,6 +70,7 @@ import numpy as np
 from moecache.backends.contract import CacheBackend
 from moecache.backends.ops import ATTENTION_SCORE_BYTES, DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
 from moecache.moe.executor import CPUExperts, ExpertWeights
+from moecache.moe.handoff import InlineHandoff, SplitControl, check, serve
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT, LayerPrefetch
 from moecache.moe.routing import Routing
@@ -113,6 +114,7 @@ class CacheStats:
     misses: int = 0
     uploads: int = 0
     uploaded_bytes: int = 0
+    cpu_misses: int = 0  # misses the CPU computed through the miss split (counted in misses too)
 
     @property
     def hit_rate(self) -> float:
@@ -120,7 +122,7 @@ class CacheStats:
 
     def reset(self) -> None:
         """Zero the counters."""
-        self.tokens = self.hits = self.misses = self.uploads = self.uploaded_bytes = 0
+        self.tokens = self.hits = self.misses = self.uploads = self.uploaded_bytes = self.cpu_misses = 0
 
 
 @dataclass
@@ -164,6 +166,14 @@ class CachedExperts:
         act_q8: misses computed on the CPU (and ubatches below ``offload_min_batch`` without the
             zero-copy path) round activations to 8 bits in the Numba kernel (``cpu.moe_ffn_routed``'s
             ``act_q8``), as the GPU's hits do with ``CupyBackend(act_q8=True)``.
+        miss_split: on the zero-copy path, decode steps captured in a CUDA graph hand a share of
+            each layer's misses to the CPU inside the graph (:mod:`moecache.moe.handoff`): the GPU
+            posts the layer's input and the pairs the CPU takes (up to ``split.ncpu[il]`` misses per
+            token, refit after every replay from the GPU's measured wait, :class:`SplitControl`),
+            computes the hits and the other misses meanwhile, then adds the CPU's sum; the host
+            answers in :meth:`launched`. Op-by-op passes do not split (they would queue launches
+            while the GPU waits for the host); the CPU twin answers inline. Off by default: not
+            measured on a GPU yet. Ignored (said once) without the zero-copy path.
 
     Attributes:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
@@ -209,7 +219,7 @@ class CachedExperts:
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
                  stage_misses: bool = False, prompt_group_bytes: int | None = None, vram_limit: int | None = None,
-                 log: Callable[[str], None] | None = None, act_q8: bool = False):
+                 log: Callable[[str], None] | None = None, act_q8: bool = False, miss_split: bool = False):
         prompt_group_bytes = PROMPT_GROUP_BYTES if prompt_group_bytes is None else prompt_group_bytes
         if prompt_group_bytes < 1:
             raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
@@ -284,6 +294,34 @@ class CachedExperts:
         self._pending_routes: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, live map, T)
         self.prompt_fills = 0  # experts loaded into empty slots after prompts (:meth:`fill_after_prompt`)
         self._prompt_seen = False  # a prompt ubatch ran since the last decode pass
+        # miss_split: the host handoff (moecache.moe.handoff) inside decode graphs, a CPU share of the misses
+        self.handoff = None
+        self.split: SplitControl | None = None
+        self._split_layers: list[int] = []  # cached layers a captured graph hands over, in step order
+        self._posted: list[int] = []  # layers this pass posted op by op (the CPU twin's inline handoff)
+        self._zc_calls = 0  # zero-copy layer calls in this pass (none: a replayed graph)
+        self._seq = 0
+        self._ncpu_dirty = False
+        self._serve: list[int] = []  # of those, the ones whose share this pass can be non-zero
+        if miss_split and not self.zero_copy:
+            self.log(f"note: --miss-split ignored: it splits the zero-copy path's misses, which is off "
+                     f"({self.zero_copy_why or 'not a GPU'})")
+        elif miss_split:
+            n_embd = layers[self._first].down.shape[1]
+            self.split = SplitControl(n_layer, top_k)
+            if getattr(backend, "name", "") == "cuda":
+                from moecache.backends.handoff_cuda import CudaHandoff
+
+                self.handoff = CudaHandoff(backend, n_layer, MAX_ZERO_COPY_TOKENS, n_embd, top_k)
+            else:
+                self.handoff = InlineHandoff(n_layer, MAX_ZERO_COPY_TOKENS, n_embd, top_k, self._split_compute)
+            self._ncpu_dev = backend.asarray(self.split.ncpu.copy())
+            # compile the CPU kernel now: a first share compiling while the GPU waits would read as late
+            ids = np.full((1, top_k), -1, np.int32)
+            ids[0, 0] = 0
+            self._split_compute(self._first, np.zeros((1, n_embd), np.float32), ids, np.ones((1, top_k), np.float32),
+                                np.zeros((1, n_embd), np.float32))
+            self.cpu_s[self._first] = 0.0
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
         if stage_misses and self.zero_copy:
             g, u, d, _ = main
@@ -434,11 +472,40 @@ class CachedExperts:
         if self._expect:
             self.be.fill(self._ids_log, -1)  # rows of layers this pass does not route stay -1 (skipped)
             self._pass_start = time.perf_counter()
+        self._zc_calls = 0
+        self._posted = []
+        if self.handoff is not None and self._expect:
+            self._seq += 1
+            self.handoff.go(self._seq)
+            if self._ncpu_dirty:
+                self.be.set_from_host(self._ncpu_dev, self.split.ncpu)
+                self._ncpu_dirty = False
+            # a layer with no share can have nothing for the host: its post is not waited for
+            self._serve = [il for il in self._split_layers if self.split.ncpu[il] > 0]
 
     def launched(self) -> None:
         """While a pass runs on the device: account the finished passes (:meth:`flush`), which feeds
-        the policy and starts the admitted uploads while the device is busy."""
+        the policy and starts the admitted uploads while the device is busy. A replayed decode graph
+        with the miss split and a share on some layer first has those layers' handoffs answered (the
+        CPU's share of the misses: the GPU waits for each), and the accounting runs after them,
+        beside the rest of the pass (the layers after the last one served, the output head)."""
+        if self._replayed_split() and self._serve:
+            serve(self.handoff.buf, self._serve, self._seq, self._split_compute)
         self.flush()
+
+    def _replayed_split(self) -> bool:
+        """Whether the pass in flight is a replayed graph whose layers hand misses to the host (no
+        layer was called op by op in it, and a capture recorded handed-over layers)."""
+        return (self.handoff is not None and not self.handoff.inline and bool(self._expect)
+                and self._zc_calls == 0 and bool(self._split_layers))
+
+    def _split_compute(self, il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        """The CPU's share of layer ``il``'s misses (the handoff's answer), timed into ``cpu_s``."""
+        e = self.layers[il]
+        t0 = time.perf_counter()
+        cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, w, h, out, cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU,
+                           self.act_q8)
+        self.cpu_s[il] += time.perf_counter() - t0
 
     def flush(self, admit: bool = True) -> None:
         """Account the routing of finished zero-copy passes: hits and misses against the map each pass
@@ -471,6 +538,14 @@ class CachedExperts:
         t = self._expect
         if not self.zero_copy or not t:
             return
+        layers = []
+        if self.handoff is not None:
+            layers = self._posted or (self._split_layers if self._replayed_split() else [])
+            if layers:
+                b = self.handoff.buf
+                self.stats.cpu_misses += int(b.count[layers].sum())
+                if self.split.update(layers, b.count, b.n_miss, b.wait_ns):
+                    self._ncpu_dirty = True
         self._pending_routes.append((np.array(self.be.to_host(self._ids_log[:, :t])), self._map_live, t))
         self._expect = 0
         if self._pass_start is not None:
@@ -478,6 +553,8 @@ class CachedExperts:
             self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
             self.policy.set_budget(self._token_s)
             self._pass_start = None
+        if layers:
+            check(self.handoff.buf)  # last: a GPU that gave up waiting made this pass's output wrong
 
     # ---- execution --------------------------------------------------------------------------------
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
@@ -539,8 +616,22 @@ class CachedExperts:
         """A decode ubatch on the zero-copy path: no host sync (CUDA-graph capturable)."""
         pool = self.pool
         scratch = self.scratch if self.scratch is not None and routing.ids.size <= self.scratch[0].shape[0] else None
-        out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, routing, h, e.act,
-                                     self._map_dev[il], (e.gate, e.up, e.down), scratch)
+        self._zc_calls += 1
+        hf = self.handoff
+        # the miss split runs inside captured graphs only (an op-by-op pass would queue launches while
+        # the GPU waits for the host) and in the CPU twin, which answers inline
+        if hf is not None and (hf.inline or self.be.capturing()):
+            gids = hf.post(il, h, routing.ids, routing.weights, self._map_dev[il], self._ncpu_dev)
+            out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, Routing(gids, routing.weights), h,
+                                         e.act, self._map_dev[il], (e.gate, e.up, e.down), scratch)
+            out = hf.wait(il, out, add=True)
+            if hf.inline:
+                self._posted.append(il)
+            elif il not in self._split_layers:
+                self._split_layers.append(il)
+        else:
+            out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, routing, h, e.act,
+                                         self._map_dev[il], (e.gate, e.up, e.down), scratch)
         self._ids_log[il, :t] = self.be.asarray(routing.ids)
         return out
 

@@ -1332,7 +1332,7 @@ extern "C" __global__ void stage_misses(const int *ids, const int *slot_map,
                                         long long n_vec_gu, long long n_vec_d, long long chunk_vec) {
     int p = blockIdx.y;
     int e = ids[p];
-    if (slot_map[e] >= 0) return;
+    if (e < 0 || slot_map[e] >= 0) return;  // no pair, or a hit
     int z = blockIdx.z;
     long long n_vec = z == 2 ? n_vec_d : n_vec_gu;
     const uint4 *s = (z == 0 ? src_g : z == 1 ? src_u : src_d) + (long long)e * n_vec;
@@ -1350,6 +1350,107 @@ extern "C" __global__ void stage_misses(const int *ids, const int *slot_map,
         for (int j = 0; j < 4; ++j) {
             long long k = i + (long long)j * blockDim.x;
             if (k < i1) d[k] = v[j];
+        }
+    }
+}
+
+// ---- the host handoff (moecache/moe/handoff.py): a captured decode step hands a layer's routed
+// experts to the CPU and takes their sum back without ending the graph. The H* buffers are
+// page-locked host memory read and written in place over PCIe; the host spins on FLAG and the GPU
+// on DONE (volatile: every read goes to memory, .relaxed.sys on sm_70+), with system-scope fences
+// between a buffer's data and its flag. SEQ (device) holds the pass number the host set before the
+// launch.
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One block. Pairs p = t * k + j of the T tokens: the CPU takes a pair when SLOT_MAP is null (every
+// routed expert on the CPU) or, with a map, up to NCPU[il] of a token's misses (slot_map[e] < 0),
+// the last ones in pair order. HIDS/HW get the CPU's pairs (id -1 for the others), GIDS (if not
+// null) the GPU's (-1 for the CPU's); with any pair for the CPU, H's T rows go to HH; COUNT[il]
+// (the CPU's pairs), NMISS[il] (every miss, or every pair without a map) and NTOK[il] are set, then
+// FLAG[il] = SEQ. DCOUNT[il] (device) tells handoff_wait whether to wait.
+extern "C" __global__ void handoff_post(const float *h, const int *ids, const float *w, const int *slot_map,
+                                        const int *ncpu, int il, int T, int k, long long n_embd,
+                                        const long long *seq, float *HH, int *HIDS, float *HW, int *GIDS,
+                                        volatile long long *FLAG, volatile int *COUNT, volatile int *NTOK,
+                                        volatile int *NMISS, int *DCOUNT) {
+    __shared__ int n_cpu_pairs, n_miss;
+    if (threadIdx.x == 0) n_cpu_pairs = n_miss = 0;
+    __syncthreads();
+    int cap = slot_map ? ncpu[il] : k;
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+        int taken = 0, missed = 0;
+        for (int j = k - 1; j >= 0; --j) {
+            int p = t * k + j, e = ids[p];
+            bool miss = e >= 0 && (!slot_map || slot_map[e] < 0);
+            bool cpu = miss && taken < cap;
+            missed += miss;
+            taken += cpu;
+            ((volatile int *)HIDS)[p] = cpu ? e : -1;
+            ((volatile float *)HW)[p] = w[p];
+            if (GIDS) GIDS[p] = cpu ? -1 : e;
+        }
+        atomicAdd(&n_cpu_pairs, taken);
+        atomicAdd(&n_miss, missed);
+    }
+    __syncthreads();
+    int n = n_cpu_pairs;
+    if (n > 0) {
+        long long m = (long long)T * n_embd;
+        for (long long i = threadIdx.x; i < m; i += blockDim.x) ((volatile float *)HH)[i] = h[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        DCOUNT[il] = n;
+        COUNT[il] = n;
+        NMISS[il] = n_miss;
+        NTOK[il] = T;
+        __threadfence_system();
+        FLAG[il] = *seq;
+    }
+}
+
+// One block, after handoff_post for the same layer: when the layer had pairs for the CPU, thread 0
+// waits until DONE[il] >= SEQ (at most TIMEOUT_NS; past it ERR = il + 1 and the CPU's part counts as
+// zero, and later layers do not wait while ERR is set) and records the ns it waited in WAITNS[il] (0 without pairs), then
+// OUT = (ADD ? OUT : 0) + HOUT over T * n_embd floats.
+extern "C" __global__ void handoff_wait(volatile const long long *DONE, const int *DCOUNT, int il,
+                                        const long long *seq, volatile const float *HOUT, float *out,
+                                        long long n, int add, long long timeout_ns, volatile int *ERR,
+                                        volatile long long *WAITNS) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        ok = DCOUNT[il] > 0 && *ERR == 0;  // after a timeout in this pass, no more waiting
+        long long waited = 0;
+        if (ok) {
+            long long want = *seq;
+            unsigned long long t0 = global_ns();
+            while (DONE[il] < want) {
+                if ((long long)(global_ns() - t0) > timeout_ns) { ok = 0; *ERR = il + 1; break; }
+            }
+            waited = (long long)(global_ns() - t0);
+            __threadfence_system();
+        }
+        WAITNS[il] = waited;
+    }
+    __syncthreads();
+    // eight volatile reads in flight per thread before their stores (one PCIe round trip each)
+    for (long long i0 = threadIdx.x; i0 < n; i0 += 8 * (long long)blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            long long i = i0 + (long long)j * blockDim.x;
+            v[j] = ok && i < n ? HOUT[i] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            long long i = i0 + (long long)j * blockDim.x;
+            if (i < n) out[i] = add ? out[i] + v[j] : v[j];
         }
     }
 }

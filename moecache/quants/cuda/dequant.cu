@@ -289,8 +289,9 @@ __device__ __forceinline__ float activate(float g, int act) {
     return 0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
-// The first byte of the expert a routed pair p (expert e = ids[p]) reads, in the MoE decode kernels
-// here and in mmvq.cu: with a slot map (the expert cache), slot slot_map[e] of W when that is >= 0,
+// The first byte of the expert a routed pair p (expert e = ids[p] >= 0; the decode kernels skip a
+// pair of id -1, whose expert the CPU computes: moecache/moe/handoff.py) reads, in the MoE decode
+// kernels here and in mmvq.cu: with a slot map (the expert cache), slot slot_map[e] of W when that is >= 0,
 // else its staged copy S + p (stage_misses of ops.cu) when S is given, else its page-locked host
 // copy H + e, read over PCIe (zero-copy); without one, W + e.
 __device__ __forceinline__ const unsigned char *expert_at(const unsigned char *W, const unsigned char *H,
@@ -388,6 +389,7 @@ extern "C" __global__ void moe_glu_##SUFFIX(const unsigned char *Wg, const unsig
     int p = blockIdx.y;                                                                               \
     if (r >= n_rows) return;                                                                          \
     int e = ids[p];                                                                                   \
+    if (e < 0) { if (lane == 0) A[(long long)p * n_rows + r] = 0.f; return; }  /* no pair */          \
     const unsigned char *G = expert_at(Wg, Hg, Sg, slot_map, e, p, expert_bytes) + r * row_bytes;     \
     const unsigned char *U = expert_at(Wu, Hu, Su, slot_map, e, p, expert_bytes) + r * row_bytes;     \
     const float *x = X + (long long)(p / k_used) * n_in;                                              \
@@ -420,6 +422,7 @@ extern "C" __global__ void moe_down_##SUFFIX(const unsigned char *Wd, const int 
     float acc = 0.f;                                                                                  \
     for (int s = 0; s < k_used; ++s) {                                                                \
         int p = t * k_used + s;                                                                       \
+        if (ids[p] < 0) continue;  /* no pair (the host handoff's CPU pairs) */                       \
         const unsigned char *row = expert_at(Wd, Hd, Sd, slot_map, ids[p], p, expert_bytes) + r * row_bytes; \
         const float *a = A + (long long)p * n_in;                                                     \
         float part = 0.f;                                                                             \

@@ -264,6 +264,10 @@ extern "C" __global__ void moeq_glu_##SUFFIX(const unsigned char *Wg, const unsi
     int sl = lane % lpr;                                                                              \
     int p = blockIdx.y;                                                                               \
     int e = ids[p];                                                                                   \
+    if (e < 0) {  /* no pair: a zero row (the down kernel skips it) */                                \
+        if (r < n_rows && sl == 0) A[(long long)p * n_rows + r] = 0.f;                                \
+        return;                                                                                       \
+    }                                                                                                 \
     const unsigned char *G = expert_at(Wg, Hg, Sg, slot_map, e, p, expert_bytes) + r * row_bytes;     \
     const unsigned char *U = expert_at(Wu, Hu, Su, slot_map, e, p, expert_bytes) + r * row_bytes;     \
     long long tok = p / k_used, nd = n_in / 32;                                                       \
@@ -305,6 +309,7 @@ extern "C" __global__ void moeq_down_##SUFFIX(const unsigned char *Wd, const int
             int s = (int)(i / npc);                                                                   \
             long long pc = i % npc;                                                                   \
             int p = t * k_used + s;                                                                   \
+            if (ids[p] < 0) continue;  /* no pair */                                                  \
             long long b = pc / PPB;                                                                   \
             const unsigned char *blk = expert_at(Wd, Hd, Sd, slot_map, ids[p], p, expert_bytes) +     \
                                        r * row_bytes + b * TSZ;                                       \

@@ -1,0 +1,187 @@
+"""The host handoff's protocol (moecache/moe/handoff.py) with a thread in the GPU's role: it posts
+requests the way handoff_post does (data, then count and n_tok, then the flag) and waits for each
+answer the way handoff_wait does. The GPU kernels themselves are checked in tests/test_gpu.py."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from moecache.errors import MoecacheError
+from moecache.moe import handoff
+
+
+def _gpu_role(buf, layers, seq, reqs, got, count_of):
+    """Post each layer's request (rows of its own values), wait for the answer when it has pairs."""
+    for il in layers:
+        h, ids, w = reqs[il]
+        t = h.shape[0]
+        buf.h[:t], buf.ids[:t], buf.w[:t] = h, ids, w
+        buf.count[il] = count_of(ids)
+        buf.n_tok[il] = t
+        buf.flag[il] = seq
+        if buf.count[il]:
+            t_end = time.monotonic() + 10
+            while buf.done[il] < seq:
+                assert time.monotonic() < t_end, "no answer"
+            got[il] = buf.out[:t].copy()
+
+
+def _requests(rng, layers, k=4, n_embd=8):
+    reqs = {}
+    for il in layers:
+        t = int(rng.integers(1, 4))
+        ids = rng.integers(-1, 6, size=(t, k)).astype(np.int32)
+        reqs[il] = (rng.standard_normal((t, n_embd)).astype(np.float32), ids,
+                    rng.random((t, k)).astype(np.float32))
+    return reqs
+
+
+def _compute(il, h, ids, w, out):
+    """A stand-in for the experts: out[t] += sum over the CPU's pairs of w * (il + id) * h[t]."""
+    for t in range(h.shape[0]):
+        for j in range(ids.shape[1]):
+            if ids[t, j] >= 0:
+                out[t] += w[t, j] * (il + ids[t, j]) * h[t]
+
+
+def test_serve_answers_every_request_in_order_over_passes():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    layers = [0, 2, 3, 5]
+    buf = handoff.HandoffBuffers.allocate(6, 4, 8, 4)
+    count_of = lambda ids: int((ids >= 0).sum())  # noqa: E731
+    for seq in (1, 2, 3):
+        reqs = _requests(rng, layers)
+        reqs[2][1][...] = -1  # a layer with nothing for the CPU: no answer, no wait
+        got = {}
+        th = threading.Thread(target=_gpu_role, args=(buf, layers, seq, reqs, got, count_of))
+        th.start()
+        n = handoff.serve(buf, layers, seq, _compute, timeout_s=10)
+        th.join(10)
+        assert not th.is_alive()
+        assert n == 3 and sorted(got) == [0, 3, 5]
+        for il in got:
+            h, ids, w = reqs[il]
+            ref = np.zeros_like(h)
+            _compute(il, h, ids, w, ref)
+            np.testing.assert_allclose(got[il], ref, rtol=1e-6)
+        assert buf.done[2] < seq  # never answered
+
+
+def test_serve_times_out_when_no_request_comes():
+    buf = handoff.HandoffBuffers.allocate(2, 1, 4, 2)
+    t0 = time.perf_counter()
+    with pytest.raises(MoecacheError, match="did not hand over layer 0"):
+        handoff.serve(buf, [0, 1], 1, _compute, timeout_s=0.2)
+    assert time.perf_counter() - t0 < 5
+    assert list(buf.done) == [1, 1]  # the pass's waits released
+
+
+def test_serve_releases_the_gpu_when_compute_fails():
+    buf = handoff.HandoffBuffers.allocate(3, 1, 4, 2)
+    buf.flag[:] = 7
+    buf.count[:] = 1
+    buf.n_tok[:] = 1
+
+    def bad(il, h, ids, w, out):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        handoff.serve(buf, [0, 1, 2], 7, bad)
+    assert list(buf.done) == [7, 7, 7]
+
+
+def test_check_raises_once_for_a_gpu_timeout():
+    buf = handoff.HandoffBuffers.allocate(2, 1, 4, 2)
+    handoff.check(buf)  # nothing recorded
+    buf.err[0] = 2
+    with pytest.raises(MoecacheError, match="layer 1"):
+        handoff.check(buf)
+    handoff.check(buf)
+
+
+def test_wait_flag_sees_a_store_made_while_it_spins():
+    flag = np.zeros(3, np.int64)
+
+    def later():
+        time.sleep(0.05)
+        flag[1] = 5
+
+    th = threading.Thread(target=later)
+    th.start()
+    assert handoff.wait_flag(flag, 1, 5, timeout_s=10)
+    th.join()
+    assert not handoff.wait_flag(flag, 2, 1, timeout_s=0.05)
+
+
+def test_split_pairs_takes_the_last_misses_of_each_token():
+    ids = np.array([[3, 1, 4, 0], [2, 5, -1, 1]], np.int32)
+    slot_map = np.array([0, -1, -1, 7, -1, 2], np.int32)  # misses: experts 1, 2, 4
+    cpu, gpu = handoff.split_pairs(ids, slot_map, 1)
+    assert cpu.tolist() == [[-1, -1, 4, -1], [-1, -1, -1, 1]]
+    assert gpu.tolist() == [[3, 1, -1, 0], [2, 5, -1, -1]]
+    cpu, gpu = handoff.split_pairs(ids, slot_map, 8)
+    assert cpu.tolist() == [[-1, 1, 4, -1], [2, -1, -1, 1]]
+    assert gpu.tolist() == [[3, -1, -1, 0], [-1, 5, -1, -1]]
+    cpu, gpu = handoff.split_pairs(ids, slot_map, 0)
+    assert (cpu == -1).all() and (gpu == ids).all()
+    cpu, gpu = handoff.split_pairs(ids, None, 0)  # no map: every pair is the CPU's
+    assert (cpu == ids).all() and (gpu == -1).all()
+
+
+def test_numpy_moe_ffn_cached_skips_pairs_of_no_expert():
+    """The CPU twin of the decode kernels: a pair of id -1 adds nothing, hit or miss around it."""
+    from moecache.backends import NumpyBackend
+    from moecache.moe.routing import Routing
+    from moecache.quants.formats import FORMATS
+    from moecache.quants.random_blocks import random_rows
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    fmt, n_exp, ff, d, k, t = FORMATS["Q4_K"], 6, 256, 256, 3, 4
+    host = [np.stack([random_rows(fmt, rows, n_in, rng, std=0.05) for _ in range(n_exp)])
+            for rows, n_in in ((ff, d), (ff, d), (d, ff))]
+    slot_map = np.array([1, -1, 0, -1, -1, 2], np.int32)
+    pool = tuple(a[[2, 0, 5]].copy() for a in host)
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    none = rng.random((t, k)) < 0.4
+    none[0, 0] = True
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    types = (fmt.ggml_type,) * 3
+    be = NumpyBackend()
+    for scratch in (None, tuple(np.zeros((t * k, *a.shape[1:]), np.uint8) for a in host)):
+        got = be.moe_ffn_cached(pool, types, Routing(np.where(none, -1, ids).astype(np.int32), w), h, "silu",
+                                slot_map, tuple(host), scratch)
+        want = be.moe_ffn(*host, types, Routing(ids, np.where(none, 0.0, w).astype(np.float32)), h, "silu")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_split_control_backs_off_a_late_share_and_probes_a_calm_one():
+    sc = handoff.SplitControl(n_layer=3, k=8, late_ns=20_000, calm_ns=5_000, probe_every=2, max_probe_every=8)
+    count = np.zeros(3, np.int32)
+    n_miss = np.array([3, 0, 3], np.int32)
+    wait = np.zeros(3, np.int64)
+    # layer 0: misses left to the GPU and no wait: one more after probe_every passes; layer 1: no misses
+    assert not sc.update([0, 1], count, n_miss, wait)
+    assert sc.update([0, 1], count, n_miss, wait) and sc.ncpu.tolist() == [1, 0, 0]
+    # the probe made the GPU wait: back to 0, and the next probe waits twice as long
+    count[0], wait[0] = 1, 50_000
+    assert sc.update([0], count, n_miss, wait) and sc.ncpu[0] == 0 and sc.every[0] == 4
+    count[0], wait[0] = 0, 0
+    assert not any(sc.update([0], count, n_miss, wait) for _ in range(3))
+    assert sc.update([0], count, n_miss, wait) and sc.ncpu[0] == 1
+    # a share that keeps the GPU calm grows to cover every miss, then stops (nothing left to take)
+    for _ in range(40):
+        count[0] = min(sc.ncpu[0], n_miss[0])
+        sc.update([0], count, n_miss, wait)
+    assert sc.ncpu[0] == 3
+    # a wait in between (not late, not calm) holds the share
+    wait[0] = 10_000
+    count[0] = 2
+    assert not any(sc.update([0], count, n_miss, wait) for _ in range(10))
+    assert sc.ncpu[0] == 3
