@@ -171,7 +171,9 @@ def test_moe_ffn_routed_act_q8_non_finite_inputs(rng):
     (("Q4_K", "Q4_K", "Q4_K"), 6, cpu.ACT_GELU),  # experts shared by several tokens
     (("Q4_K", "Q4_K", "Q6_K"), 1, cpu.ACT_SILU),  # a Q4_K_M file's down matrices: Q6_K's integer dot
     (("Q8_0", "Q8_0", "Q4_K"), 4, cpu.ACT_SILU),  # gate/up: the float kernel on the rounded values
-    (("Q5_K", "Q5_K", "Q8_0"), 3, cpu.ACT_GELU),  # no integer dot at all
+    (("Q5_K", "Q5_K", "Q8_0"), 3, cpu.ACT_GELU),  # Q5_K's integer dot; down: the float kernel
+    (("Q5_K", "Q5_K", "Q5_K"), 1, cpu.ACT_SILU),  # a Q5_K_M file's experts
+    (("Q8_0", "Q8_0", "Q8_0"), 2, cpu.ACT_SILU),  # no integer dot at all
 ])
 def test_moe_ffn_act_q8_matches_reference(types, n_tok, act, rng):
     """``act_q8``: h and the gated activations rounded by the GPU's rule (test_act_q8's ``rule``),

@@ -10,8 +10,9 @@ in LLVM IR (a function per format, linked into the kernels that call it through
 (``llvm.x86.avx512.vpdpbusd.512``), elsewhere the same lanes are summed by portable vector IR
 (LLVM picks the instructions), so both give the same integers.
 
-Formats: Q4_K and Q6_K (the two of a Q4_K_M file's experts); the others take the float kernel on
-the rounded values. Q6_K: see :func:`_q6k_ir`.
+Formats: Q4_K and Q6_K (the two of a Q4_K_M file's experts), Q5_K (a Q5_K_M file's, a variant of
+Q4_K's IR: :func:`_q4k_ir`); the others take the float kernel on the rounded values. Q6_K: see
+:func:`_q6k_ir`.
 
 Q4_K (layout: ggml-common.h ``block_q4_K``; the scale unpacking is ``blocks256._scale_min_k4``'s,
 done on three 32-bit words): for sub-block j of 32 weights with 6-bit scale ``sc_j`` and min
@@ -33,6 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 Q4_K_BYTES = 144  # bytes of one block_q4_K (256 weights)
+Q5_K_BYTES = 176  # bytes of one block_q5_K
 Q6_K_BYTES = 210  # bytes of one block_q6_K
 
 
@@ -143,12 +145,18 @@ def _row_function(symbol: str, block_bytes: int, body: list[str], acc: str, accm
     return "\n".join(head + body + tail + done + ["}"]) + "\n"
 
 
-def _q4k_ir(vnni: bool) -> str:
+def _q4k_ir(vnni: bool, q5: bool = False) -> str:
     """``i32 @moecache_q4k_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb``
     Q4_K blocks at ``row`` with int8 quants ``xq`` (nb*256), their per-32 scales ``xd`` and scaled
-    sums ``xs`` (float32, nb*8 each)."""
+    sums ``xs`` (float32, nb*8 each).
+
+    ``q5``: ``@moecache_q5k_q8_row`` of Q5_K blocks instead (ggml-common.h ``block_q5_K``, 176 bytes:
+    d, dmin, the same 12 scale bytes, qh[32], qs[128]): a weight's quant is its nibble plus 16 times
+    bit ``s`` of ``qh[l]`` for sub-block ``s`` (``blocks256.deq_q5_k``'s layout), 0..31, still an
+    unsigned byte for the same products."""
     nib15 = _splat("i8", 32, "15")
     nib4 = _splat("i8", 32, "4")
+    qs_at = 48 if q5 else 16
     cat = ", ".join(f"i32 {i}" for i in range(64))
     body = [
         *_halves_ir("d", "%blk", 2),  # %dd: <2 x float> d, dmin
@@ -192,16 +200,29 @@ def _q4k_ir(vnni: bool) -> str:
         "  %mm0 = fmul <8 x float> %mnf, %xsv",
         "  %accm1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %mm0, <8 x float> %mv8, <8 x float> %accm)",
     ]
+    if q5:
+        body += ["  %pqh = getelementptr i8, ptr %blk, i64 16",
+                 "  %qh = load <32 x i8>, ptr %pqh, align 1"]
     acc = "%acc"
     for p in range(4):  # qs[32p:32p+32]: low nibbles = sub-block 2p, high = 2p+1
         nm = f"i{p}"
         sel = ", ".join([f"i32 {2 * p}"] * 8 + [f"i32 {2 * p + 1}"] * 8)
         body += [
-            f"  %pq{p} = getelementptr i8, ptr %blk, i64 {16 + 32 * p}",
+            f"  %pq{p} = getelementptr i8, ptr %blk, i64 {qs_at + 32 * p}",
             f"  %q{p} = load <32 x i8>, ptr %pq{p}, align 1",
             f"  %lo{p} = and <32 x i8> %q{p}, {nib15}",
             f"  %hi{p} = lshr <32 x i8> %q{p}, {nib4}",
-            f"  %n_{nm} = shufflevector <32 x i8> %lo{p}, <32 x i8> %hi{p}, <64 x i32> <{cat}>",
+        ]
+        lo, hi = f"%lo{p}", f"%hi{p}"
+        if q5:  # the fifth bit: bit 2p (low nibbles) and 2p+1 (high) of qh[l], worth 16
+            for part, bit in (("lo", 2 * p), ("hi", 2 * p + 1)):
+                body += [f"  %h{part}{p} = lshr <32 x i8> %qh, {_splat('i8', 32, str(bit))}",
+                         f"  %h{part}b{p} = and <32 x i8> %h{part}{p}, {_splat('i8', 32, '1')}",
+                         f"  %h{part}s{p} = shl <32 x i8> %h{part}b{p}, {nib4}",
+                         f"  %{part}5{p} = or <32 x i8> %{part}{p}, %h{part}s{p}"]
+            lo, hi = f"%lo5{p}", f"%hi5{p}"
+        body += [
+            f"  %n_{nm} = shufflevector <32 x i8> {lo}, <32 x i8> {hi}, <64 x i32> <{cat}>",
             f"  %xo{p} = add i64 %xo, {64 * p}",
             f"  %px{p} = getelementptr i8, ptr %xq, i64 %xo{p}",
             f"  %x_{nm} = load <64 x i8>, ptr %px{p}, align 1",
@@ -212,6 +233,8 @@ def _q4k_ir(vnni: bool) -> str:
             f"<16 x float> {acc})",
         ]
         acc = f"%acc{p + 1}"
+    if q5:
+        return _row_function("moecache_q5k_q8_row", Q5_K_BYTES, body, acc, "%accm1")
     return _row_function("moecache_q4k_q8_row", Q4_K_BYTES, body, acc, "%accm1")
 
 
@@ -294,7 +317,7 @@ def module_ir(vnni: bool) -> str:
         "declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)",
         "declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)",
     ]
-    return "\n".join(decls) + "\n" + _q4k_ir(vnni) + _q6k_ir(vnni)
+    return "\n".join(decls) + "\n" + _q4k_ir(vnni) + _q4k_ir(vnni, q5=True) + _q6k_ir(vnni)
 
 
 _LIBS: dict[int, object] = {}  # id(codegen) -> its code library of the IR functions
@@ -341,6 +364,7 @@ def _row_dot(fmt: str, symbol: str, block_bytes: int):
 
 
 q4k_row_dot = _row_dot("Q4_K", "moecache_q4k_q8_row", Q4_K_BYTES)
+q5k_row_dot = _row_dot("Q5_K", "moecache_q5k_q8_row", Q5_K_BYTES)
 q6k_row_dot = _row_dot("Q6_K", "moecache_q6k_q8_row", Q6_K_BYTES)
 
 
@@ -408,4 +432,4 @@ def quantize_rows(X, Q, D, S, R):
 
 
 # GGML type name -> the IR dot of one row of that format with 8-bit activations
-ROW_DOTS = {"Q4_K": q4k_row_dot, "Q6_K": q6k_row_dot}
+ROW_DOTS = {"Q4_K": q4k_row_dot, "Q5_K": q5k_row_dot, "Q6_K": q6k_row_dot}
