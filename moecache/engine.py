@@ -196,7 +196,7 @@ class Engine:
             experts; off by default: it measured slower on the H200 (``bench/prompt_q8.py``,
             ``bench/results/prompt-q8-h200.md``).
         cpu_act_q8: the routed experts computed on the CPU round their activations to int8 per 32
-            values, the GPU's rule, and Q4_K, Q5_K and Q6_K experts multiply in integers
+            values, the GPU's rule, and Q8_0, Q4_K, Q5_K and Q6_K experts multiply in integers
             (:mod:`moecache.quants.int_dots`; llama.cpp's CPU kernels round activations too, per
             256 values): on the H200 machine the ``--cpu-moe`` decode step's Numba kernel took 644
             µs per layer against 1078 (``bench/cpu_moe_step.py``). None (default):

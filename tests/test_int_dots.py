@@ -22,7 +22,8 @@ from moecache.quants.formats import FORMATS
 from moecache.quants.random_blocks import random_rows
 
 # format -> (its row dot, the IR symbol, where its f16 d sits in a block, the block's bytes)
-ROADS = {"Q4_K": (int_dots.q4k_row_dot, "moecache_q4k_q8_row", 0, 144),
+ROADS = {"Q8_0": (int_dots.q80_row_dot, "moecache_q80_q8_row", 0, 34),
+         "Q4_K": (int_dots.q4k_row_dot, "moecache_q4k_q8_row", 0, 144),
          "Q5_K": (int_dots.q5k_row_dot, "moecache_q5k_q8_row", 0, 176),
          "Q6_K": (int_dots.q6k_row_dot, "moecache_q6k_q8_row", 208, 210)}
 

@@ -170,10 +170,11 @@ def test_moe_ffn_routed_act_q8_non_finite_inputs(rng):
     (("Q4_K", "Q4_K", "Q4_K"), 1, cpu.ACT_SILU),  # integer dots in every matrix
     (("Q4_K", "Q4_K", "Q4_K"), 6, cpu.ACT_GELU),  # experts shared by several tokens
     (("Q4_K", "Q4_K", "Q6_K"), 1, cpu.ACT_SILU),  # a Q4_K_M file's down matrices: Q6_K's integer dot
-    (("Q8_0", "Q8_0", "Q4_K"), 4, cpu.ACT_SILU),  # gate/up: the float kernel on the rounded values
+    (("Q8_0", "Q8_0", "Q4_K"), 4, cpu.ACT_SILU),  # Q8_0's integer dot (blocks two at a time)
     (("Q5_K", "Q5_K", "Q8_0"), 3, cpu.ACT_GELU),  # Q5_K's integer dot; down: the float kernel
     (("Q5_K", "Q5_K", "Q5_K"), 1, cpu.ACT_SILU),  # a Q5_K_M file's experts
-    (("Q8_0", "Q8_0", "Q8_0"), 2, cpu.ACT_SILU),  # no integer dot at all
+    (("Q8_0", "Q8_0", "Q8_0"), 2, cpu.ACT_SILU),  # a Q8_0 file's experts
+    (("Q4_0", "Q4_0", "Q5_0"), 2, cpu.ACT_SILU),  # no integer dot at all
 ])
 def test_moe_ffn_act_q8_matches_reference(types, n_tok, act, rng):
     """``act_q8``: h and the gated activations rounded by the GPU's rule (test_act_q8's ``rule``),
@@ -190,6 +191,20 @@ def test_moe_ffn_act_q8_matches_reference(types, n_tok, act, rng):
     assert np.all(np.isfinite(out)) and err < 5e-4
     plain = _reference(*refs, *groups, h, act)
     assert np.linalg.norm(plain - delta) / np.linalg.norm(delta) > 1e-3  # the rounding is seen
+
+
+def test_moe_ffn_act_q8_q8_0_rows_of_an_odd_block_count(rng):
+    """Q8_0's integer dot takes a row's blocks two at a time: down rows of 3 blocks (n_ff 96) take
+    the float kernel on the rounded values, gate/up rows of 8 blocks the integer dot; both against
+    the rounding rule's reference."""
+    from test_act_q8 import rule
+
+    (Wg, Wu, Wd, tt), refs, h, groups, base = _layer(("Q8_0",) * 3, 2, 96, rng)
+    out = base.copy()
+    cpu.moe_ffn(Wg, Wu, Wd, tt, *groups, h, out=out, act=cpu.ACT_SILU, act_q8=True)
+    delta = _reference(*refs, *groups, h, cpu.ACT_SILU, rounded=rule)
+    err = np.linalg.norm(out.astype(np.float64) - base - delta) / np.linalg.norm(delta)
+    assert np.all(np.isfinite(out)) and err < 5e-4
 
 
 def test_moe_ffn_act_q8_row_with_an_infinite_scale(rng):

@@ -10,8 +10,9 @@ One token (decode) takes another road for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K: the f
 (``dot_step``); a row with an infinite or NaN scale field falls back to the dequantize path, whose
 NaN/inf pattern is gguf-py's. Several tokens dequantize a row's full steps into a row scratch and
 dot it with four tokens per pass.
-``moe_ffn(act_q8=True)`` rounds the activations to 8 bits first and takes the integer Q4_K, Q5_K and Q6_K dots of
-:mod:`moecache.quants.int_dots` (``rows_q8``).
+``moe_ffn(act_q8=True)`` rounds the activations to 8 bits first and takes the integer Q8_0, Q4_K,
+Q5_K and Q6_K dots of :mod:`moecache.quants.int_dots` (``rows_q8``; Q8_0 rows of an odd number of
+blocks take the float kernel on the rounded values).
 All kernels are ``nogil`` (the hybrid executor runs them beside the GPU) and cached on disk.
 
 Shapes and dtypes:
@@ -482,8 +483,13 @@ def _rows_q8_impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
         return lambda fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad: \
             kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
     dot = ROW_DOTS[f.name]
+    pairs_only = f.name == "Q8_0"  # its IR dot takes blocks two at a time
+    pair_bytes = 2 * f.type_size
 
     def impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
+        if pairs_only and W.shape[1] % pair_bytes:  # an odd number of blocks per row: the float kernel
+            kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
+            return
         for r in range(r0, r1):
             row = W[r]
             for p in range(p0, p1):
@@ -737,7 +743,7 @@ def moe_ffn(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
         out: float32 (n_tokens, n_embd) accumulated into; zeros if None.
         act: ACT_SILU (SwiGLU) or ACT_GELU (GeGLU).
         act_q8: round h and the gated activations to 8 bits per 32 values first (the GPU's rule,
-            :mod:`moecache.quants.act_q8`); Q4_K, Q5_K and Q6_K experts then take integer dots
+            :mod:`moecache.quants.act_q8`); Q8_0, Q4_K, Q5_K and Q6_K experts then take integer dots
             (:mod:`moecache.quants.int_dots`), the other formats the float kernel on the rounded
             values. A non-finite integer dot (an inf or NaN scale in the weights or in h) makes the
             token's outputs NaN (all of them for a gate or up row, that one for a down row).

@@ -11,8 +11,8 @@ in LLVM IR (a function per format, linked into the kernels that call it through
 (LLVM picks the instructions), so both give the same integers.
 
 Formats: Q4_K and Q6_K (the two of a Q4_K_M file's experts), Q5_K (a Q5_K_M file's, a variant of
-Q4_K's IR: :func:`_q4k_ir`); the others take the float kernel on the rounded values. Q6_K: see
-:func:`_q6k_ir`.
+Q4_K's IR: :func:`_q4k_ir`), Q8_0 (rows of an even number of blocks: :func:`_q80_ir`); the others
+take the float kernel on the rounded values. Q6_K: see :func:`_q6k_ir`.
 
 Q4_K (layout: ggml-common.h ``block_q4_K``; the scale unpacking is ``blocks256._scale_min_k4``'s,
 done on three 32-bit words): for sub-block j of 32 weights with 6-bit scale ``sc_j`` and min
@@ -33,6 +33,7 @@ from numba import errors, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+Q8_0_BYTES = 34  # bytes of one block_q8_0 (32 weights)
 Q4_K_BYTES = 144  # bytes of one block_q4_K (256 weights)
 Q5_K_BYTES = 176  # bytes of one block_q5_K
 Q6_K_BYTES = 210  # bytes of one block_q6_K
@@ -308,6 +309,68 @@ def _q6k_ir(vnni: bool) -> str:
     return _row_function("moecache_q6k_q8_row", Q6_K_BYTES, body, acc)
 
 
+def _q80_ir(vnni: bool) -> str:
+    """``i32 @moecache_q80_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb`` Q8_0
+    blocks (ggml-common.h ``block_q8_0``, 34 bytes: f16 d, int8 qs[32]; ``nb`` even: the caller
+    checks) with int8 quants ``xq`` and their per-32 scales ``xd`` (``xs`` unused), two blocks per
+    iteration. Both factors are signed: ``vpdpbusd`` multiplies ``q + 128`` (the byte with its top bit
+    flipped, unsigned) and the sum of the activations is subtracted 128 times, exact in int32."""
+    flip = _splat("i8", 64, "-128")
+    ones = _splat("i8", 64, "1")
+    cat = ", ".join(f"i32 {i}" for i in range(64))
+    half = ", ".join(["i32 0"] * 8 + ["i32 1"] * 8)
+    lines = ["define i32 @moecache_q80_q8_row(ptr noalias readonly %row, ptr noalias readonly %xq, "
+             "ptr noalias readonly %xd, ptr noalias readonly %xs, i64 %nb) alwaysinline {",
+             "entry:",
+             "  %np = lshr i64 %nb, 1",
+             "  %any = icmp sgt i64 %np, 0",
+             "  br i1 %any, label %loop, label %done",
+             "loop:",
+             "  %i = phi i64 [0, %entry], [%in, %loop]",
+             "  %acc = phi <16 x float> [zeroinitializer, %entry], [%acc1, %loop]",
+             f"  %off = mul i64 %i, {2 * Q8_0_BYTES}",
+             "  %blk = getelementptr i8, ptr %row, i64 %off",
+             f"  %blkb = getelementptr i8, ptr %blk, i64 {Q8_0_BYTES}",
+             *_halves_ir("a", "%blk", 1),
+             *_halves_ir("b", "%blkb", 1),
+             "  %da = extractelement <1 x float> %ad, i64 0",
+             "  %db = extractelement <1 x float> %bd, i64 0",
+             "  %pqa = getelementptr i8, ptr %blk, i64 2",
+             "  %qa = load <32 x i8>, ptr %pqa, align 1",
+             f"  %pqb = getelementptr i8, ptr %blk, i64 {Q8_0_BYTES + 2}",
+             "  %qb = load <32 x i8>, ptr %pqb, align 1",
+             f"  %qab = shufflevector <32 x i8> %qa, <32 x i8> %qb, <64 x i32> <{cat}>",
+             f"  %n_p = xor <64 x i8> %qab, {flip}",
+             "  %xo = mul i64 %i, 64",
+             "  %px = getelementptr i8, ptr %xq, i64 %xo",
+             "  %x_p = load <64 x i8>, ptr %px, align 1",
+             f"  %n_o = bitcast <64 x i8> {ones} to <64 x i8>",
+             "  %x_o = bitcast <64 x i8> %x_p to <64 x i8>",
+             *_dot_ir("p", vnni),
+             *_dot_ir("o", vnni),
+             f"  %o128 = shl <16 x i32> %o, {_splat('i32', 16, '7')}",
+             "  %iq = sub <16 x i32> %p, %o128",
+             "  %f = sitofp <16 x i32> %iq to <16 x float>",
+             "  %xi = mul i64 %i, 2",
+             "  %pxd = getelementptr float, ptr %xd, i64 %xi",
+             "  %xdv = load <2 x float>, ptr %pxd, align 4",
+             "  %dab0 = insertelement <2 x float> poison, float %da, i64 0",
+             "  %dab = insertelement <2 x float> %dab0, float %db, i64 1",
+             "  %sc2 = fmul <2 x float> %dab, %xdv",
+             f"  %sc = shufflevector <2 x float> %sc2, <2 x float> poison, <16 x i32> <{half}>",
+             "  %acc1 = call <16 x float> @llvm.fma.v16f32(<16 x float> %f, <16 x float> %sc, <16 x float> %acc)",
+             "  %in = add i64 %i, 1",
+             "  %more = icmp slt i64 %in, %np",
+             "  br i1 %more, label %loop, label %done",
+             "done:",
+             "  %af = phi <16 x float> [zeroinitializer, %entry], [%acc1, %loop]",
+             "  %ra = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> %af)",
+             "  %rbits = bitcast float %ra to i32",
+             "  ret i32 %rbits",
+             "}"]
+    return "\n".join(lines) + "\n"
+
+
 def module_ir(vnni: bool) -> str:
     """The LLVM IR module of every row dot (:data:`ROW_DOTS`), with ``vpdpbusd`` or portable IR."""
     decls = [
@@ -317,7 +380,7 @@ def module_ir(vnni: bool) -> str:
         "declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)",
         "declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)",
     ]
-    return "\n".join(decls) + "\n" + _q4k_ir(vnni) + _q4k_ir(vnni, q5=True) + _q6k_ir(vnni)
+    return "\n".join(decls) + "\n" + _q4k_ir(vnni) + _q4k_ir(vnni, q5=True) + _q6k_ir(vnni) + _q80_ir(vnni)
 
 
 _LIBS: dict[int, object] = {}  # id(codegen) -> its code library of the IR functions
@@ -363,6 +426,7 @@ def _row_dot(fmt: str, symbol: str, block_bytes: int):
     return intrinsic(typer)
 
 
+q80_row_dot = _row_dot("Q8_0", "moecache_q80_q8_row", Q8_0_BYTES)  # an even number of blocks only
 q4k_row_dot = _row_dot("Q4_K", "moecache_q4k_q8_row", Q4_K_BYTES)
 q5k_row_dot = _row_dot("Q5_K", "moecache_q5k_q8_row", Q5_K_BYTES)
 q6k_row_dot = _row_dot("Q6_K", "moecache_q6k_q8_row", Q6_K_BYTES)
@@ -432,4 +496,4 @@ def quantize_rows(X, Q, D, S, R):
 
 
 # GGML type name -> the IR dot of one row of that format with 8-bit activations
-ROW_DOTS = {"Q4_K": q4k_row_dot, "Q5_K": q5k_row_dot, "Q6_K": q6k_row_dot}
+ROW_DOTS = {"Q8_0": q80_row_dot, "Q4_K": q4k_row_dot, "Q5_K": q5k_row_dot, "Q6_K": q6k_row_dot}
