@@ -264,7 +264,7 @@ class Engine:
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph, batch_graph, graph_handoff)
                     if any(c.handoff is not None for c in self.caches) and self.model.decode_graph is None:
-                        self.log("note: --miss-split has no effect: the misses are split inside CUDA-graph decode "
+                        self.log("note: --miss-split ignored: the misses are split inside CUDA-graph decode "
                                  "steps, and this run decodes op by op")
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             if config.n_batch < min(config.n_ubatch, self.n_ctx):

@@ -247,7 +247,8 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         facts = model_facts(gguf, settings.kv_type())
         placement = settings.placement_options()
         probe = startup_probe(with_gpus=placement.n_gpu_layers != 0)
-        res = resolve(settings, facts, probe, command=command, environ=os.environ if environ is None else environ)
+        env = os.environ if environ is None else environ
+        res = resolve(settings, facts, probe, command=command, environ=env)
         for line in res.summary_lines(probe, verbose):
             log(line)
         override = None
@@ -288,6 +289,11 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
             f"types){why}: load and compile took {time.perf_counter() - t0:.1f} s "
             f"in all (not counted in any speed below; the model line's load time includes the decode kernels' "
             f"compile, not the prompt path's)")
+    det = bool(settings.deterministic) or env.get("MOECACHE_DETERMINISTIC") == "1"
+    if det and any(getattr(c, "handoff", None) is not None for c in eng.caches):
+        once("note: --miss-split with --deterministic: the CPU's share of the misses is refit from measured "
+             "waits, so which misses the CPU computes (8-bit activations) varies between runs; the cache's "
+             "admissions stay deterministic")
     for line in ineffective_flag_notes(eng, settings):
         once(line)
     if override is not None:

@@ -1135,3 +1135,17 @@ def test_miss_split_replay_road_serves_only_layers_with_a_share(model_path):
         with pytest.raises(MoecacheError, match=f"layer {served}"):
             cache.end_pass()
         cache.close()
+
+
+def test_miss_split_without_the_zero_copy_path_is_said(model_path):
+    """--miss-split splits the zero-copy path's misses: a cache without that path says so once and
+    runs as before (no handoff)."""
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        said = []
+        cache = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, NEVER), 32,
+                              zero_copy=False, top_k=c.n_expert_used, miss_split=True, log=said.append)
+        assert cache.handoff is None and cache.split is None
+        assert len(said) == 1 and "--miss-split ignored" in said[0] and "zero-copy" in said[0]
+        cache.close()

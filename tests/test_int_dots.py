@@ -97,6 +97,48 @@ def test_row_dot_matches_gguf(fmt, n_in, rng):
     _check_rows(_ROWS[fmt](W, q, d, s), W, x, fmt)
 
 
+@pytest.mark.parametrize("n_in", [32, 96, 288])
+def test_q8_0_row_dot_of_an_odd_block_count(n_in, rng):
+    """Q8_0's dot takes blocks two at a time and an odd last one alone: rows of 1, 3 and 9 blocks
+    against gguf-py, through the kernels' road and the portable IR."""
+    W = random_rows(FORMATS["Q8_0"], 12, n_in, rng, std=0.05)
+    x = _activations(rng, max(n_in, 128))[:n_in]
+    q, d, s, _ = _quantize(x)
+    y = _ROWS["Q8_0"](W, q, d, s)
+    _check_rows(y, W, x, "Q8_0")
+    keep, portable = _mcjit(False)
+    yp = np.array([_call(portable["Q8_0"], W[i], q, d, s, 34) for i in range(W.shape[0])])
+    np.testing.assert_allclose(yp, y, rtol=1e-6, atol=0)
+    assert keep is not None
+
+
+def test_rows_q8_takes_the_integer_dots(rng):
+    """``cpu.rows_q8`` (the MoE kernel's products with 8-bit activations) gives each ROW_DOTS
+    format's integer dot bit for bit, not the float kernel on the rounded values (whose sums
+    round differently)."""
+    from moecache.quants import cpu
+    from moecache.quants.cpu import STEP
+
+    def via_rows_q8(fmt_id):
+        @njit
+        def run(W, q, d, s, x):  # (fmt_id: a closure constant, as the kernels' format ids are)
+            Q, D, S, X = q.reshape(1, -1), d.reshape(1, -1), s.reshape(1, -1), x.reshape(1, -1)
+            Y = np.zeros((1, W.shape[0]), np.float32)
+            qrow = np.zeros(1, np.int32)
+            bad = np.zeros(1, np.int32)
+            cpu.rows_q8(fmt_id, W, Q, D, S, qrow, X, S, Y, 0, W.shape[0], 0, 1, STEP, bad)
+            return Y[0]
+        return run
+
+    for fmt in sorted(ROADS):
+        n_in = 256 if fmt != "Q8_0" else 96
+        W = random_rows(FORMATS[fmt], 8, n_in, rng, std=0.05)
+        x = _activations(rng, 128 if n_in < 128 else n_in)[:n_in]
+        q, d, s, r = _quantize(x)
+        got = via_rows_q8(FORMATS[fmt].ggml_type)(W, q, d, s, r)
+        np.testing.assert_array_equal(got, _ROWS[fmt](W, q, d, s), err_msg=fmt)
+
+
 def _mcjit(vnni: bool):
     """The IR's function compiled by llvmlite's MCJIT as a ctypes function: the VNNI road for the
     host CPU; the portable road for a generic x86-64 (no AVX, no F16C: what any CPU can run)."""

@@ -127,6 +127,8 @@ def bench_command(o: BenchOptions) -> None:
         shown += ["type_k", "type_v"]
     if n_gen_warmup:
         shown.append("n_gen_warmup")
+    if o.miss_split:
+        shown.append("miss_split")
     need = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
     if ctx_size is not None and ctx_size < need:
         raise UserError(f"-c {ctx_size}: the tests need {need} tokens of context (depth + prompt + generated + "

@@ -11,8 +11,7 @@ One token (decode) takes another road for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K: the f
 NaN/inf pattern is gguf-py's. Several tokens dequantize a row's full steps into a row scratch and
 dot it with four tokens per pass.
 ``moe_ffn(act_q8=True)`` rounds the activations to 8 bits first and takes the integer Q8_0, Q4_K,
-Q5_K and Q6_K dots of :mod:`moecache.quants.int_dots` (``rows_q8``; Q8_0 rows of an odd number of
-blocks take the float kernel on the rounded values).
+Q5_K and Q6_K dots of :mod:`moecache.quants.int_dots` (``rows_q8``).
 All kernels are ``nogil`` (the hybrid executor runs them beside the GPU) and cached on disk.
 
 Shapes and dtypes:
@@ -483,13 +482,8 @@ def _rows_q8_impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
         return lambda fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad: \
             kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
     dot = ROW_DOTS[f.name]
-    pairs_only = f.name == "Q8_0"  # its IR dot takes blocks two at a time
-    pair_bytes = 2 * f.type_size
 
     def impl(fmt, W, Q, D, S, qrow, X, XS, Y, r0, r1, p0, p1, nbuf, bad):
-        if pairs_only and W.shape[1] % pair_bytes:  # an odd number of blocks per row: the float kernel
-            kernel(W, X, XS, Y, r0, r1, p0, p1, nbuf)
-            return
         for r in range(r0, r1):
             row = W[r]
             for p in range(p0, p1):

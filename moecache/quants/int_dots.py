@@ -11,8 +11,8 @@ in LLVM IR (a function per format, linked into the kernels that call it through
 (LLVM picks the instructions), so both give the same integers.
 
 Formats: Q4_K and Q6_K (the two of a Q4_K_M file's experts), Q5_K (a Q5_K_M file's, a variant of
-Q4_K's IR: :func:`_q4k_ir`), Q8_0 (rows of an even number of blocks: :func:`_q80_ir`); the others
-take the float kernel on the rounded values. Q6_K: see :func:`_q6k_ir`.
+Q4_K's IR: :func:`_q4k_ir`), Q8_0 (:func:`_q80_ir`); the others take the float kernel on the
+rounded values. Q6_K: see :func:`_q6k_ir`.
 
 Q4_K (layout: ggml-common.h ``block_q4_K``; the scale unpacking is ``blocks256._scale_min_k4``'s,
 done on three 32-bit words): for sub-block j of 32 weights with 6-bit scale ``sc_j`` and min
@@ -311,9 +311,9 @@ def _q6k_ir(vnni: bool) -> str:
 
 def _q80_ir(vnni: bool) -> str:
     """``i32 @moecache_q80_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb`` Q8_0
-    blocks (ggml-common.h ``block_q8_0``, 34 bytes: f16 d, int8 qs[32]; ``nb`` even: the caller
-    checks) with int8 quants ``xq`` and their per-32 scales ``xd`` (``xs`` unused), two blocks per
-    iteration. Both factors are signed: ``vpdpbusd`` multiplies ``q + 128`` (the byte with its top bit
+    blocks (ggml-common.h ``block_q8_0``, 34 bytes: f16 d, int8 qs[32]) with int8 quants ``xq``
+    (nb*32) and their per-32 scales ``xd`` (nb; ``xs`` unused), two blocks per iteration and an odd
+    last one on its own. Both factors are signed: ``vpdpbusd`` multiplies ``q + 128`` (the byte with its top bit
     flipped, unsigned) and the sum of the activations is subtracted 128 times, exact in int32."""
     flip = _splat("i8", 64, "-128")
     ones = _splat("i8", 64, "1")
@@ -364,7 +364,42 @@ def _q80_ir(vnni: bool) -> str:
              "  br i1 %more, label %loop, label %done",
              "done:",
              "  %af = phi <16 x float> [zeroinitializer, %entry], [%acc1, %loop]",
-             "  %ra = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> %af)",
+             "  %odd = and i64 %nb, 1",
+             "  %has = icmp ne i64 %odd, 0",
+             "  br i1 %has, label %tail, label %fin",
+             # the last block of an odd count: its 32 bytes against 32 activations, both padded with
+             # zeros to 64 (a padded weight byte becomes 0x80, times a zero activation: nothing)
+             "tail:",
+             f"  %toff = mul i64 %np, {2 * Q8_0_BYTES}",
+             "  %tblk = getelementptr i8, ptr %row, i64 %toff",
+             *_halves_ir("t", "%tblk", 1),
+             "  %dt = extractelement <1 x float> %td, i64 0",
+             "  %ptq = getelementptr i8, ptr %tblk, i64 2",
+             "  %tq = load <32 x i8>, ptr %ptq, align 1",
+             f"  %tq64 = shufflevector <32 x i8> %tq, <32 x i8> zeroinitializer, <64 x i32> <{cat}>",
+             f"  %n_tp = xor <64 x i8> %tq64, {flip}",
+             "  %txo = mul i64 %np, 64",
+             "  %ptx = getelementptr i8, ptr %xq, i64 %txo",
+             "  %tx = load <32 x i8>, ptr %ptx, align 1",
+             f"  %x_tp = shufflevector <32 x i8> %tx, <32 x i8> zeroinitializer, <64 x i32> <{cat}>",
+             f"  %n_to = bitcast <64 x i8> {ones} to <64 x i8>",
+             "  %x_to = bitcast <64 x i8> %x_tp to <64 x i8>",
+             *_dot_ir("tp", vnni),
+             *_dot_ir("to", vnni),
+             f"  %to128 = shl <16 x i32> %to, {_splat('i32', 16, '7')}",
+             "  %tiq = sub <16 x i32> %tp, %to128",
+             "  %tf = sitofp <16 x i32> %tiq to <16 x float>",
+             "  %txi = shl i64 %np, 1",
+             "  %ptxd = getelementptr float, ptr %xd, i64 %txi",
+             "  %txd = load float, ptr %ptxd, align 4",
+             "  %tsc1 = fmul float %dt, %txd",
+             "  %tsc0 = insertelement <16 x float> poison, float %tsc1, i64 0",
+             "  %tsc = shufflevector <16 x float> %tsc0, <16 x float> poison, <16 x i32> zeroinitializer",
+             "  %acct = call <16 x float> @llvm.fma.v16f32(<16 x float> %tf, <16 x float> %tsc, <16 x float> %af)",
+             "  br label %fin",
+             "fin:",
+             "  %afin = phi <16 x float> [%af, %done], [%acct, %tail]",
+             "  %ra = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> %afin)",
              "  %rbits = bitcast float %ra to i32",
              "  ret i32 %rbits",
              "}"]
@@ -400,8 +435,8 @@ def _library(context):
 def _row_dot(fmt: str, symbol: str, block_bytes: int):
     """A Numba intrinsic ``(row, xq, xd, xs) -> float32`` calling the IR function ``symbol``: one row
     of ``fmt`` (uint8, nb * ``block_bytes``) dotted with an activation row rounded to 8 bits (``xq``
-    int8 (nb*256,), ``xd`` and ``xs`` float32 (nb*8,): per 32 values the scale and ``d * sum(q)``,
-    :func:`quantize_row`). All C-contiguous 1-D (a TypingError otherwise); the lengths are not
+    int8, one per weight of the row; ``xd`` and ``xs`` float32, one per 32 of them: the scale and
+    ``d * sum(q)``, :func:`quantize_row`). All C-contiguous 1-D (a TypingError otherwise); the lengths are not
     checked (the callers' shapes guarantee them)."""
 
     def typer(typingctx, row, xq, xd, xs):
@@ -426,7 +461,7 @@ def _row_dot(fmt: str, symbol: str, block_bytes: int):
     return intrinsic(typer)
 
 
-q80_row_dot = _row_dot("Q8_0", "moecache_q80_q8_row", Q8_0_BYTES)  # an even number of blocks only
+q80_row_dot = _row_dot("Q8_0", "moecache_q80_q8_row", Q8_0_BYTES)
 q4k_row_dot = _row_dot("Q4_K", "moecache_q4k_q8_row", Q4_K_BYTES)
 q5k_row_dot = _row_dot("Q5_K", "moecache_q5k_q8_row", Q5_K_BYTES)
 q6k_row_dot = _row_dot("Q6_K", "moecache_q6k_q8_row", Q6_K_BYTES)
