@@ -108,8 +108,10 @@ def llama_cmd(bin_: str, model: str, case: Case, ncmoe: int | None, reps: int, t
     return cmd
 
 
-def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin") -> list[str]:
-    """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM)."""
+def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin",
+             miss_split: bool = False) -> list[str]:
+    """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM;
+    ``miss_split``: ``--miss-split`` in the cases with an expert cache)."""
     cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
            "-t", str(threads), "-r", str(reps), "-o", "jsonl", *case.ours]
     if case.d:
@@ -124,6 +126,8 @@ def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_
         cmd += ["-b", str(case.ub), "-ub", str(case.ub)]
     if warmup and case.n and "--moe-cache" in case.ours and "-1" in case.ours:
         cmd += ["--n-gen-warmup", str(warmup)]
+    if miss_split and "--moe-cache" in case.ours and "-1" in case.ours:
+        cmd += ["--miss-split"]
     return cmd
 
 
@@ -358,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-gen-warmup", type=int, default=256, help="our cache arms' generated warm-up tokens")
     ap.add_argument("--ncmoe-hint", type=int, default=29, help="first -ncmoe tried for an 8 GiB budget")
     ap.add_argument("--our-load-mode", default="pin", help="our --load-mode where experts are in host RAM")
+    ap.add_argument("--miss-split", action="store_true", help="our cache cases with --miss-split (opt-in: the CPU "
+                    "computes a share of the misses)")
     ap.add_argument("--deadline-s", type=float, default=0, help="start no new case after this many seconds (0: none)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-llamacpp-h200")
     a = ap.parse_args(argv)
@@ -409,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                 if engine == "llama.cpp" and case.ncmoe == "best":
                     ncmoe = st.ncmoe[key]["best"]
                 cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
-                       else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode))
+                       else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode,
+                                     a.miss_split))
                 try:
                     with VramSampler() as s:
                         recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)
