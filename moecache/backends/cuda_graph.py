@@ -57,6 +57,9 @@ import cupy as cp
 import cupyx
 import numpy as np
 
+from moecache.moe import handoff
+from moecache.moe.routing import Routing
+
 
 @dataclass
 class _Captured:
@@ -99,8 +102,6 @@ class _Cut:
         are plain ``cudaMemcpyAsync`` calls where the device array is contiguous (the host sides are
         page-locked arrays of the same shape and dtype, and ``out`` is made contiguous; CuPy's
         ``get``/``set`` cost several microseconds of checks each, four times per layer per token)."""
-        from moecache.moe.routing import Routing
-
         rt = cp.cuda.runtime
         for dev, host in ((self.h, self.host_h), (self.ids, self.host_ids), (self.weights, self.host_w)):
             if dev.flags.c_contiguous:
@@ -169,20 +170,13 @@ class _HandoffExperts:
     def serve(self) -> None:
         """After the launch: answer the pass's posts in step order (raises MoecacheError when the
         GPU does not post within the timeout)."""
-        from moecache.moe import handoff
-        from moecache.moe.routing import Routing
+        handoff.serve(self.hf.buf, self.layers, self.seq, self._compute)
 
-        host = self.host
-
-        def compute(il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-            host[il].compute_host(il, h, Routing(ids, w), out)
-
-        handoff.serve(self.hf.buf, self.layers, self.seq, compute)
+    def _compute(self, il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        self.host[il].compute_host(il, h, Routing(ids, w), out)
 
     def check(self) -> None:
         """After the pass's end: raise when the GPU stopped waiting for an answer."""
-        from moecache.moe import handoff
-
         handoff.check(self.hf.buf)
 
 
@@ -220,8 +214,6 @@ class _Routes:
 
     def route(self, il: int, n_tokens: int) -> Any:
         """What the captured layers see in place of the process (device slices; ``n_tokens`` is ``n``)."""
-        from moecache.moe.routing import Routing
-
         return Routing(self.ids[il], self.weights[il])
 
 

@@ -9,7 +9,7 @@ import cupy as cp
 import cupyx
 import numpy as np
 
-from moecache.moe.handoff import HandoffBuffers
+from moecache.moe.handoff import HandoffBuffers, check_request
 
 NULL = np.uint64(0)
 GPU_TIMEOUT_NS = 30_000_000_000  # the GPU's wait for an answer (the host's own timeout is the same 30 s)
@@ -47,12 +47,8 @@ class CudaHandoff:
         (T, k) on this GPU. Without ``slot_map`` every pair is the CPU's; with it (int32 (n_expert,),
         -1 = not in VRAM) and ``ncpu`` (int32 (n_layer,)) the CPU takes up to ``ncpu[il]`` misses of
         each token and the GPU's pairs come back as ids (T, k), -1 for the CPU's."""
+        check_request(self.max_tok, self.n_embd, self.k, h.shape, ids.shape, slot_map, ncpu)
         t = h.shape[0]
-        if (slot_map is None) != (ncpu is None):
-            raise ValueError("handoff: a slot map and ncpu go together")
-        if t > self.max_tok or h.shape[1] != self.n_embd or ids.shape != (t, self.k):
-            raise ValueError(f"handoff: a request of {h.shape} / {ids.shape} does not fit buffers of "
-                             f"({self.max_tok}, {self.n_embd}) / ({self.max_tok}, {self.k})")
         h = cp.ascontiguousarray(h, dtype=cp.float32)
         ids = cp.ascontiguousarray(ids, dtype=cp.int32)
         w = cp.ascontiguousarray(w, dtype=cp.float32)

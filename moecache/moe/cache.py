@@ -500,12 +500,9 @@ class CachedExperts:
                 and self._zc_calls == 0 and bool(self._split_layers))
 
     def _split_compute(self, il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        """The CPU's share of layer ``il``'s misses (the handoff's answer), timed into ``cpu_s``."""
+        """The CPU's share of layer ``il``'s misses (the handoff's answer) into ``out``, timed into ``cpu_s``."""
         e = self.layers[il]
-        t0 = time.perf_counter()
-        cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, w, h, out, cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU,
-                           self.act_q8)
-        self.cpu_s[il] += time.perf_counter() - t0
+        self._timed_cpu(il, e, ids, w, h, cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU, out)
 
     def flush(self, admit: bool = True) -> None:
         """Account the routing of finished zero-copy passes: hits and misses against the map each pass
@@ -620,18 +617,19 @@ class CachedExperts:
         hf = self.handoff
         # the miss split runs inside captured graphs only (an op-by-op pass would queue launches while
         # the GPU waits for the host) and in the CPU twin, which answers inline
-        if hf is not None and (hf.inline or self.be.capturing()):
-            gids = hf.post(il, h, routing.ids, routing.weights, self._map_dev[il], self._ncpu_dev)
-            out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, Routing(gids, routing.weights), h,
-                                         e.act, self._map_dev[il], (e.gate, e.up, e.down), scratch)
+        split = hf is not None and (hf.inline or self.be.capturing())
+        gpu_pairs = routing
+        if split:  # the GPU's pairs: the CPU's ids -1
+            gpu_pairs = Routing(hf.post(il, h, routing.ids, routing.weights, self._map_dev[il], self._ncpu_dev),
+                                routing.weights)
+        out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, gpu_pairs, h, e.act,
+                                     self._map_dev[il], (e.gate, e.up, e.down), scratch)
+        if split:
             out = hf.wait(il, out, add=True)
             if hf.inline:
                 self._posted.append(il)
             elif il not in self._split_layers:
                 self._split_layers.append(il)
-        else:
-            out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, routing, h, e.act,
-                                         self._map_dev[il], (e.gate, e.up, e.down), scratch)
         self._ids_log[il, :t] = self.be.asarray(routing.ids)
         return out
 
@@ -657,9 +655,9 @@ class CachedExperts:
         self.wait_s[:] = 0.0
         self._pass_start = None
 
-    def _timed_cpu(self, il, e, ids, weights, hh, act):
+    def _timed_cpu(self, il, e, ids, weights, hh, act, out=None):
         t0 = time.perf_counter()
-        out = cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, weights, hh, None, act, self.act_q8)
+        out = cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, weights, hh, out, act, self.act_q8)
         self.cpu_s[il] += time.perf_counter() - t0
         return out
 

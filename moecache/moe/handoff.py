@@ -23,8 +23,8 @@ waiting after its own timeout, records the layer in ``err`` and counts the CPU's
 (:func:`check` raises after the pass). A host that fails while the GPU waits releases every layer of
 the pass (``done[:] = seq``) before the error propagates, so the GPU does not sit out its timeout.
 
-The buffers are plain numpy arrays here; the CUDA backend allocates them page-locked
-(``CupyBackend.handoff_buffers``). The CPU tests drive :func:`serve` with a thread in the GPU's
+The buffers are plain numpy arrays here; the CUDA side allocates them page-locked
+(``moecache.backends.handoff_cuda.CudaHandoff``). The CPU tests drive :func:`serve` with a thread in the GPU's
 role.
 """
 
@@ -38,7 +38,6 @@ from moecache.quants import _numba_setup  # noqa: F401  (configures numba before
 
 import numpy as np
 from numba import errors, njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from moecache.errors import MoecacheError
@@ -212,6 +211,17 @@ def split_pairs(ids: np.ndarray, slot_map: np.ndarray | None, n_cpu: int) -> tup
     return np.where(cpu, ids, -1).astype(np.int32), np.where(cpu, -1, ids).astype(np.int32)
 
 
+def check_request(max_tok: int, n_embd: int, k: int, h_shape: tuple, ids_shape: tuple, slot_map, ncpu) -> None:
+    """A post's arguments against its handoff's buffers (ValueError otherwise): ``h`` (T, n_embd)
+    with T <= ``max_tok``, ``ids`` (T, k), a slot map only with ``ncpu``."""
+    if (slot_map is None) != (ncpu is None):
+        raise ValueError("handoff: a slot map and ncpu go together")
+    t = h_shape[0]
+    if t > max_tok or h_shape[1] != n_embd or tuple(ids_shape) != (t, k):
+        raise ValueError(f"handoff: a request of {tuple(h_shape)} / {tuple(ids_shape)} does not fit buffers of "
+                         f"({max_tok}, {n_embd}) / ({max_tok}, {k})")
+
+
 def check(buf: HandoffBuffers) -> None:
     """Raise MoecacheError when the GPU gave up waiting for an answer in the pass just finished
     (its output is then wrong); resets the record."""
@@ -239,12 +249,8 @@ class InlineHandoff:
 
     def post(self, il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, slot_map: np.ndarray | None = None,
              ncpu: np.ndarray | None = None) -> np.ndarray | None:
-        if (slot_map is None) != (ncpu is None):
-            raise ValueError("handoff: a slot map and ncpu go together")
+        check_request(self.max_tok, self.n_embd, self.k, h.shape, ids.shape, slot_map, ncpu)
         t = h.shape[0]
-        if t > self.max_tok or h.shape[1] != self.n_embd or ids.shape != (t, self.k):
-            raise ValueError(f"handoff: a request of {h.shape} / {ids.shape} does not fit buffers of "
-                             f"({self.max_tok}, {self.n_embd}) / ({self.max_tok}, {self.k})")
         ids = np.asarray(ids, np.int32)
         cpu, gpu = split_pairs(ids, slot_map, int(ncpu[il]) if ncpu is not None else 0)
         b = self.buf
