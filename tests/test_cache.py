@@ -1030,8 +1030,7 @@ def test_miss_split_twin_gives_the_zero_copy_output(model_path, seed):
             cache.slot_of[il, e] = s
         cache._map_dirty = True
         n_cpu = int(rng.integers(1, c.n_expert_used + 1))
-        cache.split.ncpu[:] = n_cpu
-        cache._ncpu_dirty = True
+        cache.fix_split(n_cpu)  # pinned: the controller's refit after the pass must keep it
         ref_ex = CPUExperts(ew, NumpyBackend())
         t = int(rng.integers(1, 5))
         cache.begin_pass(t)
@@ -1047,6 +1046,7 @@ def test_miss_split_twin_gives_the_zero_copy_output(model_path, seed):
         cache.launched()
         cache.end_pass()
         assert want_cpu > 0 and cache.stats.cpu_misses == want_cpu
+        assert cache.split.ncpu.tolist() == [n_cpu] * c.n_layer
         cache.launched()
         assert cache.stats.hits + cache.stats.misses == len(ew) * t * c.n_expert_used
         cache.close()
@@ -1134,6 +1134,33 @@ def test_miss_split_replay_road_serves_only_layers_with_a_share(model_path):
         buf.err[0] = served + 1
         with pytest.raises(MoecacheError, match=f"layer {served}"):
             cache.end_pass()
+        cache.close()
+
+
+def test_pool_finds_a_victims_slot_also_after_a_direct_write():
+    from moecache.moe.cache import _Pool
+
+    pool = _Pool(None, None, None, (0, 0, 0), [None] * 6)
+    pool.set_owner(2, (0, 5))
+    pool.set_owner(4, (1, 1))
+    assert pool.slot_held_by((0, 5)) == 2 and pool.slot_held_by((1, 1)) == 4
+    pool.set_owner(2, None)
+    pool.owner[3] = (0, 5)  # written without the hint (as tests fill slots): the search finds it
+    assert pool.slot_held_by((0, 5)) == 3
+    pool.set_owner(4, (0, 5))  # the same expert elsewhere: the hint follows the newest owner
+    assert pool.slot_held_by((0, 5)) == 4
+    with pytest.raises(ValueError):
+        pool.slot_held_by((2, 2))
+
+
+def test_fix_split_needs_the_miss_split(model_path):
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, NEVER), 32,
+                              zero_copy=True, top_k=c.n_expert_used)
+        with pytest.raises(ValueError, match="no miss split"):
+            cache.fix_split(1)
         cache.close()
 
 

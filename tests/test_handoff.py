@@ -185,3 +185,21 @@ def test_split_control_backs_off_a_late_share_and_probes_a_calm_one():
     count[0] = 2
     assert not any(sc.update([0], count, n_miss, wait) for _ in range(10))
     assert sc.ncpu[0] == 3
+
+
+def test_split_control_fixed_share_holds_until_released():
+    sc = handoff.SplitControl(n_layer=2, k=8, probe_every=1)
+    late = np.array([50_000, 50_000], np.int64)
+    sc.fix(3)
+    assert sc.ncpu.tolist() == [3, 3]
+    assert not sc.update([0, 1], np.array([3, 3], np.int32), np.array([5, 5], np.int32), late)
+    assert sc.ncpu.tolist() == [3, 3]  # a late GPU does not move a pinned share
+    sc.fix(None)
+    assert sc.ncpu.tolist() == [0, 0]
+    # adaptive again: a calm layer with misses left probes one more at once (probe_every 1)
+    assert sc.update([0], np.zeros(2, np.int32), np.array([5, 5], np.int32), np.zeros(2, np.int64))
+    assert sc.ncpu.tolist() == [1, 0]
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="fixed share"):
+            sc.fix(bad)
+

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import require_shared
-from moecache.moe.policy import CachePolicy, PolicyConfig
+from moecache.moe.policy import Admission, CachePolicy, PolicyConfig
 from moecache.moe.replay import replay_lru, replay_policy
 from moecache.moe.routing_process import PRESETS, RoutingProcess, TraceRouting, make_routing
 
@@ -227,6 +227,82 @@ def test_cached_victim_gives_the_same_decisions_as_a_fresh_search():
             db = b.decide(il, ids[il][~b.resident[il][ids[il]]])
             assert da == db
     assert a.uploads == b.uploads > 20
+
+
+@pytest.mark.parametrize("preset,per_token", [("uniform", 2.0), ("qwen3-moe", 0.5), ("olmoe", 16.0)])
+def test_decide_early_exits_change_no_decision(preset, per_token):
+    """decide() returns early (no credit; the most used miss does not pay over the victim) before
+    sorting the candidates: every admission and victim equals that of the plain rule, written here
+    as the module docstring states it (candidates by usage, stop at the first that does not pay)."""
+
+    class Plain(CachePolicy):
+        def decide(self, layer, missed):
+            cfg, out = self.cfg, []
+            gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
+            cands = sorted(sorted({int(e) for e in missed if not self.resident[layer, e]}),
+                           key=lambda e: -self.usage[layer, e])  # ties: ascending ids
+            for e in cands:
+                ue = self.usage[layer, e]
+                if self.credit < 1.0 or ue * gain <= cfg.t_upload:
+                    break
+                victim = None
+                if self.n_resident >= self.n_slots:
+                    victim = self._victim()
+                    if victim is None:
+                        break
+                    uv = self.usage[victim]
+                    if (ue - uv) * gain <= cfg.t_upload or ue < (1.0 + cfg.hysteresis) * uv:
+                        break
+                    self.resident[victim] = False
+                    self.n_resident -= 1
+                    self._vc = False
+                self.resident[layer, e] = True
+                self.admitted_at[layer, e] = self.clock[layer]
+                self.n_resident += 1
+                self.credit -= 1.0
+                self.uploads += 1
+                out.append(Admission(layer, e, victim))
+            return out
+
+    cfg = PolicyConfig(window=16, min_residency=2, uploads_per_token=per_token, burst=4.0)
+    a, b = CachePolicy(6, 32, 40, cfg), Plain(6, 32, 40, cfg)
+    src = make_routing(preset, 6, 32, 4, seed=3)
+    for _ in range(300):
+        ids = np.stack([src.route(il, 1).ids for il in range(6)])
+        for p in (a, b):
+            p.new_tokens(1)
+            p.observe_all(np.arange(6), ids)
+        for il in range(6):
+            assert a.decide(il, ids[il][~a.resident[il][ids[il]]]) == b.decide(il, ids[il][~b.resident[il][ids[il]]])
+    assert a.uploads == b.uploads > 30
+    np.testing.assert_array_equal(a.resident, b.resident)
+
+
+@pytest.mark.parametrize("preset", ["uniform", "qwen3-moe"])
+def test_may_admit_is_false_only_where_decide_admits_nothing(preset):
+    """flush() skips decide() for the layers may_admit() rules out: for each of them, at any point
+    of a pass's decisions, decide() on a copy of the policy admits nothing; and the ones it keeps
+    include every layer that admits."""
+    import copy
+
+    cfg = PolicyConfig(window=16, min_residency=2, uploads_per_token=3.0, burst=6.0)
+    p = CachePolicy(6, 32, 40, cfg)
+    src = make_routing(preset, 6, 32, 4, seed=4)
+    kept = skipped = 0
+    for _ in range(200):
+        ids = np.stack([src.route(il, 1).ids.reshape(-1) for il in range(6)])
+        p.new_tokens(1)
+        p.observe_all(np.arange(6), ids[:, None, :])
+        missed = ~p.resident[np.arange(6)[:, None], ids]
+        ok = p.may_admit(np.arange(6), ids, missed)
+        for il in range(6):
+            if not ok[il]:
+                skipped += 1
+                assert copy.deepcopy(p).decide(il, ids[il][missed[il]]) == []
+            else:
+                kept += 1
+                p.decide(il, ids[il][missed[il]])
+    assert p.uploads > 20 and kept > 20 and skipped > 20
 
 
 def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():

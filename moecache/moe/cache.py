@@ -134,6 +134,26 @@ class _Pool:
     down: Any
     types: tuple[int, int, int]
     owner: list = field(default_factory=list)  # slot -> (layer, expert) or None
+    _where: dict = field(default_factory=dict)  # (layer, expert) -> slot: a hint that owner confirms
+
+    def slot_held_by(self, key: tuple[int, int]) -> int:
+        """The slot that ``key`` (layer, expert) owns (ValueError when none): the hint when ``owner``
+        confirms it, else a search (a slot written straight into ``owner``), O(1) per admission's
+        victim instead of a scan of every slot."""
+        s = self._where.get(key)
+        if s is None or s >= len(self.owner) or self.owner[s] != key:
+            s = self.owner.index(key)
+            self._where[key] = s
+        return s
+
+    def set_owner(self, slot: int, key: tuple[int, int] | None) -> None:
+        """Give ``slot`` to ``key`` (None: empty), keeping the hint."""
+        old = self.owner[slot]
+        if old is not None and self._where.get(old) == slot:
+            del self._where[old]
+        self.owner[slot] = key
+        if key is not None:
+            self._where[key] = slot
 
 
 class CachedExperts:
@@ -359,14 +379,14 @@ class CachedExperts:
                 slot = pool.owner.index(None)
             else:
                 vl, ve = a.victim
-                slot = pool.owner.index((vl, ve))
+                slot = pool.slot_held_by((vl, ve))
                 self.slot_of[vl, ve] = -1  # unmapped before its slot is overwritten
                 self._map_dirty = True
                 # a victim whose own copy is still in flight: keep that copy (and its pinned source
                 # buffers) alive until it completes; the new copy is queued after it on the stream
                 self._retired += [p[0] for p in self._pending if (p[1], p[2]) == (vl, ve)]
                 self._pending = [p for p in self._pending if (p[1], p[2]) != (vl, ve)]
-            pool.owner[slot] = (a.layer, a.expert)
+            pool.set_owner(slot, (a.layer, a.expert))
             e = self.layers[a.layer]
             copy = self.be.start_slot_copy((pool.gate, pool.up, pool.down), slot,
                                            (e.gate[a.expert], e.up[a.expert], e.down[a.expert]))
@@ -390,7 +410,7 @@ class CachedExperts:
         for slot, own in enumerate(self.pool.owner):
             if own is not None:
                 self.slot_of[own] = -1
-                self.pool.owner[slot] = None
+                self.pool.set_owner(slot, None)
         self._map_dirty = True
         self.policy.clear_residents()
         mine = np.zeros_like(self.policy.usage)
@@ -483,6 +503,15 @@ class CachedExperts:
             # a layer with no share can have nothing for the host: its post is not waited for
             self._serve = [il for il in self._split_layers if self.split.ncpu[il] > 0]
 
+    def fix_split(self, share: int | None) -> None:
+        """Pin the miss split's share on every layer (:meth:`SplitControl.fix`; None: adaptive again),
+        from the next pass on. Raises ValueError without the miss split, or for a share outside
+        [0, top_k]."""
+        if self.split is None:
+            raise ValueError("fix_split: this expert cache has no miss split (Engine(miss_split=True), zero-copy)")
+        self.split.fix(share)
+        self._ncpu_dirty = True
+
     def launched(self) -> None:
         """While a pass runs on the device: account the finished passes (:meth:`flush`), which feeds
         the policy and starts the admitted uploads while the device is busy. A replayed decode graph
@@ -522,9 +551,11 @@ class CachedExperts:
             self.stats.hits += n_hit
             self.stats.misses += hit.size - n_hit
             self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
-            for i, il in enumerate(layers.tolist()):
-                if admit and not hit[i].all():
-                    self._apply(self.policy.decide(il, lids[i][~hit[i]]))
+            if not admit:
+                continue
+            flat, missed = lids.reshape(layers.size, -1), ~hit.reshape(layers.size, -1)
+            for i in np.flatnonzero(self.policy.may_admit(layers, flat, missed)).tolist():
+                self._apply(self.policy.decide(int(layers[i]), flat[i][missed[i]]))
 
     def end_pass(self) -> None:
         """After a pass's output reached the host: bring its routing log to the host (processed by the
@@ -1053,7 +1084,8 @@ class CachedExperts:
 
     @staticmethod
     def _expert_bytes(e: ExpertWeights) -> int:
-        return sum(int(np.prod(w.shape[1:])) * w.itemsize for w in (e.gate, e.up, e.down))
+        """Bytes of one expert's three matrices (stacked (n_expert, ...) arrays: nbytes per expert)."""
+        return e.gate.nbytes // e.gate.shape[0] + e.up.nbytes // e.up.shape[0] + e.down.nbytes // e.down.shape[0]
 
     def close(self) -> None:
         """Wait for the slot copies in flight, give the stack buffers back, stop the miss worker.

@@ -286,6 +286,9 @@ class SplitControl:
     tries one more; a probe that turns out late doubles that layer's wait before the next probe (up
     to ``max_probe_every``), one that holds restores it. Shares 0 and ``k`` are the two single
     paths. One share per layer serves every batch size (a batch's tokens each take up to ``ncpu``).
+
+    :meth:`fix` pins every layer's share (a benchmark's sweep, ``bench/miss_split.py``): ``update``
+    then changes nothing until ``fix(None)``.
     """
 
     n_layer: int
@@ -298,6 +301,7 @@ class SplitControl:
     calm: np.ndarray = field(init=False)
     every: np.ndarray = field(init=False)
     probed: np.ndarray = field(init=False)
+    fixed: int | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.ncpu = np.zeros(self.n_layer, np.int32)
@@ -308,6 +312,8 @@ class SplitControl:
     def update(self, layers: list[int], count: np.ndarray, n_miss: np.ndarray, wait_ns: np.ndarray) -> bool:
         """After a pass: ``layers`` that posted, and per layer (arrays indexed by layer) the CPU's
         pairs, the misses and the GPU's wait in ns. Returns whether ``ncpu`` changed."""
+        if self.fixed is not None:
+            return False
         changed = False
         for il in layers:
             late = wait_ns[il] > self.late_ns
@@ -331,3 +337,14 @@ class SplitControl:
                 self.calm[il] = 0
             self.probed[il] = False
         return changed
+
+    def fix(self, share: int | None) -> None:
+        """Pin every layer's share to ``share`` misses per token (0 to ``k``, else ValueError), or
+        give the shares back to :meth:`update` (None: they start again from 0)."""
+        if share is not None and not 0 <= share <= self.k:
+            raise ValueError(f"a fixed share must be in [0, {self.k}], got {share}")
+        self.fixed = share
+        self.ncpu[:] = 0 if share is None else share
+        self.calm[:] = 0
+        self.every[:] = self.probe_every
+        self.probed[:] = False

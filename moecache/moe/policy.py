@@ -138,6 +138,28 @@ class CachePolicy:
         self.clock[layers] += t
         self._vc = False
 
+    def may_admit(self, layers: np.ndarray, ids: np.ndarray, missed: np.ndarray) -> np.ndarray:
+        """Which of ``layers`` (int (n,)) :meth:`decide` could admit an expert for now: bool (n,),
+        False where it would return nothing (no credit; the most used of the layer's misses does
+        not pay, alone or over the current victim). ``ids`` int (n, m) each layer's routed experts,
+        ``missed`` bool (n, m) which of them missed. Credit only falls and the victim's usage only
+        rises while a pass's decisions are taken, so a False stays False for the rest of that pass:
+        :meth:`moecache.moe.cache.CachedExperts.flush` calls :meth:`decide` only for the Trues."""
+        cfg = self.cfg
+        gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
+        no = np.zeros(len(layers), bool)
+        if gain <= 0 or self.credit < 1.0:
+            return no
+        top = np.where(missed, self.usage[np.asarray(layers)[:, None], ids], -np.inf).max(axis=1)
+        ok = top * gain > cfg.t_upload
+        if self.n_resident >= self.n_slots:
+            victim = self._victim()
+            if victim is None:
+                return no
+            uv = self.usage[victim]
+            ok &= ((top - uv) * gain > cfg.t_upload) & (top >= (1.0 + cfg.hysteresis) * uv)
+        return ok
+
     def decide(self, layer: int, missed: np.ndarray) -> list[Admission]:
         """Admissions for the experts of ``layer`` that missed (after :meth:`observe`), most used
         first, within the credit. The returned experts count as resident from now (their copies are
@@ -145,8 +167,20 @@ class CachePolicy:
         cfg = self.cfg
         gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
         out: list[Admission] = []
-        if gain <= 0 or missed.size == 0:
+        if gain <= 0 or missed.size == 0 or self.credit < 1.0:
+            return out  # (no credit: the loop below would stop at its first candidate)
+        # the loop below stops at its first candidate (the most used) when that one does not pay:
+        # the same test on the largest usage among the misses first, without sorting them
+        top = self.usage[layer, missed].max()
+        if top * gain <= cfg.t_upload:
             return out
+        if self.n_resident >= self.n_slots:
+            victim = self._victim()
+            if victim is None:
+                return out
+            uv = self.usage[victim]
+            if (top - uv) * gain <= cfg.t_upload or top < (1.0 + cfg.hysteresis) * uv:
+                return out
         cand = np.unique(missed)
         cand = cand[~self.resident[layer, cand]]
         cand = cand[np.argsort(-self.usage[layer, cand], kind="stable")]
