@@ -1144,11 +1144,13 @@ def test_pool_finds_a_victims_slot_also_after_a_direct_write():
     pool.set_owner(2, (0, 5))
     pool.set_owner(4, (1, 1))
     assert pool.slot_held_by((0, 5)) == 2 and pool.slot_held_by((1, 1)) == 4
+    pool.owner[2] = (1, 1)  # a slot overwritten without the hint (as tests fill slots): the hint for
+    pool.owner[5] = (0, 5)  # (0, 5) still says 2, which owner no longer confirms: the search finds 5
+    assert pool.slot_held_by((0, 5)) == 5
     pool.set_owner(2, None)
-    pool.owner[3] = (0, 5)  # written without the hint (as tests fill slots): the search finds it
+    pool.set_owner(5, None)
+    pool.owner[3] = (0, 5)  # written without any hint: the search finds it
     assert pool.slot_held_by((0, 5)) == 3
-    pool.set_owner(4, (0, 5))  # the same expert elsewhere: the hint follows the newest owner
-    assert pool.slot_held_by((0, 5)) == 4
     with pytest.raises(ValueError):
         pool.slot_held_by((2, 2))
 

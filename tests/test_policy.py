@@ -264,18 +264,22 @@ def test_decide_early_exits_change_no_decision(preset, per_token):
                 out.append(Admission(layer, e, victim))
             return out
 
-    cfg = PolicyConfig(window=16, min_residency=2, uploads_per_token=per_token, burst=4.0)
-    a, b = CachePolicy(6, 32, 40, cfg), Plain(6, 32, 40, cfg)
-    src = make_routing(preset, 6, 32, 4, seed=3)
-    for _ in range(300):
-        ids = np.stack([src.route(il, 1).ids for il in range(6)])
-        for p in (a, b):
-            p.new_tokens(1)
-            p.observe_all(np.arange(6), ids)
-        for il in range(6):
-            assert a.decide(il, ids[il][~a.resident[il][ids[il]]]) == b.decide(il, ids[il][~b.resident[il][ids[il]]])
-    assert a.uploads == b.uploads > 30
-    np.testing.assert_array_equal(a.resident, b.resident)
+    for min_res, hyst, t in ((2, 0.5, 1), (0, 0.0, 3)):
+        cfg = PolicyConfig(window=16, min_residency=min_res, hysteresis=hyst, uploads_per_token=per_token, burst=4.0)
+        a, b = CachePolicy(6, 32, 40, cfg), Plain(6, 32, 40, cfg)
+        src = make_routing(preset, 6, 32, 4, seed=3)
+        lag = a.resident.copy()  # the map a pass used lags the policy: some "misses" are residents by now
+        for _ in range(300):
+            ids = np.stack([src.route(il, t).ids for il in range(6)])
+            for p in (a, b):
+                p.new_tokens(t)
+                p.observe_all(np.arange(6), ids)
+            for il in range(6):
+                missed = ids[il][~lag[il][ids[il]]]
+                assert a.decide(il, missed) == b.decide(il, missed)
+            lag = a.resident.copy()
+        assert a.uploads == b.uploads > 30
+        np.testing.assert_array_equal(a.resident, b.resident)
 
 
 @pytest.mark.parametrize("preset", ["uniform", "qwen3-moe"])
@@ -285,24 +289,27 @@ def test_may_admit_is_false_only_where_decide_admits_nothing(preset):
     include every layer that admits."""
     import copy
 
-    cfg = PolicyConfig(window=16, min_residency=2, uploads_per_token=3.0, burst=6.0)
-    p = CachePolicy(6, 32, 40, cfg)
-    src = make_routing(preset, 6, 32, 4, seed=4)
-    kept = skipped = 0
-    for _ in range(200):
-        ids = np.stack([src.route(il, 1).ids.reshape(-1) for il in range(6)])
-        p.new_tokens(1)
-        p.observe_all(np.arange(6), ids[:, None, :])
-        missed = ~p.resident[np.arange(6)[:, None], ids]
-        ok = p.may_admit(np.arange(6), ids, missed)
-        for il in range(6):
-            if not ok[il]:
-                skipped += 1
-                assert copy.deepcopy(p).decide(il, ids[il][missed[il]]) == []
-            else:
-                kept += 1
-                p.decide(il, ids[il][missed[il]])
-    assert p.uploads > 20 and kept > 20 and skipped > 20
+    for min_res, hyst, t in ((2, 0.5, 1), (0, 0.0, 3)):
+        cfg = PolicyConfig(window=16, min_residency=min_res, hysteresis=hyst, uploads_per_token=3.0, burst=6.0)
+        p = CachePolicy(6, 32, 40, cfg)
+        src = make_routing(preset, 6, 32, 4, seed=4)
+        kept = skipped = 0
+        lag = p.resident.copy()  # as flush: misses against the map the pass used (residents by now among them)
+        for _ in range(200):
+            ids = np.stack([src.route(il, t).ids.reshape(-1) for il in range(6)])
+            p.new_tokens(t)
+            p.observe_all(np.arange(6), ids.reshape(6, t, -1))
+            missed = ~lag[np.arange(6)[:, None], ids]
+            ok = p.may_admit(np.arange(6), ids, missed)
+            for il in range(6):
+                if not ok[il]:
+                    skipped += 1
+                    assert copy.deepcopy(p).decide(il, ids[il][missed[il]]) == []
+                else:
+                    kept += 1
+                    p.decide(il, ids[il][missed[il]])
+            lag = p.resident.copy()
+        assert p.uploads > 20 and kept > 20 and skipped > 20, (min_res, hyst, t, p.uploads, kept, skipped)
 
 
 def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
