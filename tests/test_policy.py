@@ -312,6 +312,24 @@ def test_may_admit_is_false_only_where_decide_admits_nothing(preset):
         assert p.uploads > 20 and kept > 20 and skipped > 20, (min_res, hyst, t, p.uploads, kept, skipped)
 
 
+def test_victim_search_is_numpys_masked_argmin():
+    """The compiled victim search against numpy: the least-used resident past its minimum residency,
+    the first in row-major order on ties (usages drawn from a few values), None when none is."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    for case in range(200):
+        n_l, n_e = int(rng.integers(1, 7)), int(rng.integers(1, 40))
+        p = CachePolicy(n_l, n_e, n_l * n_e, PolicyConfig(min_residency=int(rng.integers(0, 5))))
+        p.resident[...] = rng.random((n_l, n_e)) < rng.random()
+        p.clock[...] = rng.integers(0, 20, n_l)
+        p.admitted_at[...] = rng.integers(-5, 20, (n_l, n_e))
+        p.usage[...] = rng.choice([0.0, 0.25, 0.5, 1.0], (n_l, n_e)) if case % 2 else rng.random((n_l, n_e))
+        ok = p.resident & (p.clock[:, None] - p.admitted_at >= p.cfg.min_residency)
+        want = divmod(int(np.argmin(np.where(ok, p.usage, np.inf))), n_e) if ok.any() else None
+        assert p._victim() == want, case
+
+
 def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
     """A CUDA-graph decode takes whole passes (next_token) and draws the next one early
     (draw_ahead); every pass, including prompts and new prompts after graph-decoded tokens, must get

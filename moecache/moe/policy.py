@@ -29,7 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
+
 import numpy as np
+from numba import njit
 
 
 @dataclass(frozen=True)
@@ -217,14 +220,9 @@ class CachePolicy:
         usage or the residents change (an admission into a free slot is too young to be one)."""
         if self._vc is not False:
             return self._vc
-        age = self.clock[:, None] - self.admitted_at
-        ok = self.resident & (age >= self.cfg.min_residency)
-        if not ok.any():
-            self._vc = None
-            return None
-        masked = np.where(ok, self.usage, np.inf)
-        flat = int(np.argmin(masked))
-        self._vc = divmod(flat, self.usage.shape[1])
+        flat = _least_used_eligible(self.resident, self.clock, self.admitted_at, self.usage,
+                                    float(self.cfg.min_residency))
+        self._vc = None if flat < 0 else divmod(flat, self.usage.shape[1])
         return self._vc
 
     def clear_residents(self) -> None:
@@ -252,3 +250,24 @@ class CachePolicy:
                 self.n_resident += 1
                 out.append(Admission(layer, e, None))
         return out
+
+
+@njit(cache=True, nogil=True)
+def _least_used_eligible(resident, clock, admitted_at, usage, min_residency):  # pragma: no cover - compiled
+    """The flat index (layer * n_expert + expert) of the least-used resident admitted at least
+    ``min_residency`` tokens ago (its layer's clock), the first such in row-major order on a tie
+    (``np.argmin``'s rule); -1 when there is none. One pass over the (n_layer, n_expert) arrays:
+    bool resident, int64 clock (n_layer,) and admitted_at, float64 usage."""
+    best = -1
+    best_u = np.inf
+    n_layer, n_expert = usage.shape
+    for il in range(n_layer):
+        c = clock[il]
+        for e in range(n_expert):
+            if resident[il, e] and c - admitted_at[il, e] >= min_residency:
+                u = usage[il, e]
+                if best < 0 or u < best_u:
+                    best = il * n_expert + e
+                    best_u = u
+    return best
+
