@@ -330,6 +330,20 @@ def test_victim_search_is_numpys_masked_argmin():
         assert p._victim() == want, case
 
 
+def test_victim_search_is_compiled_when_the_policy_is_made():
+    """A fresh process: making a policy compiles (or loads) the victim search, so the pool's filling
+    up mid-decode does not stall a token on Numba."""
+    import subprocess
+    import sys
+
+    code = ("from moecache.moe.policy import CachePolicy, _least_used_eligible\n"
+            "assert not _least_used_eligible.signatures\n"
+            "CachePolicy(2, 4, 3)\n"
+            "print(len(_least_used_eligible.signatures))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+
+
 def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
     """A CUDA-graph decode takes whole passes (next_token) and draws the next one early
     (draw_ahead); every pass, including prompts and new prompts after graph-decoded tokens, must get

@@ -103,6 +103,9 @@ class CachePolicy:
         self.uploads = 0
         self.uploads_per_token = config.uploads_per_token
         self._vc: tuple[int, int] | None | bool = False  # the victim, cached until usage or residency changes
+        # the victim search compiled (or loaded from Numba's cache) now, not when the pool first fills
+        # (mid-decode, possibly inside a timed run)
+        _least_used_eligible(self.resident, self.clock, self.admitted_at, self.usage, 0.0)
 
     def new_tokens(self, n_tokens: int) -> None:
         """Start a forward pass of ``n_tokens`` tokens: refill the upload credit."""
