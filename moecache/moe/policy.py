@@ -151,19 +151,26 @@ class CachePolicy:
         ``missed`` bool (n, m) which of them missed. Credit only falls and the victim's usage only
         rises while a pass's decisions are taken, so a False stays False for the rest of that pass:
         :meth:`moecache.moe.cache.CachedExperts.flush` calls :meth:`decide` only for the Trues."""
+        if self.credit < 1.0:
+            return np.zeros(len(layers), bool)
+        top = np.where(missed, self.usage[np.asarray(layers)[:, None], ids], -np.inf).max(axis=1)
+        return np.broadcast_to(self._pays(top), top.shape).copy()  # (a scalar False where nothing can pay)
+
+    def _pays(self, top):
+        """Whether an expert of usage ``top`` (a float, or a float array: elementwise) pays for an
+        upload now: alone while a slot is free, else over the current victim by the upload price and
+        the hysteresis margin (:meth:`decide`'s rule for its first, most used, candidate)."""
         cfg = self.cfg
         gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
-        no = np.zeros(len(layers), bool)
-        if gain <= 0 or self.credit < 1.0:
-            return no
-        top = np.where(missed, self.usage[np.asarray(layers)[:, None], ids], -np.inf).max(axis=1)
+        if gain <= 0:
+            return False
         ok = top * gain > cfg.t_upload
         if self.n_resident >= self.n_slots:
             victim = self._victim()
             if victim is None:
-                return no
+                return False
             uv = self.usage[victim]
-            ok &= ((top - uv) * gain > cfg.t_upload) & (top >= (1.0 + cfg.hysteresis) * uv)
+            ok = ok & ((top - uv) * gain > cfg.t_upload) & (top >= (1.0 + cfg.hysteresis) * uv)
         return ok
 
     def decide(self, layer: int, missed: np.ndarray) -> list[Admission]:
@@ -173,20 +180,10 @@ class CachePolicy:
         cfg = self.cfg
         gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
         out: list[Admission] = []
-        if gain <= 0 or missed.size == 0 or self.credit < 1.0:
-            return out  # (no credit: the loop below would stop at its first candidate)
-        # the loop below stops at its first candidate (the most used) when that one does not pay:
-        # the same test on the largest usage among the misses first, without sorting them
-        top = self.usage[layer, missed].max()
-        if top * gain <= cfg.t_upload:
+        # the loop below stops at its first candidate (the most used) when there is no credit or that
+        # one does not pay: the same test on the largest usage among the misses first, without sorting
+        if gain <= 0 or missed.size == 0 or self.credit < 1.0 or not self._pays(self.usage[layer, missed].max()):
             return out
-        if self.n_resident >= self.n_slots:
-            victim = self._victim()
-            if victim is None:
-                return out
-            uv = self.usage[victim]
-            if (top - uv) * gain <= cfg.t_upload or top < (1.0 + cfg.hysteresis) * uv:
-                return out
         cand = np.unique(missed)
         cand = cand[~self.resident[layer, cand]]
         cand = cand[np.argsort(-self.usage[layer, cand], kind="stable")]

@@ -309,14 +309,27 @@ def _q6k_ir(vnni: bool) -> str:
     return _row_function("moecache_q6k_q8_row", Q6_K_BYTES, body, acc)
 
 
+def _signed_dot_ir(pre: str, q: str, vnni: bool) -> list[str]:
+    """IR lines giving ``%<pre>f = <16 x float>``: the lane sums (:func:`_dot_ir`'s lanes) of the
+    signed bytes ``q`` (<64 x i8>) times the signed activations ``%x_<pre>p`` (<64 x i8>, defined
+    by the caller), converted to float. ``vpdpbusd`` takes an unsigned factor: it multiplies
+    ``q + 128`` (the top bit flipped) and 128 times the activations' lane sums are subtracted,
+    exact in int32."""
+    return [f"  %n_{pre}p = xor <64 x i8> {q}, {_splat('i8', 64, '-128')}",
+            f"  %n_{pre}o = bitcast <64 x i8> {_splat('i8', 64, '1')} to <64 x i8>",
+            f"  %x_{pre}o = bitcast <64 x i8> %x_{pre}p to <64 x i8>",
+            *_dot_ir(f"{pre}p", vnni),
+            *_dot_ir(f"{pre}o", vnni),
+            f"  %{pre}o128 = shl <16 x i32> %{pre}o, {_splat('i32', 16, '7')}",
+            f"  %{pre}iq = sub <16 x i32> %{pre}p, %{pre}o128",
+            f"  %{pre}f = sitofp <16 x i32> %{pre}iq to <16 x float>"]
+
+
 def _q80_ir(vnni: bool) -> str:
     """``i32 @moecache_q80_q8_row(ptr row, ptr xq, ptr xd, ptr xs, i64 nb)``: the dot of ``nb`` Q8_0
     blocks (ggml-common.h ``block_q8_0``, 34 bytes: f16 d, int8 qs[32]) with int8 quants ``xq``
     (nb*32) and their per-32 scales ``xd`` (nb; ``xs`` unused), two blocks per iteration and an odd
-    last one on its own. Both factors are signed: ``vpdpbusd`` multiplies ``q + 128`` (the byte with its top bit
-    flipped, unsigned) and the sum of the activations is subtracted 128 times, exact in int32."""
-    flip = _splat("i8", 64, "-128")
-    ones = _splat("i8", 64, "1")
+    last one on its own (both factors signed: :func:`_signed_dot_ir`)."""
     cat = ", ".join(f"i32 {i}" for i in range(64))
     half = ", ".join(["i32 0"] * 8 + ["i32 1"] * 8)
     lines = ["define i32 @moecache_q80_q8_row(ptr noalias readonly %row, ptr noalias readonly %xq, "
@@ -340,17 +353,10 @@ def _q80_ir(vnni: bool) -> str:
              f"  %pqb = getelementptr i8, ptr %blk, i64 {Q8_0_BYTES + 2}",
              "  %qb = load <32 x i8>, ptr %pqb, align 1",
              f"  %qab = shufflevector <32 x i8> %qa, <32 x i8> %qb, <64 x i32> <{cat}>",
-             f"  %n_p = xor <64 x i8> %qab, {flip}",
              "  %xo = mul i64 %i, 64",
              "  %px = getelementptr i8, ptr %xq, i64 %xo",
              "  %x_p = load <64 x i8>, ptr %px, align 1",
-             f"  %n_o = bitcast <64 x i8> {ones} to <64 x i8>",
-             "  %x_o = bitcast <64 x i8> %x_p to <64 x i8>",
-             *_dot_ir("p", vnni),
-             *_dot_ir("o", vnni),
-             f"  %o128 = shl <16 x i32> %o, {_splat('i32', 16, '7')}",
-             "  %iq = sub <16 x i32> %p, %o128",
-             "  %f = sitofp <16 x i32> %iq to <16 x float>",
+             *_signed_dot_ir("", "%qab", vnni),
              "  %xi = mul i64 %i, 2",
              "  %pxd = getelementptr float, ptr %xd, i64 %xi",
              "  %xdv = load <2 x float>, ptr %pxd, align 4",
@@ -377,18 +383,11 @@ def _q80_ir(vnni: bool) -> str:
              "  %ptq = getelementptr i8, ptr %tblk, i64 2",
              "  %tq = load <32 x i8>, ptr %ptq, align 1",
              f"  %tq64 = shufflevector <32 x i8> %tq, <32 x i8> zeroinitializer, <64 x i32> <{cat}>",
-             f"  %n_tp = xor <64 x i8> %tq64, {flip}",
              "  %txo = mul i64 %np, 64",
              "  %ptx = getelementptr i8, ptr %xq, i64 %txo",
              "  %tx = load <32 x i8>, ptr %ptx, align 1",
              f"  %x_tp = shufflevector <32 x i8> %tx, <32 x i8> zeroinitializer, <64 x i32> <{cat}>",
-             f"  %n_to = bitcast <64 x i8> {ones} to <64 x i8>",
-             "  %x_to = bitcast <64 x i8> %x_tp to <64 x i8>",
-             *_dot_ir("tp", vnni),
-             *_dot_ir("to", vnni),
-             f"  %to128 = shl <16 x i32> %to, {_splat('i32', 16, '7')}",
-             "  %tiq = sub <16 x i32> %tp, %to128",
-             "  %tf = sitofp <16 x i32> %tiq to <16 x float>",
+             *_signed_dot_ir("t", "%tq64", vnni),
              "  %txi = shl i64 %np, 1",
              "  %ptxd = getelementptr float, ptr %xd, i64 %txi",
              "  %txd = load float, ptr %ptxd, align 4",
