@@ -109,9 +109,10 @@ def llama_cmd(bin_: str, model: str, case: Case, ncmoe: int | None, reps: int, t
 
 
 def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin",
-             miss_split: bool = False) -> list[str]:
+             miss_split: bool = False, elastic_slots: bool = False) -> list[str]:
     """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM;
-    ``miss_split``: ``--miss-split`` in the cases with an expert cache)."""
+    ``miss_split`` / ``elastic_slots``: ``--miss-split`` / ``--elastic-slots`` in the cases with an
+    expert cache)."""
     cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
            "-t", str(threads), "-r", str(reps), "-o", "jsonl", *case.ours]
     if case.d:
@@ -128,6 +129,8 @@ def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_
         cmd += ["--n-gen-warmup", str(warmup)]
     if miss_split and "--moe-cache" in case.ours and "-1" in case.ours:
         cmd += ["--miss-split"]
+    if elastic_slots and "--moe-cache" in case.ours and "-1" in case.ours:
+        cmd += ["--elastic-slots"]
     return cmd
 
 
@@ -364,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--our-load-mode", default="pin", help="our --load-mode where experts are in host RAM")
     ap.add_argument("--miss-split", action="store_true", help="our cache cases with --miss-split (opt-in: the CPU "
                     "computes a share of the misses)")
+    ap.add_argument("--elastic-slots", action="store_true", help="our cache cases with --elastic-slots (opt-in: the "
+                    "prompt-only part of the reserve as slots while decoding)")
     ap.add_argument("--deadline-s", type=float, default=0, help="start no new case after this many seconds (0: none)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-llamacpp-h200")
     a = ap.parse_args(argv)
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                     ncmoe = st.ncmoe[key]["best"]
                 cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
                        else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode,
-                                     a.miss_split))
+                                     a.miss_split, a.elastic_slots))
                 try:
                     with VramSampler() as s:
                         recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)

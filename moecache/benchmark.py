@@ -40,6 +40,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
                       "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "miss_split",
+              "elastic_slots",
               "hit_rate", "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts")
 
 
@@ -284,6 +285,8 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "vram_budget": p.vram_budget,
                     "moe_cache_window": DEFAULT_WINDOW if p.moe_cache_window is None else p.moe_cache_window, "routing": p.routing or "",
                     "miss_split": int(bool(getattr(eng, "miss_split", False))),  # --miss-split (asked for)
+                    # --elastic-slots: the elastic slots placed (counted in moe_cache_mib_granted too)
+                    "elastic_slots": sum(n for _, n in (getattr(pl, "elastic_slots", ()) if pl else ())),
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
@@ -376,7 +379,7 @@ def _params(n: int) -> str:
 # backend is the CPU, n_threads ("threads") on the CPU or when given, any other parameter when it
 # varies or differs from its default; then test and t/s. Ours follow llama-bench's.
 MD_ORDER = ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "type_k", "type_v", "n_cpu_moe", "load_mode",
-            "moe_cache", "vram_budget", "moe_cache_window", "routing", "miss_split", "n_gen_warmup")
+            "moe_cache", "vram_budget", "moe_cache_window", "routing", "miss_split", "elastic_slots", "n_gen_warmup")
 MD_NAMES = {"n_gpu_layers": "ngl", "n_threads": "threads", "split_mode": "sm", "flash_attn": "fa",
             "tensor_split": "ts"}
 

@@ -178,14 +178,17 @@ class Engine:
             ends at each such layer and a new segment starts after it (a sync and copies from
             Python per layer); batched steps with such layers then run op by op.
         miss_split: the expert caches' decode graphs hand a share of each layer's misses to the CPU
-            (:class:`moecache.moe.cache.CachedExperts`; needs the zero-copy path); off by default
-            until its speed is measured (``--miss-split``).
+            (:class:`moecache.moe.cache.CachedExperts`; needs the zero-copy path); off by default:
+            measured slower on the H200 (``--miss-split``; bench/results/miss-split-h200.md).
         load_mode: "mmap" (weights read from the mapped file) or "pin" (copied into page-locked RAM
             at load, :func:`moecache.load_mode.pin_model`; ``pin_progress`` sees the copy).
         policy_config: the expert cache's policy knobs (default :class:`PolicyConfig`; the CLI
             sets the costs from the expert size and the measured link).
         stage_misses: the expert caches stage decode misses in VRAM with a copy kernel before the
-            MoE kernels read them (``CachedExperts``'s option; off by default, to be measured).
+            MoE kernels read them (``CachedExperts``'s option; its scratch of ``2 * top_k`` experts
+            comes out of the slots). On by default since the twenty-second session: H200, 8 GiB,
+            ``bench/cache_profile.py`` (both arms in one process), uniform routing 48.4 -> 54.7 t/s,
+            low-locality 51.7 -> 58.3, qwen3-moe 156.6 -> 157.3 (``bench/results/cache-profile-h200.md``).
         gpu_act_q8: the GPU's decode matrix products (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K weights) round
             their activations to int8 per 32 values and multiply in integers, as llama.cpp's CUDA
             MMVQ kernels do (logits move by that rounding); False keeps float32 activations, the
@@ -219,7 +222,7 @@ class Engine:
     def __init__(self, path: str | Path | GGUFModel, config: EngineConfig = EngineConfig(), log: Log | None = None,
                  backend: Any = None, placement: PlacementOptions | None = None, cuda_graph: bool = True,
                  load_mode: str = "mmap", pin_progress: Callable[[int, int, float], None] | None = None,
-                 policy_config: PolicyConfig | None = None, stage_misses: bool = False, gpu_act_q8: bool = True,
+                 policy_config: PolicyConfig | None = None, stage_misses: bool = True, gpu_act_q8: bool = True,
                  batch_graph: bool = True, gpu_prompt_q8: bool = False, prefetch_experts: bool = False,
                  cpu_act_q8: bool | None = None, graph_handoff: bool = True, miss_split: bool = False):
         config.validate()
@@ -341,12 +344,13 @@ class Engine:
         c = self.gguf.config
         for g, slots in pl.cache_slots:
             layers = {il: e for il, e in ew.items() if pl.layer_device[il] == g and not pl.experts_on_device[il]}
-            if self.stage_misses and slots > 4 * c.n_expert_used:
+            tail = dict(pl.elastic_slots).get(g, 0)
+            if self.stage_misses and slots - tail > 4 * c.n_expert_used:
                 slots -= 2 * c.n_expert_used  # the staging scratch (2 * top_k experts) comes out of the cache
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
                                   pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
                                   vram_limit=opts.vram_budget or None, log=self.log, act_q8=cpu_q8,
-                                  miss_split=self.miss_split)
+                                  miss_split=self.miss_split, tail=tail if tail < slots else 0)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

@@ -33,6 +33,11 @@ CPU = -1  # device id of the host in Placement.layer_device
 
 RESERVE_BYTES = 1 << 30  # per GPU: activations, cuBLAS workspace, the prompt-MoE scratch, CUDA context
 USABLE_FRACTION = 0.95  # of each GPU's free memory
+# the part of a GPU's reserve (the margin above, RESERVE_BYTES, the prompt scratch) that decoding keeps
+# when the expert cache takes the rest as elastic slots (PlacementOptions.elastic_slots): twice the memory
+# an 8 GiB decode held beyond the plan (H200, Qwen3-30B-A3B-shaped: peak 6745 MiB with the 526 MiB CUDA
+# context and 6033 MiB planned, run h200-s21a: 186 MiB of kernel modules, cuBLAS and CUDA graphs)
+DECODE_KEEP_BYTES = 384 << 20
 # a CUDA context's device memory, as a process finds it in use before loading anything (526 MiB on the
 # H200 with CuPy, bench/results/vram-peak-h200.txt): the what-if of `profile` assumes it, a run measures it
 CUDA_CONTEXT_BYTES = 526 << 20
@@ -61,6 +66,12 @@ class PlacementOptions:
             N MiB per GPU.
         vram_budget: ``--vram-budget`` in bytes per GPU (0 = none): the program uses at most this
             much of each GPU (emulates a smaller card; the KV cache and every buffer count).
+        elastic_slots: an expert cache that fills the free VRAM also takes the part of the reserve
+            that only prompt ubatches use, as elastic slots lent to each prompt pass's arrays
+            (:class:`moecache.moe.cache.CachedExperts`' ``tail``; one GPU's cache only;
+            ``--elastic-slots``). Opt-in: a 12620-token prompt at -ub 2048 peaked 75-93 MiB over
+            an 8 GiB ``--vram-budget`` with it (H200, twenty-second session,
+            bench/results/vs-llamacpp-h200.md).
     """
 
     n_gpu_layers: int = -1
@@ -73,6 +84,7 @@ class PlacementOptions:
     prompt_gpu: int | None = None
     moe_cache: int | None = None
     vram_budget: int = 0
+    elastic_slots: bool = False
 
     def validate(self, n_gpus: int) -> None:
         """Raise PlacementError naming the flag of any impossible value."""
@@ -136,6 +148,9 @@ class Placement:
         offload_min_batch: op-offload threshold of host experts on GPU layers (None: never).
         prompt_gpu: the GPU offloaded prompt ubatches run on (None: each layer's own).
         cache_slots: ``(GPU, slots)`` of each GPU's expert cache over its host-expert layers.
+        elastic_slots: ``(GPU, slots)``: of those slots, how many are elastic (the last ones: they
+            hold experts while decoding and are lent to prompt passes' arrays; see
+            :data:`DECODE_KEEP_BYTES`).
         notes: what was decided and why (printed once).
     """
 
@@ -146,6 +161,7 @@ class Placement:
     notes: tuple[str, ...] = field(default=(), compare=False)
     prompt_gpu: int | None = None
     cache_slots: tuple[tuple[int, int], ...] = ()  # (GPU, slots) of the expert cache; empty = off
+    elastic_slots: tuple[tuple[int, int], ...] = ()  # (GPU, slots): the last of those slots, elastic
 
     @property
     def devices(self) -> list[int]:
@@ -275,9 +291,11 @@ def plan(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int],
     on_dev, fits = _place_experts(opts, sizes, dev, use, budget, gpus, explicit, notes)
     layer_device = tuple(dev.get(il, CPU) for il in range(n))
     cache = _cache_slots(opts, sizes, dev, on_dev, use, budget, gpus, explicit, fits, notes)
+    cache, elastic = _elastic_slots(opts, sizes, dev, on_dev, cache, {g: free[g] - budget[g] for g in gpus}, notes)
     used = {d for d in layer_device if d != CPU}
     prompt = opts.prompt_gpu if opts.prompt_gpu in used and len(used) > 1 else None
-    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache)
+    return Placement(layer_device, tuple(on_dev), out_dev, opts.offload_min_batch, tuple(notes), prompt, cache,
+                     elastic)
 
 
 def fits_whole(opts: PlacementOptions, sizes: ModelSizes, gpu_free: list[int],
@@ -461,3 +479,27 @@ def _cache_slots(opts: PlacementOptions, sizes: ModelSizes, dev: dict[int, int],
                      f"{slots * sizes.expert_each / 2**20:.0f} MiB = {slots} slots of {sizes.expert_each / 2**20:.2f} MiB")
         out.append((g, slots))
     return tuple(out)
+
+
+def _elastic_slots(opts: PlacementOptions, sizes: ModelSizes, dev: dict[int, int], on_dev: list[bool],
+                   cache: tuple[tuple[int, int], ...], reserve: dict[int, int],
+                   notes: list[str]) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The expert cache's elastic slots: the reserve less :data:`DECODE_KEEP_BYTES` (``reserve``:
+    each GPU's free memory less its budget, i.e. the margin, :data:`RESERVE_BYTES` and the prompt
+    scratch), in slots, added to a cache that fills the free VRAM (``--moe-cache`` not a size) when
+    every layer is on that GPU and prompt ubatches run on it. Returns the caches
+    with those slots added and ``(GPU, elastic slots)``."""
+    if not (opts.elastic_slots and len(cache) == 1 and opts.moe_cache in (None, -1)
+            and opts.offload_min_batch is not None):
+        return cache, ()
+    g, slots = cache[0]
+    if set(dev.values()) != {g}:  # the arena redirects the prompt's allocations on every GPU: one GPU only
+        return cache, ()
+    every = sum(sizes.experts[il] for il, d in dev.items() if d == g and not on_dev[il]) // sizes.expert_each
+    extra = min(max(0, reserve[g] - DECODE_KEEP_BYTES) // sizes.expert_each, every - slots)
+    if extra <= 0:
+        return cache, ()
+    notes.append(f"expert cache on GPU {g}: + {extra} elastic slots ({extra * sizes.expert_each / 2**20:.0f} MiB "
+                 f"of the reserve: experts while decoding, lent to each prompt ubatch's arrays)")
+    return ((g, slots + extra),), ((g, extra),)
+

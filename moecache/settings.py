@@ -104,7 +104,11 @@ class Settings:
             ``~/.cache/moecache/profiles/``).
         no_moe_profile: ``--no-moe-profile``: neither load nor save one.
         miss_split: ``--miss-split``: the expert cache's decode graphs hand a share of each layer's
-            misses to the CPU (``Engine(miss_split=True)``; opt-in, not measured on a GPU yet).
+            misses to the CPU (``Engine(miss_split=True)``; opt-in: measured slower on the H200, bench/results/miss-split-h200.md).
+        elastic_slots: ``--elastic-slots``: the expert cache takes the part of the reserve that only
+            prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: a
+            12620-token prompt at -ub 2048 peaked ~90 MiB over an 8 GiB budget, H200; ignored by
+            ``serve``, whose prompt chunks between decode steps would empty and refill them each time).
     """
 
     n_ctx: int | None = None
@@ -131,6 +135,7 @@ class Settings:
     moe_profile: str | None = None
     no_moe_profile: bool = False
     miss_split: bool = False
+    elastic_slots: bool = False
 
     def check(self) -> None:
         """Every check that needs neither the model nor the machine.
@@ -197,7 +202,8 @@ class Settings:
                                 cpu_moe=bool(self.cpu_moe), n_cpu_moe=self.n_cpu_moe or 0, split_mode=split,
                                 tensor_split=ts, main_gpu=self.main_gpu or 0,
                                 moe_cache=mc if isinstance(mc, int) or mc is None else parse_moe_cache(mc),
-                                vram_budget=vb if isinstance(vb, int) else parse_size(vb, "--vram-budget"))
+                                vram_budget=vb if isinstance(vb, int) else parse_size(vb, "--vram-budget"),
+                                elastic_slots=bool(self.elastic_slots))
 
 
 def kv_cache_type(ctk: str | None, ctv: str | None, default: str = DEFAULT_CACHE_TYPE) -> str:
@@ -403,6 +409,8 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     settings.check()
     reasons: dict[str, str] = {}
     placement = settings.placement_options()
+    if command == "serve":  # prompt chunks between decode steps would empty and refill them each time
+        placement = replace(placement, elastic_slots=False)
     gpus = () if placement.n_gpu_layers == 0 else probe.gpus
     if placement.vram_budget:
         from moecache.placement import budgeted_free

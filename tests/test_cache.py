@@ -1178,3 +1178,131 @@ def test_miss_split_without_the_zero_copy_path_is_said(model_path):
         assert cache.handoff is None and cache.split is None
         assert len(said) == 1 and "--miss-split ignored" in said[0] and "zero-copy" in said[0]
         cache.close()
+
+
+def test_plan_sizes_the_elastic_slots_from_the_reserve():
+    """The elastic slots are the reserve (free less the budget: margin, RESERVE_BYTES, prompt scratch)
+    less DECODE_KEEP_BYTES, in slots, on top of the plain cache; none with a --moe-cache size, with
+    the option off, or when every expert already has a slot."""
+    from moecache.placement import DECODE_KEEP_BYTES, RESERVE_BYTES, USABLE_FRACTION, ModelSizes, PlacementOptions, plan
+    from moecache.probe import GiB
+
+    sizes = ModelSizes((GiB // 2,) * 8, (2 * GiB,) * 8, GiB // 4, GiB // 2, 250 << 20, 2 * GiB // 128)
+    free = 12 * GiB
+    plain = plan(PlacementOptions(), sizes, [free])
+    el = plan(PlacementOptions(elastic_slots=True), sizes, [free])
+    reserve = free - (int(free * USABLE_FRACTION) - RESERVE_BYTES - sizes.largest_matrix_f32)
+    extra = (reserve - DECODE_KEEP_BYTES) // sizes.expert_each
+    assert plain.elastic_slots == () and extra > 0
+    assert el.elastic_slots == ((0, extra),)
+    assert el.cache_slots == ((0, plain.cache_slots[0][1] + extra),)
+    assert any("elastic slots" in n for n in el.notes)
+    assert plan(PlacementOptions(elastic_slots=True, moe_cache=512), sizes, [free]).elastic_slots == ()
+    # a GPU that nearly holds every expert: the elastic slots stop at all of them
+    big = plan(PlacementOptions(elastic_slots=True), sizes, [int((6 + 16 + 1.5) * GiB)])
+    every = sum(sizes.experts) // sizes.expert_each
+    assert big.cache_slots[0][1] <= every and (not big.elastic_slots or big.cache_slots[0][1] == every)
+
+
+def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatch):
+    """Engine with elastic slots on a twin GPU: a prompt pass empties the last slots (their experts
+    leave the map and the policy) and the twin arena overwrites them with 0xFF bytes, as a prompt's
+    arrays would; the next decode pass takes them back and fills them. Logits equal the CPU
+    engine's through prompt, decode, prompt, decode; while an array is still held in them
+    (``hold``) decode keeps them lent (one note) and stays right."""
+    import moecache.engine as engine_mod
+    import moecache.placement as placement_mod
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe.cache import LENT
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+
+    with open_gguf(model_path) as m:
+        sz = model_sizes(m, 160)
+    every = sum(sz.experts) // sz.expert_each
+    need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
+    reserve = free - (int(free * USABLE_FRACTION) - RESERVE_BYTES - sz.largest_matrix_f32)
+    want = every // 6
+    monkeypatch.setattr(placement_mod, "DECODE_KEEP_BYTES", reserve - want * sz.expert_each)
+    monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
+    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: Twin()})
+    notes: list[str] = []
+    rng = np.random.default_rng(11)
+    with Engine(model_path, EngineConfig(n_ctx=160)) as ref, \
+            Engine(model_path, EngineConfig(n_ctx=160), log=notes.append,
+                   placement=PlacementOptions(elastic_slots=True)) as eng:
+        assert eng.placement.elastic_slots == ((0, want),)
+        cache = eng.caches[0]
+        n = len(cache.pool.owner)
+        lo = n - cache.tail
+        assert cache.tail == want and cache.policy.n_slots == n
+
+        def lent() -> None:
+            assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo:])
+            assert not (cache.slot_of >= lo).any() and cache.policy.n_slots == lo
+            assert cache.policy.n_resident <= lo and np.all(cache.pool.gate[lo:] == 0xFF)
+
+        def taken_back() -> None:
+            assert not cache._tail_lent and cache.policy.n_slots == n
+            assert any(o is not None and o is not LENT for o in cache.pool.owner[lo:])  # filled after the prompt
+
+        def step(toks) -> None:
+            np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
+
+        for round_ in range(2):
+            step(rng.integers(0, m.config.n_vocab, 40))
+            lent()
+            assert cache.tail_lends == round_ + 1 and cache._arena.starts == round_ + 1
+            for _ in range(12):
+                step([int(rng.integers(0, m.config.n_vocab))])
+            taken_back()
+            assert cache.tail_reclaims == round_ + 1
+        # an array still in the slots: decode keeps them lent (said once), and stays right
+        step(rng.integers(0, m.config.n_vocab, 36))
+        cache._arena.hold = True
+        for _ in range(4):
+            step([int(rng.integers(0, m.config.n_vocab))])
+            lent()
+        assert sum("elastic slots stay lent" in x for x in notes) == 1
+        cache._arena.hold = False
+        step([int(rng.integers(0, m.config.n_vocab))])
+        taken_back()
+        assert cache.stats.hits > 0 and cache.stats.uploads > 0
+
+
+def test_elastic_slots_flag_road(model_path):
+    """--elastic-slots: off unless given; run and bench pass it to the placement; serve's resolution
+    turns it off (its prompt chunks between decode steps would empty and refill the slots)."""
+    from typer.testing import CliRunner
+
+    import moecache.cli.bench as bench_mod
+    from moecache.cli.main import app
+    from moecache.probe import GiB, GpuInfo, HostInfo, Probe
+    from moecache.settings import Settings, model_facts, resolve
+
+    assert Settings().placement_options().elastic_slots is False
+    assert Settings(elastic_slots=True).placement_options().elastic_slots is True
+    with open_gguf(model_path) as m:
+        facts = model_facts(m, "f16")
+    probe = Probe(HostInfo("test cpu", 4, 8, 16 * GiB, 12 * GiB), (GpuInfo(0, "gpu", "", 8 * GiB, 8 * GiB),))
+    assert resolve(Settings(elastic_slots=True), facts, probe, command="run").placement.elastic_slots
+    assert not resolve(Settings(elastic_slots=True), facts, probe, command="serve").placement.elastic_slots
+    seen = []
+    orig = bench_mod.load_engine
+
+    def spy(path, settings, *a, **k):
+        seen.append(settings.elastic_slots)
+        return orig(path, settings, *a, **k)
+
+    bench_mod.load_engine = spy
+    try:
+        r = CliRunner().invoke(app, ["bench", "-m", str(model_path), "-p", "0", "-n", "2", "-r", "1", "--elastic-slots",
+                                     "-o", "jsonl"])
+    finally:
+        bench_mod.load_engine = orig
+    assert r.exit_code == 0, r.output
+    assert seen == [True]
+    import json
+
+    row = json.loads(next(ln for ln in r.output.splitlines() if ln.startswith("{")))
+    assert row["elastic_slots"] == 0  # no GPU here: no expert cache, no elastic slots

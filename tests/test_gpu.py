@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -1231,6 +1233,55 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         if ahead:  # every prompt layer after a pass's first took its first group from a copy ahead
             started, used, dropped = cache.group_prefetch
             assert started > 0 and used == started and dropped == 0
+
+
+@pytest.mark.parametrize("load_mode", ["mmap", "pin"])
+def test_elastic_slots_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, monkeypatch):
+    """Elastic slots with CuPy's allocator redirected: the last sixth of the experts' worth of slots
+    is lent to each prompt pass (its arrays come from those slots' bytes through the tail arena,
+    the rest cudaMalloc'd) and taken back by decode. Logits equal the CPU's through prompt, decode,
+    prompt, decode (on pin: the decode graph, captured while the slots are held, replayed after
+    they were lent and taken back); the arena served some arrays, and holds none after decode."""
+    import moecache.placement as placement_mod
+    from moecache.moe.cache import LENT
+    from moecache.moe.policy import PolicyConfig
+
+    orig = placement_mod._elastic_slots
+    box = {}
+
+    def sized(opts, sizes, dev, on_dev, cache, reserve, notes):  # a sixth of the experts, not the whole reserve
+        box["want"] = want = sum(sizes.experts) // sizes.expert_each // 6
+        keep = placement_mod.DECODE_KEEP_BYTES
+        return orig(replace(opts, elastic_slots=True), sizes, dev, on_dev, cache,
+                    {g: keep + want * sizes.expert_each for g in reserve}, notes)
+
+    monkeypatch.setattr(placement_mod, "_elastic_slots", sized)
+    rng = np.random.default_rng(8)
+    with _cache_pair(tmp_path, 23, load_mode, PolicyConfig(**CHURN)) as (ref, eng):
+        cache = eng.caches[0]
+        # a sixth of the experts, or every expert the plain slots left out (the budget is taken from
+        # the memory free after the first engine's start, which earlier tests' pools may shrink)
+        assert 0 < cache.tail <= box["want"] and eng.placement.elastic_slots == ((0, cache.tail),)
+        n = len(cache.pool.owner)
+        lo = n - cache.tail
+
+        def step(toks):
+            a, b = eng.eval(toks), ref.eval(toks)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+
+        for round_ in range(2):
+            step(rng.integers(0, 200, 40))
+            assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo:])
+            assert not (cache.slot_of >= lo).any()
+            for _ in range(16):
+                step([int(rng.integers(0, 200))])
+            assert not cache._tail_lent and cache.tail_reclaims == round_ + 1
+            assert any(o not in (None, LENT) for o in cache.pool.owner[lo:])
+        arena = cache._arena
+        print(f"{load_mode}: {cache.tail} elastic of {n} slots; arena peak {arena.ranges.peak} of "
+              f"{arena.ranges.capacity} bytes, {arena.fallbacks} fallbacks ({arena.fallback_bytes} bytes)")
+        assert arena.ranges.peak > 0 and arena.ranges.in_use == 0 and arena.starts == 2
+        assert cache.stats.uploads > 0
 
 
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])

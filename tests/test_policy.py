@@ -546,3 +546,19 @@ def test_compiled_pass_ties_and_a_zero_uniform():
     assert ids[0, 0].tolist() == [0, 1, 2] and ids[1, 0].tolist() == [4, 0, 1]
     np.testing.assert_allclose(w[0, 0], 1 / 3, rtol=1e-6)
     assert ids[0, 2, 0] == 5 and np.isfinite(w).all()  # u = 0: the largest noise, still finite
+
+
+def test_resize_evicts_and_refuses_overfull():
+    """resize: the evicted experts stop being resident, the slot count changes, admissions then fill
+    only the slots left; more residents than the new count is a ValueError."""
+    p = CachePolicy(2, 8, 4, PolicyConfig(t_upload=1e-9, window=4, min_residency=0, hysteresis=0.0))
+    adm = p.preload(np.arange(16, dtype=float).reshape(2, 8) + 1)
+    assert p.n_resident == 4 and len(adm) == 4
+    keys = [(a.layer, a.expert) for a in adm]
+    with pytest.raises(ValueError, match="do not fit"):
+        p.resize(2)
+    p.resize(2, keys[:2])
+    assert p.n_slots == 2 and p.n_resident == 2 and not any(p.resident[k] for k in keys[:2])
+    assert all(p.resident[k] for k in keys[2:])
+    p.resize(4)
+    assert p.n_slots == 4 and p.n_resident == 2

@@ -89,6 +89,8 @@ def test_command_lines_follow_the_fairness_rules():
     assert V.warmup_of(V.ours_cmd("m", g, 3, 15, 256)) == 0  # no cache: nothing to warm
     assert "--miss-split" not in us and "--miss-split" in V.ours_cmd("m.gguf", c, 3, 15, 256, miss_split=True)
     assert "--miss-split" not in V.ours_cmd("m", g, 3, 15, 256, miss_split=True)  # no cache: nothing to split
+    assert "--elastic-slots" not in us and "--elastic-slots" in V.ours_cmd("m.gguf", c, 3, 15, 256, elastic_slots=True)
+    assert "--elastic-slots" not in V.ours_cmd("m", g, 3, 15, 256, elastic_slots=True)
     ub = V.llama_cmd("lb", "m", V.CASES["pinned-pp2048-ub2048"], 48, 3, 15)
     assert ub[ub.index("-ub") + 1] == "2048" and ub[ub.index("-b") + 1] == "2048"
     assert V.CASES["8g-tg64-d12620-qwen3-moe"].test == "tg64 @ d12620" and V.CASES["gpu-pp512"].test == "pp512"

@@ -24,6 +24,7 @@ import cupy as cp
 import numba
 import numpy as np
 
+from moecache.backends.arena import RangeAllocator
 from moecache.backends.flash import flash_ok
 from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.moe_plan import layer_plan
@@ -173,6 +174,90 @@ class _BudgetGuard(cp.cuda.memory_hook.MemoryHook):
         if total - free + int(kw.get("mem_size", 0)) > self.limit:
             cp.get_default_memory_pool().free_all_blocks()
             self.releases += 1
+
+
+class _TailArena:
+    """:meth:`CupyBackend.tail_arena`: CuPy's pool (stream-aware reuse of freed blocks) over a
+    :class:`~moecache.backends.arena.RangeAllocator` of the regions' bytes.
+
+    Attributes:
+        fallbacks, fallback_bytes: allocations (and their bytes) that did not fit and came from
+            CuPy's default pool instead (given back to it when this pool lets them go).
+        defrags: times an allocation that found no free range first gave the pool's free blocks
+            back to the ranges (after a device synchronisation) and tried again.
+        starts: how many times it was started.
+    """
+
+    def __init__(self, device: int, regions: tuple[cp.ndarray, ...]):
+        self.device = device
+        self._regions = regions  # kept: their bytes are what it hands out
+        self.ranges = RangeAllocator([(int(a.data.ptr), int(a.nbytes)) for a in regions])
+        self._raw: dict[int, Any] = {}  # fallbacks: pointer -> CuPy's default pool's MemoryPointer
+        self.pool = cp.cuda.MemoryPool(cp.cuda.PythonFunctionAllocator(self._malloc, self._free).malloc)
+        self._using = None
+        with cp.cuda.Device(device):  # cuBLAS's handle and workspace made now, outside the regions: made at
+            for dt in (cp.float32, cp.float16):  # a prompt's first GEMM they would live on in them
+                a = cp.ones((64, 64), dt)
+                a @ a
+        self.fallbacks = self.fallback_bytes = self.starts = self.defrags = 0
+
+    def _malloc(self, nbytes: int, device_id: int) -> int:
+        ptr = self.ranges.alloc(nbytes) if device_id == self.device else None
+        if ptr is None and device_id == self.device and self.pool.free_bytes():
+            # no free range that large: the pool's free blocks go back to the ranges (merged) after the
+            # GPU's queued work (a block freed on one stream may be handed out on another), then again
+            cp.cuda.Device(self.device).synchronize()
+            self.pool.free_all_blocks()
+            self.defrags += 1
+            ptr = self.ranges.alloc(nbytes)
+        if ptr is None:  # from CuPy's default pool (its blocks reused later; the budget guard sees it)
+            with cp.cuda.Device(device_id):
+                mp = cp.get_default_memory_pool().malloc(nbytes)
+            ptr = int(mp.ptr)
+            self._raw[ptr] = mp
+            self.fallbacks += 1
+            self.fallback_bytes += nbytes
+        return ptr
+
+    def _free(self, ptr: int, device_id: int) -> None:
+        if self._raw.pop(ptr, None) is None:
+            self.ranges.free(ptr)
+
+    @property
+    def on(self) -> bool:
+        return self._using is not None
+
+    def start(self) -> None:
+        """Serve this thread's allocations from the regions until :meth:`stop`. The blocks the last
+        prompt pass left free go back to the regions first, after the GPU's queued work (a block
+        freed on one stream may be handed out on another)."""
+        if self._using is not None:
+            return
+        with cp.cuda.Device(self.device):
+            cp.cuda.Device(self.device).synchronize()
+            self.pool.free_all_blocks()
+        self._using = cp.cuda.using_allocator(self.pool.malloc)
+        self._using.__enter__()
+        self.starts += 1
+
+    def stop(self) -> None:
+        """This thread's allocations come from CuPy's default pool again."""
+        if self._using is not None:
+            using, self._using = self._using, None
+            using.__exit__(None, None, None)
+
+    def release(self) -> bool:
+        """Let the pool's free blocks go after the GPU's queued work; True when no array is left in
+        the regions (they may hold experts again), False while one still is."""
+        self.stop()
+        with cp.cuda.Device(self.device):
+            cp.cuda.Device(self.device).synchronize()
+            self.pool.free_all_blocks()
+        return self.ranges.whole()
+
+    def held_bytes(self) -> int:
+        """Bytes of the regions still handed out (arrays alive, or blocks the pool keeps split)."""
+        return self.ranges.in_use
 
 
 class _Upload:
@@ -461,6 +546,15 @@ class CupyBackend(ArrayOps):
         Giving the blocks back costs a device synchronisation, only when near the limit."""
         return _BudgetGuard(self.device, limit)
 
+    def tail_arena(self, regions: tuple[cp.ndarray, ...]) -> "_TailArena":
+        """An allocator over ``regions`` (contiguous uint8 arrays on this GPU: the expert cache's
+        elastic slots, :meth:`moecache.moe.cache.CachedExperts.lend_tail`) for the arrays that
+        prompt ubatches make: while started (in the calling thread: CuPy's allocator is per thread)
+        every CuPy allocation on this GPU comes from a pool of its own over those bytes; what does
+        not fit comes from CuPy's default pool (counted in ``fallbacks``). :meth:`_TailArena.release` says when
+        no array is left in them, so that they may hold experts again."""
+        return _TailArena(self.device, regions)
+
     def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
         """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's
         experts, of which only the positions a ubatch uses are written and read."""
@@ -630,6 +724,13 @@ class CupyBackend(ArrayOps):
             (*wts, xq, xd, xs, *outs, *counts, _i64(w0.data.shape[1]), _i64(w0.n_in), np.int32(x.shape[0]),
              np.int32(lpr)))
         return ys
+
+    def drop_input_caches(self) -> None:
+        """Forget the kept conversions of the last input (:meth:`_prompt_operand`,
+        :meth:`_quantized`): they and the input they key on are arrays of the last pass, held until
+        the next product replaces them (a prompt's, in the expert cache's elastic slots: see
+        :meth:`moecache.moe.cache.CachedExperts.reclaim_tail`)."""
+        self._x16 = self._xq = None
 
     def _prompt_operand(self, x: cp.ndarray) -> cp.ndarray:
         """x as a C-contiguous :meth:`gemm_dtype` array, converted once for the products that read

@@ -133,6 +133,15 @@ class NumpyBackend(ArrayOps):
         the guard counts its starts and stops (the expert cache starts it for prompt passes)."""
         return TwinGuard(limit)
 
+    def drop_input_caches(self) -> None:
+        """The twin of :meth:`CupyBackend.drop_input_caches`: nothing is kept."""
+
+    def tail_arena(self, regions: tuple[np.ndarray, ...]) -> "TwinArena":
+        """The twin of :meth:`CupyBackend.tail_arena`: allocations are not redirected, but every
+        start overwrites the regions with 0xFF bytes (NaN scales), as a prompt's arrays would, so a
+        slot read there while lent shows in the logits."""
+        return TwinArena(regions)
+
     def empty_u8(self, shape: tuple[int, ...]) -> np.ndarray:
         """uint8 "uninitialized" (0xFF bytes: NaN scales, so a read of a position never written shows)."""
         return np.full(shape, 0xFF, np.uint8)
@@ -382,6 +391,33 @@ class TwinGuard:
 
     def stop(self) -> None:
         self.on = False
+
+
+class TwinArena:
+    """:meth:`NumpyBackend.tail_arena`'s arena: ``on`` while started; ``starts`` counts the starts;
+    ``hold`` (set by a test) stands for an array still alive in the regions: :meth:`release` is then
+    False."""
+
+    def __init__(self, regions: tuple[np.ndarray, ...]):
+        self.regions, self.on, self.starts, self.hold = regions, False, 0, False
+        self.fallbacks = self.fallback_bytes = self.defrags = 0
+
+    def start(self) -> None:
+        if not self.on:
+            for r in self.regions:
+                r[...] = 0xFF
+            self.on = True
+            self.starts += 1
+
+    def stop(self) -> None:
+        self.on = False
+
+    def release(self) -> bool:
+        self.stop()
+        return not self.hold
+
+    def held_bytes(self) -> int:
+        return sum(r.nbytes for r in self.regions) if self.hold else 0
 
 
 class TwinUpload:

@@ -74,6 +74,7 @@ class BenchOptions:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     miss_split: bool = False  # --miss-split (one value for the whole bench)
+    elastic_slots: bool = False  # --elastic-slots (one value for the whole bench)
 
 
 def bench_command(o: BenchOptions) -> None:
@@ -129,6 +130,8 @@ def bench_command(o: BenchOptions) -> None:
         shown.append("n_gen_warmup")
     if o.miss_split:
         shown.append("miss_split")
+    if o.elastic_slots:
+        shown.append("elastic_slots")
     need = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
     if ctx_size is not None and ctx_size < need:
         raise UserError(f"-c {ctx_size}: the tests need {need} tokens of context (depth + prompt + generated + "
@@ -141,7 +144,8 @@ def bench_command(o: BenchOptions) -> None:
                             n_gpu_layers=p.n_gpu_layers, n_cpu_moe=p.n_cpu_moe, moe_cache=p.moe_cache,
                             vram_budget=p.vram_budget, cache_type=cache_type,
                             load_mode=None if p.load_mode == "auto" else p.load_mode,
-                            moe_cache_window=p.moe_cache_window, routing=p.routing, miss_split=o.miss_split)
+                            moe_cache_window=p.moe_cache_window, routing=p.routing, miss_split=o.miss_split,
+                            elastic_slots=o.elastic_slots)
         return load_engine(p.model, settings, "bench", said=said).engine
 
     from rich.console import Console

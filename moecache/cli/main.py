@@ -95,8 +95,12 @@ MoeProfileOpt = Annotated[Optional[Path], typer.Option("--moe-profile", help="Sa
 NoMoeProfileOpt = Annotated[bool, typer.Option("--no-moe-profile", help="Neither preload nor save the expert usage.")]
 MissSplitOpt = Annotated[bool, typer.Option("--miss-split", help="Expert cache with --load-mode pin: decode steps "
                                             "hand a share of each layer's misses to the CPU inside the CUDA graph, "
-                                            "the share refit per layer from the measured wait (opt-in; not "
-                                            "measured on a GPU yet).")]
+                                            "the share refit per layer from the measured wait (opt-in; "
+                                            "measured slower on the H200).")]
+ElasticOpt = Annotated[bool, typer.Option("--elastic-slots", help="Expert cache filling the free VRAM: the part of "
+                                          "the reserve that only prompts use becomes elastic slots, experts while "
+                                          "decoding, lent to each prompt ubatch's arrays (opt-in: a 12620-token "
+                                          "prompt at -ub 2048 went ~90 MiB past an 8 GiB --vram-budget).")]
 
 
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", min=-1, max=INT32_MAX, help="Layers on the GPU, counted from the "
@@ -194,6 +198,7 @@ def run(
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
     miss_split: MissSplitOpt = False,
+    elastic_slots: ElasticOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -229,7 +234,7 @@ def run(
                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                              flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
-                             no_moe_profile=no_moe_profile, miss_split=miss_split)
+                             no_moe_profile=no_moe_profile, miss_split=miss_split, elastic_slots=elastic_slots)
         opts = RunOptions(model=model, prompt=prompt, file=file, n_predict=n_predict, conversation=conversation,
                           system=system, chat_template=chat_template, as_json=as_json, escape=escape, special=special,
                           verbose=verbose, display_prompt=not no_display_prompt)
@@ -392,6 +397,7 @@ def bench(
     cache_type_v: CacheTypeVOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
     miss_split: MissSplitOpt = False,
+    elastic_slots: ElasticOpt = False,
     version: VersionOpt = None,
 ) -> None:
     """Benchmark pp/tg speed like llama-bench (comma lists and first-last+step ranges everywhere),
@@ -404,7 +410,7 @@ def bench(
                                    moe_cache=moe_cache, vram_budget=vram_budget, window=moe_cache_window,
                                    routing=routing, n_gen_warmup=n_gen_warmup, warmup=not no_warmup,
                                    load_mode=load_mode, output=output, ctx_size=ctx_size, cache_type_k=cache_type_k,
-                                   cache_type_v=cache_type_v, miss_split=miss_split))
+                                   cache_type_v=cache_type_v, miss_split=miss_split, elastic_slots=elastic_slots))
     _user_errors(body)
 
 

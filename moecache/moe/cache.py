@@ -52,6 +52,14 @@ backend's ``budget_guard``: CuPy's pool gives its free blocks back before it wou
 A prompt's expert usage counts, but it admits nothing (a long prompt's flat routing is a poor
 guide to decode's hot set; routing.md).
 
+**Elastic slots** (``tail``): a prompt ubatch's transient arrays (activations, attention blocks,
+the prompt groups, dequantized scratch) need VRAM that a decode step does not. The last slots of the
+pool hold experts while decoding; before a prompt pass they are emptied and the backend's arena
+serves that pass's arrays from their bytes (:meth:`CachedExperts.lend_tail`); the first decode pass
+after it takes them back once no array is left in them (:meth:`CachedExperts.reclaim_tail`) and
+fills them with the prompt's most used experts. The placement sizes them
+(:func:`moecache.placement.plan`'s ``elastic_slots``).
+
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
 ``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
 an object with ``done()`` and ``wait()``); NumpyBackend is the CPU twin, where copies complete one poll later so
@@ -103,6 +111,9 @@ STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 # K/V copies and the mask doubling at the same ubatch), 256 MiB. Run h200-s14b (64 MiB scores): the
 # 12620-token prompt gave its buffer back with 528 MiB of transients and this floor, 16 MiB short
 ROOM_FLOOR_BYTES = 2 * ATTENTION_SCORE_BYTES + (128 << 20)
+
+
+LENT = ("lent",)  # the owner of an elastic slot lent to a prompt's arrays (CachedExperts.lend_tail)
 
 
 @dataclass
@@ -173,7 +184,9 @@ class CachedExperts:
         stage_misses: on the zero-copy path, copy a decode ubatch's missed experts into a VRAM
             scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
-            of 1-2 tokens; larger ones read directly). Off by default until measured on a GPU.
+            of 1-2 tokens; larger ones read directly). False here; the engine turns it on by
+            default (``Engine(stage_misses=True)``: +13% decode at uniform and low-locality routing,
+            8 GiB, H200).
         prompt_group_bytes: a prompt ubatch (without ``prompt_stacks``, or when there is no room for
             a stack buffer or it was given back) brings its non-resident used experts to the device
             this many bytes at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call
@@ -186,14 +199,19 @@ class CachedExperts:
         act_q8: misses computed on the CPU (and ubatches below ``offload_min_batch`` without the
             zero-copy path) round activations to 8 bits in the Numba kernel (``cpu.moe_ffn_routed``'s
             ``act_q8``), as the GPU's hits do with ``CupyBackend(act_q8=True)``.
+        tail: elastic slots: the pool's last ``tail`` of its ``n_slots`` slots hold experts while
+            decoding and are lent to each prompt pass's arrays (:meth:`lend_tail`,
+            :meth:`reclaim_tail`; the backend's ``tail_arena``), so the VRAM a prompt ubatch needs
+            for its transients holds experts the rest of the time. 0: none. Needs a prompt path
+            (``offload_min_batch``); ValueError unless 0 < ``tail`` < ``n_slots``.
         miss_split: on the zero-copy path, decode steps captured in a CUDA graph hand a share of
             each layer's misses to the CPU inside the graph (:mod:`moecache.moe.handoff`): the GPU
             posts the layer's input and the pairs the CPU takes (up to ``split.ncpu[il]`` misses per
             token, refit after every replay from the GPU's measured wait, :class:`SplitControl`),
             computes the hits and the other misses meanwhile, then adds the CPU's sum; the host
             answers in :meth:`launched`. Op-by-op passes do not split (they would queue launches
-            while the GPU waits for the host); the CPU twin answers inline. Off by default: not
-            measured on a GPU yet. Ignored (said once) without the zero-copy path.
+            while the GPU waits for the host); the CPU twin answers inline. Off by default: measured
+            slower on the H200 (bench/results/miss-split-h200.md). Ignored (said once) without the zero-copy path.
 
     Attributes:
         prompt_stacks: prompt ubatches compute each layer from one stack of its experts on the device
@@ -239,7 +257,8 @@ class CachedExperts:
     def __init__(self, layers: dict[int, ExpertWeights], backend: CacheBackend, n_slots: int, policy: CachePolicy,
                  offload_min_batch: int | None = 32, zero_copy: bool | None = None, top_k: int | None = None,
                  stage_misses: bool = False, prompt_group_bytes: int | None = None, vram_limit: int | None = None,
-                 log: Callable[[str], None] | None = None, act_q8: bool = False, miss_split: bool = False):
+                 log: Callable[[str], None] | None = None, act_q8: bool = False, miss_split: bool = False,
+                 tail: int = 0):
         prompt_group_bytes = PROMPT_GROUP_BYTES if prompt_group_bytes is None else prompt_group_bytes
         if prompt_group_bytes < 1:
             raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
@@ -286,6 +305,18 @@ class CachedExperts:
                               backend.zeros_u8((n_slots, *d)), types, [None] * n_slots)
         if policy.n_slots != n_slots:
             raise ValueError(f"policy has {policy.n_slots} slots, the pool {n_slots}")
+        # the elastic slots: the pool's last `tail` slots, lent to prompt ubatches' arrays (lend_tail)
+        self.tail = 0
+        self._arena = None
+        self._tail_lent = False
+        self._tail_noted = False
+        self.tail_lends = self.tail_reclaims = 0
+        if tail and self.pool is not None and offload_min_batch is not None:
+            if not 0 < tail < n_slots:
+                raise ValueError(f"tail must be in [1, {n_slots - 1}] (the pool has {n_slots} slots), got {tail}")
+            self.tail = tail
+            lo = n_slots - tail
+            self._arena = backend.tail_arena((self.pool.gate[lo:], self.pool.up[lo:], self.pool.down[lo:]))
         n_expert = max(e.gate.shape[0] for e in layers.values()) if layers else 0
         n_layer = max(layers) + 1 if layers else 0
         self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
@@ -408,7 +439,7 @@ class CachedExperts:
         self._retired += [p[0] for p in self._pending]
         self._pending = []
         for slot, own in enumerate(self.pool.owner):
-            if own is not None:
+            if own is not None and own is not LENT:
                 self.slot_of[own] = -1
                 self.pool.set_owner(slot, None)
         self._map_dirty = True
@@ -467,8 +498,15 @@ class CachedExperts:
         path accounts the earlier passes first (it feeds the policy itself, in order)."""
         self._drop_flight()  # a copy started for a pass an exception cut short
         self._group_ahead.drop()
-        if self.offload_min_batch is None or n_tokens < self.offload_min_batch:
+        prompt = self.offload_min_batch is not None and n_tokens >= self.offload_min_batch
+        if not prompt:
             self.drop_group_buffers()  # not a prompt pass: the kept group buffers go back
+        if self._arena is not None:
+            self._arena.stop()  # left started by a prompt pass an exception cut short
+            if prompt:
+                self.lend_tail()
+            elif self._tail_lent:
+                self.reclaim_tail()
         if self.vram_limit is not None and self.offload_min_batch is not None and n_tokens >= self.offload_min_batch:
             # a prompt pass: CuPy's pool gives its free blocks back before it grows past the budget
             if self._guard is None:
@@ -502,6 +540,57 @@ class CachedExperts:
                 self._ncpu_dirty = False
             # a layer with no share can have nothing for the host: its post is not waited for
             self._serve = [il for il in self._split_layers if self.split.ncpu[il] > 0]
+
+    def lend_tail(self) -> None:
+        """Before a prompt pass: the elastic slots (the pool's last ``tail``) hold no expert while it
+        runs, and the backend's arena (``tail_arena``) hands their bytes to the pass's arrays (on
+        the GPU every CuPy allocation of this thread until :meth:`end_pass`). The experts in them
+        leave the map and the policy (which has ``n_slots - tail`` slots until
+        :meth:`reclaim_tail`); copies into them are waited for first. Lent already (a prompt pass
+        after a prompt pass): the arena serves this pass too (the last pass's free blocks go back to
+        it first)."""
+        if not self._tail_lent:
+            pool = self.pool
+            lo = len(pool.owner) - self.tail
+            for copy in self._retired + [p[0] for p in self._pending if p[3] >= lo]:
+                copy.wait()  # every byte a copy writes lands before the arrays take the slots
+            self.poll()
+            evicted = []
+            for slot in range(lo, len(pool.owner)):
+                own = pool.owner[slot]
+                if own is not None:
+                    self.slot_of[own] = -1
+                    evicted.append(own)
+                    pool.set_owner(slot, None)
+                pool.owner[slot] = LENT
+            self._map_dirty = True
+            self.policy.resize(lo, evicted)
+            self._tail_lent = True
+            self.tail_lends += 1
+        self._arena.start()
+
+    def reclaim_tail(self) -> bool:
+        """Before a decode pass after a prompt: take the elastic slots back (empty; the first decode
+        pass's :meth:`fill_after_prompt` fills them) once no array is left in them, and give CuPy's
+        cached blocks back to the driver (decode holds the slots' bytes again). Returns False, said
+        once, while an array is still alive there (the slots stay lent: a later decode pass tries
+        again)."""
+        self.be.drop_input_caches()  # the prompt's last activation and its conversions live in the slots
+        if not self._arena.release():
+            if not self._tail_noted:
+                self._tail_noted = True
+                self.log(f"note: the expert cache's {self.tail} elastic slots stay lent: "
+                         f"{self._arena.held_bytes() / 2**20:.0f} MiB of a prompt's arrays are still in them")
+            self.be.release_cached()
+            return False
+        lo = len(self.pool.owner) - self.tail
+        for slot in range(lo, len(self.pool.owner)):
+            self.pool.owner[slot] = None
+        self.policy.resize(len(self.pool.owner))
+        self._tail_lent = False
+        self.tail_reclaims += 1
+        self.be.release_cached()
+        return True
 
     def fix_split(self, share: int | None) -> None:
         """Pin the miss split's share on every layer (:meth:`SplitControl.fix`; None: adaptive again),
@@ -563,6 +652,8 @@ class CachedExperts:
         the hybrid path times its MoE stretch, first to last cached layer)."""
         if self._guard is not None:
             self._guard.stop()
+        if self._arena is not None:
+            self._arena.stop()
         t = self._expect
         if not self.zero_copy or not t:
             return
@@ -1097,6 +1188,8 @@ class CachedExperts:
         wrong after a test that had held the copy stream up)."""
         if self._guard is not None:
             self._guard.stop()
+        if self._arena is not None:
+            self._arena.stop()
         try:
             for copy in self._retired + [p[0] for p in self._pending]:  # retired first: each precedes
                 copy.wait()  # any pending copy into its slot
@@ -1104,4 +1197,6 @@ class CachedExperts:
             self._pending, self._retired = [], []
             self.drop_group_buffers()
             self.drop_stacks()
+            if self._arena is not None:
+                self._arena.release()  # its pool's blocks go back (fallbacks to CuPy's default pool)
             self._workers.shutdown(wait=True)

@@ -232,6 +232,20 @@ class CachePolicy:
         self.n_resident = 0
         self._vc = False
 
+    def resize(self, n_slots: int, evicted: list[tuple[int, int]] = ()) -> None:
+        """The pool has ``n_slots`` slots from now (the expert cache lends its elastic slots to a
+        prompt and takes them back, :meth:`moecache.moe.cache.CachedExperts.lend_tail`);
+        ``evicted`` (layer, expert) were resident in the slots that left and are not any more.
+        Raises ValueError when more experts would stay resident than ``n_slots``."""
+        for key in evicted:
+            if self.resident[key]:
+                self.resident[key] = False
+                self.n_resident -= 1
+        if self.n_resident > n_slots:
+            raise ValueError(f"resize: {self.n_resident} residents do not fit in {n_slots} slots")
+        self.n_slots = n_slots
+        self._vc = False
+
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
         usage), most used first; the usage becomes the starting statistics. The loaded experts are
