@@ -188,7 +188,8 @@ class Engine:
             MoE kernels read them (``CachedExperts``'s option; its scratch of ``2 * top_k`` experts
             comes out of the slots). On by default since the twenty-second session: H200, 8 GiB,
             ``bench/cache_profile.py`` (both arms in one process), uniform routing 48.4 -> 54.7 t/s,
-            low-locality 51.7 -> 58.3, qwen3-moe 156.6 -> 157.3 (``bench/results/cache-profile-h200.md``).
+            low-locality 51.7 -> 58.3 (54.5 -> 57.9 with uploads frozen), qwen3-moe 156.6 -> 157.3
+            (``bench/results/cache-profile-h200.md``).
         gpu_act_q8: the GPU's decode matrix products (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K weights) round
             their activations to int8 per 32 values and multiply in integers, as llama.cpp's CUDA
             MMVQ kernels do (logits move by that rounding); False keeps float32 activations, the

@@ -25,8 +25,14 @@ def test_range_allocator_against_an_occupancy_model(seed):
     rng = np.random.default_rng(seed)
     align = 512
     units = [int(u) for u in rng.integers(4, 40, 3)]
-    starts = [1 << 20, 8 << 20, 3 << 20]  # not in address order: the allocator sorts them
-    r = RangeAllocator([(s, u * align + int(rng.integers(0, align))) for s, u in zip(starts, units)], align)
+    # not in address order (the allocator sorts them); the first two start off an aligned address:
+    # their first aligned unit begins at the next multiple of align, and the bytes before it go unused
+    offs = [int(rng.integers(1, align)), int(rng.integers(1, align)), 0]
+    spans = [((1 << 20) + offs[0], (units[0] + 1) * align - offs[0] + int(rng.integers(0, align))),
+             ((8 << 20) + offs[1], (units[1] + 1) * align - offs[1] + int(rng.integers(0, align))),
+             (3 << 20, units[2] * align + int(rng.integers(0, align)))]
+    starts = [-(-s // align) * align for s, _ in spans]  # each region's first aligned address
+    r = RangeAllocator(spans, align)
     assert r.capacity == sum(units) * align
     occ = {s: np.zeros(u, bool) for s, u in zip(starts, units)}
     live: dict[int, int] = {}  # start -> units
@@ -46,7 +52,7 @@ def test_range_allocator_against_an_occupancy_model(seed):
                 continue
             s = max(x for x in starts if x <= p)
             i = (p - s) // align
-            assert (p - s) % align == 0 and i + want <= len(occ[s]) and not occ[s][i:i + want].any()
+            assert p % align == 0 and i + want <= len(occ[s]) and not occ[s][i:i + want].any()
             occ[s][i:i + want] = True
             live[p] = want
         assert r.in_use == sum(live.values()) * align

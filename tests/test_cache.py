@@ -1252,8 +1252,14 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         for round_ in range(2):
             step(rng.integers(0, m.config.n_vocab, 40))
             lent()
+            assert not cache._arena.on  # stopped when the pass ended: decode's arrays stay out of the slots
             assert cache.tail_lends == round_ + 1 and cache._arena.starts == round_ + 1
-            for _ in range(12):
+            drops, fills = cache.be.input_drops, cache.prompt_fills
+            step([int(rng.integers(0, m.config.n_vocab))])
+            # the prompt's cached inputs let go before the slots are taken back, and the slots filled
+            assert cache.be.input_drops == drops + 1 and cache.prompt_fills > fills
+            taken_back()
+            for _ in range(11):
                 step([int(rng.integers(0, m.config.n_vocab))])
             taken_back()
             assert cache.tail_reclaims == round_ + 1
@@ -1265,9 +1271,31 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
             lent()
         assert sum("elastic slots stay lent" in x for x in notes) == 1
         cache._arena.hold = False
+        fills = cache.prompt_fills
         step([int(rng.integers(0, m.config.n_vocab))])
         taken_back()
+        assert cache.prompt_fills > fills  # a late reclaim fills the slots too
         assert cache.stats.hits > 0 and cache.stats.uploads > 0
+        # a pass an exception cuts short (Ctrl-C in a prompt) leaves the arena stopped
+        boom = KeyboardInterrupt()
+
+        def cut(*a, **k):
+            raise boom
+
+        orig = cache._prompt
+        cache._prompt = cut
+        eng.reset()
+        with pytest.raises(KeyboardInterrupt):
+            eng.eval(rng.integers(0, m.config.n_vocab, 40))
+        cache._prompt = orig
+        assert cache._tail_lent and not cache._arena.on and cache._expect == 0
+        # prompt_stacks' buffers, made in the slots by a prompt pass, do not keep them lent
+        cache.prompt_stacks = True
+        eng.reset()
+        eng.eval(rng.integers(0, m.config.n_vocab, 40))
+        assert cache._bufs is not None
+        eng.eval([int(rng.integers(0, m.config.n_vocab))])
+        assert cache._bufs is None and not cache._tail_lent
 
 
 def test_elastic_slots_flag_road(model_path):

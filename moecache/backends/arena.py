@@ -19,8 +19,9 @@ class RangeAllocator:
 
     Args:
         regions: ``(start, nbytes)`` of each region (addresses: plain ints); regions must not overlap.
-        align: every range starts at a multiple of ``align`` bytes from its region's start and
-            its size is rounded up to a multiple of it (CuPy rounds to 512).
+        align: every range starts at an address that is a multiple of ``align`` (a region's
+            first bytes before such an address, and its last bytes after the last whole unit,
+            are not used) and its size is rounded up to a multiple of it (CuPy rounds to 512).
 
     Attributes:
         in_use: bytes handed out and not yet freed (rounded sizes).
@@ -41,7 +42,12 @@ class RangeAllocator:
                 raise ValueError(f"regions overlap: {spans}")
         self.align = align
         # per region: its free ranges as two sorted lists, starts and ends (exclusive)
-        self._regions = [(s, s + (n // align) * align) for s, n in spans if n >= align]
+        self._regions = []
+        for s, n in spans:
+            first = -(-s // align) * align
+            units = (s + n - first) // align if s + n > first else 0
+            if units:
+                self._regions.append((first, first + units * align))
         self._free = [([s], [e]) for s, e in self._regions]
         self._taken: dict[int, tuple[int, int]] = {}  # start -> (region index, rounded size)
         self.in_use = 0
@@ -49,7 +55,7 @@ class RangeAllocator:
 
     @property
     def capacity(self) -> int:
-        """Bytes the regions hold (each cut down to a multiple of ``align``)."""
+        """Bytes the regions hold (each cut to whole aligned units)."""
         return sum(e - s for s, e in self._regions)
 
     def alloc(self, nbytes: int) -> int | None:

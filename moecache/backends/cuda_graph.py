@@ -313,30 +313,35 @@ class DecodeGraph:
             cap.stream.wait_event(cp.cuda.Stream.null.record())
             for hk in model.pass_hooks:
                 hk.begin_pass(n)
-            if cap.routes is not None:
-                cap.routes.draw(cap.stream)
-            if cap.base is None:
-                cap.tok.set(cap.staged[:1].astype(np.int64), stream=cap.stream)
-                cap.pos.set(cap.staged[1:].astype(np.int32), stream=cap.stream)
-            else:
-                cap.tok.set(cap.staged[0].astype(np.int64), stream=cap.stream)
-                cap.pos.set(cap.staged[1].astype(np.int32), stream=cap.stream)
-                cap.base.set(cap.staged[2].astype(np.int32), stream=cap.stream)
-            if cap.handoff is not None:
-                cap.handoff.go(cap.stream)
-            cap.graph.launch(cap.stream)
-            for cut, seg in zip(cap.cuts or (), cap.segments or ()):
-                cut.run(cap.stream)
-                seg.launch(cap.stream)
-            if cap.handoff is not None:
-                cap.handoff.serve()
-            for hk in model.pass_hooks:
-                hk.launched()
-            if cap.routes is not None:
-                cap.routes.draw_ahead()
-            out = cap.out.get(stream=cap.stream)
-            if cap.handoff is not None:
-                cap.handoff.check()
+            try:
+                if cap.routes is not None:
+                    cap.routes.draw(cap.stream)
+                if cap.base is None:
+                    cap.tok.set(cap.staged[:1].astype(np.int64), stream=cap.stream)
+                    cap.pos.set(cap.staged[1:].astype(np.int32), stream=cap.stream)
+                else:
+                    cap.tok.set(cap.staged[0].astype(np.int64), stream=cap.stream)
+                    cap.pos.set(cap.staged[1].astype(np.int32), stream=cap.stream)
+                    cap.base.set(cap.staged[2].astype(np.int32), stream=cap.stream)
+                if cap.handoff is not None:
+                    cap.handoff.go(cap.stream)
+                cap.graph.launch(cap.stream)
+                for cut, seg in zip(cap.cuts or (), cap.segments or ()):
+                    cut.run(cap.stream)
+                    seg.launch(cap.stream)
+                if cap.handoff is not None:
+                    cap.handoff.serve()
+                for hk in model.pass_hooks:
+                    hk.launched()
+                if cap.routes is not None:
+                    cap.routes.draw_ahead()
+                out = cap.out.get(stream=cap.stream)
+                if cap.handoff is not None:
+                    cap.handoff.check()
+            except BaseException:
+                for hk in model.pass_hooks:
+                    hk.abort_pass()
+                raise
             for hk in model.pass_hooks:
                 hk.end_pass()
         return out

@@ -194,7 +194,10 @@ class _TailArena:
         self.ranges = RangeAllocator([(int(a.data.ptr), int(a.nbytes)) for a in regions])
         self._raw: dict[int, Any] = {}  # fallbacks: pointer -> CuPy's default pool's MemoryPointer
         self.pool = cp.cuda.MemoryPool(cp.cuda.PythonFunctionAllocator(self._malloc, self._free).malloc)
-        self._using = None
+        self._on = False
+        self._prev_tl = None  # this thread's allocator (None: CuPy's default) when it was started
+        self._prev = None  # the allocator in effect then: stopped, _alloc hands requests to it
+        self._fn = self._alloc  # one bound method: what is installed, compared by identity
         with cp.cuda.Device(device):  # cuBLAS's handle and workspace made now, outside the regions: made at
             for dt in (cp.float32, cp.float16):  # a prompt's first GEMM they would live on in them
                 a = cp.ones((64, 64), dt)
@@ -225,26 +228,45 @@ class _TailArena:
 
     @property
     def on(self) -> bool:
-        return self._using is not None
+        return self._on
+
+    def _alloc(self, nbytes: int) -> Any:
+        """The thread's allocator while installed: from the regions while started; stopped (an
+        allocator entered inside a started arena and left after its stop restores this one), from
+        the allocator that was in effect when it was started."""
+        return self.pool.malloc(nbytes) if self._on else self._prev(nbytes)
 
     def start(self) -> None:
         """Serve this thread's allocations from the regions until :meth:`stop`. The blocks the last
         prompt pass left free go back to the regions first, after the GPU's queued work (a block
-        freed on one stream may be handed out on another)."""
-        if self._using is not None:
+        freed on one stream may be handed out on another).
+
+        The thread-local allocator is set and restored through ``cupy.cuda.memory``'s
+        ``_get/_set_thread_local_allocator`` (what ``cupy.cuda.using_allocator`` does) rather than
+        with that context manager held open across calls: a stop finds another allocator on top
+        (a CUDA graph's pool entered while started) and leaves it in place."""
+        if self._on:
             return
         with cp.cuda.Device(self.device):
             cp.cuda.Device(self.device).synchronize()
             self.pool.free_all_blocks()
-        self._using = cp.cuda.using_allocator(self.pool.malloc)
-        self._using.__enter__()
+        mem = cp.cuda.memory
+        if mem._get_thread_local_allocator() is not self._fn:
+            self._prev_tl = mem._get_thread_local_allocator()
+            self._prev = cp.cuda.get_allocator()
+            mem._set_thread_local_allocator(self._fn)
+        self._on = True
         self.starts += 1
 
     def stop(self) -> None:
-        """This thread's allocations come from CuPy's default pool again."""
-        if self._using is not None:
-            using, self._using = self._using, None
-            using.__exit__(None, None, None)
+        """This thread's allocations come from the allocator in effect before :meth:`start` again
+        (CuPy's default pool, outside a CUDA graph's capture)."""
+        if not self._on:
+            return
+        self._on = False
+        mem = cp.cuda.memory
+        if mem._get_thread_local_allocator() is self._fn:
+            mem._set_thread_local_allocator(self._prev_tl)
 
     def release(self) -> bool:
         """Let the pool's free blocks go after the GPU's queued work; True when no array is left in

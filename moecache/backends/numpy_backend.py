@@ -75,6 +75,7 @@ class NumpyBackend(ArrayOps):
         self.act_q8 = act_q8
         self.in_use = 0  # device bytes in use, as a test sets them (room_for)
         self.total = 1 << 62  # the device's bytes, as a test sets them (memory_total)
+        self.input_drops = 0  # calls of drop_input_caches (a test checks the expert cache makes them)
 
     def _q8(self, ggml_type: int, name: str | None, n_tok: int) -> bool:
         return self.act_q8 and n_tok <= DECODE_MAX_TOKENS and format_for(ggml_type, name).name in Q8_ACT
@@ -134,7 +135,9 @@ class NumpyBackend(ArrayOps):
         return TwinGuard(limit)
 
     def drop_input_caches(self) -> None:
-        """The twin of :meth:`CupyBackend.drop_input_caches`: nothing is kept."""
+        """The twin of :meth:`CupyBackend.drop_input_caches`: nothing is kept; the calls are counted
+        (``input_drops``)."""
+        self.input_drops += 1
 
     def tail_arena(self, regions: tuple[np.ndarray, ...]) -> "TwinArena":
         """The twin of :meth:`CupyBackend.tail_arena`: allocations are not redirected, but every

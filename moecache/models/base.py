@@ -130,8 +130,9 @@ class DecoderLM:
             offload, several GPUs); the hidden state moves between backends where they change.
             Token embeddings live on layer 0's backend.
         output_backend: backend of the output norm and matrix; default ``backend``.
-        pass_hooks: objects told of every forward pass (``begin_pass``, ``launched``, ``end_pass``):
-            the expert caches.
+        pass_hooks: objects told of every forward pass (``begin_pass``, ``launched``, ``end_pass``,
+            and ``abort_pass`` instead of the last two when an exception, Ctrl-C included, cuts
+            the pass short): the expert caches.
         routing_override: a routing process replacing the router's choice (``--routing``); also a
             settable attribute (the library sets it after the engine is built, benchmarks swap it,
             and a CUDA-graph capture replaces it while it records).
@@ -201,8 +202,8 @@ class DecoderLM:
         self.routing_override: Any = routing_override  # benchmarks: a routing process replacing the router's choice
         self.route_observers: list[RouteObserver] = []
         # told of every forward pass: begin_pass(n_tokens) before it is queued, launched() once it is
-        # (the device may still be running it), end_pass() after its output reached the host
-        # (the expert caches' zero-copy path, moecache.moe.cache)
+        # (the device may still be running it), end_pass() after its output reached the host,
+        # abort_pass() when an exception cut it short (the expert caches, moecache.moe.cache)
         self.pass_hooks: list[Any] = list(pass_hooks)
 
     @staticmethod
@@ -272,21 +273,30 @@ class DecoderLM:
                 return out
         for hk in self.pass_hooks:
             hk.begin_pass(tokens.size)
-        x = self.body(tokens, pos, kv, {})
-        kv.advance(tokens.size)
-        if isinstance(logits, str):
-            if logits == "last":
-                x = x[-1:]
-        else:
-            idx = np.asarray(logits, dtype=np.int64)
-            x = x[idx]
-        y = self.head(x) if x.shape[0] else None
-        for hk in self.pass_hooks:
-            hk.launched()
-        out = self.be.to_host(y) if y is not None else np.empty((0, c.n_vocab), np.float32)
+        try:
+            x = self.body(tokens, pos, kv, {})
+            kv.advance(tokens.size)
+            if isinstance(logits, str):
+                if logits == "last":
+                    x = x[-1:]
+            else:
+                idx = np.asarray(logits, dtype=np.int64)
+                x = x[idx]
+            y = self.head(x) if x.shape[0] else None
+            for hk in self.pass_hooks:
+                hk.launched()
+            out = self.be.to_host(y) if y is not None else np.empty((0, c.n_vocab), np.float32)
+        except BaseException:
+            self._abort_pass()
+            raise
         for hk in self.pass_hooks:
             hk.end_pass()
         return out
+
+    def _abort_pass(self) -> None:
+        """Tell the pass hooks that the pass they were told of will not end (``abort_pass``)."""
+        for hk in self.pass_hooks:
+            hk.abort_pass()
 
     def forward_seqs(self, tokens: np.ndarray, kvs: list[KVCache]) -> np.ndarray:
         """One decode step of several sequences in one pass: token ``i`` is appended to ``kvs[i]``
@@ -324,14 +334,18 @@ class DecoderLM:
         pos = np.array([k.n_past for k in kvs], np.int64)
         for hk in self.pass_hooks:
             hk.begin_pass(tokens.size)
-        x = self.body(tokens, pos, None, {}, seqs=tuple((i, i + 1, k) for i, k in enumerate(kvs)),
-                      shared=shared_cache(kvs))
-        for k in kvs:
-            k.advance(1)
-        y = self.head(x)
-        for hk in self.pass_hooks:
-            hk.launched()
-        out = self.be.to_host(y)
+        try:
+            x = self.body(tokens, pos, None, {}, seqs=tuple((i, i + 1, k) for i, k in enumerate(kvs)),
+                          shared=shared_cache(kvs))
+            for k in kvs:
+                k.advance(1)
+            y = self.head(x)
+            for hk in self.pass_hooks:
+                hk.launched()
+            out = self.be.to_host(y)
+        except BaseException:
+            self._abort_pass()
+            raise
         for hk in self.pass_hooks:
             hk.end_pass()
         return out

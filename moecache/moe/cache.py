@@ -10,7 +10,9 @@ Decode ubatches take one of two miss paths:
 
 **Zero-copy** (``zero_copy``: the host experts are page-locked, ``--load-mode pin``). The map also lives
 on the device; one ``moe_ffn_cached`` launch pair computes every routed pair, reading a hit from
-its slot in VRAM and a miss straight from host RAM over PCIe. Nothing waits for the host, so a
+its slot in VRAM and a miss from host RAM over PCIe: with ``stage_misses`` (the engine's default;
+ubatches of 1-2 tokens) a copy kernel first stages the misses into a VRAM scratch of ``2 * top_k``
+slots, else the MoE kernels read them in place. Nothing waits for the host, so a
 decode step stays one CUDA graph (:mod:`moecache.backends.cuda_graph`). The layer's expert ids are
 logged on the device; the pass hooks (:meth:`CachedExperts.begin_pass`, :meth:`launched`,
 :meth:`end_pass`, called by the model around every forward pass) bring them to the host after
@@ -185,8 +187,8 @@ class CachedExperts:
             scratch of ``2 * top_k`` experts with one copy kernel (16-byte loads over PCIe) before
             the MoE kernels read them, instead of the kernels reading host RAM directly (ubatches
             of 1-2 tokens; larger ones read directly). False here; the engine turns it on by
-            default (``Engine(stage_misses=True)``: +13% decode at uniform and low-locality routing,
-            8 GiB, H200).
+            default (``Engine(stage_misses=True)``: 8 GiB, H200, one process, +13% decode at uniform
+            routing, +6-13% at low-locality: +6% with uploads frozen).
         prompt_group_bytes: a prompt ubatch (without ``prompt_stacks``, or when there is no room for
             a stack buffer or it was given back) brings its non-resident used experts to the device
             this many bytes at a time (None: :data:`PROMPT_GROUP_BYTES`; each group is one MoE call
@@ -515,7 +517,8 @@ class CachedExperts:
         elif self._guard is not None:
             self._guard.stop()  # left started by a prompt pass an exception cut short (a decode graph's
             # capture must not give blocks back, a device synchronisation)
-        if self._prompt_seen and (self.offload_min_batch is None or n_tokens < self.offload_min_batch):
+        if self._prompt_seen and not prompt and not self._tail_lent:
+            # (elastic slots still lent: the decode pass that takes them back fills them, with the rest)
             self.fill_after_prompt()
         if not self.zero_copy:
             return
@@ -576,6 +579,7 @@ class CachedExperts:
         once, while an array is still alive there (the slots stay lent: a later decode pass tries
         again)."""
         self.be.drop_input_caches()  # the prompt's last activation and its conversions live in the slots
+        self.drop_stacks()  # prompt_stacks' buffers were made in the slots by a prompt pass
         if not self._arena.release():
             if not self._tail_noted:
                 self._tail_noted = True
@@ -674,6 +678,17 @@ class CachedExperts:
             self._pass_start = None
         if layers:
             check(self.handoff.buf)  # last: a GPU that gave up waiting made this pass's output wrong
+
+    def abort_pass(self) -> None:
+        """Instead of :meth:`end_pass` when an exception (Ctrl-C included) cut a pass short: the
+        budget guard and the arena stop (this thread's allocations leave the elastic slots), and
+        the pass's routing log is not accounted (the device may not have written it)."""
+        if self._guard is not None:
+            self._guard.stop()
+        if self._arena is not None:
+            self._arena.stop()
+        self._expect = 0
+        self._pass_start = None
 
     # ---- execution --------------------------------------------------------------------------------
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
