@@ -487,14 +487,14 @@ def _elastic_slots(opts: PlacementOptions, sizes: ModelSizes, dev: dict[int, int
     """The expert cache's elastic slots: the reserve less :data:`DECODE_KEEP_BYTES` (``reserve``:
     each GPU's free memory less its budget, i.e. the margin, :data:`RESERVE_BYTES` and the prompt
     scratch), in slots, added to a cache that fills the free VRAM (``--moe-cache`` not a size) when
-    every GPU layer is on that one GPU (layers on the CPU make no device arrays for the arena to
-    redirect) and prompt ubatches run on it. Returns the caches
+    every GPU layer is on that one GPU (layers on the CPU use no VRAM; several GPUs are not tried)
+    and prompt ubatches run on it. Returns the caches
     with those slots added and ``(GPU, elastic slots)``."""
     if not (opts.elastic_slots and len(cache) == 1 and opts.moe_cache in (None, -1)
             and opts.offload_min_batch is not None):
         return cache, ()
     g, slots = cache[0]
-    if set(dev.values()) != {g}:  # the arena redirects the prompt's allocations on every GPU: one GPU only
+    if set(dev.values()) != {g}:  # one GPU only: not tried with layers spread over several
         return cache, ()
     every = sum(sizes.experts[il] for il, d in dev.items() if d == g and not on_dev[il]) // sizes.expert_each
     extra = min(max(0, reserve[g] - DECODE_KEEP_BYTES) // sizes.expert_each, every - slots)

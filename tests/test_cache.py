@@ -1206,14 +1206,16 @@ def test_plan_sizes_the_elastic_slots_from_the_reserve():
 
 def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatch):
     """Engine with elastic slots on a twin GPU: a prompt pass empties the last slots (their experts
-    leave the map and the policy) and the twin arena overwrites them with 0xFF bytes, as a prompt's
-    arrays would; the next decode pass takes them back and fills them. Logits equal the CPU
-    engine's through prompt, decode, prompt, decode; while an array is still held in them
-    (``hold``) decode keeps them lent (one note) and stays right."""
+    leave the map and the policy) and gives their memory back (the twin overwrites them with 0xFF
+    bytes, as memory mapped anew would hold anything); the next decode pass lets the prompt's
+    leftovers and CuPy's cached blocks go first, then takes them back under the budget and fills
+    them. Logits equal the CPU engine's through prompt, decode, prompt, decode; while the memory
+    would not fit (``refuse``) decode keeps them lent (one note), stays right, and fills them once
+    they are taken back later."""
     import moecache.engine as engine_mod
     import moecache.placement as placement_mod
     from moecache.engine import Engine, EngineConfig
-    from moecache.moe.cache import LENT
+    from moecache.moe.cache import LENT, RECLAIM_RETRY_PASSES
     from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
 
     with open_gguf(model_path) as m:
@@ -1230,20 +1232,26 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
     rng = np.random.default_rng(11)
     with Engine(model_path, EngineConfig(n_ctx=160)) as ref, \
             Engine(model_path, EngineConfig(n_ctx=160), log=notes.append,
-                   placement=PlacementOptions(elastic_slots=True)) as eng:
+                   placement=PlacementOptions(elastic_slots=True, vram_budget=free)) as eng:
         assert eng.placement.elastic_slots == ((0, want),)
         cache = eng.caches[0]
+        el = cache._elastic
         n = len(cache.pool.owner)
         lo = n - cache.tail
-        assert cache.tail == want and cache.policy.n_slots == n
+        assert cache.tail == want and cache.policy.n_slots == n and el.mapped
+        assert el.bytes == sum(a[lo:].nbytes for a in (cache.pool.gate, cache.pool.up, cache.pool.down))
+        order: list[str] = []  # the reclaim lets CuPy's cached blocks go before it asks for the memory
+        release, take = cache.be.release_cached, el.take_back
+        monkeypatch.setattr(cache.be, "release_cached", lambda: (order.append("release"), release())[1])
+        monkeypatch.setattr(el, "take_back", lambda limit: (order.append("take"), take(limit))[1])
 
         def lent() -> None:
-            assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo:])
+            assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo:]) and not el.mapped
             assert not (cache.slot_of >= lo).any() and cache.policy.n_slots == lo
             assert cache.policy.n_resident <= lo and np.all(cache.pool.gate[lo:] == 0xFF)
 
         def taken_back() -> None:
-            assert not cache._tail_lent and cache.policy.n_slots == n
+            assert not cache._tail_lent and cache.policy.n_slots == n and el.mapped
             assert any(o is not None and o is not LENT for o in cache.pool.owner[lo:])  # filled after the prompt
 
         def step(toks) -> None:
@@ -1252,31 +1260,39 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         for round_ in range(2):
             step(rng.integers(0, m.config.n_vocab, 40))
             lent()
-            assert not cache._arena.on  # stopped when the pass ended: decode's arrays stay out of the slots
-            assert cache.tail_lends == round_ + 1 and cache._arena.starts == round_ + 1
+            assert cache.tail_lends == round_ + 1 and el.lends == round_ + 1
             drops, fills = cache.be.input_drops, cache.prompt_fills
+            order.clear()
             step([int(rng.integers(0, m.config.n_vocab))])
-            # the prompt's cached inputs let go before the slots are taken back, and the slots filled
-            assert cache.be.input_drops == drops + 1 and cache.prompt_fills > fills
+            # the prompt's kept inputs and CuPy's cached blocks go before the memory is asked for
+            # under the budget; the slots are filled in the same pass
+            assert cache.be.input_drops == drops + 1 and order[:2] == ["release", "take"]
+            assert el.limits[-1] == cache.vram_limit == free and cache.prompt_fills > fills
             taken_back()
             for _ in range(11):
                 step([int(rng.integers(0, m.config.n_vocab))])
             taken_back()
-            assert cache.tail_reclaims == round_ + 1
-        # an array still in the slots: decode keeps them lent (said once), and stays right
+            assert cache.tail_reclaims == el.take_backs == round_ + 1
+        # no room to map them again: decode keeps them lent (said once), and stays right
         step(rng.integers(0, m.config.n_vocab, 36))
-        cache._arena.hold = True
+        el.refuse = True
+        tries = len(el.limits)
         for _ in range(4):
             step([int(rng.integers(0, m.config.n_vocab))])
             lent()
         assert sum("elastic slots stay lent" in x for x in notes) == 1
-        cache._arena.hold = False
+        assert len(el.limits) == tries + 1  # one try, then RECLAIM_RETRY_PASSES passes without one
+        el.refuse = False
         fills = cache.prompt_fills
+        for _ in range(RECLAIM_RETRY_PASSES - 3):
+            step([int(rng.integers(0, m.config.n_vocab))])
+            lent()
         step([int(rng.integers(0, m.config.n_vocab))])
         taken_back()
-        assert cache.prompt_fills > fills  # a late reclaim fills the slots too
+        assert cache.prompt_fills > fills  # a late take-back fills the slots too
         assert cache.stats.hits > 0 and cache.stats.uploads > 0
-        # a pass an exception cuts short (Ctrl-C in a prompt) leaves the arena stopped
+        # a pass an exception cuts short (Ctrl-C in a prompt): the budget guard stops, no routing
+        # log is left expected, the slots stay lent until decode
         boom = KeyboardInterrupt()
 
         def cut(*a, **k):
@@ -1288,8 +1304,8 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         with pytest.raises(KeyboardInterrupt):
             eng.eval(rng.integers(0, m.config.n_vocab, 40))
         cache._prompt = orig
-        assert cache._tail_lent and not cache._arena.on and cache._expect == 0
-        # prompt_stacks' buffers, made in the slots by a prompt pass, do not keep them lent
+        assert cache._tail_lent and cache._expect == 0 and cache._guard is not None and not cache._guard.on
+        # prompt_stacks' buffers go before the take-back (their memory counts under the budget)
         cache.prompt_stacks = True
         eng.reset()
         eng.eval(rng.integers(0, m.config.n_vocab, 40))

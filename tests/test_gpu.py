@@ -1237,11 +1237,10 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
 
 @pytest.mark.parametrize("load_mode", ["mmap", "pin"])
 def test_elastic_slots_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, monkeypatch):
-    """Elastic slots with CuPy's allocator redirected: the last sixth of the experts' worth of slots
-    is lent to each prompt pass (its arrays come from those slots' bytes through the tail arena,
-    the rest cudaMalloc'd) and taken back by decode. Logits equal the CPU's through prompt, decode,
-    prompt, decode (on pin: the decode graph, captured while the slots are held, replayed after
-    they were lent and taken back); the arena served some arrays, and holds none after decode."""
+    """Elastic slots over CUDA virtual memory: the last sixth of the experts' worth of slots gives
+    its memory back to the driver for each prompt pass and maps it again for decode. Logits equal
+    the CPU's through prompt, decode, prompt, decode (on pin: the decode graph, captured while the
+    slots are held, replayed after their memory went and came back at the same addresses)."""
     import moecache.placement as placement_mod
     from moecache.moe.cache import LENT
     from moecache.moe.policy import PolicyConfig
@@ -1277,11 +1276,38 @@ def test_elastic_slots_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, monkeypatc
                 step([int(rng.integers(0, 200))])
             assert not cache._tail_lent and cache.tail_reclaims == round_ + 1
             assert any(o not in (None, LENT) for o in cache.pool.owner[lo:])
-        arena = cache._arena
-        print(f"{load_mode}: {cache.tail} elastic of {n} slots; arena peak {arena.ranges.peak} of "
-              f"{arena.ranges.capacity} bytes, {arena.fallbacks} fallbacks ({arena.fallback_bytes} bytes)")
-        assert arena.ranges.peak > 0 and arena.ranges.in_use == 0 and arena.starts == 2
+        el = cache._elastic
+        print(f"{load_mode}: {cache.tail} elastic of {n} slots, {el.bytes} bytes come and go")
+        assert el.mapped and el.lends == el.take_backs == 2 and el.bytes > 0
         assert cache.stats.uploads > 0
+
+
+def test_elastic_slot_arrays_give_memory_back_at_the_same_addresses(gpu):
+    """CupyBackend.elastic_slot_arrays: lending gives the tail's memory to the driver (free memory
+    grows by its bytes) and the head keeps its bytes; taking it back maps memory at the same
+    addresses (kernels write and read there again); a take-back that would pass the limit maps
+    nothing."""
+    import cupy as cp
+
+    be = gpu
+    slot = (1 << 20) + 4096  # slot sizes need not be multiples of the granularity
+    (a, b), el = be.elastic_slot_arrays(((40, slot), (40, 3 * 4096)), 20)
+    assert a.shape == (40, slot) and int(a.sum()) == 0 and b.flags.c_contiguous
+    ptr = a.data.ptr
+    a[:20] = 7
+    a[20:] = 9
+    assert el.bytes >= 20 * slot - (4 << 20)
+    cp.cuda.Device().synchronize()
+    free0 = cp.cuda.runtime.memGetInfo()[0]
+    el.lend()
+    assert not el.mapped and cp.cuda.runtime.memGetInfo()[0] - free0 >= el.bytes - (2 << 20)
+    assert int((a[:19] == 7).all()) == 1  # the head keeps its bytes
+    free, total = cp.cuda.runtime.memGetInfo()
+    assert not el.take_back(total - free + el.bytes - 1) and not el.mapped
+    assert el.take_back(None) and el.mapped and el.take_backs == 1 and a.data.ptr == ptr
+    a[20:] = 5
+    assert int((a[20:] == 5).all()) == 1 and int((a[:19] == 7).all()) == 1
+    del a, b, el
 
 
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])

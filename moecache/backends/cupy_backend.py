@@ -24,7 +24,6 @@ import cupy as cp
 import numba
 import numpy as np
 
-from moecache.backends.arena import RangeAllocator
 from moecache.backends.flash import flash_ok
 from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.moe_plan import layer_plan
@@ -176,110 +175,57 @@ class _BudgetGuard(cp.cuda.memory_hook.MemoryHook):
             self.releases += 1
 
 
-class _TailArena:
-    """:meth:`CupyBackend.tail_arena`: CuPy's pool (stream-aware reuse of freed blocks) over a
-    :class:`~moecache.backends.arena.RangeAllocator` of the regions' bytes.
+class _ElasticTail:
+    """:meth:`CupyBackend.elastic_slot_arrays`' handle on the slot arrays' last ``tail`` slots: each
+    array is one :class:`~moecache.backends.cuda_vmm.ElasticBuffer`, whose memory past the other
+    slots (rounded up to the driver's granularity, 2 MiB) :meth:`lend` gives back to the driver and
+    :meth:`take_back` maps again at the same addresses.
 
     Attributes:
-        fallbacks, fallback_bytes: allocations (and their bytes) that did not fit and came from
-            CuPy's default pool instead (given back to it when this pool lets them go).
-        defrags: times an allocation that found no free range first gave the pool's free blocks
-            back to the ranges (after a device synchronisation) and tried again.
-        starts: how many times it was started.
+        bytes: the memory that comes and goes (all three arrays).
+        mapped: whether it is mapped now.
+        lends, take_backs: how many times each happened.
     """
 
-    def __init__(self, device: int, regions: tuple[cp.ndarray, ...]):
-        self.device = device
-        self._regions = regions  # kept: their bytes are what it hands out
-        self.ranges = RangeAllocator([(int(a.data.ptr), int(a.nbytes)) for a in regions])
-        self._raw: dict[int, Any] = {}  # fallbacks: pointer -> CuPy's default pool's MemoryPointer
-        self.pool = cp.cuda.MemoryPool(cp.cuda.PythonFunctionAllocator(self._malloc, self._free).malloc)
-        self._on = False
-        self._prev_tl = None  # this thread's allocator (None: CuPy's default) when it was started
-        self._prev = None  # the allocator in effect then: stopped, _alloc hands requests to it
-        self._fn = self._alloc  # one bound method: what is installed, compared by identity
-        with cp.cuda.Device(device):  # cuBLAS's handle and workspace made now, outside the regions: made at
-            for dt in (cp.float32, cp.float16):  # a prompt's first GEMM they would live on in them
-                a = cp.ones((64, 64), dt)
-                a @ a
-        self.fallbacks = self.fallback_bytes = self.starts = self.defrags = 0
+    def __init__(self, device: int, buffers: tuple[Any, ...]):
+        self.device, self._buffers = device, buffers
+        self.bytes = sum(b.tail_bytes for b in buffers)
+        self.mapped = True
+        self.lends = self.take_backs = 0
 
-    def _malloc(self, nbytes: int, device_id: int) -> int:
-        ptr = self.ranges.alloc(nbytes) if device_id == self.device else None
-        if ptr is None and device_id == self.device and self.pool.free_bytes():
-            # no free range that large: the pool's free blocks go back to the ranges (merged) after the
-            # GPU's queued work (a block freed on one stream may be handed out on another), then again
-            cp.cuda.Device(self.device).synchronize()
-            self.pool.free_all_blocks()
-            self.defrags += 1
-            ptr = self.ranges.alloc(nbytes)
-        if ptr is None:  # from CuPy's default pool (its blocks reused later; the budget guard sees it)
-            with cp.cuda.Device(device_id):
-                mp = cp.get_default_memory_pool().malloc(nbytes)
-            ptr = int(mp.ptr)
-            self._raw[ptr] = mp
-            self.fallbacks += 1
-            self.fallback_bytes += nbytes
-        return ptr
-
-    def _free(self, ptr: int, device_id: int) -> None:
-        if self._raw.pop(ptr, None) is None:
-            self.ranges.free(ptr)
-
-    @property
-    def on(self) -> bool:
-        return self._on
-
-    def _alloc(self, nbytes: int) -> Any:
-        """The thread's allocator while installed: from the regions while started; stopped (an
-        allocator entered inside a started arena and left after its stop restores this one), from
-        the allocator that was in effect when it was started."""
-        return self.pool.malloc(nbytes) if self._on else self._prev(nbytes)
-
-    def start(self) -> None:
-        """Serve this thread's allocations from the regions until :meth:`stop`. The blocks the last
-        prompt pass left free go back to the regions first, after the GPU's queued work (a block
-        freed on one stream may be handed out on another).
-
-        The thread-local allocator is set and restored through ``cupy.cuda.memory``'s
-        ``_get/_set_thread_local_allocator`` (what ``cupy.cuda.using_allocator`` does) rather than
-        with that context manager held open across calls: a stop finds another allocator on top
-        (a CUDA graph's pool entered while started) and leaves it in place."""
-        if self._on:
+    def lend(self) -> None:
+        """After the GPU's queued work (a kernel may still read a slot there), the memory goes back
+        to the driver: CuPy's pool may hand it to a prompt's arrays. Nothing may read or write the
+        lent slots until :meth:`take_back` returns True."""
+        if not self.mapped:
             return
         with cp.cuda.Device(self.device):
             cp.cuda.Device(self.device).synchronize()
-            self.pool.free_all_blocks()
-        mem = cp.cuda.memory
-        if mem._get_thread_local_allocator() is not self._fn:
-            self._prev_tl = mem._get_thread_local_allocator()
-            self._prev = cp.cuda.get_allocator()
-            mem._set_thread_local_allocator(self._fn)
-        self._on = True
-        self.starts += 1
+        for b in self._buffers:
+            b.unmap_tail()
+        self.mapped = False
+        self.lends += 1
 
-    def stop(self) -> None:
-        """This thread's allocations come from the allocator in effect before :meth:`start` again
-        (CuPy's default pool, outside a CUDA graph's capture)."""
-        if not self._on:
-            return
-        self._on = False
-        mem = cp.cuda.memory
-        if mem._get_thread_local_allocator() is self._fn:
-            mem._set_thread_local_allocator(self._prev_tl)
-
-    def release(self) -> bool:
-        """Let the pool's free blocks go after the GPU's queued work; True when no array is left in
-        the regions (they may hold experts again), False while one still is."""
-        self.stop()
+    def take_back(self, limit: int | None) -> bool:
+        """Map the memory again (the slots' bytes undefined: they hold no expert) when the GPU's
+        memory in use (``cudaMemGetInfo``, every process's) plus :attr:`bytes` stays within
+        ``limit`` bytes (None: when the driver has it); False, nothing mapped, otherwise."""
+        if self.mapped:
+            return True
         with cp.cuda.Device(self.device):
-            cp.cuda.Device(self.device).synchronize()
-            self.pool.free_all_blocks()
-        return self.ranges.whole()
-
-    def held_bytes(self) -> int:
-        """Bytes of the regions still handed out (arrays alive, or blocks the pool keeps split)."""
-        return self.ranges.in_use
+            free, total = cp.cuda.runtime.memGetInfo()
+            if limit is not None and total - free + self.bytes > limit:
+                return False
+            done = []
+            for b in self._buffers:
+                if not b.map_tail():
+                    for d in done:
+                        d.unmap_tail()
+                    return False
+                done.append(b)
+        self.mapped = True
+        self.take_backs += 1
+        return True
 
 
 class _Upload:
@@ -568,14 +514,27 @@ class CupyBackend(ArrayOps):
         Giving the blocks back costs a device synchronisation, only when near the limit."""
         return _BudgetGuard(self.device, limit)
 
-    def tail_arena(self, regions: tuple[cp.ndarray, ...]) -> "_TailArena":
-        """An allocator over ``regions`` (contiguous uint8 arrays on this GPU: the expert cache's
-        elastic slots, :meth:`moecache.moe.cache.CachedExperts.lend_tail`) for the arrays that
-        prompt ubatches make: while started (in the calling thread: CuPy's allocator is per thread)
-        every CuPy allocation on this GPU comes from a pool of its own over those bytes; what does
-        not fit comes from CuPy's default pool (counted in ``fallbacks``). :meth:`_TailArena.release` says when
-        no array is left in them, so that they may hold experts again."""
-        return _TailArena(self.device, regions)
+    def elastic_slot_arrays(self, shapes: tuple[tuple[int, ...], ...], tail: int) -> tuple[tuple[cp.ndarray, ...], "_ElasticTail"]:
+        """uint8 zeros of each shape (``(n_slots, ...)``: the expert cache's gate, up and down
+        slots) on this GPU, each over CUDA virtual memory whose part behind the last ``tail`` slots
+        can be given back to the driver while prompt ubatches run and mapped again for decode
+        (:class:`_ElasticTail`; :mod:`moecache.backends.cuda_vmm`). The arrays keep their buffers
+        alive. Raises :class:`~moecache.backends.cuda_vmm.VmmError` when the driver refuses (the
+        caller falls back to plain slots)."""
+        from moecache.backends.cuda_vmm import ElasticBuffer
+
+        arrays, buffers = [], []
+        with cp.cuda.Device(self.device):
+            for shape in shapes:
+                n = int(np.prod(shape))
+                per = n // shape[0]
+                buf = ElasticBuffer(self.device, n, (shape[0] - tail) * per)
+                mem = cp.cuda.UnownedMemory(buf.ptr, n, buf, self.device)
+                a = cp.ndarray(shape, cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+                a.fill(0)
+                arrays.append(a)
+                buffers.append(buf)
+        return tuple(arrays), _ElasticTail(self.device, tuple(buffers))
 
     def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
         """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's
@@ -750,7 +709,8 @@ class CupyBackend(ArrayOps):
     def drop_input_caches(self) -> None:
         """Forget the kept conversions of the last input (:meth:`_prompt_operand`,
         :meth:`_quantized`): they and the input they key on are arrays of the last pass, held until
-        the next product replaces them (a prompt's, in the expert cache's elastic slots: see
+        the next product replaces them (a prompt's 2048 x n_embd and its copies: the expert cache
+        lets them go before it maps its elastic slots again,
         :meth:`moecache.moe.cache.CachedExperts.reclaim_tail`)."""
         self._x16 = self._xq = None
 

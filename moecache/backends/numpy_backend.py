@@ -139,11 +139,12 @@ class NumpyBackend(ArrayOps):
         (``input_drops``)."""
         self.input_drops += 1
 
-    def tail_arena(self, regions: tuple[np.ndarray, ...]) -> "TwinArena":
-        """The twin of :meth:`CupyBackend.tail_arena`: allocations are not redirected, but every
-        start overwrites the regions with 0xFF bytes (NaN scales), as a prompt's arrays would, so a
-        slot read there while lent shows in the logits."""
-        return TwinArena(regions)
+    def elastic_slot_arrays(self, shapes: tuple[tuple[int, ...], ...], tail: int) -> tuple[tuple[np.ndarray, ...], "TwinTail"]:
+        """The twin of :meth:`CupyBackend.elastic_slot_arrays`: uint8 zeros; a lend overwrites the
+        last ``tail`` slots with 0xFF bytes (NaN scales), as the GPU's lost memory would hold
+        anything, so a lent slot read before it is taken back and filled shows in the logits."""
+        arrays = tuple(np.zeros(sh, np.uint8) for sh in shapes)
+        return arrays, TwinTail(tuple(a[a.shape[0] - tail:] for a in arrays))
 
     def empty_u8(self, shape: tuple[int, ...]) -> np.ndarray:
         """uint8 "uninitialized" (0xFF bytes: NaN scales, so a read of a position never written shows)."""
@@ -396,31 +397,33 @@ class TwinGuard:
         self.on = False
 
 
-class TwinArena:
-    """:meth:`NumpyBackend.tail_arena`'s arena: ``on`` while started; ``starts`` counts the starts;
-    ``hold`` (set by a test) stands for an array still alive in the regions: :meth:`release` is then
-    False."""
+class TwinTail:
+    """:meth:`NumpyBackend.elastic_slot_arrays`' handle: ``mapped``, ``lends`` and ``take_backs``
+    as on the GPU; ``refuse`` (set by a test) stands for a GPU without the room: :meth:`take_back`
+    is then False; ``limits`` records the limit each take-back was asked under."""
 
     def __init__(self, regions: tuple[np.ndarray, ...]):
-        self.regions, self.on, self.starts, self.hold = regions, False, 0, False
-        self.fallbacks = self.fallback_bytes = self.defrags = 0
+        self.regions, self.mapped, self.refuse = regions, True, False
+        self.bytes = sum(r.nbytes for r in regions)
+        self.lends = self.take_backs = 0
+        self.limits: list[int | None] = []
 
-    def start(self) -> None:
-        if not self.on:
+    def lend(self) -> None:
+        if self.mapped:
             for r in self.regions:
                 r[...] = 0xFF
-            self.on = True
-            self.starts += 1
+            self.mapped = False
+            self.lends += 1
 
-    def stop(self) -> None:
-        self.on = False
-
-    def release(self) -> bool:
-        self.stop()
-        return not self.hold
-
-    def held_bytes(self) -> int:
-        return sum(r.nbytes for r in self.regions) if self.hold else 0
+    def take_back(self, limit: int | None) -> bool:
+        if self.mapped:
+            return True
+        self.limits.append(limit)
+        if self.refuse:
+            return False
+        self.mapped = True
+        self.take_backs += 1
+        return True
 
 
 class TwinUpload:

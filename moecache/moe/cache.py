@@ -56,11 +56,12 @@ guide to decode's hot set; routing.md).
 
 **Elastic slots** (``tail``): a prompt ubatch's transient arrays (activations, attention blocks,
 the prompt groups, dequantized scratch) need VRAM that a decode step does not. The last slots of the
-pool hold experts while decoding; before a prompt pass they are emptied and the backend's arena
-serves that pass's arrays from their bytes (:meth:`CachedExperts.lend_tail`); the first decode pass
-after it takes them back once no array is left in them (:meth:`CachedExperts.reclaim_tail`) and
-fills them with the prompt's most used experts. The placement sizes them
-(:func:`moecache.placement.plan`'s ``elastic_slots``).
+pool hold experts while decoding; before a prompt pass they are emptied and their memory goes back
+to the driver (on the GPU the slot arrays are CUDA virtual memory, :mod:`moecache.backends.cuda_vmm`),
+where CuPy's ordinary pool may hand it to the pass's arrays (:meth:`CachedExperts.lend_tail`); the
+first decode pass after it maps memory behind them again at the same addresses when that fits under
+the budget (:meth:`CachedExperts.reclaim_tail`) and fills them with the prompt's most used experts.
+The placement sizes them (:func:`moecache.placement.plan`'s ``elastic_slots``).
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
 ``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
@@ -115,6 +116,7 @@ STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 ROOM_FLOOR_BYTES = 2 * ATTENTION_SCORE_BYTES + (128 << 20)
 
 
+RECLAIM_RETRY_PASSES = 8  # decode passes between tries to take the elastic slots back (CachedExperts.reclaim_tail)
 LENT = ("lent",)  # the owner of an elastic slot lent to a prompt's arrays (CachedExperts.lend_tail)
 
 
@@ -202,10 +204,12 @@ class CachedExperts:
             zero-copy path) round activations to 8 bits in the Numba kernel (``cpu.moe_ffn_routed``'s
             ``act_q8``), as the GPU's hits do with ``CupyBackend(act_q8=True)``.
         tail: elastic slots: the pool's last ``tail`` of its ``n_slots`` slots hold experts while
-            decoding and are lent to each prompt pass's arrays (:meth:`lend_tail`,
-            :meth:`reclaim_tail`; the backend's ``tail_arena``), so the VRAM a prompt ubatch needs
-            for its transients holds experts the rest of the time. 0: none. Needs a prompt path
-            (``offload_min_batch``); ValueError unless 0 < ``tail`` < ``n_slots``.
+            decoding; their memory is given back to the driver for each prompt pass and mapped
+            again for decode (:meth:`lend_tail`, :meth:`reclaim_tail`; the backend's
+            ``elastic_slot_arrays``), so the VRAM a prompt ubatch needs for its transients holds
+            experts the rest of the time. 0: none; plain slots, said once, where the backend
+            cannot make them. Needs a prompt path (``offload_min_batch``); ValueError unless
+            0 < ``tail`` < ``n_slots``.
         miss_split: on the zero-copy path, decode steps captured in a CUDA graph hand a share of
             each layer's misses to the CPU inside the graph (:mod:`moecache.moe.handoff`): the GPU
             posts the layer's input and the pairs the CPU takes (up to ``split.ncpu[il]`` misses per
@@ -300,25 +304,32 @@ class CachedExperts:
         sigs = {il: (e.gate.shape[1:], e.up.shape[1:], e.down.shape[1:], e.types) for il, e in layers.items()}
         main = max(set(sigs.values()), key=list(sigs.values()).count) if sigs else None
         self.cached_layers = {il for il, sg in sigs.items() if sg == main}
+        if policy.n_slots != n_slots:
+            raise ValueError(f"policy has {policy.n_slots} slots, the pool {n_slots}")
+        # the elastic slots: the pool's last `tail` slots, whose memory prompt passes borrow (lend_tail)
+        self.tail = 0
+        self._elastic = None
+        self._tail_lent = False
+        self._tail_noted = False
+        self._reclaim_in = 0  # decode passes before the next try after a take-back that did not fit
+        self.tail_lends = self.tail_reclaims = 0
+        if tail and main is not None and offload_min_batch is not None and not 0 < tail < n_slots:
+            raise ValueError(f"tail must be in [1, {n_slots - 1}] (the pool has {n_slots} slots), got {tail}")
         self.pool = None
         if main is not None:
             g, u, d, types = main
-            self.pool = _Pool(backend.zeros_u8((n_slots, *g)), backend.zeros_u8((n_slots, *u)),
-                              backend.zeros_u8((n_slots, *d)), types, [None] * n_slots)
-        if policy.n_slots != n_slots:
-            raise ValueError(f"policy has {policy.n_slots} slots, the pool {n_slots}")
-        # the elastic slots: the pool's last `tail` slots, lent to prompt ubatches' arrays (lend_tail)
-        self.tail = 0
-        self._arena = None
-        self._tail_lent = False
-        self._tail_noted = False
-        self.tail_lends = self.tail_reclaims = 0
-        if tail and self.pool is not None and offload_min_batch is not None:
-            if not 0 < tail < n_slots:
-                raise ValueError(f"tail must be in [1, {n_slots - 1}] (the pool has {n_slots} slots), got {tail}")
-            self.tail = tail
-            lo = n_slots - tail
-            self._arena = backend.tail_arena((self.pool.gate[lo:], self.pool.up[lo:], self.pool.down[lo:]))
+            shapes = ((n_slots, *g), (n_slots, *u), (n_slots, *d))
+            arrays = None
+            if tail and offload_min_batch is not None:
+                try:
+                    arrays, self._elastic = backend.elastic_slot_arrays(shapes, tail)
+                    self.tail = tail
+                except Exception as e:  # noqa: BLE001 - a driver without virtual memory: plain slots
+                    self.log(f"note: the expert cache's {tail} elastic slots are plain slots "
+                             f"({type(e).__name__}: {e})")
+            if arrays is None:
+                arrays = tuple(backend.zeros_u8(sh) for sh in shapes)
+            self.pool = _Pool(*arrays, types, [None] * n_slots)
         n_expert = max(e.gate.shape[0] for e in layers.values()) if layers else 0
         n_layer = max(layers) + 1 if layers else 0
         self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
@@ -503,12 +514,14 @@ class CachedExperts:
         prompt = self.offload_min_batch is not None and n_tokens >= self.offload_min_batch
         if not prompt:
             self.drop_group_buffers()  # not a prompt pass: the kept group buffers go back
-        if self._arena is not None:
-            self._arena.stop()  # left started by a prompt pass an exception cut short
+        if self._elastic is not None:
             if prompt:
                 self.lend_tail()
             elif self._tail_lent:
-                self.reclaim_tail()
+                if self._reclaim_in:
+                    self._reclaim_in -= 1
+                else:
+                    self.reclaim_tail()
         if self.vram_limit is not None and self.offload_min_batch is not None and n_tokens >= self.offload_min_batch:
             # a prompt pass: CuPy's pool gives its free blocks back before it grows past the budget
             if self._guard is None:
@@ -546,46 +559,50 @@ class CachedExperts:
 
     def lend_tail(self) -> None:
         """Before a prompt pass: the elastic slots (the pool's last ``tail``) hold no expert while it
-        runs, and the backend's arena (``tail_arena``) hands their bytes to the pass's arrays (on
-        the GPU every CuPy allocation of this thread until :meth:`end_pass`). The experts in them
-        leave the map and the policy (which has ``n_slots - tail`` slots until
-        :meth:`reclaim_tail`); copies into them are waited for first. Lent already (a prompt pass
-        after a prompt pass): the arena serves this pass too (the last pass's free blocks go back to
-        it first)."""
-        if not self._tail_lent:
-            pool = self.pool
-            lo = len(pool.owner) - self.tail
-            for copy in self._retired + [p[0] for p in self._pending if p[3] >= lo]:
-                copy.wait()  # every byte a copy writes lands before the arrays take the slots
-            self.poll()
-            evicted = []
-            for slot in range(lo, len(pool.owner)):
-                own = pool.owner[slot]
-                if own is not None:
-                    self.slot_of[own] = -1
-                    evicted.append(own)
-                    pool.set_owner(slot, None)
-                pool.owner[slot] = LENT
-            self._map_dirty = True
-            self.policy.resize(lo, evicted)
-            self._tail_lent = True
-            self.tail_lends += 1
-        self._arena.start()
+        runs, and their memory goes back to the driver (the backend's ``elastic_slot_arrays``
+        handle), where CuPy's pool may hand it to the pass's arrays. The experts in them leave the
+        map and the policy (which has ``n_slots - tail`` slots until :meth:`reclaim_tail`); copies
+        into them are waited for first. Lent already (a prompt pass after a prompt pass): nothing
+        to do."""
+        if self._tail_lent:
+            return
+        pool = self.pool
+        lo = len(pool.owner) - self.tail
+        for copy in self._retired + [p[0] for p in self._pending if p[3] >= lo]:
+            copy.wait()  # every byte a copy writes lands before the memory goes
+        self.poll()
+        evicted = []
+        for slot in range(lo, len(pool.owner)):
+            own = pool.owner[slot]
+            if own is not None:
+                self.slot_of[own] = -1
+                evicted.append(own)
+                pool.set_owner(slot, None)
+            pool.owner[slot] = LENT
+        self._map_dirty = True  # uploaded at this pass's start: no later kernel looks there
+        self.policy.resize(lo, evicted)
+        self._elastic.lend()  # after the GPU's queued work, which may still read those slots
+        self._tail_lent = True
+        self.tail_lends += 1
 
     def reclaim_tail(self) -> bool:
-        """Before a decode pass after a prompt: take the elastic slots back (empty; the first decode
-        pass's :meth:`fill_after_prompt` fills them) once no array is left in them, and give CuPy's
-        cached blocks back to the driver (decode holds the slots' bytes again). Returns False, said
-        once, while an array is still alive there (the slots stay lent: a later decode pass tries
-        again)."""
-        self.be.drop_input_caches()  # the prompt's last activation and its conversions live in the slots
-        self.drop_stacks()  # prompt_stacks' buffers were made in the slots by a prompt pass
-        if not self._arena.release():
+        """Before a decode pass after a prompt: the prompt's leftovers (the backend's kept input
+        conversions, prompt stack buffers) and CuPy's cached blocks go back to the driver, then the
+        elastic slots' memory is mapped again, when that keeps the GPU's memory in use within
+        ``vram_limit``; they come back empty (this pass's :meth:`fill_after_prompt` fills them).
+        Returns False, said once, when it would not fit (the slots stay lent: the decode pass
+        :data:`RECLAIM_RETRY_PASSES` passes later tries again; each try gives CuPy's cached blocks
+        back, which op-by-op passes would then allocate anew)."""
+        self.be.drop_input_caches()
+        self.drop_stacks()
+        self.be.release_cached()
+        if not self._elastic.take_back(self.vram_limit):
             if not self._tail_noted:
                 self._tail_noted = True
-                self.log(f"note: the expert cache's {self.tail} elastic slots stay lent: "
-                         f"{self._arena.held_bytes() / 2**20:.0f} MiB of a prompt's arrays are still in them")
-            self.be.release_cached()
+                self.log(f"note: the expert cache's {self.tail} elastic slots stay lent: their "
+                         f"{self._elastic.bytes / 2**20:.0f} MiB would not fit "
+                         f"{'under --vram-budget' if self.vram_limit is not None else 'on the GPU'} now")
+            self._reclaim_in = RECLAIM_RETRY_PASSES
             return False
         lo = len(self.pool.owner) - self.tail
         for slot in range(lo, len(self.pool.owner)):
@@ -593,7 +610,6 @@ class CachedExperts:
         self.policy.resize(len(self.pool.owner))
         self._tail_lent = False
         self.tail_reclaims += 1
-        self.be.release_cached()
         return True
 
     def fix_split(self, share: int | None) -> None:
@@ -656,8 +672,6 @@ class CachedExperts:
         the hybrid path times its MoE stretch, first to last cached layer)."""
         if self._guard is not None:
             self._guard.stop()
-        if self._arena is not None:
-            self._arena.stop()
         t = self._expect
         if not self.zero_copy or not t:
             return
@@ -681,12 +695,10 @@ class CachedExperts:
 
     def abort_pass(self) -> None:
         """Instead of :meth:`end_pass` when an exception (Ctrl-C included) cut a pass short: the
-        budget guard and the arena stop (this thread's allocations leave the elastic slots), and
-        the pass's routing log is not accounted (the device may not have written it)."""
+        budget guard stops, and the pass's routing log is not accounted (the device may not have
+        written it)."""
         if self._guard is not None:
             self._guard.stop()
-        if self._arena is not None:
-            self._arena.stop()
         self._expect = 0
         self._pass_start = None
 
@@ -1203,8 +1215,6 @@ class CachedExperts:
         wrong after a test that had held the copy stream up)."""
         if self._guard is not None:
             self._guard.stop()
-        if self._arena is not None:
-            self._arena.stop()
         try:
             for copy in self._retired + [p[0] for p in self._pending]:  # retired first: each precedes
                 copy.wait()  # any pending copy into its slot
@@ -1212,6 +1222,4 @@ class CachedExperts:
             self._pending, self._retired = [], []
             self.drop_group_buffers()
             self.drop_stacks()
-            if self._arena is not None:
-                self._arena.release()  # its pool's blocks go back (fallbacks to CuPy's default pool)
             self._workers.shutdown(wait=True)
