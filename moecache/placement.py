@@ -67,11 +67,11 @@ class PlacementOptions:
         vram_budget: ``--vram-budget`` in bytes per GPU (0 = none): the program uses at most this
             much of each GPU (emulates a smaller card; the KV cache and every buffer count).
         elastic_slots: an expert cache that fills the free VRAM also takes the part of the reserve
-            that only prompt ubatches use, as elastic slots lent to each prompt pass's arrays
-            (:class:`moecache.moe.cache.CachedExperts`' ``tail``; one GPU's cache only;
-            ``--elastic-slots``). Opt-in: a 12620-token prompt at -ub 2048 peaked 75-93 MiB over
-            an 8 GiB ``--vram-budget`` with it (H200, twenty-second session,
-            bench/results/vs-llamacpp-h200.md).
+            that only prompt ubatches use, as elastic slots whose memory goes back to the driver for
+            each prompt pass (:class:`moecache.moe.cache.CachedExperts`' ``tail``; one GPU's cache
+            only; ``--elastic-slots``). Opt-in: not yet run on a GPU in that form; the form before
+            it took a 12620-token prompt at -ub 2048 75-93 MiB over an 8 GiB ``--vram-budget``
+            (H200, bench/results/vs-llamacpp-h200.md).
     """
 
     n_gpu_layers: int = -1

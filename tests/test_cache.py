@@ -1314,6 +1314,45 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         assert cache._bufs is None and not cache._tail_lent
 
 
+def test_elastic_slots_left_out_where_the_backend_cannot_make_them(model_path, monkeypatch):
+    """A backend whose elastic_slot_arrays raises (a driver without virtual memory): the cache holds
+    the plain slots only (the elastic ones' memory is the prompts' reserve), says why once, and
+    prompts and decode still equal the CPU engine's."""
+    import moecache.engine as engine_mod
+    import moecache.placement as placement_mod
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+
+    class NoVmm(Twin):
+        def elastic_slot_arrays(self, shapes, tail):
+            raise RuntimeError("no virtual memory here")
+
+    with open_gguf(model_path) as m:
+        sz = model_sizes(m, 160)
+    need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
+    reserve = free - (int(free * USABLE_FRACTION) - RESERVE_BYTES - sz.largest_matrix_f32)
+    want = sum(sz.experts) // sz.expert_each // 6
+    monkeypatch.setattr(placement_mod, "DECODE_KEEP_BYTES", reserve - want * sz.expert_each)
+    monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
+    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: NoVmm()})
+    notes: list[str] = []
+    rng = np.random.default_rng(12)
+    with Engine(model_path, EngineConfig(n_ctx=160)) as ref, \
+            Engine(model_path, EngineConfig(n_ctx=160), log=notes.append,
+                   placement=PlacementOptions(elastic_slots=True)) as eng:
+        (g, planned), = eng.placement.cache_slots
+        assert eng.placement.elastic_slots == ((0, want),)
+        cache = eng.caches[0]
+        assert cache.tail == 0 and cache._elastic is None
+        n = len(cache.pool.owner)
+        assert n == cache.policy.n_slots == cache.pool.gate.shape[0] and n <= planned - want
+        assert sum("elastic slots are left out" in x and "no virtual memory here" in x for x in notes) == 1
+        for toks in (rng.integers(0, m.config.n_vocab, 40), *[[int(t)] for t in rng.integers(0, m.config.n_vocab, 8)]):
+            np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
+        assert cache.policy.n_resident <= n
+
+
 def test_elastic_slots_flag_road(model_path):
     """--elastic-slots: off unless given; run and bench pass it to the placement; serve's resolution
     turns it off (its prompt chunks between decode steps would empty and refill the slots)."""

@@ -1139,17 +1139,18 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
 
 
 @contextlib.contextmanager
-def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, **engine_kw):
-    """A tiny qwen3moe of 16 experts (top-4) written with ``seed``: a CPU engine, and a GPU engine whose
-    --vram-budget leaves its expert cache a third of the experts (taken after the first engine's
-    start), float32 activations."""
+def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, synth: dict | None = None, **engine_kw):
+    """A tiny qwen3moe of 16 experts (top-4) written with ``seed`` (``synth``: SynthConfig fields
+    changed): a CPU engine, and a GPU engine whose --vram-budget leaves its expert cache a third of
+    the experts (taken after the first engine's start), float32 activations."""
     from moecache.engine import Engine, EngineConfig
     from moecache.placement import PlacementOptions
     from moecache.testing.synth import PRESETS as P
     from moecache.testing.synth import SynthConfig, write_model
 
     path = tmp_path / "moe.gguf"
-    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=seed)
+    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4, **(synth or {})}),
+                seed=seed)
     with Engine(path, EngineConfig(n_ctx=128)) as ref, \
             Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 128)),
                    load_mode=load_mode, policy_config=policy_config, gpu_act_q8=False, **engine_kw) as eng:
@@ -1256,7 +1257,10 @@ def test_elastic_slots_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, monkeypatc
 
     monkeypatch.setattr(placement_mod, "_elastic_slots", sized)
     rng = np.random.default_rng(8)
-    with _cache_pair(tmp_path, 23, load_mode, PolicyConfig(**CHURN)) as (ref, eng):
+    # experts of 272 KiB (Q8_0, 1024 x 256): ten of them are more than the driver's 2 MiB granularity,
+    # so memory really goes and comes back (a tiny model's whole slot array is less than one unit)
+    big = dict(n_embd=256, expert_ff=1024, expert_type="Q8_0")
+    with _cache_pair(tmp_path, 23, load_mode, PolicyConfig(**CHURN), synth=big) as (ref, eng):
         cache = eng.caches[0]
         # a sixth of the experts, or every expert the plain slots left out (the budget is taken from
         # the memory free after the first engine's start, which earlier tests' pools may shrink)

@@ -78,6 +78,7 @@ class _Driver:
             "cuMemUnmap": [u64, size],
             "cuMemSetAccess": [u64, size, p(_AccessDesc), size],
             "cuGetErrorName": [ctypes.c_int, p(ctypes.c_char_p)],
+            "cuCtxSynchronize": [],
         }
         self.fn = {}
         for name, args in sig.items():
@@ -182,11 +183,14 @@ class ElasticBuffer:
         self.tail_mapped = False
 
     def close(self) -> None:
-        """Unmap everything and free the address range (idempotent)."""
+        """After the current context's queued work (a kernel may still read the buffer; unmapping
+        does not wait as ``cudaFree`` does), unmap everything and free the address range
+        (idempotent). The last array over the buffer going away calls it."""
         if getattr(self, "ptr", None) is None:
             return
         drv = self._drv
         try:
+            drv.call("cuCtxSynchronize")
             self.unmap_tail()
             if self._head_mapped and self.tail_offset:
                 drv.call("cuMemUnmap", self.ptr, self.tail_offset)

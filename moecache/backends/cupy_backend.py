@@ -183,47 +183,51 @@ class _ElasticTail:
 
     Attributes:
         bytes: the memory that comes and goes (all three arrays).
-        mapped: whether it is mapped now.
         lends, take_backs: how many times each happened.
     """
 
     def __init__(self, device: int, buffers: tuple[Any, ...]):
         self.device, self._buffers = device, buffers
         self.bytes = sum(b.tail_bytes for b in buffers)
-        self.mapped = True
         self.lends = self.take_backs = 0
+
+    @property
+    def mapped(self) -> bool:
+        """Whether every buffer's tail is mapped now."""
+        return all(b.tail_mapped for b in self._buffers)
 
     def lend(self) -> None:
         """After the GPU's queued work (a kernel may still read a slot there), the memory goes back
         to the driver: CuPy's pool may hand it to a prompt's arrays. Nothing may read or write the
         lent slots until :meth:`take_back` returns True."""
-        if not self.mapped:
+        if not any(b.tail_mapped for b in self._buffers):
             return
         with cp.cuda.Device(self.device):
             cp.cuda.Device(self.device).synchronize()
-        for b in self._buffers:
-            b.unmap_tail()
-        self.mapped = False
+            for b in self._buffers:
+                b.unmap_tail()
         self.lends += 1
 
     def take_back(self, limit: int | None) -> bool:
         """Map the memory again (the slots' bytes undefined: they hold no expert) when the GPU's
-        memory in use (``cudaMemGetInfo``, every process's) plus :attr:`bytes` stays within
-        ``limit`` bytes (None: when the driver has it); False, nothing mapped, otherwise."""
-        if self.mapped:
+        memory in use (``cudaMemGetInfo``, every process's) plus the bytes to map stays within
+        ``limit`` bytes (None: when the driver has them); False, nothing newly mapped, otherwise.
+        Raises :class:`~moecache.backends.cuda_vmm.VmmError` for a driver error other than out of
+        memory."""
+        todo = [b for b in self._buffers if not b.tail_mapped]
+        if not todo:
             return True
         with cp.cuda.Device(self.device):
             free, total = cp.cuda.runtime.memGetInfo()
-            if limit is not None and total - free + self.bytes > limit:
+            if limit is not None and total - free + sum(b.tail_bytes for b in todo) > limit:
                 return False
             done = []
-            for b in self._buffers:
+            for b in todo:
                 if not b.map_tail():
                     for d in done:
                         d.unmap_tail()
                     return False
                 done.append(b)
-        self.mapped = True
         self.take_backs += 1
         return True
 

@@ -98,9 +98,11 @@ MissSplitOpt = Annotated[bool, typer.Option("--miss-split", help="Expert cache w
                                             "the share refit per layer from the measured wait (opt-in; "
                                             "measured slower on the H200).")]
 ElasticOpt = Annotated[bool, typer.Option("--elastic-slots", help="Expert cache filling the free VRAM: the part of "
-                                          "the reserve that only prompts use becomes elastic slots, experts while "
-                                          "decoding, lent to each prompt ubatch's arrays (opt-in: a 12620-token "
-                                          "prompt at -ub 2048 went ~90 MiB past an 8 GiB --vram-budget).")]
+                                          "the reserve that only prompts use (all of it but 384 MiB) becomes "
+                                          "elastic slots, experts while decoding; their memory goes back to the "
+                                          "driver for each prompt and is mapped again for decode within "
+                                          "--vram-budget (opt-in: this form has not run on a GPU yet; the form "
+                                          "before it went 75-93 MiB past an 8 GiB budget on a 12620-token prompt).")]
 
 
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", "--gpu-layers", min=-1, max=INT32_MAX, help="Layers on the GPU, counted from the "

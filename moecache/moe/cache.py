@@ -116,7 +116,7 @@ STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 ROOM_FLOOR_BYTES = 2 * ATTENTION_SCORE_BYTES + (128 << 20)
 
 
-RECLAIM_RETRY_PASSES = 8  # decode passes between tries to take the elastic slots back (CachedExperts.reclaim_tail)
+RECLAIM_RETRY_PASSES = 8  # decode passes without a try after the elastic slots could not be taken back
 LENT = ("lent",)  # the owner of an elastic slot lent to a prompt's arrays (CachedExperts.lend_tail)
 
 
@@ -324,9 +324,13 @@ class CachedExperts:
                 try:
                     arrays, self._elastic = backend.elastic_slot_arrays(shapes, tail)
                     self.tail = tail
-                except Exception as e:  # noqa: BLE001 - a driver without virtual memory: plain slots
-                    self.log(f"note: the expert cache's {tail} elastic slots are plain slots "
-                             f"({type(e).__name__}: {e})")
+                except Exception as e:  # noqa: BLE001 - e.g. a driver without virtual memory
+                    # the elastic slots' memory is the prompts' reserve: without them, no slots there
+                    n_slots -= tail
+                    shapes = tuple((n_slots, *sh[1:]) for sh in shapes)
+                    policy.resize(n_slots)
+                    self.log(f"note: the expert cache's {tail} elastic slots are left out: the slot memory "
+                             f"cannot be given back to prompts here ({type(e).__name__}: {e})")
             if arrays is None:
                 arrays = tuple(backend.zeros_u8(sh) for sh in shapes)
             self.pool = _Pool(*arrays, types, [None] * n_slots)
@@ -574,34 +578,39 @@ class CachedExperts:
         evicted = []
         for slot in range(lo, len(pool.owner)):
             own = pool.owner[slot]
-            if own is not None:
+            if own is not None and own is not LENT:
                 self.slot_of[own] = -1
                 evicted.append(own)
                 pool.set_owner(slot, None)
             pool.owner[slot] = LENT
         self._map_dirty = True  # uploaded at this pass's start: no later kernel looks there
         self.policy.resize(lo, evicted)
+        self._tail_lent = True  # first: a lend cut short leaves the slots lent, and the take-back maps
+        self.tail_lends += 1  # whatever went
         self._elastic.lend()  # after the GPU's queued work, which may still read those slots
-        self._tail_lent = True
-        self.tail_lends += 1
 
     def reclaim_tail(self) -> bool:
         """Before a decode pass after a prompt: the prompt's leftovers (the backend's kept input
         conversions, prompt stack buffers) and CuPy's cached blocks go back to the driver, then the
         elastic slots' memory is mapped again, when that keeps the GPU's memory in use within
-        ``vram_limit``; they come back empty (this pass's :meth:`fill_after_prompt` fills them).
-        Returns False, said once, when it would not fit (the slots stay lent: the decode pass
-        :data:`RECLAIM_RETRY_PASSES` passes later tries again; each try gives CuPy's cached blocks
-        back, which op-by-op passes would then allocate anew)."""
+        ``vram_limit`` (without one: the share of the GPU the placement plans with, :meth:`_limit`);
+        they come back empty (this pass's :meth:`fill_after_prompt` fills them). Returns False,
+        said once, when it would not fit or the driver refuses (the slots stay lent: after
+        :data:`RECLAIM_RETRY_PASSES` decode passes without a try, the next one tries again; each try
+        gives CuPy's cached blocks back, which op-by-op passes would then allocate anew)."""
         self.be.drop_input_caches()
         self.drop_stacks()
         self.be.release_cached()
-        if not self._elastic.take_back(self.vram_limit):
+        try:
+            back, why = self._elastic.take_back(self._limit()), "would not fit"
+        except Exception as e:  # noqa: BLE001 - a driver error: decode goes on without them
+            back, why = False, f"could not be mapped ({type(e).__name__}: {e})"
+        if not back:
             if not self._tail_noted:
                 self._tail_noted = True
                 self.log(f"note: the expert cache's {self.tail} elastic slots stay lent: their "
-                         f"{self._elastic.bytes / 2**20:.0f} MiB would not fit "
-                         f"{'under --vram-budget' if self.vram_limit is not None else 'on the GPU'} now")
+                         f"{self._elastic.bytes / 2**20:.0f} MiB {why} "
+                         f"({'--vram-budget' if self.vram_limit is not None else 'the usable share of the GPU'})")
             self._reclaim_in = RECLAIM_RETRY_PASSES
             return False
         lo = len(self.pool.owner) - self.tail
