@@ -55,6 +55,7 @@ class FakeDriver:
         self.access: set[int] = set()
         self.log: list[str] = []
         self.fail: dict[str, int] = {}
+        self.ctx: list[int | None] = [77]  # the thread's context stack (77: the one CuPy made)
         self._next_va, self._next_h = 1 << 40, 1
 
     def used(self) -> int:
@@ -109,7 +110,13 @@ class FakeDriver:
             assert not any(a[0] <= p < a[0] + a[1] for p in self.maps)  # unmapped first
             assert self.reserved.pop(a[0]) == a[1]
         elif name == "cuCtxSynchronize":
-            pass
+            assert self.ctx[-1] is not None
+        elif name == "cuCtxGetCurrent":
+            a[0]._obj.value = self.ctx[-1]
+        elif name == "cuCtxPushCurrent":
+            self.ctx.append(a[0])
+        elif name == "cuCtxPopCurrent":
+            a[0]._obj.value = self.ctx.pop()
         else:
             raise AssertionError(name)
 
@@ -135,7 +142,7 @@ def test_elastic_buffer_gives_its_tail_back_and_maps_it_again(fake):
     assert (b.reserved, b.tail_offset, b.tail_bytes) == (10 * MiB, 4 * MiB, 6 * MiB)
     assert drv.used() == 10 * MiB and b.tail_mapped and drv.access == set(drv.maps)
     # created, mapped, the handle released, access granted: for the head, then the tail
-    assert drv.log[2:] == ["cuMemCreate", "cuMemMap", "cuMemRelease", "cuMemSetAccess"] * 2
+    assert drv.log[3:] == ["cuMemCreate", "cuMemMap", "cuMemRelease", "cuMemSetAccess"] * 2
     b.unmap_tail()
     assert drv.used() == 4 * MiB and not b.tail_mapped and list(drv.maps) == [b.ptr]
     b.unmap_tail()  # again: nothing to do
@@ -146,9 +153,13 @@ def test_elastic_buffer_gives_its_tail_back_and_maps_it_again(fake):
     assert not b.map_tail() and not b.tail_mapped and drv.used() == 4 * MiB and len(drv.maps) == 1
     drv.capacity = 64 * MiB
     assert b.map_tail()
+    drv.ctx.append(None)  # the last array goes away in a thread without a context: closed in its own
+    drv.log.clear()
     b.close()
     b.close()  # idempotent
-    assert drv.used() == 0 and not drv.maps and not drv.reserved and drv.log[-1] == "cuMemAddressFree"
+    assert drv.used() == 0 and not drv.maps and not drv.reserved and drv.ctx == [77, None]
+    assert drv.log == ["cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxSynchronize", "cuMemUnmap", "cuMemUnmap",
+                       "cuMemAddressFree", "cuCtxPopCurrent"]
 
 
 def test_elastic_buffer_leaves_nothing_behind_when_it_cannot_be_made(fake):

@@ -79,6 +79,9 @@ class _Driver:
             "cuMemSetAccess": [u64, size, p(_AccessDesc), size],
             "cuGetErrorName": [ctypes.c_int, p(ctypes.c_char_p)],
             "cuCtxSynchronize": [],
+            "cuCtxGetCurrent": [p(ctypes.c_void_p)],
+            "cuCtxPushCurrent": [ctypes.c_void_p],
+            "cuCtxPopCurrent": [p(ctypes.c_void_p)],
         }
         self.fn = {}
         for name, args in sig.items():
@@ -118,6 +121,9 @@ class ElasticBuffer:
             ElasticBuffer._drv = _Driver()
         drv = self._drv
         self.device = device
+        ctx = ctypes.c_void_p()
+        drv.call("cuCtxGetCurrent", ctypes.byref(ctx))
+        self._ctx = ctx.value  # the context it is made in: closed in it too, from whatever thread
         self._prop = _AllocProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, requestedHandleTypes=CU_MEM_HANDLE_TYPE_NONE,
                                 location=_Location(CU_MEM_LOCATION_TYPE_DEVICE, device))
         gran = ctypes.c_size_t()
@@ -183,12 +189,18 @@ class ElasticBuffer:
         self.tail_mapped = False
 
     def close(self) -> None:
-        """After the current context's queued work (a kernel may still read the buffer; unmapping
-        does not wait as ``cudaFree`` does), unmap everything and free the address range
-        (idempotent). The last array over the buffer going away calls it."""
+        """In the context it was made in (made current for the call when another is, e.g. the last
+        array went away in a thread of its own), after that context's queued work (a kernel may
+        still read the buffer; unmapping does not wait as ``cudaFree`` does): unmap everything and
+        free the address range (idempotent). The last array over the buffer going away calls it."""
         if getattr(self, "ptr", None) is None:
             return
         drv = self._drv
+        cur = ctypes.c_void_p()
+        drv.call("cuCtxGetCurrent", ctypes.byref(cur))
+        pushed = self._ctx is not None and cur.value != self._ctx
+        if pushed:
+            drv.call("cuCtxPushCurrent", self._ctx)
         try:
             drv.call("cuCtxSynchronize")
             self.unmap_tail()
@@ -197,6 +209,8 @@ class ElasticBuffer:
             drv.call("cuMemAddressFree", self.ptr, self.reserved)
         finally:
             self.ptr = None
+            if pushed:
+                drv.call("cuCtxPopCurrent", ctypes.byref(ctypes.c_void_p()))
 
     def __del__(self) -> None:
         try:
