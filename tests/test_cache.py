@@ -1204,6 +1204,27 @@ def test_plan_sizes_the_elastic_slots_from_the_reserve():
     assert big.cache_slots[0][1] <= every and (not big.elastic_slots or big.cache_slots[0][1] == every)
 
 
+def _twin_gpu_with_elastic_slots(model_path, monkeypatch, gpu_backend) -> tuple[int, int]:
+    """A twin GPU (``gpu_backend``) whose free memory leaves the expert cache a third of the model's
+    experts, and a decode keep that leaves a sixth of them as elastic slots: ``(free bytes, elastic
+    slots)`` for engines at ``-c 160``."""
+    import moecache.engine as engine_mod
+    import moecache.placement as placement_mod
+    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, model_sizes
+
+    with open_gguf(model_path) as m:
+        sz = model_sizes(m, 160)
+    need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
+    free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
+    reserve = free - (int(free * USABLE_FRACTION) - RESERVE_BYTES - sz.largest_matrix_f32)
+    want = sum(sz.experts) // sz.expert_each // 6
+    monkeypatch.setattr(placement_mod, "DECODE_KEEP_BYTES", reserve - want * sz.expert_each)
+    monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
+    monkeypatch.setattr(engine_mod, "make_backends",
+                        lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: gpu_backend})
+    return free, want
+
+
 def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatch):
     """Engine with elastic slots on a twin GPU: a prompt pass empties the last slots (their experts
     leave the map and the policy) and gives their memory back (the twin overwrites them with 0xFF
@@ -1212,22 +1233,13 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
     them. Logits equal the CPU engine's through prompt, decode, prompt, decode; while the memory
     would not fit (``refuse``) decode keeps them lent (one note), stays right, and fills them once
     they are taken back later."""
-    import moecache.engine as engine_mod
-    import moecache.placement as placement_mod
     from moecache.engine import Engine, EngineConfig
     from moecache.moe.cache import LENT, RECLAIM_RETRY_PASSES
-    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+    from moecache.placement import PlacementOptions
 
+    free, want = _twin_gpu_with_elastic_slots(model_path, monkeypatch, Twin())
     with open_gguf(model_path) as m:
-        sz = model_sizes(m, 160)
-    every = sum(sz.experts) // sz.expert_each
-    need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
-    free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
-    reserve = free - (int(free * USABLE_FRACTION) - RESERVE_BYTES - sz.largest_matrix_f32)
-    want = every // 6
-    monkeypatch.setattr(placement_mod, "DECODE_KEEP_BYTES", reserve - want * sz.expert_each)
-    monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
-    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: Twin()})
+        n_vocab = m.config.n_vocab
     notes: list[str] = []
     rng = np.random.default_rng(11)
     with Engine(model_path, EngineConfig(n_ctx=160)) as ref, \
@@ -1258,36 +1270,36 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
             np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
 
         for round_ in range(2):
-            step(rng.integers(0, m.config.n_vocab, 40))
+            step(rng.integers(0, n_vocab, 40))
             lent()
             assert cache.tail_lends == round_ + 1 and el.lends == round_ + 1
             drops, fills = cache.be.input_drops, cache.prompt_fills
             order.clear()
-            step([int(rng.integers(0, m.config.n_vocab))])
+            step([int(rng.integers(0, n_vocab))])
             # the prompt's kept inputs and CuPy's cached blocks go before the memory is asked for
             # under the budget; the slots are filled in the same pass
             assert cache.be.input_drops == drops + 1 and order[:2] == ["release", "take"]
             assert el.limits[-1] == cache.vram_limit == free and cache.prompt_fills > fills
             taken_back()
             for _ in range(11):
-                step([int(rng.integers(0, m.config.n_vocab))])
+                step([int(rng.integers(0, n_vocab))])
             taken_back()
             assert cache.tail_reclaims == el.take_backs == round_ + 1
         # no room to map them again: decode keeps them lent (said once), and stays right
-        step(rng.integers(0, m.config.n_vocab, 36))
+        step(rng.integers(0, n_vocab, 36))
         el.refuse = True
         tries = len(el.limits)
         for _ in range(4):
-            step([int(rng.integers(0, m.config.n_vocab))])
+            step([int(rng.integers(0, n_vocab))])
             lent()
         assert sum("elastic slots stay lent" in x for x in notes) == 1
         assert len(el.limits) == tries + 1  # one try, then RECLAIM_RETRY_PASSES passes without one
         el.refuse = False
         fills = cache.prompt_fills
         for _ in range(RECLAIM_RETRY_PASSES - 3):
-            step([int(rng.integers(0, m.config.n_vocab))])
+            step([int(rng.integers(0, n_vocab))])
             lent()
-        step([int(rng.integers(0, m.config.n_vocab))])
+        step([int(rng.integers(0, n_vocab))])
         taken_back()
         assert cache.prompt_fills > fills  # a late take-back fills the slots too
         assert cache.stats.hits > 0 and cache.stats.uploads > 0
@@ -1302,15 +1314,15 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         cache._prompt = cut
         eng.reset()
         with pytest.raises(KeyboardInterrupt):
-            eng.eval(rng.integers(0, m.config.n_vocab, 40))
+            eng.eval(rng.integers(0, n_vocab, 40))
         cache._prompt = orig
         assert cache._tail_lent and cache._expect == 0 and cache._guard is not None and not cache._guard.on
         # prompt_stacks' buffers go before the take-back (their memory counts under the budget)
         cache.prompt_stacks = True
         eng.reset()
-        eng.eval(rng.integers(0, m.config.n_vocab, 40))
+        eng.eval(rng.integers(0, n_vocab, 40))
         assert cache._bufs is not None
-        eng.eval([int(rng.integers(0, m.config.n_vocab))])
+        eng.eval([int(rng.integers(0, n_vocab))])
         assert cache._bufs is None and not cache._tail_lent
 
 
@@ -1318,24 +1330,16 @@ def test_elastic_slots_left_out_where_the_backend_cannot_make_them(model_path, m
     """A backend whose elastic_slot_arrays raises (a driver without virtual memory): the cache holds
     the plain slots only (the elastic ones' memory is the prompts' reserve), says why once, and
     prompts and decode still equal the CPU engine's."""
-    import moecache.engine as engine_mod
-    import moecache.placement as placement_mod
     from moecache.engine import Engine, EngineConfig
-    from moecache.placement import RESERVE_BYTES, USABLE_FRACTION, PlacementOptions, model_sizes
+    from moecache.placement import PlacementOptions
 
     class NoVmm(Twin):
         def elastic_slot_arrays(self, shapes, tail):
             raise RuntimeError("no virtual memory here")
 
+    _, want = _twin_gpu_with_elastic_slots(model_path, monkeypatch, NoVmm())
     with open_gguf(model_path) as m:
-        sz = model_sizes(m, 160)
-    need_dense = sum(sz.dense) + sz.n_layer * sz.kv + sz.output
-    free = int((RESERVE_BYTES + sz.largest_matrix_f32 + need_dense + sum(sz.experts) // 3) / USABLE_FRACTION)
-    reserve = free - (int(free * USABLE_FRACTION) - RESERVE_BYTES - sz.largest_matrix_f32)
-    want = sum(sz.experts) // sz.expert_each // 6
-    monkeypatch.setattr(placement_mod, "DECODE_KEEP_BYTES", reserve - want * sz.expert_each)
-    monkeypatch.setattr(engine_mod, "gpu_memory", lambda: ([free], [0], ""))
-    monkeypatch.setattr(engine_mod, "make_backends", lambda devices, log, act_q8=True, prompt_q8=False: {-1: NumpyBackend(), 0: NoVmm()})
+        n_vocab = m.config.n_vocab
     notes: list[str] = []
     rng = np.random.default_rng(12)
     with Engine(model_path, EngineConfig(n_ctx=160)) as ref, \
@@ -1348,7 +1352,7 @@ def test_elastic_slots_left_out_where_the_backend_cannot_make_them(model_path, m
         n = len(cache.pool.owner)
         assert n == cache.policy.n_slots == cache.pool.gate.shape[0] and n <= planned - want
         assert sum("elastic slots are left out" in x and "no virtual memory here" in x for x in notes) == 1
-        for toks in (rng.integers(0, m.config.n_vocab, 40), *[[int(t)] for t in rng.integers(0, m.config.n_vocab, 8)]):
+        for toks in (rng.integers(0, n_vocab, 40), *[[int(t)] for t in rng.integers(0, n_vocab, 8)]):
             np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
         assert cache.policy.n_resident <= n
 

@@ -311,9 +311,7 @@ class DecodeGraph:
         with cap.stream:
             # order after everything queued on the default stream (eager passes: KV writes, map uploads)
             cap.stream.wait_event(cp.cuda.Stream.null.record())
-            for hk in model.pass_hooks:
-                hk.begin_pass(n)
-            try:
+            with model.hooked_pass(n):
                 if cap.routes is not None:
                     cap.routes.draw(cap.stream)
                 if cap.base is None:
@@ -338,12 +336,6 @@ class DecodeGraph:
                 out = cap.out.get(stream=cap.stream)
                 if cap.handoff is not None:
                     cap.handoff.check()
-            except BaseException:
-                for hk in model.pass_hooks:
-                    hk.abort_pass()
-                raise
-            for hk in model.pass_hooks:
-                hk.end_pass()
         return out
 
     def _capture_seqs(self, model: Any, tokens: np.ndarray, kvs: list[Any], shared: tuple) -> _Captured | None:

@@ -13,8 +13,9 @@ build_ffn, build_moe_ffn, build_attn``) and the papers named at each method.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -271,9 +272,7 @@ class DecoderLM:
             if out is not None:
                 kv.advance(1)
                 return out
-        for hk in self.pass_hooks:
-            hk.begin_pass(tokens.size)
-        try:
+        with self.hooked_pass(tokens.size):
             x = self.body(tokens, pos, kv, {})
             kv.advance(tokens.size)
             if isinstance(logits, str):
@@ -286,17 +285,23 @@ class DecoderLM:
             for hk in self.pass_hooks:
                 hk.launched()
             out = self.be.to_host(y) if y is not None else np.empty((0, c.n_vocab), np.float32)
+        return out
+
+    @contextlib.contextmanager
+    def hooked_pass(self, n_tokens: int) -> Iterator[None]:
+        """One forward pass of ``n_tokens`` as the pass hooks are told of it: ``begin_pass`` on
+        entry, ``end_pass`` on a normal exit, ``abort_pass`` instead when an exception (Ctrl-C
+        included) leaves it; the body calls ``launched`` itself, once the pass is queued."""
+        for hk in self.pass_hooks:
+            hk.begin_pass(n_tokens)
+        try:
+            yield
         except BaseException:
-            self._abort_pass()
+            for hk in self.pass_hooks:
+                hk.abort_pass()
             raise
         for hk in self.pass_hooks:
             hk.end_pass()
-        return out
-
-    def _abort_pass(self) -> None:
-        """Tell the pass hooks that the pass they were told of will not end (``abort_pass``)."""
-        for hk in self.pass_hooks:
-            hk.abort_pass()
 
     def forward_seqs(self, tokens: np.ndarray, kvs: list[KVCache]) -> np.ndarray:
         """One decode step of several sequences in one pass: token ``i`` is appended to ``kvs[i]``
@@ -332,9 +337,7 @@ class DecoderLM:
                     k.advance(1)
                 return out
         pos = np.array([k.n_past for k in kvs], np.int64)
-        for hk in self.pass_hooks:
-            hk.begin_pass(tokens.size)
-        try:
+        with self.hooked_pass(tokens.size):
             x = self.body(tokens, pos, None, {}, seqs=tuple((i, i + 1, k) for i, k in enumerate(kvs)),
                           shared=shared_cache(kvs))
             for k in kvs:
@@ -343,11 +346,6 @@ class DecoderLM:
             for hk in self.pass_hooks:
                 hk.launched()
             out = self.be.to_host(y)
-        except BaseException:
-            self._abort_pass()
-            raise
-        for hk in self.pass_hooks:
-            hk.end_pass()
         return out
 
     def body(self, tokens: Any, pos: np.ndarray, kv: KVCache | None, pos_inputs: dict[int, Any],
