@@ -36,7 +36,9 @@ USABLE_FRACTION = 0.95  # of each GPU's free memory
 # the part of a GPU's reserve (the margin above, RESERVE_BYTES, the prompt scratch) that decoding keeps
 # when the expert cache takes the rest as elastic slots (PlacementOptions.elastic_slots): twice the memory
 # an 8 GiB decode held beyond the plan (H200, Qwen3-30B-A3B-shaped: peak 6745 MiB with the 526 MiB CUDA
-# context and 6033 MiB planned, run h200-s21a: 186 MiB of kernel modules, cuBLAS and CUDA graphs)
+# context and 6033 MiB planned, run h200-s21a: 186 MiB of kernel modules, cuBLAS and CUDA graphs). At
+# -c 12948 -ub 2048 decode held ~370 MiB beside the plan (run h200-s24a): the slots that do not fit
+# then stay lent (the expert cache's take-back measures, moecache.moe.cache.TAKE_BACK_MARGIN_BYTES)
 DECODE_KEEP_BYTES = 384 << 20
 # a CUDA context's device memory, as a process finds it in use before loading anything (526 MiB on the
 # H200 with CuPy, bench/results/vram-peak-h200.txt): the what-if of `profile` assumes it, a run measures it
@@ -69,9 +71,9 @@ class PlacementOptions:
         elastic_slots: an expert cache that fills the free VRAM also takes the part of the reserve
             that only prompt ubatches use, as elastic slots whose memory goes back to the driver for
             each prompt pass (:class:`moecache.moe.cache.CachedExperts`' ``tail``; one GPU's cache
-            only; ``--elastic-slots``). Opt-in: not yet run on a GPU in that form; the form before
-            it took a 12620-token prompt at -ub 2048 75-93 MiB over an 8 GiB ``--vram-budget``
-            (H200, bench/results/vs-llamacpp-h200.md).
+            only; ``--elastic-slots``). Opt-in: within an 8 GiB ``--vram-budget`` in every case
+            measured (H200, runs h200-s24b/c, bench/results/vs-llamacpp-h200.md), where decode
+            takes back only the slots that fit (at -c 12948 -ub 2048, 432-448 of 501).
     """
 
     n_gpu_layers: int = -1

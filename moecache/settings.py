@@ -106,9 +106,9 @@ class Settings:
         miss_split: ``--miss-split``: the expert cache's decode graphs hand a share of each layer's
             misses to the CPU (``Engine(miss_split=True)``; opt-in: measured slower on the H200, bench/results/miss-split-h200.md).
         elastic_slots: ``--elastic-slots``: the expert cache takes the part of the reserve that only
-            prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: not yet
-            run on a GPU in its CUDA-virtual-memory form; the form before it took a 12620-token prompt
-            at -ub 2048 75-93 MiB over an 8 GiB budget, H200). Off for ``serve`` (no such flag there;
+            prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: measured
+            within an 8 GiB budget and +10-19% tg128 on the H200, run h200-s24b/c, but not yet run
+            through the whole GPU suite as the default). Off for ``serve`` (no such flag there;
             its prompt chunks between decode steps would empty and refill them each time).
     """
 

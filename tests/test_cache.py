@@ -1226,15 +1226,17 @@ def _twin_gpu_with_elastic_slots(model_path, monkeypatch, gpu_backend) -> tuple[
 
 
 def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatch):
-    """Engine with elastic slots on a twin GPU: a prompt pass empties the last slots (their experts
-    leave the map and the policy) and gives their memory back (the twin overwrites them with 0xFF
-    bytes, as memory mapped anew would hold anything); the next decode pass lets the prompt's
-    leftovers and CuPy's cached blocks go first, then takes them back under the budget and fills
-    them. Logits equal the CPU engine's through prompt, decode, prompt, decode; while the memory
-    would not fit (``refuse``) decode keeps them lent (one note), stays right, and fills them once
-    they are taken back later."""
+    """Engine with elastic slots on a twin GPU: the slots start lent; a prompt pass empties the last
+    slots (their experts leave the map and the policy) and gives their memory back (the twin
+    overwrites them with 0xFF bytes, as memory mapped anew would hold anything); the second decode
+    pass after it lets the prompt's leftovers and CuPy's cached blocks go first, then takes back as
+    many as fit under the budget less TAKE_BACK_MARGIN_BYTES, and fills them. Logits equal the CPU
+    engine's through prompt, decode, prompt, decode; while no memory or only part of it would fit
+    (``room``) decode keeps the rest lent (one note), stays right, and takes and fills the rest
+    once they fit."""
     from moecache.engine import Engine, EngineConfig
-    from moecache.moe.cache import LENT, RECLAIM_RETRY_PASSES
+    from moecache.moe.cache import LENT, RECLAIM_RETRY_PASSES, TAKE_BACK_DELAY_PASSES, TAKE_BACK_MARGIN_BYTES
+
     from moecache.placement import PlacementOptions
 
     free, want = _twin_gpu_with_elastic_slots(model_path, monkeypatch, Twin())
@@ -1250,17 +1252,17 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         el = cache._elastic
         n = len(cache.pool.owner)
         lo = n - cache.tail
-        assert cache.tail == want and cache.policy.n_slots == n and el.mapped
-        assert el.bytes == sum(a[lo:].nbytes for a in (cache.pool.gate, cache.pool.up, cache.pool.down))
+        assert cache.tail == want and el.bytes == sum(a[lo:].nbytes for a in (cache.pool.gate, cache.pool.up,
+                                                                               cache.pool.down))
         order: list[str] = []  # the reclaim lets CuPy's cached blocks go before it asks for the memory
         release, take = cache.be.release_cached, el.take_back
         monkeypatch.setattr(cache.be, "release_cached", lambda: (order.append("release"), release())[1])
         monkeypatch.setattr(el, "take_back", lambda limit: (order.append("take"), take(limit))[1])
 
-        def lent() -> None:
-            assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo:]) and not el.mapped
-            assert not (cache.slot_of >= lo).any() and cache.policy.n_slots == lo
-            assert cache.policy.n_resident <= lo and np.all(cache.pool.gate[lo:] == 0xFF)
+        def lent(live: int = 0) -> None:
+            assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo + live:]) and el.live == live
+            assert not (cache.slot_of >= lo + live).any() and cache.policy.n_slots == lo + live
+            assert cache.policy.n_resident <= lo + live and np.all(cache.pool.gate[lo + live:] == 0xFF)
 
         def taken_back() -> None:
             assert not cache._tail_lent and cache.policy.n_slots == n and el.mapped
@@ -1269,39 +1271,60 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         def step(toks) -> None:
             np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
 
+        lent()  # from the start, until decode has run (the engine's warm-up pass is the first)
+        assert cache.tail_lends == el.lends == 1 and cache._reclaim_in == TAKE_BACK_DELAY_PASSES - 1
+        for _ in range(TAKE_BACK_DELAY_PASSES - 1):
+            step([int(rng.integers(0, n_vocab))])
+            lent()
+        step([int(rng.integers(0, n_vocab))])
+        taken_back()
         for round_ in range(2):
             step(rng.integers(0, n_vocab, 40))
             lent()
-            assert cache.tail_lends == round_ + 1 and el.lends == round_ + 1
+            assert cache.tail_lends == round_ + 2 and el.lends == round_ + 2
             drops, fills = cache.be.input_drops, cache.prompt_fills
+            for _ in range(TAKE_BACK_DELAY_PASSES):  # decode's own memory first: the slots wait
+                step([int(rng.integers(0, n_vocab))])
+                lent()
+            assert cache.prompt_fills == fills  # the fill waits for them
             order.clear()
             step([int(rng.integers(0, n_vocab))])
             # the prompt's kept inputs and CuPy's cached blocks go before the memory is asked for
-            # under the budget; the slots are filled in the same pass
-            assert cache.be.input_drops == drops + 1 and order[:2] == ["release", "take"]
-            assert el.limits[-1] == cache.vram_limit == free and cache.prompt_fills > fills
+            # under the budget less the margin; the slots are filled in the same pass
+            assert cache.be.input_drops > drops and order[:2] == ["release", "take"]
+            assert el.limits[-1] == cache.vram_limit - TAKE_BACK_MARGIN_BYTES == free - TAKE_BACK_MARGIN_BYTES
+            assert cache.prompt_fills > fills
             taken_back()
-            for _ in range(11):
+            for _ in range(5):
                 step([int(rng.integers(0, n_vocab))])
             taken_back()
-            assert cache.tail_reclaims == el.take_backs == round_ + 1
+            assert cache.tail_reclaims == el.take_backs == round_ + 2
         # no room to map them again: decode keeps them lent (said once), and stays right
         step(rng.integers(0, n_vocab, 36))
-        el.refuse = True
+        el.room = 0
         tries = len(el.limits)
-        for _ in range(4):
+        for _ in range(TAKE_BACK_DELAY_PASSES + 4):
             step([int(rng.integers(0, n_vocab))])
             lent()
-        assert sum("elastic slots stay lent" in x for x in notes) == 1
+        assert sum(f"elastic slots: 0 of {want} taken back" in x for x in notes) == 1
         assert len(el.limits) == tries + 1  # one try, then RECLAIM_RETRY_PASSES passes without one
-        el.refuse = False
+        # room for some: the first ones come back (and are filled), the rest a retry later
+        el.room = part = want // 2
         fills = cache.prompt_fills
         for _ in range(RECLAIM_RETRY_PASSES - 3):
             step([int(rng.integers(0, n_vocab))])
             lent()
         step([int(rng.integers(0, n_vocab))])
+        lent(part)
+        assert cache.prompt_fills > fills and len(el.limits) == tries + 2  # a late take-back fills the slots too
+        assert any(o is not None for o in cache.pool.owner[lo:lo + part])
+        assert sum("elastic slots:" in x for x in notes) == 1
+        el.room = None
+        for _ in range(RECLAIM_RETRY_PASSES):
+            step([int(rng.integers(0, n_vocab))])
+            lent(part)
+        step([int(rng.integers(0, n_vocab))])
         taken_back()
-        assert cache.prompt_fills > fills  # a late take-back fills the slots too
         assert cache.stats.hits > 0 and cache.stats.uploads > 0
         # a pass an exception cuts short (Ctrl-C in a prompt): the budget guard stops, no routing
         # log is left expected, the slots stay lent until decode
@@ -1322,8 +1345,23 @@ def test_elastic_slots_are_lent_to_prompts_and_taken_back(model_path, monkeypatc
         eng.reset()
         eng.eval(rng.integers(0, n_vocab, 40))
         assert cache._bufs is not None
-        eng.eval([int(rng.integers(0, n_vocab))])
+        for _ in range(TAKE_BACK_DELAY_PASSES + 1):
+            eng.eval([int(rng.integers(0, n_vocab))])
         assert cache._bufs is None and not cache._tail_lent
+        # tries that take none back come less and less often (each waits for the GPU); one that
+        # takes some back, or a lend, starts the wait again at RECLAIM_RETRY_PASSES
+        eng.reset()
+        eng.eval(rng.integers(0, n_vocab, 40))
+        el.room = 0
+        waits = []
+        for _ in range(7):
+            cache.reclaim_tail()
+            waits.append(cache._reclaim_in)
+        assert waits == [8, 16, 32, 64, 128, 256, 256] and RECLAIM_RETRY_PASSES == 8
+        el.room = 1
+        assert not cache.reclaim_tail() and cache._reclaim_in == RECLAIM_RETRY_PASSES and cache._live == 1
+        el.room = None
+        assert cache.reclaim_tail() and not cache._tail_lent
 
 
 def test_elastic_slots_left_out_where_the_backend_cannot_make_them(model_path, monkeypatch):

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from moecache.backends.cuda_vmm import _AccessDesc, _AllocProp, split
+from moecache.backends.cuda_vmm import _AccessDesc, _AllocProp, pieces, split
 
 
 @pytest.mark.parametrize("seed", [int(s) for s in np.random.SeedSequence().generate_state(2)])
@@ -24,6 +24,28 @@ def test_split_covers_the_head_and_rounds_to_the_granularity(seed):
         assert head <= tail_at <= reserved and tail_at - head < gran  # the head, and less than a unit more
     assert split(10 << 20, 3 << 20, 2 << 20) == (10 << 20, 4 << 20)
     assert split(5, 5, 4) == (8, 8)  # a head that fills the buffer: nothing comes and goes
+
+
+@pytest.mark.parametrize("seed", [int(s) for s in np.random.SeedSequence().generate_state(1)])
+def test_pieces_tile_the_tail_at_the_cuts_rounded_up(seed):
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        gran = int(rng.choice([1, 512, 2 << 20]))
+        reserved = gran * int(rng.integers(0, 40))
+        tail_at = gran * int(rng.integers(0, reserved // gran + 1)) if reserved else 0
+        cuts = [int(c) for c in rng.integers(0, reserved + 2 * gran, int(rng.integers(0, 12)))]
+        ps = pieces(tail_at, reserved, cuts, gran)
+        # contiguous, in order, each a whole number of units, covering exactly the tail
+        assert [o for o, _ in ps] == sorted(o for o, _ in ps)
+        assert all(size > 0 and o % gran == 0 and size % gran == 0 for o, size in ps)
+        assert all(a + sa == b for (a, sa), (b, _) in zip(ps, ps[1:]))
+        assert (ps[0][0], ps[-1][0] + ps[-1][1]) == (tail_at, reserved) if ps else tail_at == reserved
+        # a piece starts at the tail or at a cut rounded up to a unit, and every such cut starts one
+        up = {-(-c // gran) * gran for c in cuts}
+        assert {o for o, _ in ps} == {tail_at} | {u for u in up if tail_at < u < reserved} if ps else True
+    assert pieces(4, 10, [5, 7, 12], 2) == [(4, 2), (6, 2), (8, 2)]
+    assert pieces(4, 10, [], 2) == [(4, 6)] and pieces(10, 10, [5], 2) == []
 
 
 def test_split_refuses_sizes_out_of_order():
@@ -56,6 +78,7 @@ class FakeDriver:
         self.log: list[str] = []
         self.fail: dict[str, int] = {}
         self.ctx: list[int | None] = [77]  # the thread's context stack (77: the one CuPy made)
+        self.other = 0  # memory in use that is not this driver model's (another allocation, a context)
         self._next_va, self._next_h = 1 << 40, 1
 
     def used(self) -> int:
@@ -83,7 +106,7 @@ class FakeDriver:
         elif name == "cuMemCreate":
             size = a[1]
             assert size % self.gran == 0 and size > 0
-            if self.used() + size > self.capacity:
+            if self.used() + self.other + size > self.capacity:
                 raise VmmError(name, 2, "CUDA_ERROR_OUT_OF_MEMORY")
             h, self._next_h = self._next_h, self._next_h + 1
             self.handles[h], self.refs[h] = size, 1
@@ -117,6 +140,9 @@ class FakeDriver:
             self.ctx.append(a[0])
         elif name == "cuCtxPopCurrent":
             a[0]._obj.value = self.ctx.pop()
+        elif name == "cuMemGetInfo_v2":
+            assert self.ctx[-1] is not None
+            a[0]._obj.value, a[1]._obj.value = self.capacity - self.used() - self.other, self.capacity
         else:
             raise AssertionError(name)
 
@@ -183,3 +209,129 @@ def test_elastic_buffer_leaves_nothing_behind_when_it_cannot_be_made(fake):
     assert drv.used() == 4 * MiB and not b.tail_mapped
     b.close()
     assert drv.used() == 0 and not drv.reserved
+
+
+def test_elastic_buffer_maps_a_prefix_of_its_pieces(fake):
+    """Cut into pieces: map_tail(upto) maps the pieces that begin below ``upto`` (each its own
+    physical allocation), stops at out of memory keeping the prefix it mapped, unmap_tail(keep)
+    gives back the pieces that begin at or past ``keep`` (last first), close unmaps each one."""
+    from moecache.backends.cuda_vmm import ElasticBuffer
+
+    MiB = 1 << 20
+    drv = fake(64 * MiB)
+    b = ElasticBuffer(0, 19 * MiB, 3 * MiB, cuts=(7 * MiB, 9 * MiB, 13 * MiB + 1))  # cuts -> 8, 10, 14 MiB
+    assert b.pieces == [(4 * MiB, 4 * MiB), (8 * MiB, 2 * MiB), (10 * MiB, 4 * MiB), (14 * MiB, 6 * MiB)]
+    assert b.tail_mapped and b.mapped_end == 20 * MiB and drv.used() == 20 * MiB and len(drv.maps) == 5
+    b.unmap_tail(9 * MiB)  # the pieces from 10 MiB on go; the one holding byte 9 MiB - 1 stays
+    assert b.mapped_end == 10 * MiB and drv.used() == 10 * MiB and not b.tail_mapped
+    assert drv.log[-2:] == ["cuMemUnmap", "cuMemUnmap"]
+    b.unmap_tail()
+    assert b.mapped_end == b.tail_offset == 4 * MiB and drv.used() == 4 * MiB and list(drv.maps) == [b.ptr]
+    assert b.bytes_to_map(8 * MiB + 1) == 6 * MiB and b.bytes_to_map() == 16 * MiB
+    assert b.map_tail(8 * MiB) and b.mapped_end == 8 * MiB and drv.used() == 8 * MiB  # the first piece only
+    drv.capacity = 13 * MiB  # room for the next piece (2 MiB), not the one after (4 MiB)
+    assert not b.map_tail() and b.mapped_end == 10 * MiB and drv.used() == 10 * MiB
+    assert drv.access == set(drv.maps)
+    drv.capacity = 64 * MiB
+    assert b.map_tail() and b.tail_mapped and drv.used() == 20 * MiB and b.bytes_to_map() == 0
+    drv.log.clear()
+    b.close()
+    assert drv.used() == 0 and not drv.maps and not drv.reserved
+    assert drv.log == ["cuCtxGetCurrent", "cuCtxSynchronize"] + ["cuMemUnmap"] * 5 + ["cuMemAddressFree"]
+
+
+def test_elastic_set_takes_back_the_slots_that_fit(fake):
+    """ElasticSet over three buffers cut at the same slot boundaries: lend gives every tail piece
+    back (after the context's work); take_back(limit) maps the most slots whose whole pieces keep
+    the memory in use (cuMemGetInfo) within the limit, the first ones first, and ``live`` is the
+    slots mapped in every buffer; a buffer that mapped past the others (out of memory on the way)
+    gives that part back; None maps all that the driver has."""
+    from moecache.backends.cuda_vmm import ElasticBuffer, ElasticSet
+
+    MiB = 1 << 20
+    drv = fake(256 * MiB)
+    head, tail, group = 10, 30, 8
+    per = (MiB + 4096, MiB // 2, 3 * MiB)  # slots need not be multiples of the granularity
+    bufs = tuple(ElasticBuffer(0, (head + tail) * p, head * p,
+                               tuple((head + k) * p for k in range(group, tail, group))) for p in per)
+    es = ElasticSet(bufs, per, head, tail)
+    assert es.mapped and es.live == tail and es.bytes == sum(b.tail_bytes for b in bufs)
+    full = drv.used()
+    drv.log.clear()
+    es.lend()  # the context's work first, then every piece
+    assert drv.log == ["cuCtxGetCurrent", "cuCtxSynchronize"] + ["cuMemUnmap"] * sum(len(b.pieces) for b in bufs)
+    assert es.lends == 1
+    assert drv.used() == full - es.bytes and not es.mapped
+    low = es.live  # slots the heads' rounding covers: usable while lent
+    assert low == min(b.tail_offset // p - head for b, p in zip(bufs, per)) and low < group
+
+    for room in (0, 5 * MiB, 40 * MiB, 70 * MiB):
+        es.lend()
+        used = drv.used()
+        need = [es.bytes_for(n) for n in range(tail + 1)]  # whole pieces of each buffer, before mapping
+        assert need == sorted(need) and need[tail] == es.bytes
+        best = max([low] + [n for n in range(tail + 1) if need[n] <= room])
+        live = es.take_back(used + room)
+        assert live == best and drv.used() - used == need[live] <= room and (live == tail or need[live + 1] > room)
+        assert all(b.mapped_end >= (head + live) * p for b, p in zip(bufs, per))  # usable in every buffer
+    assert 0 < best < tail  # the rooms above took some, not all
+    assert es.take_back(None) == tail and es.mapped and drv.used() == full
+    # memory in use by others counts; the driver running out on the way: what a buffer mapped past
+    # the others goes back
+    es.lend()
+    drv.other = 120 * MiB  # room for all of two buffers, a piece of the third
+    assert es.take_back(None) < tail
+    live = es.live
+    assert low < live and all(b.mapped_end >= (head + live) * p for b, p in zip(bufs, per))
+    assert all(not b._n_mapped or b.pieces[b._n_mapped - 1][0] < (head + live) * p for b, p in zip(bufs, per))
+    drv.other = 0
+    assert es.take_back(None) == tail and es.take_backs >= 5
+    for b in bufs:
+        b.close()
+    assert drv.used() == 0 and not drv.reserved
+
+
+def test_elastic_set_works_in_its_own_context_and_cleans_up_after_a_driver_error(fake):
+    """ElasticSet's lend and take_back from a thread with no context current run in the buffers'
+    own (pushed, popped after); a driver error other than out of memory in the middle of a
+    take-back is raised, and no buffer keeps memory mapped past the slots usable in all."""
+    from moecache.backends.cuda_vmm import ElasticBuffer, ElasticSet, VmmError
+
+    MiB = 1 << 20
+    drv = fake(256 * MiB)
+    head, tail, per = 4, 24, (MiB, 2 * MiB)
+    bufs = tuple(ElasticBuffer(0, (head + tail) * p, head * p, tuple((head + k) * p for k in range(8, tail, 8)))
+                 for p in per)
+    es = ElasticSet(bufs, per, head, tail)
+    drv.ctx.append(None)  # another thread, no context current
+    drv.log.clear()
+    es.lend()
+    assert drv.log[:3] == ["cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxSynchronize"]
+    assert drv.log[-1] == "cuCtxPopCurrent" and drv.ctx == [77, None]
+    heads = drv.used()
+    drv.fail["cuMemSetAccess"] = 1  # the first piece of the second buffer: after the first buffer mapped all
+    calls = 0
+    orig = drv.call
+
+    def call(name, *a):
+        nonlocal calls
+        if name == "cuMemSetAccess":
+            calls += 1
+            if calls <= len(bufs[0].pieces):
+                drv.fail.pop("cuMemSetAccess", None)
+                r = orig(name, *a)
+                drv.fail["cuMemSetAccess"] = 1
+                return r
+        return orig(name, *a)
+
+    drv.call = call
+    with pytest.raises(VmmError):
+        es.take_back(None)
+    drv.call = orig
+    drv.fail.clear()
+    assert es.live == 0 and drv.used() == heads and drv.ctx == [77, None]  # the first buffer's pieces went back
+    assert es.take_back(None) == tail and es.mapped and drv.ctx == [77, None]
+    drv.ctx.pop()
+    for b in bufs:
+        b.close()
+    assert drv.used() == 0

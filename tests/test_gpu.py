@@ -1273,24 +1273,29 @@ def test_elastic_slots_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, monkeypatc
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
 
         for round_ in range(2):
+            before = cache.tail_reclaims
             step(rng.integers(0, 200, 40))
             assert cache._tail_lent and all(o is LENT for o in cache.pool.owner[lo:])
             assert not (cache.slot_of >= lo).any()
             for _ in range(16):
                 step([int(rng.integers(0, 200))])
-            assert not cache._tail_lent and cache.tail_reclaims == round_ + 1
-            assert any(o not in (None, LENT) for o in cache.pool.owner[lo:])
+            # taken back, all or (under the pair's budget, less the decode margin) the first ones
+            live = cache._live
+            assert live > 0 and cache.tail_reclaims > before and cache._elastic.live == live
+            assert all(o is LENT for o in cache.pool.owner[lo + live:])
+            assert any(o not in (None, LENT) for o in cache.pool.owner[lo:lo + live])
         el = cache._elastic
-        print(f"{load_mode}: {cache.tail} elastic of {n} slots, {el.bytes} bytes come and go")
-        assert el.mapped and el.lends == el.take_backs == 2 and el.bytes > 0
+        print(f"{load_mode}: {cache.tail} elastic of {n} slots, {el.bytes} bytes come and go, {live} came back")
+        # (the set counts memory that went and came; the cache also counts the slots the head's rounding keeps)
+        assert el.lends >= 2 and cache.tail_lends >= 2 and el.take_backs >= 2 and el.bytes > 0
         assert cache.stats.uploads > 0
 
 
 def test_elastic_slot_arrays_give_memory_back_at_the_same_addresses(gpu):
     """CupyBackend.elastic_slot_arrays: lending gives the tail's memory to the driver (free memory
     grows by its bytes) and the head keeps its bytes; taking it back maps memory at the same
-    addresses (kernels write and read there again); a take-back that would pass the limit maps
-    nothing."""
+    addresses (kernels write and read there again); a take-back under a limit maps the first
+    slots that fit."""
     import cupy as cp
 
     be = gpu
@@ -1306,9 +1311,14 @@ def test_elastic_slot_arrays_give_memory_back_at_the_same_addresses(gpu):
     el.lend()
     assert not el.mapped and cp.cuda.runtime.memGetInfo()[0] - free0 >= el.bytes - (2 << 20)
     assert int((a[:19] == 7).all()) == 1  # the head keeps its bytes
+    low = el.live  # the slots the head's rounding to 2 MiB covers
     free, total = cp.cuda.runtime.memGetInfo()
-    assert not el.take_back(total - free + el.bytes - 1) and not el.mapped
-    assert el.take_back(None) and el.mapped and el.take_backs == 1 and a.data.ptr == ptr
+    live = el.take_back(total - free + el.bytes // 2)  # room for about half: the first pieces that fit
+    assert low < live < 20 and not el.mapped and el.take_backs == 1
+    assert free - cp.cuda.runtime.memGetInfo()[0] <= el.bytes // 2
+    a[20:20 + live] = 3  # the slots taken back are memory again
+    assert int((a[20:20 + live] == 3).all()) == 1
+    assert el.take_back(None) == 20 and el.mapped and el.take_backs == 2 and a.data.ptr == ptr
     a[20:] = 5
     assert int((a[20:] == 5).all()) == 1 and int((a[:19] == 7).all()) == 1
     del a, b, el

@@ -46,6 +46,10 @@ MMVQ_WARPS = 4  # MMVQ_WARPS of mmvq.cu
 MMQ_TOK = 32  # MMQ_TOK of mmvq.cu: rows (pairs) per group of the tensor-core prompt MoE (moeq_mma_*)
 MMQ_WARPS = 4  # MMQ_WARPS of mmvq.cu
 MMQ_ROWS = 16 * MMQ_WARPS  # weight rows per block of moeq_mma_*
+# the elastic slots' memory is mapped in pieces of this many slots (each array's piece rounded to the
+# driver's 2 MiB granularity), so a take-back maps the first slots that fit when all would not: at
+# Qwen3-30B-A3B's shape a piece is ~7-8 MiB of each of the three arrays, ~190 pieces for 500 slots
+ELASTIC_PIECE_SLOTS = 8
 MMQ_FORMATS = ("Q4_K",)  # weight formats with a moeq_mma_* kernel (sm_80+)
 GEMV_MAX_TOKENS = DECODE_MAX_TOKENS  # MAX_TOK of dequant.cu: up to this many tokens the fused kernels, more: dequantize + cuBLAS
 WARPS_PER_BLOCK = 4  # GEMV / MoE kernels: output rows (one warp each) per CUDA block
@@ -173,63 +177,6 @@ class _BudgetGuard(cp.cuda.memory_hook.MemoryHook):
         if total - free + int(kw.get("mem_size", 0)) > self.limit:
             cp.get_default_memory_pool().free_all_blocks()
             self.releases += 1
-
-
-class _ElasticTail:
-    """:meth:`CupyBackend.elastic_slot_arrays`' handle on the slot arrays' last ``tail`` slots: each
-    array is one :class:`~moecache.backends.cuda_vmm.ElasticBuffer`, whose memory past the other
-    slots (rounded up to the driver's granularity, 2 MiB) :meth:`lend` gives back to the driver and
-    :meth:`take_back` maps again at the same addresses.
-
-    Attributes:
-        bytes: the memory that comes and goes (all three arrays).
-        lends, take_backs: how many times each happened.
-    """
-
-    def __init__(self, device: int, buffers: tuple[Any, ...]):
-        self.device, self._buffers = device, buffers
-        self.bytes = sum(b.tail_bytes for b in buffers)
-        self.lends = self.take_backs = 0
-
-    @property
-    def mapped(self) -> bool:
-        """Whether every buffer's tail is mapped now."""
-        return all(b.tail_mapped for b in self._buffers)
-
-    def lend(self) -> None:
-        """After the GPU's queued work (a kernel may still read a slot there), the memory goes back
-        to the driver: CuPy's pool may hand it to a prompt's arrays. Nothing may read or write the
-        lent slots until :meth:`take_back` returns True."""
-        if not any(b.tail_mapped for b in self._buffers):
-            return
-        with cp.cuda.Device(self.device):
-            cp.cuda.Device(self.device).synchronize()
-            for b in self._buffers:
-                b.unmap_tail()
-        self.lends += 1
-
-    def take_back(self, limit: int | None) -> bool:
-        """Map the memory again (the slots' bytes undefined: they hold no expert) when the GPU's
-        memory in use (``cudaMemGetInfo``, every process's) plus the bytes to map stays within
-        ``limit`` bytes (None: when the driver has them); False, nothing newly mapped, otherwise.
-        Raises :class:`~moecache.backends.cuda_vmm.VmmError` for a driver error other than out of
-        memory."""
-        todo = [b for b in self._buffers if not b.tail_mapped]
-        if not todo:
-            return True
-        with cp.cuda.Device(self.device):
-            free, total = cp.cuda.runtime.memGetInfo()
-            if limit is not None and total - free + sum(b.tail_bytes for b in todo) > limit:
-                return False
-            done = []
-            for b in todo:
-                if not b.map_tail():
-                    for d in done:
-                        d.unmap_tail()
-                    return False
-                done.append(b)
-        self.take_backs += 1
-        return True
 
 
 class _Upload:
@@ -518,27 +465,29 @@ class CupyBackend(ArrayOps):
         Giving the blocks back costs a device synchronisation, only when near the limit."""
         return _BudgetGuard(self.device, limit)
 
-    def elastic_slot_arrays(self, shapes: tuple[tuple[int, ...], ...], tail: int) -> tuple[tuple[cp.ndarray, ...], "_ElasticTail"]:
+    def elastic_slot_arrays(self, shapes: tuple[tuple[int, ...], ...], tail: int) -> tuple[tuple[cp.ndarray, ...], Any]:
         """uint8 zeros of each shape (``(n_slots, ...)``: the expert cache's gate, up and down
         slots) on this GPU, each over CUDA virtual memory whose part behind the last ``tail`` slots
-        can be given back to the driver while prompt ubatches run and mapped again for decode
-        (:class:`_ElasticTail`; :mod:`moecache.backends.cuda_vmm`). The arrays keep their buffers
-        alive. Raises :class:`~moecache.backends.cuda_vmm.VmmError` when the driver refuses (the
+        can be given back to the driver while prompt ubatches run and mapped again for decode,
+        in pieces of :data:`ELASTIC_PIECE_SLOTS` slots (the returned
+        :class:`~moecache.backends.cuda_vmm.ElasticSet`). The arrays keep their buffers alive. Raises :class:`~moecache.backends.cuda_vmm.VmmError` when the driver refuses (the
         caller falls back to plain slots)."""
-        from moecache.backends.cuda_vmm import ElasticBuffer
+        from moecache.backends.cuda_vmm import ElasticBuffer, ElasticSet
 
         arrays, buffers = [], []
         with cp.cuda.Device(self.device):
             for shape in shapes:
                 n = int(np.prod(shape))
                 per = n // shape[0]
-                buf = ElasticBuffer(self.device, n, (shape[0] - tail) * per)
+                cuts = tuple((shape[0] - tail + k) * per for k in range(ELASTIC_PIECE_SLOTS, tail, ELASTIC_PIECE_SLOTS))
+                buf = ElasticBuffer(self.device, n, (shape[0] - tail) * per, cuts)
                 mem = cp.cuda.UnownedMemory(buf.ptr, n, buf, self.device)
                 a = cp.ndarray(shape, cp.uint8, cp.cuda.MemoryPointer(mem, 0))
                 a.fill(0)
                 arrays.append(a)
                 buffers.append(buf)
-        return tuple(arrays), _ElasticTail(self.device, tuple(buffers))
+        pers = tuple(int(np.prod(sh)) // sh[0] for sh in shapes)
+        return tuple(arrays), ElasticSet(tuple(buffers), pers, shapes[0][0] - tail, tail)
 
     def empty_u8(self, shape: tuple[int, ...]) -> cp.ndarray:
         """uint8 (uninitialized) on this GPU, on the current stream: a prompt's stack of one layer's

@@ -398,32 +398,39 @@ class TwinGuard:
 
 
 class TwinTail:
-    """:meth:`NumpyBackend.elastic_slot_arrays`' handle: ``mapped``, ``lends`` and ``take_backs``
-    as on the GPU; ``refuse`` (set by a test) stands for a GPU without the room: :meth:`take_back`
-    is then False; ``limits`` records the limit each take-back was asked under."""
+    """:meth:`NumpyBackend.elastic_slot_arrays`' handle: ``live``, ``mapped``, ``lends`` and
+    ``take_backs`` as on the GPU; ``room`` (set by a test; None: all) stands for the GPU's free
+    memory: the most of the tail's slots a take-back may have live; ``limits`` records the limit
+    each take-back was asked under. A lend overwrites the tail with 0xFF bytes."""
 
     def __init__(self, regions: tuple[np.ndarray, ...]):
-        self.regions, self.mapped, self.refuse = regions, True, False
+        self.regions, self.room = regions, None
+        self.tail = regions[0].shape[0]
+        self.live = self.tail
         self.bytes = sum(r.nbytes for r in regions)
         self.lends = self.take_backs = 0
         self.limits: list[int | None] = []
 
+    @property
+    def mapped(self) -> bool:
+        return self.live == self.tail
+
     def lend(self) -> None:
-        if self.mapped:
+        if self.live:
             for r in self.regions:
                 r[...] = 0xFF
-            self.mapped = False
+            self.live = 0
             self.lends += 1
 
-    def take_back(self, limit: int | None) -> bool:
-        if self.mapped:
-            return True
+    def take_back(self, limit: int | None) -> int:
+        if self.live == self.tail:
+            return self.live
         self.limits.append(limit)
-        if self.refuse:
-            return False
-        self.mapped = True
-        self.take_backs += 1
-        return True
+        live = max(self.live, self.tail if self.room is None else min(self.tail, self.room))
+        if live > self.live:
+            self.live = live
+            self.take_backs += 1
+        return self.live
 
 
 class TwinUpload:

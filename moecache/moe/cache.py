@@ -58,10 +58,12 @@ guide to decode's hot set; routing.md).
 the prompt groups, dequantized scratch) need VRAM that a decode step does not. The last slots of the
 pool hold experts while decoding; before a prompt pass they are emptied and their memory goes back
 to the driver (on the GPU the slot arrays are CUDA virtual memory, :mod:`moecache.backends.cuda_vmm`),
-where CuPy's ordinary pool may hand it to the pass's arrays (:meth:`CachedExperts.lend_tail`); the
-first decode pass after it maps memory behind them again at the same addresses when that fits under
-the budget (:meth:`CachedExperts.reclaim_tail`) and fills them with the prompt's most used experts.
-The placement sizes them (:func:`moecache.placement.plan`'s ``elastic_slots``).
+where CuPy's ordinary pool may hand it to the pass's arrays (:meth:`CachedExperts.lend_tail`; they
+start lent too); the second decode pass after it maps memory behind as many of them as fit under
+the budget, less a margin, again at the same addresses (:meth:`CachedExperts.reclaim_tail`: the
+first ones first, in pieces of a few slots), and fills them with the prompt's most used experts.
+The placement sizes them (:func:`moecache.placement.plan`'s ``elastic_slots``); what decoding
+really keeps beside the plan decides how many come back.
 
 The backend supplies ``upload``, ``moe_ffn``, ``moe_ffn_cached``, ``zero_copy_ok``,
 ``to_host``/``asarray`` and ``start_slot_copy`` (a copy of host bytes into ``pool[slot]`` returning
@@ -116,7 +118,19 @@ STACK_MARGIN_BYTES = MOE_SCRATCH_BYTES + 2 * MOE_ACT_BYTES + (96 << 20)
 ROOM_FLOOR_BYTES = 2 * ATTENTION_SCORE_BYTES + (128 << 20)
 
 
-RECLAIM_RETRY_PASSES = 8  # decode passes without a try after the elastic slots could not be taken back
+RECLAIM_RETRY_PASSES = 8  # decode passes without a try after the elastic slots could not all be taken back
+RECLAIM_RETRY_MAX_PASSES = 256  # ... doubled after each try that took none back, up to this (each try syncs)
+# decode passes after a lend (a prompt, or the cache's creation) before the take-back: the first decode
+# pass allocates what decoding keeps (a CUDA graph's capture, kernel modules, cuBLAS) while the slots
+# are lent, so the take-back measures it. Run h200-s24a (8 GiB, Qwen3-30B-A3B, -c 12948, -ub 2048):
+# with every slot mapped at creation 16 MiB stayed free, and after the 12620-token prompt all 501
+# elastic slots stayed lent (the all-or-nothing take-back did not fit)
+TAKE_BACK_DELAY_PASSES = 1
+# what a take-back leaves free under --vram-budget (or the usable share of the GPU) for decode's
+# later growth: op-by-op passes' transients (CuPy's cached blocks are given back before each try) and
+# the captures of other batch sizes; the decode peak measured ~186 MiB over the plan in all (run
+# h200-s21a), of which most exists before the take-back (TAKE_BACK_DELAY_PASSES)
+TAKE_BACK_MARGIN_BYTES = 128 << 20
 LENT = ("lent",)  # the owner of an elastic slot lent to a prompt's arrays (CachedExperts.lend_tail)
 
 
@@ -207,8 +221,9 @@ class CachedExperts:
             decoding; their memory is given back to the driver for each prompt pass and mapped
             again for decode (:meth:`lend_tail`, :meth:`reclaim_tail`; the backend's
             ``elastic_slot_arrays``), so the VRAM a prompt ubatch needs for its transients holds
-            experts the rest of the time. 0: none; plain slots, said once, where the backend
-            cannot make them. Needs a prompt path (``offload_min_batch``); ValueError unless
+            experts the rest of the time; as many come back as the memory in use leaves room for
+            (lent from the start). 0: none; plain slots, said once, where the backend cannot make
+            them. Needs a prompt path (``offload_min_batch``); ValueError unless
             0 < ``tail`` < ``n_slots``.
         miss_split: on the zero-copy path, decode steps captured in a CUDA graph hand a share of
             each layer's misses to the CPU inside the graph (:mod:`moecache.moe.handoff`): the GPU
@@ -309,9 +324,11 @@ class CachedExperts:
         # the elastic slots: the pool's last `tail` slots, whose memory prompt passes borrow (lend_tail)
         self.tail = 0
         self._elastic = None
-        self._tail_lent = False
+        self._live = 0  # the elastic slots in use (the first ones); the others are lent
+        self._take_back_due = False  # a lend waits for its take-back: the fill after a prompt follows it
         self._tail_noted = False
-        self._reclaim_in = 0  # decode passes before the next try after a take-back that did not fit
+        self._reclaim_in = 0  # decode passes before the next take-back try
+        self._retry_passes = RECLAIM_RETRY_PASSES  # the wait after a try that left some lent
         self.tail_lends = self.tail_reclaims = 0
         if tail and main is not None and offload_min_batch is not None and not 0 < tail < n_slots:
             raise ValueError(f"tail must be in [1, {n_slots - 1}] (the pool has {n_slots} slots), got {tail}")
@@ -398,6 +415,13 @@ class CachedExperts:
             # expert 16-byte aligned (pin_model aligns tensors to 64)
             if all(int(np.prod(sh)) % 16 == 0 for sh in (g, u, d)) and all(a.ctypes.data % 16 == 0 for a in host):
                 self.scratch = tuple(backend.zeros_u8((2 * top_k, *sh)) for sh in (g, u, d))
+        if self.tail:  # lent from the start: decode takes back what fits once its own memory is there
+            self.lend_tail()
+
+    @property
+    def _tail_lent(self) -> bool:
+        """Some elastic slots are lent (not all taken back)."""
+        return self._live < self.tail
 
     def _zero_copy_why(self, backend: Any, main: Any) -> str | None:
         if main is None:
@@ -483,8 +507,10 @@ class CachedExperts:
                 time.sleep(0.001)
 
     def fill_after_prompt(self, timeout_s: float = 120.0) -> int:
-        """The first decode pass after a prompt: the empty slots take the experts the prompt used
-        most (the policy's usage after the prompt, :meth:`CachePolicy.preload`); their copies are
+        """The first decode pass after a prompt (with elastic slots: the pass that takes them back,
+        :meth:`reclaim_tail`, and each later one that takes more back): the empty slots take the
+        experts the prompt used most (the policy's usage after the prompt,
+        :meth:`CachePolicy.preload`); their copies are
         waited for, so the decode reads them at once. Returns the experts loaded (0 when no slot is
         empty: a warm cache keeps its residents, which decode admissions replace as usual).
 
@@ -509,8 +535,10 @@ class CachedExperts:
 
     # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
     def begin_pass(self, n_tokens: int) -> None:
-        """Before a forward pass is queued: the first decode pass after a prompt fills the empty
-        slots (:meth:`fill_after_prompt`); publish completed uploads and bring the device map up to
+        """Before a forward pass is queued: a prompt pass lends the elastic slots, a decode pass
+        takes them back when due (:meth:`lend_tail`, :meth:`reclaim_tail`); the first decode pass
+        after a prompt fills the empty slots (:meth:`fill_after_prompt`; with elastic slots, the one
+        that takes them back); publish completed uploads and bring the device map up to
         date (on the current stream, so the pass reads it). A pass that will not take the zero-copy
         path accounts the earlier passes first (it feeds the policy itself, in order)."""
         self._drop_flight()  # a copy started for a pass an exception cut short
@@ -534,8 +562,8 @@ class CachedExperts:
         elif self._guard is not None:
             self._guard.stop()  # left started by a prompt pass an exception cut short (a decode graph's
             # capture must not give blocks back, a device synchronisation)
-        if self._prompt_seen and not prompt and not self._tail_lent:
-            # (elastic slots still lent: the decode pass that takes them back fills them, with the rest)
+        if self._prompt_seen and not prompt and not self._take_back_due:
+            # (elastic slots lent: the decode pass that tries to take them back fills them, with the rest)
             self.fill_after_prompt()
         if not self.zero_copy:
             return
@@ -562,13 +590,16 @@ class CachedExperts:
             self._serve = [il for il in self._split_layers if self.split.ncpu[il] > 0]
 
     def lend_tail(self) -> None:
-        """Before a prompt pass: the elastic slots (the pool's last ``tail``) hold no expert while it
-        runs, and their memory goes back to the driver (the backend's ``elastic_slot_arrays``
-        handle), where CuPy's pool may hand it to the pass's arrays. The experts in them leave the
-        map and the policy (which has ``n_slots - tail`` slots until :meth:`reclaim_tail`); copies
-        into them are waited for first. Lent already (a prompt pass after a prompt pass): nothing
-        to do."""
-        if self._tail_lent:
+        """Before a prompt pass (and at the cache's creation): the elastic slots (the pool's last
+        ``tail``) hold no expert while it runs, and their memory goes back to the driver (the
+        backend's ``elastic_slot_arrays`` handle), where CuPy's pool may hand it to the pass's
+        arrays. The experts in them leave the map and the policy (which has ``n_slots - tail``
+        slots until :meth:`reclaim_tail`); copies into them are waited for first. The take-back
+        waits :data:`TAKE_BACK_DELAY_PASSES` decode passes. Lent already (a prompt pass after a
+        prompt pass): only the wait starts again."""
+        if self.pool.owner[-1] is LENT and not self._live:
+            self._after_lend()
+            self._elastic.lend()  # (a no-op: all went already, unless a take-back cut short left some)
             return
         pool = self.pool
         lo = len(pool.owner) - self.tail
@@ -585,40 +616,59 @@ class CachedExperts:
             pool.owner[slot] = LENT
         self._map_dirty = True  # uploaded at this pass's start: no later kernel looks there
         self.policy.resize(lo, evicted)
-        self._tail_lent = True  # first: a lend cut short leaves the slots lent, and the take-back maps
-        self.tail_lends += 1  # whatever went
+        self._live = 0  # first: a lend cut short leaves the slots lent, and the take-back maps whatever went
+        self._after_lend()
+        self.tail_lends += 1
         self._elastic.lend()  # after the GPU's queued work, which may still read those slots
 
+    def _after_lend(self) -> None:
+        self._take_back_due = True
+        self._reclaim_in = TAKE_BACK_DELAY_PASSES
+        self._retry_passes = RECLAIM_RETRY_PASSES
+
     def reclaim_tail(self) -> bool:
-        """Before a decode pass after a prompt: the prompt's leftovers (the backend's kept input
-        conversions, prompt stack buffers) and CuPy's cached blocks go back to the driver, then the
-        elastic slots' memory is mapped again, when that keeps the GPU's memory in use within
-        ``vram_limit`` (without one: the share of the GPU the placement plans with, :meth:`_limit`);
-        they come back empty (this pass's :meth:`fill_after_prompt` fills them). Returns False,
-        said once, when it would not fit or the driver refuses (the slots stay lent: after
-        :data:`RECLAIM_RETRY_PASSES` decode passes without a try, the next one tries again; each try
-        gives CuPy's cached blocks back, which op-by-op passes would then allocate anew)."""
+        """A decode pass after a lend (:data:`TAKE_BACK_DELAY_PASSES` later): the prompt's leftovers
+        (the backend's kept input conversions, prompt stack buffers) and CuPy's cached blocks go
+        back to the driver, then the memory of as many elastic slots as keep the GPU's memory in
+        use :data:`TAKE_BACK_MARGIN_BYTES` under ``vram_limit`` (without one: the share of the GPU
+        the placement plans with, :meth:`_limit`) is mapped again, the first slots first; they come
+        back empty (this pass's :meth:`fill_after_prompt` fills them). Returns whether all are back.
+        Said once when some stay lent (too little room, or the driver refuses); after
+        :data:`RECLAIM_RETRY_PASSES` decode passes without a try, the next one tries for the rest,
+        and after a try that took none back twice as many, up to :data:`RECLAIM_RETRY_MAX_PASSES`
+        (each try waits for the GPU and gives CuPy's cached blocks back, which op-by-op passes
+        would then allocate anew)."""
         self.be.drop_input_caches()
         self.drop_stacks()
         self.be.release_cached()
+        before, limit = self._live, self._limit()
         try:
-            back, why = self._elastic.take_back(self._limit()), "would not fit"
-        except Exception as e:  # noqa: BLE001 - a driver error: decode goes on without them
-            back, why = False, f"could not be mapped ({type(e).__name__}: {e})"
-        if not back:
+            live, why = self._elastic.take_back(limit - TAKE_BACK_MARGIN_BYTES), "would not fit"
+        except Exception as e:  # noqa: BLE001 - a driver error: decode goes on with what is mapped
+            live, why = self._elastic.live, f"could not be mapped ({type(e).__name__}: {e})"
+        self._take_back_due = False
+        if live > before:
+            lo = len(self.pool.owner) - self.tail
+            for slot in range(lo + before, lo + live):
+                self.pool.owner[slot] = None
+            self.policy.resize(lo + live)
+            self._live = live
+            self._prompt_seen = True  # this pass fills the slots that came back (fill_after_prompt)
+            self.tail_reclaims += 1
+        if live < self.tail:
             if not self._tail_noted:
                 self._tail_noted = True
-                self.log(f"note: the expert cache's {self.tail} elastic slots stay lent: their "
-                         f"{self._elastic.bytes / 2**20:.0f} MiB {why} "
-                         f"({'--vram-budget' if self.vram_limit is not None else 'the usable share of the GPU'})")
-            self._reclaim_in = RECLAIM_RETRY_PASSES
+                self.log(f"note: the expert cache's elastic slots: {live} of {self.tail} taken back; the other "
+                         f"{self.tail - live} stay lent: their memory {why} "
+                         f"({'--vram-budget' if self.vram_limit is not None else 'the usable share of the GPU'} "
+                         f"{limit >> 20} MiB less a {TAKE_BACK_MARGIN_BYTES >> 20} MiB margin for decode); "
+                         f"tried again after {RECLAIM_RETRY_PASSES} decode passes, then less often")
+            if live > before:
+                self._retry_passes = RECLAIM_RETRY_PASSES
+            self._reclaim_in = self._retry_passes
+            if live == before:
+                self._retry_passes = min(2 * self._retry_passes, RECLAIM_RETRY_MAX_PASSES)
             return False
-        lo = len(self.pool.owner) - self.tail
-        for slot in range(lo, len(self.pool.owner)):
-            self.pool.owner[slot] = None
-        self.policy.resize(len(self.pool.owner))
-        self._tail_lent = False
-        self.tail_reclaims += 1
         return True
 
     def fix_split(self, share: int | None) -> None:
