@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import bench_scripts
 from moecache.cli.main import app
 from moecache.benchmark import LLAMA_BENCH_FIELDS, BenchTest, make_tests, parse_list
 
@@ -103,12 +104,7 @@ def test_bad_bench_flags(tiny, args, msg, code):
 
 
 def _cache_arms():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cache_arms", Path(__file__).parents[1] / "bench" / "cache_arms.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("cache_arms")
 
 
 def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
@@ -190,11 +186,7 @@ def test_prompt_timeline_summary_of_a_made_trace():
     """bench/prompt_timeline.py's report on a hand-made Chrome trace: busy time is the union of the
     device spans over every stream (an overlapped copy counts once), idle is the rest of the span,
     copies report bytes and GB/s, the idle gaps over 0.2 ms name their neighbours."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import prompt_timeline as pt
+    pt = bench_scripts.load("prompt_timeline")
 
     ev = [
         {"cat": "kernel", "name": "router", "ts": 0, "dur": 100},
@@ -211,3 +203,21 @@ def test_prompt_timeline_summary_of_a_made_trace():
     text = "\n".join(lines)
     assert "0.05 GB at 50.0 GB/s" in text and "2x  moe" in text
     assert "GPU idle gaps over 0.2 ms: 1, 1.0 ms in all" in text and "after router before Memcpy HtoD" in text
+
+
+def test_bench_scripts_stay_off_sys_path():
+    """bench/ never goes on sys.path in the tests: its kernels.py would shadow Hugging Face's
+    ``kernels`` package, which transformers imports when it finds one (CI failed so: 18 reference
+    tests, ImportError of CUDAProperties from bench/kernels.py)."""
+    import importlib.util
+    import re
+    import sys
+
+    bench_scripts.load("vs_llamacpp")
+    assert all(Path(p or ".").resolve() != bench_scripts.BENCH for p in sys.path)
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or Path(spec.origin).resolve().parent != bench_scripts.BENCH
+    here = Path(__file__).parent
+    for f in sorted(here.glob("*.py")):
+        for line in f.read_text().splitlines():
+            assert not re.search(r"sys\.path\.(insert|append)\(.*bench", line), f"{f.name}: {line.strip()}"

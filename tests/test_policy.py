@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import bench_scripts
 from conftest import require_shared
 from moecache.moe.policy import Admission, CachePolicy, PolicyConfig
 from moecache.moe.replay import replay_lru, replay_policy
@@ -457,11 +458,7 @@ def test_prompt_warm_replay_fills_only_empty_slots():
     exactly the slots' worth of experts at the prompt's end and raises the decode's early hit rate
     (the prompt and its decode share a hot set in the preset); 'now' loads nothing then."""
     import argparse
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import prompt_warm
+    prompt_warm = bench_scripts.load("prompt_warm")
 
     a = argparse.Namespace(layers=4, experts=32, k=4, p=256, n=64, ub=128, requests=2, window=64)
     res = prompt_warm.run("qwen3-moe", 0.25, 0, a)
@@ -474,11 +471,7 @@ def test_prompt_warm_replay_fills_only_empty_slots():
 def test_prompt_warm_fill_takes_only_empty_slots():
     """prompt_warm's 'fill' arm (CachePolicy.preload of the usage after the prompt) loads the most-used
     non-resident experts into the empty slots only: residents stay, a full cache loads nothing."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import prompt_warm
+    prompt_warm = bench_scripts.load("prompt_warm")
 
     pol = CachePolicy(2, 8, 4)
     pol.usage[:] = np.arange(16, dtype=float).reshape(2, 8) / 16  # expert (1, 7) most used, then (1, 6) ...

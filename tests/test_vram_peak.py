@@ -3,13 +3,10 @@ feeds it runs on the GPU machine only)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import bench_scripts
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from vram_peak import LiveBytes, call_site  # noqa: E402
+LiveBytes = bench_scripts.load("vram_peak").LiveBytes
+call_site = bench_scripts.load("vram_peak").call_site
 
 
 def test_the_snapshot_is_taken_at_the_largest_total_alive():

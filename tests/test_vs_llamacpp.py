@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+import bench_scripts
 
-import vs_llamacpp as V  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+V = bench_scripts.load("vs_llamacpp")
 
 FAKE_SMI = """#!{py}
 import sys, time, os
