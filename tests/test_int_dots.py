@@ -177,3 +177,17 @@ def test_portable_ir_matches_gguf_and_the_vnni_road(fmt, rng):
         yv = np.array([_call(vnni[fmt], W[i], q, d, s, nbytes) for i in range(W.shape[0])])
         np.testing.assert_array_equal(yv, y)
     assert keep is not None
+
+
+def test_row_dots_prefetch_the_weights_ahead():
+    """Each row dot asks for the weights ``PREFETCH_BYTES`` ahead of the block it reads, one request
+    per 64 bytes of a loop step, so consecutive steps cover every line of a row
+    (bench/results/kernels-2core-prefetch.md: without it a core waits for each line)."""
+    mod = llvm.parse_assembly(int_dots.module_ir(False))
+    steps = {"moecache_q4k_q8_row": int_dots.Q4_K_BYTES, "moecache_q5k_q8_row": int_dots.Q5_K_BYTES,
+             "moecache_q6k_q8_row": int_dots.Q6_K_BYTES, "moecache_q80_q8_row": 2 * int_dots.Q8_0_BYTES}
+    for sym, step in steps.items():
+        text = str(mod.get_function(sym))
+        assert text.count("call void @llvm.prefetch") == -(-step // 64), sym
+        offs = sorted(int(line.split("i64 ")[-1]) for line in text.splitlines() if "%pf" in line and "getelementptr" in line)
+        assert offs == [int_dots.PREFETCH_BYTES + 64 * i for i in range(len(offs))], sym

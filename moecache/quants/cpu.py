@@ -36,7 +36,7 @@ from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, de
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
 from moecache.quants.dots import DOTS
 from moecache.quants.formats import BY_TYPE, FORMATS, BlockFormat, format_for
-from moecache.quants.int_dots import ROW_DOTS, finite_f32, quantize_row, quantize_rows
+from moecache.quants.int_dots import ROW_DOTS, finite_f32, prefetcher_for, quantize_row, quantize_rows
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
 _INLINE = dict(inline="always", **_KERNEL)
@@ -95,7 +95,13 @@ def _dot_step_impl(fmt, row, o, x, xb, xs, sb, n32):
     if f.name not in DOTS:  # typed but never run: the row kernel only calls it for DOTS formats
         return lambda fmt, row, o, x, xb, xs, sb, n32: np.float32(0.0)
     dot = DOTS[f.name][0]
-    return lambda fmt, row, o, x, xb, xs, sb, n32: dot(row, o, x, xb, xs, sb, n32)
+    prefetch = prefetcher_for(STEP // f.block_size * f.type_size)
+
+    def impl(fmt, row, o, x, xb, xs, sb, n32):
+        prefetch(row, o)  # the step PREFETCH_BYTES ahead: see moecache.quants.int_dots
+        return dot(row, o, x, xb, xs, sb, n32)
+
+    return impl
 
 
 def step_nonfinite(fmt, row, o):
