@@ -30,4 +30,6 @@ def load(name: str) -> ModuleType:
     except BaseException:
         del sys.modules[key]
         raise
+    if any(Path(e or ".").resolve() == BENCH for e in sys.path):  # a script put its folder there itself
+        raise AssertionError(f"bench/{name}.py put bench/ on sys.path: load it otherwise (see this module)")
     return mod

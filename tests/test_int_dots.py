@@ -191,3 +191,16 @@ def test_row_dots_prefetch_the_weights_ahead():
         assert text.count("call void @llvm.prefetch") == -(-step // 64), sym
         offs = sorted(int(line.split("i64 ")[-1]) for line in text.splitlines() if "%pf" in line and "getelementptr" in line)
         assert offs == [int_dots.PREFETCH_BYTES + 64 * i for i in range(len(offs))], sym
+
+
+def test_prefetcher_for_covers_each_fused_dots_step():
+    """The float kernels' step (256 weights) of every fused-dot format gets one prefetch request per
+    64 bytes; a step beyond the prepared line counts is refused, not mapped to a wrong count."""
+    from moecache.quants.dots import DOTS
+
+    for name in DOTS:
+        f = FORMATS[name]
+        step = 256 // f.block_size * f.type_size
+        assert int_dots.prefetcher_for(step) is int_dots._PREFETCHERS[-(-step // 64)], name
+    with pytest.raises(ValueError, match="bytes"):
+        int_dots.prefetcher_for(64 * max(int_dots.PREFETCH_LINES) + 1)

@@ -497,9 +497,11 @@ def _row_dot(fmt: str, symbol: str, block_bytes: int):
 
 
 def _prefetcher(n_lines: int):
-    """A Numba intrinsic ``(row, o) -> None``: ask for the ``n_lines`` cache lines at byte ``o`` +
-    :data:`PREFETCH_BYTES` of ``row`` (a 1-D uint8 array; an address past its end is fine: a
-    prefetch never faults)."""
+    """A Numba intrinsic ``(row, o) -> None``: ask for the ``n_lines`` cache lines at the address
+    ``row``'s data + ``o`` + :data:`PREFETCH_BYTES` bytes (``row`` a 1-D uint8 array, any layout:
+    the kernels' rows are contiguous; a strided view would get a hint at the wrong place, which
+    only costs the fetch). An address past the array's end is fine: a prefetch never faults, and
+    the address is computed without ``inbounds``."""
 
     def typer(typingctx, row, o):
         if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.uint8) \
@@ -528,8 +530,13 @@ _PREFETCHERS = {n: _prefetcher(n) for n in PREFETCH_LINES}
 
 def prefetcher_for(step_bytes: int):
     """The prefetch intrinsic (:func:`_prefetcher`) for a loop that steps ``step_bytes`` through a
-    row (1 to 320): the CPU's float kernels call it once a step, as the IR row dots do."""
-    return _PREFETCHERS[-(-step_bytes // 64)]
+    row: the CPU's float kernels call it once a step, as the IR row dots do. Raises ValueError
+    outside 1 to ``64 * max(PREFETCH_LINES)`` bytes (a format with a larger step needs more lines
+    in :data:`PREFETCH_LINES`)."""
+    n = -(-step_bytes // 64)
+    if n not in _PREFETCHERS:
+        raise ValueError(f"prefetch: a step of {step_bytes} bytes; 1 to {64 * max(PREFETCH_LINES)} supported")
+    return _PREFETCHERS[n]
 
 
 q80_row_dot = _row_dot("Q8_0", "moecache_q80_q8_row", Q8_0_BYTES)
