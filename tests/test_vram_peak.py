@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import bench_scripts
 
-LiveBytes = bench_scripts.load("vram_peak").LiveBytes
-call_site = bench_scripts.load("vram_peak").call_site
+_vram_peak = bench_scripts.load("vram_peak")
+LiveBytes, call_site = _vram_peak.LiveBytes, _vram_peak.call_site
 
 
 def test_the_snapshot_is_taken_at_the_largest_total_alive():

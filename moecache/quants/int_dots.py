@@ -467,6 +467,14 @@ def _library(context):
     return lib
 
 
+def _ir_function(context, builder, symbol: str, ret: ir.Type, n_ptrs: int, extra: tuple = ()):
+    """The IR function ``symbol`` of :func:`module_ir` declared in the module being built (its
+    library linked in): ``n_ptrs`` byte pointers, then the ``extra`` argument types."""
+    context.active_code_library.add_linking_library(_library(context))
+    i8p = ir.IntType(8).as_pointer()
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [i8p] * n_ptrs + list(extra)), symbol)
+
+
 def _row_dot(fmt: str, symbol: str, block_bytes: int):
     """A Numba intrinsic ``(row, xq, xd, xs) -> float32`` calling the IR function ``symbol``: one row
     of ``fmt`` (uint8, nb * ``block_bytes``) dotted with an activation row rounded to 8 bits (``xq``
@@ -481,10 +489,8 @@ def _row_dot(fmt: str, symbol: str, block_bytes: int):
         sig = types.float32(row, xq, xd, xs)
 
         def codegen(context, builder, signature, args):
-            context.active_code_library.add_linking_library(_library(context))
             i8p = ir.IntType(8).as_pointer()
-            fnty = ir.FunctionType(ir.IntType(32), [i8p, i8p, i8p, i8p, ir.IntType(64)])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
+            fn = _ir_function(context, builder, symbol, ir.IntType(32), 4, (ir.IntType(64),))
             arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
             nb = builder.udiv(arrs[0].nitems, ir.Constant(ir.IntType(64), block_bytes))
             ptrs = [builder.bitcast(a.data, i8p) for a in arrs]
@@ -510,10 +516,8 @@ def _prefetcher(n_lines: int):
         sig = types.none(row, o)
 
         def codegen(context, builder, signature, args):
-            context.active_code_library.add_linking_library(_library(context))
             i8p = ir.IntType(8).as_pointer()
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p]),
-                                                f"moecache_prefetch{n_lines}")
+            fn = _ir_function(context, builder, f"moecache_prefetch{n_lines}", ir.VoidType(), 1)
             arr = context.make_array(signature.args[0])(context, builder, args[0])
             off = context.cast(builder, args[1], signature.args[1], types.intp)
             builder.call(fn, [builder.gep(builder.bitcast(arr.data, i8p), [off])])
