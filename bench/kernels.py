@@ -3,12 +3,13 @@ and 8 tokens, next to the machine's RAM read bandwidth measured the same way (an
 Numba ``prange`` read of a large array). Also the grouped MoE kernel (``moe_ffn_routed``: the expert cache's
 miss path and ``--cpu-moe``'s)
 on one Qwen3-30B-A3B-shaped layer (128 experts, top-8, n_embd 2048, expert ff 768), with float32
-activations and with ``act_q8`` (8-bit activations, integer dots for Q4_K and Q6_K).
+activations and with ``act_q8`` (8-bit activations, integer dots for Q8_0, Q4_K, Q5_K and Q6_K experts;
+``--moe-formats`` picks the experts' formats, Q4_K by default).
 
 Decode on the CPU is memory-bound: GB/s of weights read is the honest headline (gpt-fast's habit).
 Each matrix is larger than the last-level cache, so every call streams from RAM.
 
-    python bench/kernels.py [--threads N] [--mib 256] [--formats Q4_K,Q8_0] [--moe-k 1,2,4] [--out FILE.md]
+    python bench/kernels.py [--threads N] [--mib 256] [--formats Q4_K,Q8_0] [--moe-k 1,2,4] [--moe-formats Q4_K,Q6_K] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--moe-k", default="", help="also time one token through k experts of the MoE layer with 8-bit "
                     "activations, for each k of this comma list (the fixed cost of a call against its per-expert "
                     "slope: the CPU's share of an expert cache's misses is a few experts)")
+    ap.add_argument("--moe-formats", default="Q4_K", help="expert formats of the MoE layer, comma list (each gets the "
+                    "same rows; the engine's 8-bit dots take Q8_0, Q4_K, Q5_K and Q6_K experts)")
     ap.add_argument("--out", type=Path, help="write a markdown table here (and .jsonl beside it)")
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
@@ -111,32 +114,35 @@ def main() -> None:
     moe = []
     if not args.no_moe:
         n_expert, top_k, n_embd, n_ff = 128, 8, 2048, 768
-        q4k = FORMATS["Q4_K"]
-        Wg = random_rows(q4k, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
-        Wu = random_rows(q4k, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
-        Wd = random_rows(q4k, n_expert * n_embd, n_ff, rng, std=0.02).reshape(n_expert, n_embd, -1)
-        bytes_per_expert = Wg[0].nbytes + Wu[0].nbytes + Wd[0].nbytes
-        types = (q4k.ggml_type,) * 3
-        runs = [(1, False, top_k), (1, True, top_k), (8, False, top_k), (8, True, top_k)]
-        runs += [(1, True, int(k)) for k in args.moe_k.split(",") if k and int(k) != top_k]
-        for n_tok, q8, k_used in runs:
-            h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+        for fname in args.moe_formats.split(","):
+            ef = FORMATS[fname]
+            Wg = random_rows(ef, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
+            Wu = random_rows(ef, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
+            Wd = random_rows(ef, n_expert * n_embd, n_ff, rng, std=0.02).reshape(n_expert, n_embd, -1)
+            bytes_per_expert = Wg[0].nbytes + Wu[0].nbytes + Wd[0].nbytes
+            types = (ef.ggml_type,) * 3
+            runs = [(1, False, top_k), (1, True, top_k), (8, False, top_k), (8, True, top_k)]
+            runs += [(1, True, int(k)) for k in args.moe_k.split(",") if k and int(k) != top_k]
+            for n_tok, q8, k_used in runs:
+                h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
 
-            def routed():  # the router's (T, k) ids and weights, as the engine hands them over
-                ids = np.stack([rng.choice(n_expert, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
-                return ids, np.full(ids.shape, 1.0 / k_used, np.float32)
+                def routed():  # the router's (T, k) ids and weights, as the engine hands them over
+                    ids = np.stack([rng.choice(n_expert, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+                    return ids, np.full(ids.shape, 1.0 / k_used, np.float32)
 
-            calls = [routed() for _ in range(args.reps + 2)]
-            out = np.zeros((n_tok, n_embd), np.float32)
-            it = iter(calls)
-            t = median_time(lambda: cpu.moe_ffn_routed(Wg, Wu, Wd, types, *next(it), h, out=out, act_q8=q8),
-                            args.reps)
-            n_distinct = float(np.mean([len(np.unique(c[0])) for c in calls]))
-            gbps = n_distinct * bytes_per_expert / t / 1e9
-            moe.append({"n_tokens": n_tok, "act_q8": q8, "experts_per_token": k_used, "distinct_experts": n_distinct,
-                        "ms": t * 1e3, "gbps": gbps, "frac_ram": gbps / ram_all})
-            print(f"moe_ffn Q4_K {n_tok} tok x {k_used}{' act_q8' if q8 else ''}: {t * 1e3:.3f} ms, {gbps:.1f} GB/s",
-                  file=sys.stderr)
+                calls = [routed() for _ in range(args.reps + 2)]
+                out = np.zeros((n_tok, n_embd), np.float32)
+                it = iter(calls)
+                t = median_time(lambda: cpu.moe_ffn_routed(Wg, Wu, Wd, types, *next(it), h, out=out, act_q8=q8),
+                                args.reps)
+                n_distinct = float(np.mean([len(np.unique(c[0])) for c in calls]))
+                gbps = n_distinct * bytes_per_expert / t / 1e9
+                moe.append({"format": fname, "n_tokens": n_tok, "act_q8": q8, "experts_per_token": k_used,
+                            "distinct_experts": n_distinct, "ms": t * 1e3, "gbps": gbps, "frac_ram": gbps / ram_all,
+                            "mib_per_matrix": Wg[0].nbytes / 2**20})
+                print(f"moe_ffn {fname} {n_tok} tok x {k_used}{' act_q8' if q8 else ''}: {t * 1e3:.3f} ms, "
+                      f"{gbps:.1f} GB/s", file=sys.stderr)
+            del Wg, Wu, Wd
 
     host = {"cpu": cpu_model(), "threads": args.threads, "logical_cpus": os.cpu_count(),
             "numba": numba.__version__, "numpy": np.__version__, "python": platform.python_version(),
@@ -157,13 +163,14 @@ def main() -> None:
         lines.append(f"| {r['format']} | {r['bits_per_weight']:.2f} | {r['weight_mib']:.0f} | {r['gbps_1tok']:.1f} | "
                      f"{100 * r['frac_ram_1tok']:.0f}% | {r['gbps_8tok']:.1f} | {r['ms_1tok']:.2f} | {r['ms_8tok']:.2f} |")
     if moe:
-        lines += ["", "Grouped MoE kernel (`moe_ffn_routed`, the engine's call), one Qwen3-30B-A3B-shaped layer: 128 Q4_K experts, "
-                  "top-8, n_embd 2048, expert ff 768 (0.84 MiB of Q4_K per matrix); random routing; activations "
+        sizes = ", ".join(dict.fromkeys(f"{m['mib_per_matrix']:.2f} MiB of {m['format']}" for m in moe))
+        lines += ["", "Grouped MoE kernel (`moe_ffn_routed`, the engine's call), one Qwen3-30B-A3B-shaped layer: 128 experts, "
+                  f"top-8, n_embd 2048, expert ff 768 ({sizes} per matrix); random routing; activations "
                   "float32, or rounded to 8 bits with integer dots (`act_q8`):", "",
-                  "| tokens | experts per token | activations | distinct experts | ms | expert GB/s | % of RAM read |",
-                  "|---:|---:|---|---:|---:|---:|---:|"]
+                  "| experts | tokens | experts per token | activations | distinct experts | ms | expert GB/s | % of RAM read |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|"]
         for m in moe:
-            lines.append(f"| {m['n_tokens']} | {m['experts_per_token']} | {'8-bit' if m['act_q8'] else 'float32'} | "
+            lines.append(f"| {m['format']} | {m['n_tokens']} | {m['experts_per_token']} | {'8-bit' if m['act_q8'] else 'float32'} | "
                          f"{m['distinct_experts']:.1f} | {m['ms']:.3f} | {m['gbps']:.1f} | {100 * m['frac_ram']:.0f}% |")
     text = "\n".join(lines) + "\n"
     print(text)
