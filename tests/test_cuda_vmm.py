@@ -335,3 +335,28 @@ def test_elastic_set_works_in_its_own_context_and_cleans_up_after_a_driver_error
     for b in bufs:
         b.close()
     assert drv.used() == 0
+
+
+def test_elastic_set_refuses_to_lend_or_take_back_once_a_buffer_is_closed(fake):
+    """Once a buffer's last array went away (closed: its memory and address range are the
+    driver's again), lend and take_back raise one clear error instead of mapping at a freed address,
+    and make no driver call."""
+    from moecache.backends.cuda_vmm import ElasticBuffer, ElasticSet
+    from moecache.errors import MoecacheError
+
+    MiB = 1 << 20
+    drv = fake(64 * MiB)
+    head, tail, per = 2, 8, (MiB, MiB)
+    bufs = tuple(ElasticBuffer(0, (head + tail) * p, head * p, (6 * p,)) for p in per)
+    es = ElasticSet(bufs, per, head, tail)
+    es.lend()
+    assert not es.closed
+    bufs[1].close()
+    assert es.closed
+    drv.log.clear()
+    for call in (es.lend, lambda: es.take_back(None), lambda: es.take_back(32 * MiB)):
+        with pytest.raises(MoecacheError, match="closed"):
+            call()
+    assert drv.log == [] and drv.used() == bufs[0].tail_offset
+    bufs[0].close()
+    assert drv.used() == 0 and not drv.reserved
