@@ -9,7 +9,10 @@ generates ``--settle`` tokens, then times ``-n`` one-token decode steps. Per arm
 the CPU's misses per token, the host's compute time per token (the Numba call inside the handoff's
 answers, ``CachedExperts.cpu_s``) and the GPU's wait for those answers per token (the handoff's
 ``wait_ns``, summed over layers). ``--no-split`` loads without the split (one arm, ``off``): the
-graph without the handoff's kernels, the baseline the shares are measured against.
+graph without the handoff's kernels, the baseline the shares are measured against. The OpenMP
+wait policy is the ``moecache`` command's for the same flags (:func:`moecache.threads.openmp_wait_for_args`:
+active waiting with the split; a user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins); until the
+twenty-seventh session this script left libgomp's default spin instead.
 
     python bench/miss_split.py -m /tmp/q30.gguf --vram-budget 8GiB --routing uniform [--no-split]
 """
@@ -40,6 +43,11 @@ def main() -> None:
     ap.add_argument("--no-split", action="store_true", help="load without --miss-split: one arm, off")
     a = ap.parse_args()
 
+    from moecache.threads import openmp_wait_for_args
+
+    # the OpenMP wait policy the moecache command would give (active with --miss-split), before numba loads
+    print("OpenMP wait:", openmp_wait_for_args(([] if a.no_split else ["--miss-split"]) + ["-t", str(a.t)]),
+          file=sys.stderr)
     from moecache.cli.common import load_engine
     from moecache.settings import Settings
     from moecache.sizes import parse_size

@@ -14,7 +14,11 @@ first).
 kernel once per MoE layer, between two GPU stretches, and threads that went to sleep in between
 cost ~0.3 ms per layer to wake (H200 machine, 16 threads, Qwen3-30B-A3B-shaped model, op by op,
 ``bench/cpu_moe_step.py``: the kernel 1046 -> 748 µs per layer, decode 80.3 -> 64.0 ms per token
-with ``OMP_WAIT_POLICY=ACTIVE``).
+with ``OMP_WAIT_POLICY=ACTIVE``). ``--miss-split`` calls it the same way (a share of each layer's
+misses); before the twenty-seventh session it got the short spin, under which ``moecache bench
+--miss-split`` lost 15% at 8 GiB uniform routing while ``bench/miss_split.py``, in libgomp's
+default 300k-round spin, saw the split level with share 0 (bench/results/miss-split-h200.md;
+active waiting for the split is not measured yet).
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ def _ints(v: str) -> list[int] | None:
 
 
 def experts_on_cpu(argv: list[str]) -> bool:
-    """True if ``argv`` asks for routed experts on the CPU: ``--cpu-moe``/``-cmoe``, or
-    ``--n-cpu-moe``/``-ncmoe`` with a value other than 0 (the last one given; a list: any of it)."""
-    if any(a in ("--cpu-moe", "-cmoe") for a in argv):
+    """True if ``argv`` asks for routed experts on the CPU in every decode step: ``--cpu-moe``/``-cmoe``,
+    ``--n-cpu-moe``/``-ncmoe`` with a value other than 0 (the last one given; a list: any of it), or
+    ``--miss-split`` (the expert cache hands a share of each layer's misses to the CPU)."""
+    if any(a in ("--cpu-moe", "-cmoe", "--miss-split") for a in argv):
         return True
     vals = _values(argv, ("--n-cpu-moe", "-ncmoe"))
     n = _ints(vals[-1]) if vals else None

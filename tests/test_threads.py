@@ -21,6 +21,7 @@ from moecache import threads
     (["bench", "-ncmoe", "0,0"], False),
     (["bench", "-ncmoe", "0,8"], True),
     (["bench", "-ncmoe", "8", "-ncmoe", "0"], False),  # the last one given wins, as in click
+    (["bench", "--miss-split"], True),  # the CPU takes a share of the cache's misses every decode step
 ])
 def test_experts_on_cpu(argv, want):
     assert threads.experts_on_cpu(argv) is want
@@ -55,6 +56,9 @@ def test_users_setting_wins(monkeypatch):
     (["bench", "-ncmoe", "48", "-t", "16", "-t", "8"], "active"),  # the last one given wins
     (["bench", "-ncmoe", "48", "--threads=32"], "short spin"),
     (["bench", "-ncmoe", "48", "-ts", "3,1"], "active"),  # -ts is not -t
+    (["bench", "--vram-budget", "8GiB", "--miss-split", "-t", "15"], "active"),
+    (["bench", "--vram-budget", "8GiB", "--miss-split", "-t", "16"], "short spin"),
+    (["bench", "--vram-budget", "8GiB", "-t", "15"], "short spin"),  # the cache alone: the GPU reads the misses
 ])
 def test_active_waiting_leaves_a_core_free(monkeypatch, argv, want):
     for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
