@@ -81,6 +81,15 @@ def main() -> None:
                     "same rows; the engine's 8-bit dots take Q8_0, Q4_K, Q5_K and Q6_K experts)")
     ap.add_argument("--out", type=Path, help="write a markdown table here (and .jsonl beside it)")
     args = ap.parse_args()
+    from moecache.quants.int_dots import ROW_DOTS
+
+    for name in args.formats.split(",") + args.moe_formats.split(","):
+        if name not in FORMATS:
+            ap.error(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
+    float_only = [n for n in args.moe_formats.split(",") if n not in ROW_DOTS]
+    if float_only:  # the engine does the same: 8-bit activations, float kernel (moecache.quants.cpu.moe_ffn)
+        print(f"note: {', '.join(float_only)} experts have no integer dots: their 8-bit rows round the activations "
+              f"and take the float kernel", file=sys.stderr)
     numba.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     rows = []
@@ -170,7 +179,8 @@ def main() -> None:
                   "| experts | tokens | experts per token | activations | distinct experts | ms | expert GB/s | % of RAM read |",
                   "|---|---:|---:|---|---:|---:|---:|---:|"]
         for m in moe:
-            lines.append(f"| {m['format']} | {m['n_tokens']} | {m['experts_per_token']} | {'8-bit' if m['act_q8'] else 'float32'} | "
+            act = ("8-bit" if m["format"] in ROW_DOTS else "8-bit (float kernel)") if m["act_q8"] else "float32"
+            lines.append(f"| {m['format']} | {m['n_tokens']} | {m['experts_per_token']} | {act} | "
                          f"{m['distinct_experts']:.1f} | {m['ms']:.3f} | {m['gbps']:.1f} | {100 * m['frac_ram']:.0f}% |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -458,9 +458,10 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     # -t
     if settings.n_threads not in (None, 0):  # 0 = "physical cores"
         threads, reasons["n_threads"] = settings.n_threads, "-t given"
-    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe)):
-        # a core feeds each GPU: with experts on the CPU the Numba threads wait actively between
-        # layers (moecache/threads.py), and need a core left for the thread that drives the GPU
+    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe or settings.miss_split)):
+        # a core feeds each GPU: with experts on the CPU (or --miss-split, which the command gives
+        # the same active waiting) the Numba threads wait actively between layers
+        # (moecache/threads.py), and need a core left for the thread that drives the GPU
         threads = max(1, host.physical_cores - len(gpus))
         reasons["n_threads"] = f"{host.physical_cores} physical cores - 1 per GPU"
     else:

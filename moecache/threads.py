@@ -17,8 +17,8 @@ cost ~0.3 ms per layer to wake (H200 machine, 16 threads, Qwen3-30B-A3B-shaped m
 with ``OMP_WAIT_POLICY=ACTIVE``). ``--miss-split`` calls it the same way (a share of each layer's
 misses); before the twenty-seventh session it got the short spin, under which ``moecache bench
 --miss-split`` lost 15% at 8 GiB uniform routing while ``bench/miss_split.py``, in libgomp's
-default 300k-round spin, saw the split level with share 0 (bench/results/miss-split-h200.md;
-active waiting for the split is not measured yet).
+default 300k-round spin, saw the split level with share 0 (bench/results/miss-split-h200.md): a
+candidate cause of that loss, not a measured one; active waiting for the split is not measured yet.
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ def short_openmp_spin() -> None:
     """Set ``GOMP_SPINCOUNT`` unless ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` is already set."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
-
-
-# Flags that put routed experts on the CPU for every decode step (llama.cpp's names).
-CPU_EXPERT_FLAGS = ("--cpu-moe", "-cmoe", "--n-cpu-moe", "-ncmoe")
 
 
 def _values(argv: list[str], names: tuple[str, ...], attached: str | None = None) -> list[str]:

@@ -204,3 +204,26 @@ def test_prefetcher_for_covers_each_fused_dots_step():
         assert int_dots.prefetcher_for(step) is int_dots._PREFETCHERS[-(-step // 64)], name
     with pytest.raises(ValueError, match="bytes"):
         int_dots.prefetcher_for(64 * max(int_dots.PREFETCH_LINES) + 1)
+
+
+def test_float_dots_prefetch_except_those_measured_without():
+    """The float kernels' one-token step (``cpu.dot_step``) asks for the weights ahead in every
+    fused-dot format but those of ``cpu.FLOAT_DOTS_WITHOUT_PREFETCH`` (Q8_0: its rows read 79 GB/s
+    on the H200 without the prefetch and 44 with it, bench/results/kernels-h200-prefetch.md): the
+    compiled step's LLVM IR holds ``llvm.prefetch`` calls exactly when it should."""
+    from numba import njit
+
+    from moecache.quants import cpu
+    from moecache.quants.dots import DOTS
+
+    assert cpu.FLOAT_DOTS_WITHOUT_PREFETCH == {"Q8_0"}
+    for name in ("Q8_0", "Q4_K"):
+        assert name in DOTS
+        f = FORMATS[name]
+        fid = f.ggml_type
+        step = njit(lambda row, x, xs: cpu.dot_step(fid, row, 0, x, 0, xs, 0, 8))
+        step(np.zeros(2 * (256 // f.block_size) * f.type_size, np.uint8), np.zeros(512, np.float32),
+             np.zeros(16, np.float32))
+        text = "\n".join(step.inspect_llvm().values())
+        calls = sum("call void @llvm.prefetch" in line for line in text.splitlines())
+        assert (calls == 0) == (name in cpu.FLOAT_DOTS_WITHOUT_PREFETCH), (name, calls)

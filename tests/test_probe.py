@@ -49,6 +49,9 @@ CASES = [
     ("--cpu-moe on a GPU leaves a core", MOE_SMALL, [gpu(0, 24)], Settings(cpu_moe=True), (512, 0, 15, "mmap", False, 0)),
     ("-ncmoe on a GPU leaves a core", MOE_SMALL, [gpu(0, 24)], Settings(n_cpu_moe=4), (512, 0, 15, "mmap", False, 0)),
     ("--cpu-moe without a GPU: every core", MOE_SMALL, [], Settings(cpu_moe=True), (512, 0, 16, "mmap", False, None)),
+    # --miss-split gets active waiting too (threads.experts_on_cpu), even where no cache takes it up
+    ("--miss-split on a GPU leaves a core", MOE_SMALL, [gpu(0, 24)], Settings(miss_split=True),
+     (512, 0, 15, "mmap", False, 0)),
 ]
 
 

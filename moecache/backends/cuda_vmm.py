@@ -18,8 +18,6 @@ import ctypes
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from moecache.errors import MoecacheError
-
 CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
 CU_MEM_HANDLE_TYPE_NONE = 0x0
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
@@ -306,13 +304,13 @@ class ElasticSet:
 
     def _check_open(self, what: str) -> None:
         if self.closed:
-            raise MoecacheError(f"ElasticSet.{what}: the elastic slots' buffers are closed (their last array went away)")
+            raise RuntimeError(f"ElasticSet.{what}: the elastic slots' buffers are closed (their last array went away)")
 
     def lend(self) -> None:
         """After the context's queued work (a kernel may still read a slot there), the tail's memory
         goes back to the driver, where CuPy's pool may hand it to a prompt's arrays. Nothing may
         read or write the tail's slots past ``live`` until :meth:`take_back` maps them again.
-        Raises :class:`moecache.errors.MoecacheError` once a buffer is closed."""
+        Raises RuntimeError once a buffer is closed (a use after close: a bug)."""
         self._check_open("lend")
         if not any(b.mapped_end > b.tail_offset for b in self._buffers):
             return
@@ -332,7 +330,7 @@ class ElasticSet:
         has), the first ones first; their bytes undefined (they hold no expert). A buffer left
         mapped past the others (the driver ran out on the way) gives that part back. Returns
         ``live`` (unchanged when no more fit). Raises :class:`VmmError` for a driver error other
-        than out of memory; :class:`moecache.errors.MoecacheError` once a buffer is closed."""
+        than out of memory; RuntimeError once a buffer is closed."""
         self._check_open("take_back")
         before = self.live
         if before == self.tail:
