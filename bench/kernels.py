@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moecache.quants import cpu  # noqa: E402  (sets up numba first)
 from moecache.quants.formats import FORMATS  # noqa: E402
+from moecache.quants.int_dots import ROW_DOTS  # noqa: E402
 from moecache.probe import cpu_model  # noqa: E402
 from moecache.quants.random_blocks import random_rows  # noqa: E402
 
@@ -81,12 +82,11 @@ def main() -> None:
                     "same rows; the engine's 8-bit dots take Q8_0, Q4_K, Q5_K and Q6_K experts)")
     ap.add_argument("--out", type=Path, help="write a markdown table here (and .jsonl beside it)")
     args = ap.parse_args()
-    from moecache.quants.int_dots import ROW_DOTS
-
-    for name in args.formats.split(",") + args.moe_formats.split(","):
+    moe_formats = args.moe_formats.split(",")
+    for name in args.formats.split(",") + moe_formats:
         if name not in FORMATS:
             ap.error(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
-    float_only = [n for n in args.moe_formats.split(",") if n not in ROW_DOTS]
+    float_only = [n for n in moe_formats if n not in ROW_DOTS]
     if float_only:  # the engine does the same: 8-bit activations, float kernel (moecache.quants.cpu.moe_ffn)
         print(f"note: {', '.join(float_only)} experts have no integer dots: their 8-bit rows round the activations "
               f"and take the float kernel", file=sys.stderr)
@@ -123,7 +123,7 @@ def main() -> None:
     moe = []
     if not args.no_moe:
         n_expert, top_k, n_embd, n_ff = 128, 8, 2048, 768
-        for fname in args.moe_formats.split(","):
+        for fname in moe_formats:
             ef = FORMATS[fname]
             Wg = random_rows(ef, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
             Wu = random_rows(ef, n_expert * n_ff, n_embd, rng, std=0.02).reshape(n_expert, n_ff, -1)
