@@ -108,13 +108,19 @@ def llama_cmd(bin_: str, model: str, case: Case, ncmoe: int | None, reps: int, t
     return cmd
 
 
+STATIC = ("-ngl", "99", "--moe-cache", "0")  # --our-static: the budget's static placement, no cache
+
+
 def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin",
-             miss_split: bool = False, elastic_slots: bool = False) -> list[str]:
+             miss_split: bool = False, elastic_slots: bool = False, static: bool = False) -> list[str]:
     """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM;
     ``miss_split`` / ``elastic_slots``: ``--miss-split`` / ``--elastic-slots`` in the cases with an
-    expert cache)."""
+    expert cache; ``static``: those cases run with the cache off instead, ``--moe-cache 0``, so the
+    placement keeps as many layers' experts on the GPU as the budget holds and the CPU computes the
+    rest: llama.cpp's ``-ncmoe`` arm, with our N and kernels)."""
+    ours = STATIC if static and case.ours == CACHE else case.ours
     cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
-           "-t", str(threads), "-r", str(reps), "-o", "jsonl", *case.ours]
+           "-t", str(threads), "-r", str(reps), "-o", "jsonl", *ours]
     if case.d:
         cmd += ["-d", str(case.d)]
     if case.budget_mib:
@@ -125,11 +131,12 @@ def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_
         cmd += ["--load-mode", load_mode]
     if case.ub:
         cmd += ["-b", str(case.ub), "-ub", str(case.ub)]
-    if warmup and case.n and "--moe-cache" in case.ours and "-1" in case.ours:
+    cached = ours == CACHE
+    if warmup and case.n and cached:
         cmd += ["--n-gen-warmup", str(warmup)]
-    if miss_split and "--moe-cache" in case.ours and "-1" in case.ours:
+    if miss_split and cached:
         cmd += ["--miss-split"]
-    if elastic_slots and "--moe-cache" in case.ours and "-1" in case.ours:
+    if elastic_slots and cached:
         cmd += ["--elastic-slots"]
     return cmd
 
@@ -278,6 +285,8 @@ def experts_in_vram(rec: dict, case: Case, engine: str, ncmoe: int | None, facts
         return None
     if engine == "llama.cpp":
         return None if ncmoe is None else sum(1 for il in facts.moe_layers if il >= ncmoe) * facts.n_expert
+    if rec.get("moe_cache") == 0 and rec.get("host_expert_layers") is not None:  # --our-static
+        return max(0, len(facts.moe_layers) - rec["host_expert_layers"]) * facts.n_expert
     granted = rec.get("moe_cache_mib_granted")
     return None if granted is None else round(granted * MIB / facts.expert_bytes)
 
@@ -288,7 +297,8 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
     :func:`experts_in_vram`)."""
     return dict(run=run, case=case.name, engine=engine, test=case.test, avg_ts=rec.get("avg_ts"),
                 stddev_ts=rec.get("stddev_ts"), samples_ts=rec.get("samples_ts"),
-                n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("n_cpu_moe"),
+                n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("host_expert_layers", rec.get("n_cpu_moe")),
+                our_placement=None if engine == "llama.cpp" else "static" if rec.get("moe_cache") == 0 else "default",
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
                 build_commit=rec.get("build_commit"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -323,7 +333,8 @@ def render(rows: list[dict], run: str, header: str) -> str:
         ml, mu = median(ll), median(us)
         ratio_med = f"{mu / ml:.2f}" if ml and mu else "-"
         lpk = "-" if not ll else f"{ll['vram_peak_mib']}" + (f" ({ll['n_cpu_moe']})" if ll.get("n_cpu_moe") is not None else "")
-        upk = "-" if not us else str(us["vram_peak_mib"])
+        upk = "-" if not us else str(us["vram_peak_mib"]) + (f" ({us['n_cpu_moe']}, static)"
+                                                            if us.get("our_placement") == "static" else "")
         hr = "-" if not us or us.get("hit_rate") is None else f"{100 * us['hit_rate']:.1f}%"
         budget = (ll or us or {}).get("vram_budget_mib") or "-"
         test = (ll or us)["test"]
@@ -369,10 +380,14 @@ def main(argv: list[str] | None = None) -> int:
                     "computes a share of the misses)")
     ap.add_argument("--elastic-slots", action="store_true", help="our cache cases with --elastic-slots (opt-in: the "
                     "prompt-only part of the reserve as slots while decoding)")
+    ap.add_argument("--our-static", action="store_true", help="our cache cases with the cache off (--moe-cache 0): "
+                    "the budget's static placement, -ncmoe chosen by our planner; the row says (N, static)")
     ap.add_argument("--deadline-s", type=float, default=0, help="start no new case after this many seconds (0: none)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-llamacpp-h200")
     a = ap.parse_args(argv)
 
+    if a.our_static and (a.miss_split or a.elastic_slots):
+        ap.error("--our-static turns the expert cache off: --miss-split and --elastic-slots need it")
     t_start = time.perf_counter()
     unknown = [c for c in a.cases.split(",") if c not in CASES]
     if unknown:
@@ -421,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     ncmoe = st.ncmoe[key]["best"]
                 cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
                        else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode,
-                                     a.miss_split, a.elastic_slots))
+                                     a.miss_split, a.elastic_slots, a.our_static))
                 try:
                     with VramSampler() as s:
                         recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)

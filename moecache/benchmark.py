@@ -287,6 +287,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "miss_split": int(bool(getattr(eng, "miss_split", False))),  # --miss-split (asked for)
                     # --elastic-slots: the elastic slots placed (counted in moe_cache_mib_granted too)
                     "elastic_slots": sum(n for _, n in (getattr(pl, "elastic_slots", ()) if pl else ())),
+                    # MoE layers whose experts are in host RAM as placed (-ncmoe's N when the placement
+                    # chose it: --moe-cache 0 under --vram-budget)
+                    "host_expert_layers": host_expert_layers(eng) if pl is not None and pl.devices else None,
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
@@ -336,6 +339,16 @@ def release_gpu_memory() -> None:
     if cp is not None:
         cp.get_default_memory_pool().free_all_blocks()
         cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def host_expert_layers(eng: Any) -> int:
+    """The MoE layers of ``eng`` whose routed experts are not resident on a device: computed on the
+    CPU (``--cpu-moe``, ``-ncmoe``, or the layers a budget moved to the host with ``--moe-cache 0``)
+    or behind an expert cache. 0 when the model's experts are not placed per layer (no placement)."""
+    from moecache.moe.executor import DeviceExperts
+
+    ex = getattr(getattr(getattr(eng, "model", None), "experts", None), "executors", None) or {}
+    return sum(1 for e in ex.values() if not isinstance(e, DeviceExperts))
 
 
 def _slot_bytes(eng: Any) -> int:

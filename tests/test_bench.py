@@ -221,3 +221,18 @@ def test_bench_scripts_stay_off_sys_path():
     for f in sorted(here.glob("*.py")):
         for line in f.read_text().splitlines():
             assert not re.search(r"sys\.path\.(insert|append)\(.*bench", line), f"{f.name}: {line.strip()}"
+
+
+def test_host_expert_layers_counts_the_layers_not_resident_on_a_device():
+    """bench's ``host_expert_layers`` (vs_llamacpp.py --our-static's -ncmoe): the MoE layers whose
+    executor is not a DeviceExperts (CPU experts or an expert cache), from the placed executors."""
+    from types import SimpleNamespace
+
+    from moecache.benchmark import host_expert_layers
+    from moecache.moe.executor import CPUExperts, DeviceExperts, ExpertsByLayer
+
+    dev, cpu = object.__new__(DeviceExperts), CPUExperts({})
+    placed = ExpertsByLayer({il: cpu if il < 36 else dev for il in range(48)})
+    assert host_expert_layers(SimpleNamespace(model=SimpleNamespace(experts=placed))) == 36
+    assert host_expert_layers(SimpleNamespace(model=SimpleNamespace(experts=ExpertsByLayer({0: dev})))) == 0
+    assert host_expert_layers(SimpleNamespace(model=SimpleNamespace(experts=None))) == 0

@@ -535,7 +535,8 @@ def test_moe_prompt_chunks_under_a_skewed_router_match_numpy_twin(gpu, monkeypat
     g, u, d = random_experts((fmt,) * 3, n_exp, n_embd, ff, rng)
     tt = (fmt.ggml_type,) * 3
     h = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
-    logits = rng.standard_normal((n_tok, n_exp)) + 1.5 * rng.standard_normal(n_exp)  # popular experts
+    hot = rng.choice(n_exp, 3, replace=False)  # three popular experts: nearly every token takes them
+    logits = rng.standard_normal((n_tok, n_exp)) + 4.0 * np.isin(np.arange(n_exp), hot)
     r = topk_routing(np.exp(logits).astype(np.float32), k, True)
     counts = np.diff(r.groups()[1])
     assert counts.max() > 4 * np.median(counts)  # skewed
@@ -984,6 +985,33 @@ def test_cuda_graph_decode_with_cpu_experts_equals_op_by_op(gpu, tmp_path, prese
             assert (hf.hf.buf.done[hf.layers] == hf.seq).all() and hf.hf.buf.err[0] == 0
         else:
             assert g._cap.handoff is None and len(g._cap.cuts) == len(g._cap.segments) == len(host)
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+def test_cuda_graph_decode_with_cpu_experts_and_a_routing_process(gpu, tmp_path, handoff):
+    """-ncmoe under a routing process (``bench --routing``): the decode graph replays (the CPU-expert
+    layers read the drawn routes from the graph's buffers) and gives the op-by-op logits. Before,
+    every such step ran op by op without a word."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.moe.routing_process import make_routing
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import SynthConfig, write_model
+
+    path = tmp_path / "moe.gguf"
+    write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4}), seed=23)
+    opts = PlacementOptions(n_gpu_layers=99, moe_cache=0, n_cpu_moe=1)
+    outs = []
+    with Engine(path, EngineConfig(n_ctx=64), placement=opts, cuda_graph=False) as a, \
+            Engine(path, EngineConfig(n_ctx=64), placement=opts, graph_handoff=handoff) as b:
+        for eng in (a, b):
+            c = eng.gguf.config
+            eng.model.routing_override = make_routing("uniform", c.n_layer, c.n_expert, c.n_expert_used, seed=4)
+            outs.append(np.vstack([eng.eval(list(range(1, 6)))] + [eng.eval([t]) for t in range(20, 40)]))
+        g = b.model.decode_graph
+        assert a.model.decode_graph is None and g.failed is None and g.replays >= 19
+        assert (g._cap.handoff is not None) == handoff and g._cap.routes is not None
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(outs[0]).max())
 
 
 @pytest.mark.parametrize("t", [1, 3, 16])

@@ -91,6 +91,10 @@ def test_command_lines_follow_the_fairness_rules():
     assert "--miss-split" not in V.ours_cmd("m", g, 3, 15, 256, miss_split=True)  # no cache: nothing to split
     assert "--elastic-slots" not in us and "--elastic-slots" in V.ours_cmd("m.gguf", c, 3, 15, 256, elastic_slots=True)
     assert "--elastic-slots" not in V.ours_cmd("m", g, 3, 15, 256, elastic_slots=True)
+    st = V.ours_cmd("m.gguf", c, 3, 15, 256, static=True)  # --our-static: the budget's static placement
+    assert st[st.index("--moe-cache") + 1] == "0" and "-1" not in st and V.warmup_of(st) == 0
+    assert st[st.index("--vram-budget") + 1] == "8192MiB" and st[st.index("--load-mode") + 1] == "pin"
+    assert V.ours_cmd("m", g, 3, 15, 256, static=True) == V.ours_cmd("m", g, 3, 15, 256)  # no cache case: as is
     ub = V.llama_cmd("lb", "m", V.CASES["pinned-pp2048-ub2048"], 48, 3, 15)
     assert ub[ub.index("-ub") + 1] == "2048" and ub[ub.index("-b") + 1] == "2048"
     assert V.CASES["8g-tg64-d12620-qwen3-moe"].test == "tg64 @ d12620" and V.CASES["gpu-pp512"].test == "pp512"
@@ -164,10 +168,23 @@ def test_experts_in_vram_per_gib_of_budget():
                     V.row_of({"avg_ts": 5945.73, "samples_ts": [6083.61, 6070.29, 5683.30]}, "r", g, "moecache", 1, None, 0)],
                    "r", "# h")
     assert "| 0.83 | 0.78 |" in md3
+    # --our-static: every expert of the layers our planner left on the GPU (h200-s28: 36 of 48 on the CPU)
+    static = {"avg_ts": 70.0, "moe_cache": 0, "host_expert_layers": 36, "n_cpu_moe": 0, "moe_cache_mib_granted": 0.0}
+    assert V.experts_in_vram(static, c, "moecache", 0, facts) == 12 * 128
+    st_row = V.row_of(static, "r", c, "moecache", 5684, None, 0, 12 * 128)
+    assert st_row["n_cpu_moe"] == 36 and st_row["our_placement"] == "static" and rows[1]["our_placement"] == "default"
+    assert "| 5684 (36, static) | 8192 | - | 304 / 192 |" in V.render([rows[0], st_row], "r", "# h")
     x2 = V.CASES["x2-8g-tg128-uniform"]  # 8 GiB per GPU, two GPUs: per GiB of the 16 GiB in all
     md2 = V.render([V.row_of({"avg_ts": 1.0}, "r", x2, "llama.cpp", 8000, 10, 0, 4096),
                     V.row_of({"avg_ts": 1.0}, "r", x2, "moecache", 8000, None, 0, 2048)], "r", "# h")
     assert "| 256 / 128 |" in md2
+
+
+def test_our_static_refuses_the_cache_only_flags(capsys):
+    for flag in ("--miss-split", "--elastic-slots"):
+        with pytest.raises(SystemExit) as e:
+            V.main(["--llama-bench", "/bin/false", "--our-static", flag])
+        assert e.value.code == 2 and "--our-static turns the expert cache off" in capsys.readouterr().err
 
 
 def test_expert_facts_match_gguf_py(tmp_path):
