@@ -34,6 +34,32 @@ def short_openmp_spin() -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
 
 
+def waits_actively() -> bool:
+    """Whether this process's OpenMP threads wait actively (``OMP_WAIT_POLICY=ACTIVE``: set by
+    :func:`openmp_wait_for_args`, or the user's)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
+
+
+def one_thread_if_active() -> None:
+    """For a helper thread that calls Numba's parallel kernels beside the main thread's (the routing
+    process's draws ahead): run them on this thread alone while OpenMP waits actively.
+
+    GNU OpenMP gives each thread that opens a parallel region its own team, and the helper's team
+    stays alive with the helper. Measured on the development VM (2 cores, 2 Numba threads,
+    ``OMP_WAIT_POLICY=ACTIVE``): once a helper thread's 2-thread team existed, the main team's
+    worker stopped spinning between calls (the idle process's CPU time fell from 1.0 to 0.0 s per
+    second, so it slept and had to be woken for every call); with the helper at one thread it kept
+    spinning. Decode with CPU experts calls the kernel once per layer and relies on that spin
+    (``openmp_wait_for_args``: ~0.3 ms per layer to wake sleeping threads on the H200); on the H200,
+    decode at ``-ncmoe 36`` ran 51.6-59.1 t/s after a ``--routing`` prompt in the same process against
+    63.2 without one (``bench/results/static-h200-s28.md``), the cause this guards against, not yet
+    measured there. Call it in the helper thread (Numba's thread count is per thread)."""
+    if waits_actively():
+        from numba import set_num_threads
+
+        set_num_threads(1)
+
+
 def _values(argv: list[str], names: tuple[str, ...], attached: str | None = None) -> list[str]:
     """The values given to the flags ``names`` (``-x V``, ``-x=V``; ``attached``: also ``-xV`` with V
     digits and commas), in command-line order."""

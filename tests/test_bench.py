@@ -236,3 +236,28 @@ def test_host_expert_layers_counts_the_layers_not_resident_on_a_device():
     assert host_expert_layers(SimpleNamespace(model=SimpleNamespace(experts=placed))) == 36
     assert host_expert_layers(SimpleNamespace(model=SimpleNamespace(experts=ExpertsByLayer({0: dev})))) == 0
     assert host_expert_layers(SimpleNamespace(model=SimpleNamespace(experts=None))) == 0
+
+
+def test_after_prompt_runs_its_sequence_in_one_process(tmp_path, capsys, monkeypatch):
+    """bench/after_prompt.py on the CPU: one JSON row per test of --sequence, in order, each with a
+    speed; ``gc`` freezes Python's objects after a prompt (counted with the frozen ones)."""
+    import gc
+    import json
+
+    from moecache.testing.synth import PRESETS, write_model
+
+    mod = bench_scripts.load("after_prompt")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # the script's wait policy leaves this process's env as it was
+    model = tmp_path / "tiny.gguf"
+    write_model(model, PRESETS["tiny"], seed=1)
+    try:
+        mod.main(["-m", str(model), "-p", "8", "-n", "3", "-c", "64", "-t", "2", "--load-mode", "mmap",
+                  "--vram-budget", "0", "--sequence", "tg,pp,tg", "--after-prompt", "gc"])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert [r["test"] for r in rows] == ["tg3", "pp8", "tg3"] and all(r["t_s"] > 0 for r in rows)
+    assert rows[2]["gc_objects"] >= rows[0]["gc_objects"] // 2  # the frozen objects still counted
+    with pytest.raises(SystemExit):
+        mod.main(["-m", str(model), "--sequence", "tg,xx"])

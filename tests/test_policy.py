@@ -409,6 +409,33 @@ def test_passes_drawn_ahead_on_a_worker_give_the_same_choices():
         assert np.array_equal(got, ref_ids), n
 
 
+@pytest.mark.parametrize("policy", ["ACTIVE", None])
+def test_the_draw_ahead_worker_takes_one_numba_thread_under_active_waiting(monkeypatch, policy):
+    """Under OMP_WAIT_POLICY=ACTIVE the routing process's worker runs its Numba kernels on one thread
+    (a team of its own stopped the main team's spin: moecache.threads.one_thread_if_active), with the
+    same choices as a process that draws every pass when asked; otherwise it keeps Numba's count.
+    The main thread's count is never touched."""
+    import numba
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    main_threads = numba.get_num_threads()
+    a = RoutingProcess(PRESETS["uniform"], 4, 32, 4, seed=9)
+    b = RoutingProcess(PRESETS["uniform"], 4, 32, 4, seed=9)
+    b.draw_passes_ahead = True
+    for n in (12, 12, 12):
+        ref = np.stack([a.route(il, n).ids for il in range(4)])
+        assert np.array_equal(np.stack([b.route(il, n).ids for il in range(4)]), ref)
+    assert b._worker is not None
+    in_worker = b._worker.submit(numba.get_num_threads).result()
+    assert in_worker == (1 if policy == "ACTIVE" else main_threads)
+    assert numba.get_num_threads() == main_threads
+    b._drop_ahead()
+    b._worker.shutdown()
+
+
 def test_a_failed_draw_ahead_raises_in_the_pass_that_takes_it(monkeypatch):
     """An exception in the worker's draw reaches the caller of the pass that takes it (nothing
     fails silently), once: the generator is rewound and the pass after draws anew, the choices a

@@ -70,3 +70,30 @@ def test_no_active_waiting_without_the_gpu_stack(monkeypatch):
     for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(k, raising=False)
     assert threads.openmp_wait_for_args(["run", "--cpu-moe", "-t", "2"], n_cpus=16, gpu_stack=False) == "short spin"
+
+
+def test_one_thread_if_active_sets_the_calling_threads_numba_count(monkeypatch):
+    """one_thread_if_active: 1 Numba thread in the thread that calls it, only under active waiting
+    (ours or the user's OMP_WAIT_POLICY=active, any case); the other threads keep their count."""
+    import threading
+
+    import numba
+
+    main = numba.get_num_threads()
+    got = {}
+
+    def helper(key):
+        threads.one_thread_if_active()
+        got[key] = numba.get_num_threads()
+
+    for policy, want in (("ACTIVE", 1), (" active ", 1), ("PASSIVE", main), (None, main)):
+        if policy is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        else:
+            monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        t = threading.Thread(target=helper, args=(policy,))
+        t.start()
+        t.join()
+        assert got[policy] == want, policy
+        assert threads.waits_actively() is (policy in ("ACTIVE", " active "))
+    assert numba.get_num_threads() == main

@@ -31,6 +31,7 @@ import moecache.quants._numba_setup  # noqa: F401,I001 - numba's settings, befor
 from numba import njit, prange
 
 from moecache.moe.routing import Routing
+from moecache.threads import one_thread_if_active
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,10 @@ class RoutingProcess:
             self._before_ahead = self.rng.bit_generator.state
             if background:
                 if self._worker is None:  # its thread is joined at the interpreter's exit (not a daemon)
-                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="routing-draw")
+                    # under active OpenMP waiting, one Numba thread: a team of its own would stop the
+                    # main thread's team spinning (moecache.threads.one_thread_if_active)
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="routing-draw",
+                                                      initializer=one_thread_if_active)
                 fut = self._worker.submit(_draw, self, self.rng, self.x, n_tokens)
             else:  # on this thread: an exception (a KeyboardInterrupt too) propagates at once
                 fut = Future()
