@@ -13,7 +13,8 @@ thing after every prompt, to test a cause:
 - ``pools``: CuPy's default and page-locked memory pools give their free blocks back;
 - ``sleep``: 2 s idle (anything the prompt left running in the background finishes).
 
-Per test, one JSON line: t/s, the process's CPU seconds per second of wall time during the test
+Per test, one JSON line: t/s, the steps the decode graph replayed, the process's CPU seconds per
+second of wall time during the test
 (about the threads busy: spinning OpenMP workers show here), the threads of the process and those
 running when the test ended, Python's tracked objects (frozen ones included), and the bytes CuPy's default pool holds.
 The OpenMP wait policy is the ``moecache`` command's for the same flags
@@ -109,12 +110,22 @@ def main(argv: list[str] | None = None) -> None:
                         vram_budget=parse_size(a.vram_budget, "--vram-budget"), load_mode=a.load_mode,
                         routing=a.routing or None)
     eng = load_engine(a.model, settings, "bench").engine
+    try:
+        run_sequence(eng, seq, a)
+    finally:
+        eng.close()
+
+
+def run_sequence(eng, seq: list[str], a: argparse.Namespace) -> None:
+    """The tests of ``seq`` on ``eng``, one JSON row each on stdout (see the module docstring)."""
     rng = np.random.default_rng(0)
     vocab = eng.gguf.config.n_vocab
     eng.reset()
     eng.eval([1])  # the graph's capture and the kernels' first calls, outside every test
     for i, kind in enumerate(seq):
         eng.reset()
+        g = getattr(eng.model, "decode_graph", None)
+        r0 = g.replays if g is not None else 0
         c0, t0 = os.times(), time.perf_counter()
         if kind == "pp":
             eng.eval(rng.integers(0, vocab, a.p))
@@ -129,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                "cpu_per_wall": round((c1.user - c0.user + c1.system - c0.system) / dt, 2),
                "threads": threads, "running": running, "gc_objects": len(gc.get_objects()) + gc.get_freeze_count(),
                "cupy_pool_mib": None if pool_bytes() is None else round(pool_bytes() / 2**20),
-               "after_prompt": a.after_prompt}
+               "graph_steps": (g.replays - r0) if g is not None else None, "after_prompt": a.after_prompt}
         print(json.dumps(row), flush=True)
         if kind == "pp":
             after_prompt(a.after_prompt)

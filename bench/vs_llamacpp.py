@@ -275,7 +275,8 @@ def expert_facts(model: str) -> ExpertFacts | None:
         return ExpertFacts(tuple(il for il, e in enumerate(sz.experts) if e), m.config.n_expert, sz.expert_each)
 
 
-def experts_in_vram(rec: dict, case: Case, engine: str, ncmoe: int | None, facts: ExpertFacts | None) -> int | None:
+def experts_in_vram(rec: dict, case: Case, engine: str, ncmoe: int | None, facts: ExpertFacts | None,
+                    static: bool = False) -> int | None:
     """Routed experts a budget case's arm holds in VRAM (issue 19 asks for them per GiB of budget):
     llama.cpp's arm keeps every expert of the layers ``-ncmoe`` leaves on the GPU (the experts of
     layers 0 .. ncmoe - 1 go to the CPU); ours the expert cache's slots, ``moe_cache_mib_granted``
@@ -285,20 +286,24 @@ def experts_in_vram(rec: dict, case: Case, engine: str, ncmoe: int | None, facts
         return None
     if engine == "llama.cpp":
         return None if ncmoe is None else sum(1 for il in facts.moe_layers if il >= ncmoe) * facts.n_expert
-    if rec.get("moe_cache") == 0 and rec.get("host_expert_layers") is not None:  # --our-static
-        return max(0, len(facts.moe_layers) - rec["host_expert_layers"]) * facts.n_expert
+    if static:  # --our-static: every expert of the layers our planner kept on the GPU
+        n = rec.get("host_expert_layers")
+        return None if n is None else max(0, len(facts.moe_layers) - n) * facts.n_expert
     granted = rec.get("moe_cache_mib_granted")
     return None if granted is None else round(granted * MIB / facts.expert_bytes)
 
 
 def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int | None, warmup: int,
-           experts_vram: int | None = None) -> dict:
+           experts_vram: int | None = None, static: bool = False) -> dict:
     """A jsonl row of the spec from a llama-bench/``moecache bench`` record (plus ``experts_vram``:
-    :func:`experts_in_vram`)."""
+    :func:`experts_in_vram`; ``static``: our side ran ``--our-static``, its ``n_cpu_moe`` is the
+    placed ``host_expert_layers``)."""
     return dict(run=run, case=case.name, engine=engine, test=case.test, avg_ts=rec.get("avg_ts"),
                 stddev_ts=rec.get("stddev_ts"), samples_ts=rec.get("samples_ts"),
-                n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("host_expert_layers", rec.get("n_cpu_moe")),
-                our_placement=None if engine == "llama.cpp" else "static" if rec.get("moe_cache") == 0 else "default",
+                n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("host_expert_layers") if static
+                else rec.get("n_cpu_moe"),
+                our_placement=None if engine == "llama.cpp" else "static" if static else "default",
+                graph_steps=rec.get("graph_steps"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
                 build_commit=rec.get("build_commit"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -456,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             if not recs:
                 print(f"{name} ({engine}): no result (see {log})", flush=True)
                 continue
+            static = engine == "moecache" and a.our_static and case.ours == CACHE
             row = row_of(recs[-1], a.run, case, engine, s.peak_mib, ncmoe, warmup_of(cmd),
-                         experts_in_vram(recs[-1], case, engine, ncmoe, facts))
+                         experts_in_vram(recs[-1], case, engine, ncmoe, facts, static), static)
             st.rows.append(row)
             save()
             print(json.dumps({k: row[k] for k in ("case", "engine", "test", "avg_ts", "vram_peak_mib", "n_cpu_moe",

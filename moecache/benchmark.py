@@ -41,7 +41,8 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "miss_split",
               "elastic_slots",
-              "hit_rate", "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts")
+              "hit_rate", "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts", "host_expert_layers",
+              "graph_steps")
 
 
 MAX_LIST_VALUES = 1000  # values one bench flag may list (a range is expanded)
@@ -165,10 +166,15 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     llama-bench's: one ``n_prompt`` prompt and/or one generated token, no depth. Returns the samples
     in ns and the expert caches' counters over the timed parts only (depth prefills and warm-up
     excluded); ``totals["depth_ns"]`` sums the depth prefills' times (ns), which are outside the
-    samples, as in llama-bench."""
+    samples, as in llama-bench; ``totals["graph_steps"]`` counts the timed one-token steps replayed
+    as a CUDA graph (the rest ran op by op; 0 without a decode graph)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
-    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0, "depth_ns": 0}
+    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0, "depth_ns": 0, "graph_steps": 0}
+
+    def replays() -> int:
+        g = getattr(getattr(eng, "model", None), "decode_graph", None)
+        return int(getattr(g, "replays", 0)) if g is not None else 0
 
     def once() -> int:
         eng.reset()
@@ -178,12 +184,14 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             totals["depth_ns"] += time.perf_counter_ns() - t_depth
         for c in caches:
             c.reset_stats()
+        r0 = replays()
         t0 = time.perf_counter_ns()
         if test.n_prompt:
             eng.eval(rng.integers(0, vocab, test.n_prompt))
         for _ in range(test.n_gen):
             eng.eval([int(rng.integers(0, vocab))])
         ns = time.perf_counter_ns() - t0
+        totals["graph_steps"] += replays() - r0
         for c in caches:
             c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
         for k in ("hits", "misses", "uploads"):
@@ -238,12 +246,15 @@ def model_info(eng: Any) -> dict[str, Any]:
 
 
 def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: bool, n_gen_warmup: int,
-          make_engine: Callable[[BenchParams], Any], progress: Callable[[str], None] | None = None) -> list[Result]:
+          make_engine: Callable[[BenchParams], Any], progress: Callable[[str], None] | None = None,
+          say: Callable[[str], None] | None = None) -> list[Result]:
     """Run every test on every parameter combination (one engine per combination).
 
     Args:
         make_engine: builds the engine of a combination (the CLI's loader: placement, cache, routing).
         progress: told the name of each test as it starts.
+        say: told a note (one line) when a test's timed decode steps did not all replay the engine's
+            CUDA graph (they ran op by op: its speed is not the graph's).
     """
     results = []
     cpu_info = cpu_model()
@@ -295,7 +306,16 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
                     # and the decode after it from one prefill
                     "depth_ts": depth_ts(test, reps, tot["depth_ns"]),
+                    # timed one-token steps replayed as a CUDA graph, of n_gen x reps (the rest ran op by
+                    # op); None without a decode graph
+                    "graph_steps": tot["graph_steps"] if getattr(getattr(eng, "model", None), "decode_graph",
+                                                                 None) is not None else None,
                 }
+                dg = getattr(getattr(eng, "model", None), "decode_graph", None)
+                if dg is not None and test.n_gen and tot["graph_steps"] < test.n_gen * reps and say:
+                    op = test.n_gen * reps - tot["graph_steps"]
+                    say(f"note: {test.name}: {op} of {test.n_gen * reps} timed decode steps ran op by op, not as "
+                        f"the CUDA graph")
                 used = _gpu_used_bytes()
                 r.fields["vram_used_mib"] = round((used - base_vram) / 2**20) if used is not None and base_vram is not None \
                     else None

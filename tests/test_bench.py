@@ -261,3 +261,37 @@ def test_after_prompt_runs_its_sequence_in_one_process(tmp_path, capsys, monkeyp
     assert rows[2]["gc_objects"] >= rows[0]["gc_objects"] // 2  # the frozen objects still counted
     with pytest.raises(SystemExit):
         mod.main(["-m", str(model), "--sequence", "tg,xx"])
+
+
+def test_run_test_counts_the_timed_steps_replayed_as_a_graph_and_the_rows_carry_them():
+    """run_test's graph_steps: the timed one-token steps the decode graph replayed (a step run op by
+    op, as every -ncmoe step under --routing was before the twenty-eighth session, does not count;
+    neither do warm-up steps); bench's jsonl rows carry it and host_expert_layers."""
+    from types import SimpleNamespace
+
+    from moecache.benchmark import BenchTest, Result, render, run_test
+
+    class FakeEngine:
+        def __init__(self, every):
+            self.every, self.calls = every, 0
+            self.model = SimpleNamespace(decode_graph=SimpleNamespace(replays=0))
+            self.gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=10))
+
+        def reset(self):
+            pass
+
+        def eval(self, toks):
+            if len(toks) == 1:
+                self.calls += 1
+                if self.calls % self.every == 0:  # the graph replays every `every`-th step
+                    self.model.decode_graph.replays += 1
+
+    rng = np.random.default_rng(0)
+    t = BenchTest(n_prompt=0, n_gen=8, n_depth=0)
+    for every, want in ((1, 24), (2, 12)):
+        eng = FakeEngine(every)
+        _, tot = run_test(eng, t, 3, True, rng)  # the warm-up's one step is not timed
+        assert tot["graph_steps"] == want and eng.calls == 25
+    r = Result(fields={"host_expert_layers": 36, "graph_steps": 384}, samples_ns=[1], n_tokens=1)
+    row = json.loads(render([r], "jsonl", []).splitlines()[0])
+    assert row["host_expert_layers"] == 36 and row["graph_steps"] == 384

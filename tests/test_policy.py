@@ -417,11 +417,11 @@ def test_the_draw_ahead_worker_takes_one_numba_thread_under_active_waiting(monke
     The main thread's count is never touched."""
     import numba
 
+    main_threads = numba.get_num_threads()  # Numba's threads start here, before the policy changes
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
-    main_threads = numba.get_num_threads()
     a = RoutingProcess(PRESETS["uniform"], 4, 32, 4, seed=9)
     b = RoutingProcess(PRESETS["uniform"], 4, 32, 4, seed=9)
     b.draw_passes_ahead = True

@@ -170,9 +170,17 @@ def test_experts_in_vram_per_gib_of_budget():
     assert "| 0.83 | 0.78 |" in md3
     # --our-static: every expert of the layers our planner left on the GPU (h200-s28: 36 of 48 on the CPU)
     static = {"avg_ts": 70.0, "moe_cache": 0, "host_expert_layers": 36, "n_cpu_moe": 0, "moe_cache_mib_granted": 0.0}
-    assert V.experts_in_vram(static, c, "moecache", 0, facts) == 12 * 128
-    st_row = V.row_of(static, "r", c, "moecache", 5684, None, 0, 12 * 128)
+    assert V.experts_in_vram(static, c, "moecache", 0, facts, static=True) == 12 * 128
+    assert V.experts_in_vram({"host_expert_layers": None}, c, "moecache", 0, facts, static=True) is None
+    st_row = V.row_of(static, "r", c, "moecache", 5684, None, 0, 12 * 128, static=True)
     assert st_row["n_cpu_moe"] == 36 and st_row["our_placement"] == "static" and rows[1]["our_placement"] == "default"
+    # a default row keeps the flag's -ncmoe even when bench reports its cached layers (48 behind the cache)
+    cached = V.row_of({"avg_ts": 55.0, "n_cpu_moe": 0, "host_expert_layers": 48, "moe_cache": -1}, "r", c,
+                      "moecache", 6737, None, 256, 1850)
+    assert cached["n_cpu_moe"] == 0 and cached["our_placement"] == "default"
+    cpu = V.row_of({"avg_ts": 48.0, "n_cpu_moe": 999, "host_expert_layers": 48, "moe_cache": 0}, "r",
+                   V.CASES["cpu-moe-tg64"], "moecache", 1931, None, 0)
+    assert cpu["n_cpu_moe"] == 999 and cpu["our_placement"] == "default"  # --cpu-moe is not --our-static
     assert "| 5684 (36, static) | 8192 | - | 304 / 192 |" in V.render([rows[0], st_row], "r", "# h")
     x2 = V.CASES["x2-8g-tg128-uniform"]  # 8 GiB per GPU, two GPUs: per GiB of the 16 GiB in all
     md2 = V.render([V.row_of({"avg_ts": 1.0}, "r", x2, "llama.cpp", 8000, 10, 0, 4096),

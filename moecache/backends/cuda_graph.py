@@ -17,7 +17,8 @@ the launch on the graph's stream, the host's policy work while the graph runs). 
 (``--routing``, benchmarks) gives each replay a whole pass (every MoE layer's choices, the ones
 op-by-op decoding would get), copied into persistent device buffers the captured layers read; the
 next pass is drawn on the host while the current replay runs (``draw_ahead``). CPU-expert layers
-(below) take their routing from those buffers too: before, a routing process with ``-ncmoe`` made
+(below) take their routing from those buffers too in one-token steps (batched steps with both still
+run op by op: not tested on a GPU): before, a routing process with ``-ncmoe`` made
 every step run op by op, unsaid (``bench --routing``'s static arm at ``-ncmoe 36`` on the H200,
 Qwen3-30B-A3B shape: 13.65 t/s op by op, 70.66 in the graph; ``bench/results/static-h200-s28.md``).
 
@@ -268,7 +269,8 @@ class DecodeGraph:
     def takes_seqs(self, model: Any, kvs: list[Any]) -> bool:
         """Whether :meth:`run_seqs` replays (or captures) a graph for one token of each of ``kvs``:
         batched graphs on, no failed capture of this batch size (nor of the one-token step), no
-        route observers, CPU-expert layers only with the handoff (and then no pass hooks), caches that are slices of one cache, a batch the decode kernels and every pass
+        route observers, CPU-expert layers only with the handoff (and then no routing process or
+        pass hooks), caches that are slices of one cache, a batch the decode kernels and every pass
         hook's zero-copy path take."""
         return self._shared_if_taken(model, kvs) is not None
 
@@ -281,7 +283,8 @@ class DecodeGraph:
         if not self.batched or b > DECODE_MAX_TOKENS or b in self.batched_failed or self.failed is not None \
                 or model.route_observers:
             return None
-        if self.host_layers and (not self.handoff or model.pass_hooks):
+        # a routing process with CPU-expert layers: one-token steps only (batched ones not tested on a GPU)
+        if self.host_layers and (not self.handoff or model.routing_override is not None or model.pass_hooks):
             return None
         if not all(getattr(hk, "takes_zero_copy", lambda n: True)(b) for hk in model.pass_hooks):
             return None

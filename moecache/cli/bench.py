@@ -162,7 +162,7 @@ def bench_command(o: BenchOptions) -> None:
             prog.update(task, description=name, completed=started[0])
             started[0] += 1
 
-        results = bench(combos, tests, reps, o.warmup, n_gen_warmup, make_engine, progress)
+        results = bench(combos, tests, reps, o.warmup, n_gen_warmup, make_engine, progress, say=note)
         prog.update(task, completed=total)
     sys.stdout.write(render(results, output, shown))
     if any(r.fields.get("routing") for r in results):
