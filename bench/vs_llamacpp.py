@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 return 0
             ncmoe = case.ncmoe if isinstance(case.ncmoe, int) else None
+            static = engine == "moecache" and a.our_static and case.ours == CACHE  # --our-static's arm
             key = f"{case.budget_mib}:{case.p}+{case.n}@{case.d}:{case.ub or 512}:{case.gpus}"
             if engine == "llama.cpp" and case.ncmoe == "best" and key not in st.ncmoe:
                 def peak_at(k: int) -> int:  # the case's own test, once: the peak of the timed run's shape
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                     ncmoe = st.ncmoe[key]["best"]
                 cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
                        else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode,
-                                     a.miss_split, a.elastic_slots, a.our_static))
+                                     a.miss_split, a.elastic_slots, static))
                 try:
                     with VramSampler() as s:
                         recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)
@@ -461,7 +462,6 @@ def main(argv: list[str] | None = None) -> int:
             if not recs:
                 print(f"{name} ({engine}): no result (see {log})", flush=True)
                 continue
-            static = engine == "moecache" and a.our_static and case.ours == CACHE
             row = row_of(recs[-1], a.run, case, engine, s.peak_mib, ncmoe, warmup_of(cmd),
                          experts_in_vram(recs[-1], case, engine, ncmoe, facts, static), static)
             st.rows.append(row)

@@ -167,14 +167,12 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     in ns and the expert caches' counters over the timed parts only (depth prefills and warm-up
     excluded); ``totals["depth_ns"]`` sums the depth prefills' times (ns), which are outside the
     samples, as in llama-bench; ``totals["graph_steps"]`` counts the timed one-token steps replayed
-    as a CUDA graph (the rest ran op by op; 0 without a decode graph)."""
+    as a CUDA graph (the rest ran op by op; None without a decode graph)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
-    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0, "depth_ns": 0, "graph_steps": 0}
-
-    def replays() -> int:
-        g = getattr(getattr(eng, "model", None), "decode_graph", None)
-        return int(getattr(g, "replays", 0)) if g is not None else 0
+    graph = getattr(getattr(eng, "model", None), "decode_graph", None)
+    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0, "depth_ns": 0,
+              "graph_steps": 0 if graph is not None else None}
 
     def once() -> int:
         eng.reset()
@@ -184,14 +182,15 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             totals["depth_ns"] += time.perf_counter_ns() - t_depth
         for c in caches:
             c.reset_stats()
-        r0 = replays()
+        r0 = graph.replays if graph is not None else 0
         t0 = time.perf_counter_ns()
         if test.n_prompt:
             eng.eval(rng.integers(0, vocab, test.n_prompt))
         for _ in range(test.n_gen):
             eng.eval([int(rng.integers(0, vocab))])
         ns = time.perf_counter_ns() - t0
-        totals["graph_steps"] += replays() - r0
+        if graph is not None:
+            totals["graph_steps"] += graph.replays - r0
         for c in caches:
             c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
         for k in ("hits", "misses", "uploads"):
@@ -308,11 +307,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "depth_ts": depth_ts(test, reps, tot["depth_ns"]),
                     # timed one-token steps replayed as a CUDA graph, of n_gen x reps (the rest ran op by
                     # op); None without a decode graph
-                    "graph_steps": tot["graph_steps"] if getattr(getattr(eng, "model", None), "decode_graph",
-                                                                 None) is not None else None,
+                    "graph_steps": tot["graph_steps"],
                 }
-                dg = getattr(getattr(eng, "model", None), "decode_graph", None)
-                if dg is not None and test.n_gen and tot["graph_steps"] < test.n_gen * reps and say:
+                if tot["graph_steps"] is not None and tot["graph_steps"] < test.n_gen * reps and say:
                     op = test.n_gen * reps - tot["graph_steps"]
                     say(f"note: {test.name}: {op} of {test.n_gen * reps} timed decode steps ran op by op, not as "
                         f"the CUDA graph")

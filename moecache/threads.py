@@ -17,8 +17,9 @@ cost ~0.3 ms per layer to wake (H200 machine, 16 threads, Qwen3-30B-A3B-shaped m
 with ``OMP_WAIT_POLICY=ACTIVE``). ``--miss-split`` calls it the same way (a share of each layer's
 misses); before the twenty-seventh session it got the short spin, under which ``moecache bench
 --miss-split`` lost 15% at 8 GiB uniform routing while ``bench/miss_split.py``, in libgomp's
-default 300k-round spin, saw the split level with share 0 (bench/results/miss-split-h200.md): a
-candidate cause of that loss, not a measured one; active waiting for the split is not measured yet.
+default 300k-round spin, saw the split level with share 0 (bench/results/miss-split-h200.md). With
+active waiting (twenty-eighth session, run h200-s28b) the split made -1% at uniform routing and -17%
+at low-locality against the default: it still does not pay.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def one_thread_if_active() -> None:
     worker stopped spinning between calls (the idle process's CPU time fell from 1.0 to 0.0 s per
     second, so it slept and had to be woken for every call); with the helper at one thread it kept
     spinning. Decode with CPU experts calls the kernel once per layer and relies on that spin
-    (``openmp_wait_for_args``: ~0.3 ms per layer to wake sleeping threads on the H200); on the H200,
-    decode at ``-ncmoe 36`` ran 51.6-59.1 t/s after a ``--routing`` prompt in the same process against
-    63.2 without one (``bench/results/static-h200-s28.md``), the cause this guards against, not yet
-    measured there. Call it in the helper thread (Numba's thread count is per thread)."""
+    (``openmp_wait_for_args``: ~0.3 ms per layer to wake sleeping threads on the H200). Not measured
+    on the H200, where the evidence of a slower decode after a ``--routing`` prompt is mixed
+    (``bench/results/static-h200-s28.md``). Call it in the helper thread (Numba's thread count is per
+    thread)."""
     if waits_actively():
         from numba import set_num_threads
 
