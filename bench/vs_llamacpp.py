@@ -112,12 +112,14 @@ STATIC = ("-ngl", "99", "--moe-cache", "0")  # --our-static: the budget's static
 
 
 def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin",
-             miss_split: bool = False, elastic_slots: bool = False, static: bool = False) -> list[str]:
+             miss_split: bool = False, elastic_slots: bool = False, static: bool = False,
+             cache_plan: str = "expert") -> list[str]:
     """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM;
     ``miss_split`` / ``elastic_slots``: ``--miss-split`` / ``--elastic-slots`` in the cases with an
     expert cache; ``static``: those cases run with the cache off instead, ``--moe-cache 0``, so the
     placement keeps as many layers' experts on the GPU as the budget holds and the CPU computes the
-    rest: llama.cpp's ``-ncmoe`` arm, with our N and kernels)."""
+    rest: llama.cpp's ``-ncmoe`` arm, with our N and kernels; ``cache_plan``: ``--cache-plan`` in
+    the cases with an expert cache, when not "expert")."""
     ours = STATIC if static and case.ours == CACHE else case.ours
     cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
            "-t", str(threads), "-r", str(reps), "-o", "jsonl", *ours]
@@ -138,6 +140,8 @@ def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_
         cmd += ["--miss-split"]
     if elastic_slots and cached:
         cmd += ["--elastic-slots"]
+    if cache_plan != "expert" and cached:
+        cmd += ["--cache-plan", cache_plan]
     return cmd
 
 
@@ -302,8 +306,9 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
                 stddev_ts=rec.get("stddev_ts"), samples_ts=rec.get("samples_ts"),
                 n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("host_expert_layers") if static
                 else rec.get("n_cpu_moe"),
-                our_placement=None if engine == "llama.cpp" else "static" if static else "default",
-                graph_steps=rec.get("graph_steps"),
+                our_placement=None if engine == "llama.cpp" else "static" if static
+                else "layer plan" if rec.get("cache_plan") == "layer" else "default",
+                plan_cpu_layers=rec.get("plan_cpu_layers"), graph_steps=rec.get("graph_steps"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
                 build_commit=rec.get("build_commit"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -338,8 +343,10 @@ def render(rows: list[dict], run: str, header: str) -> str:
         ml, mu = median(ll), median(us)
         ratio_med = f"{mu / ml:.2f}" if ml and mu else "-"
         lpk = "-" if not ll else f"{ll['vram_peak_mib']}" + (f" ({ll['n_cpu_moe']})" if ll.get("n_cpu_moe") is not None else "")
-        upk = "-" if not us else str(us["vram_peak_mib"]) + (f" ({us['n_cpu_moe']}, static)"
-                                                            if us.get("our_placement") == "static" else "")
+        upk = "-" if not us else str(us["vram_peak_mib"]) + (
+            f" ({us['n_cpu_moe']}, static)" if us.get("our_placement") == "static"
+            else f" (layer plan, {us.get('plan_cpu_layers')} CPU layers)" if us.get("our_placement") == "layer plan"
+            else "")
         hr = "-" if not us or us.get("hit_rate") is None else f"{100 * us['hit_rate']:.1f}%"
         budget = (ll or us or {}).get("vram_budget_mib") or "-"
         test = (ll or us)["test"]
@@ -385,14 +392,18 @@ def main(argv: list[str] | None = None) -> int:
                     "computes a share of the misses)")
     ap.add_argument("--elastic-slots", action="store_true", help="our cache cases with --elastic-slots (opt-in: the "
                     "prompt-only part of the reserve as slots while decoding)")
+    ap.add_argument("--cache-plan", default="expert", choices=("expert", "layer"), help="our cache cases with "
+                    "--cache-plan (layer: opt-in, slots and miss paths per layer)")
     ap.add_argument("--our-static", action="store_true", help="our cache cases with the cache off (--moe-cache 0): "
                     "the budget's static placement, -ncmoe chosen by our planner; the row says (N, static)")
     ap.add_argument("--deadline-s", type=float, default=0, help="start no new case after this many seconds (0: none)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-llamacpp-h200")
     a = ap.parse_args(argv)
 
-    if a.our_static and (a.miss_split or a.elastic_slots):
-        ap.error("--our-static turns the expert cache off: --miss-split and --elastic-slots need it")
+    if a.our_static and (a.miss_split or a.elastic_slots or a.cache_plan != "expert"):
+        ap.error("--our-static turns the expert cache off: --miss-split, --elastic-slots and --cache-plan need it")
+    if a.miss_split and a.cache_plan != "expert":
+        ap.error("--cache-plan layer sets each layer's miss path itself: --miss-split goes without it")
     t_start = time.perf_counter()
     unknown = [c for c in a.cases.split(",") if c not in CASES]
     if unknown:
@@ -442,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                     ncmoe = st.ncmoe[key]["best"]
                 cmd = (llama_cmd(a.llama_bench, a.model, case, ncmoe, a.reps, a.threads) if engine == "llama.cpp"
                        else ours_cmd(a.model, case, a.reps, a.threads, a.n_gen_warmup, a.our_load_mode,
-                                     a.miss_split, a.elastic_slots, static))
+                                     a.miss_split, a.elastic_slots, static, a.cache_plan))
                 try:
                     with VramSampler() as s:
                         recs = run_jsonl(cmd, log, env if engine == "llama.cpp" else None)

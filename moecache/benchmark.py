@@ -40,7 +40,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
                       "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "miss_split",
-              "elastic_slots",
+              "elastic_slots", "cache_plan", "plan_cpu_layers",
               "hit_rate", "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts", "host_expert_layers",
               "graph_steps")
 
@@ -270,6 +270,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     eng.eval([int(rng.integers(0, eng.gguf.config.n_vocab))])
             pl = getattr(eng, "placement", None)
             slot_bytes = _slot_bytes(eng)
+            planned = [c for c in getattr(eng, "caches", ()) if getattr(c.policy, "layer_plan", False)]
             for test in tests:
                 if progress:
                     progress(f"{p.model.name} {test.name}")
@@ -297,6 +298,11 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "miss_split": int(bool(getattr(eng, "miss_split", False))),  # --miss-split (asked for)
                     # --elastic-slots: the elastic slots placed (counted in moe_cache_mib_granted too)
                     "elastic_slots": sum(n for _, n in (getattr(pl, "elastic_slots", ()) if pl else ())),
+                    # --cache-plan layer in effect (a cache whose policy follows a layer plan), and the
+                    # layers whose misses the plan sends to the CPU at the end of the test
+                    "cache_plan": "layer" if planned else "expert",
+                    "plan_cpu_layers": sum(int(c.policy.plan.cpu.sum()) for c in planned if c.policy.plan is not None)
+                    if planned else None,
                     # MoE layers whose experts are in host RAM as placed (-ncmoe's N when the placement
                     # chose it: --moe-cache 0 under --vram-budget)
                     "host_expert_layers": host_expert_layers(eng) if pl is not None and pl.devices else None,
@@ -409,7 +415,7 @@ def _params(n: int) -> str:
 # backend is the CPU, n_threads ("threads") on the CPU or when given, any other parameter when it
 # varies or differs from its default; then test and t/s. Ours follow llama-bench's.
 MD_ORDER = ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "type_k", "type_v", "n_cpu_moe", "load_mode",
-            "moe_cache", "vram_budget", "moe_cache_window", "routing", "miss_split", "elastic_slots", "n_gen_warmup")
+            "moe_cache", "vram_budget", "moe_cache_window", "routing", "miss_split", "elastic_slots", "cache_plan", "n_gen_warmup")
 MD_NAMES = {"n_gpu_layers": "ngl", "n_threads": "threads", "split_mode": "sm", "flash_attn": "fa",
             "tensor_split": "ts"}
 

@@ -268,8 +268,11 @@ class Engine:
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph, batch_graph, graph_handoff)
                     if any(c.handoff is not None for c in self.caches) and self.model.decode_graph is None:
-                        self.log("note: --miss-split ignored: the misses are split inside CUDA-graph decode "
-                                 "steps, and this run decodes op by op")
+                        flag = "--miss-split" if self.miss_split else "--cache-plan layer's CPU path"
+                        self.log(f"note: {flag} ignored: the misses are handed to the CPU inside CUDA-graph "
+                                 f"decode steps, and this run decodes op by op")
+                        for c in self.caches:
+                            c.policy.cpu_path = False  # a layer plan then reads every miss over the link
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             if config.n_batch < min(config.n_ubatch, self.n_ctx):
                 self.log(f"note: -ub {config.n_ubatch} is more than -b {config.n_batch}: {self.n_ubatch} "
@@ -351,7 +354,8 @@ class Engine:
             cache = CachedExperts(layers, bes[g], slots, CachePolicy(c.n_layer, c.n_expert, slots, self.policy_config),
                                   pl.offload_min_batch, top_k=c.n_expert_used, stage_misses=self.stage_misses,
                                   vram_limit=opts.vram_budget or None, log=self.log, act_q8=cpu_q8,
-                                  miss_split=self.miss_split, tail=tail if tail < slots else 0)
+                                  miss_split=self.miss_split or self.policy_config.layer_plan,
+                                  tail=tail if tail < slots else 0)
             if cache.zero_copy:
                 self.log(f"note: expert cache on GPU {g}: decode misses are read by the GPU from page-locked "
                          f"host RAM (zero-copy)")

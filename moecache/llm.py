@@ -59,6 +59,7 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
                                       ("--deterministic", bool(settings.deterministic)),
                                       ("--miss-split", bool(settings.miss_split)),
                                       ("--elastic-slots", bool(settings.elastic_slots)),
+                                      ("--cache-plan", settings.cache_plan != "expert"),
                                       ("--moe-profile", settings.moe_profile is not None)) if given]
     moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
                                     ("--n-cpu-moe", bool(placement.n_cpu_moe))) if given]
@@ -291,7 +292,7 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
             f"in all (not counted in any speed below; the model line's load time includes the decode kernels' "
             f"compile, not the prompt path's)")
     det = bool(settings.deterministic) or env.get("MOECACHE_DETERMINISTIC") == "1"
-    if det and any(getattr(c, "handoff", None) is not None for c in eng.caches):
+    if det and any(getattr(c, "handoff", None) is not None and not c.policy.layer_plan for c in eng.caches):
         once("note: --miss-split with --deterministic: the CPU's share of the misses is refit from measured "
              "waits, so which misses the CPU computes (8-bit activations) varies between runs; the cache's "
              "admissions stay deterministic")

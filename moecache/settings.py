@@ -63,8 +63,20 @@ DEFAULT_N_BATCH = 2048  # llama.cpp's -b
 DEFAULT_N_UBATCH = 512  # llama.cpp's -ub
 DEFAULT_CACHE_TYPE = "f16"  # llama.cpp's -ctk/-ctv
 # Numba expert kernel throughput per physical core (Q4_K, one token, bench/results/kernels-h200-cpu-dots.md:
-# 35.6 GB/s on 16 cores): the policy's estimate of a miss's CPU time
+# 35.6 GB/s on 16 cores): the per-expert policy's estimate of a miss's CPU time (its payback rule)
 CPU_EXPERT_BYTES_PER_CORE_S = 2.2e9
+# The layer plan's costs (moecache/moe/layer_plan.py), from the H200 machine's measurements of the 27th
+# and 28th sessions (2.65 MB Q4_K experts, 15 threads; bench/results/miss-split-h200.md, static-h200-s28.md):
+# - the CPU's time per expert in a layer's one call, per thread: the 8-bit prefetching kernels took
+#   0.29-0.31 ms for a layer's 8 experts (kernels-h200-prefetch.md), ~37 us each, 5.0 GB/s per thread;
+CPU_LAYER_BYTES_PER_THREAD_S = 5.0e9
+# - the fixed cost of a layer whose misses the CPU computes, per token: the miss split's host compute
+#   per miss fell from 77 us at 2 misses a layer to 50 at 5.6 and 8 (fit: ~70 us + ~35 us per expert);
+CPU_LAYER_FIXED_S = 70e-6
+# - the GPU's zero-copy reads of missed experts against the pinned host-to-device copy rate: 58-62 us per
+#   expert (43-46 GB/s) against 53 GB/s copies (probe-pcie.md).
+ZERO_COPY_FRACTION = 0.83
+CACHE_PLANS = ("expert", "layer")  # --cache-plan
 DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
 GPU_EXPERT_BYTES_S = 1e12  # the policy's estimate of a hit's GPU time (VRAM read rate)
 DEFAULT_WINDOW = 64  # --moe-cache-window when not given
@@ -105,6 +117,8 @@ class Settings:
         no_moe_profile: ``--no-moe-profile``: neither load nor save one.
         miss_split: ``--miss-split``: the expert cache's decode graphs hand a share of each layer's
             misses to the CPU (``Engine(miss_split=True)``; opt-in: measured slower on the H200, bench/results/miss-split-h200.md).
+        cache_plan: ``--cache-plan``: "expert" (the per-expert policy) or "layer" (the slots follow
+            a layer plan, each layer's misses on the link or the CPU: :mod:`moecache.moe.layer_plan`).
         elastic_slots: ``--elastic-slots``: the expert cache takes the part of the reserve that only
             prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: measured
             within an 8 GiB budget and +10-19% tg128 on the H200, run h200-s24b/c, but not yet run
@@ -137,6 +151,7 @@ class Settings:
     no_moe_profile: bool = False
     miss_split: bool = False
     elastic_slots: bool = False
+    cache_plan: str = "expert"
 
     def check(self) -> None:
         """Every check that needs neither the model nor the machine.
@@ -167,6 +182,10 @@ class Settings:
             raise ValueError("; ".join(bad))
         if self.moe_cache_window is not None and self.moe_cache_window < 1:
             raise ValueError(f"--moe-cache-window must be >= 1, got {self.moe_cache_window}")
+        if self.cache_plan not in CACHE_PLANS:
+            raise ValueError(f"--cache-plan must be {' or '.join(CACHE_PLANS)}, got {self.cache_plan!r}")
+        if self.cache_plan == "layer" and self.miss_split:
+            raise ValueError("--cache-plan layer sets each layer's miss path itself: --miss-split goes without it")
         if self.load_mode is not None and self.load_mode.lower() not in ("auto", *LOAD_MODES):
             raise ValueError(f"--load-mode must be mmap, pin or auto, got {self.load_mode!r}")
 
@@ -321,9 +340,10 @@ def pin_fits(model_bytes: int, ram_available: int, ram_total: int) -> bool:
 
 
 def policy_config(expert_bytes: int, probe: Probe, *, window: int | None, deterministic: bool, n_threads: int,
-                  prompt_gpu: int | None) -> PolicyConfig:
+                  prompt_gpu: int | None, layer_plan: bool = False) -> PolicyConfig:
     """The cache policy's costs (seconds per expert) from the expert size (bytes), the threads and
-    the measured pinned link of the prompt GPU (fixed values when ``deterministic``)."""
+    the measured pinned link of the prompt GPU (fixed values when ``deterministic``); ``layer_plan``:
+    ``--cache-plan layer``."""
     from moecache.moe.policy import PolicyConfig
 
     link = 0.0
@@ -332,7 +352,9 @@ def policy_config(expert_bytes: int, probe: Probe, *, window: int | None, determ
     link = link or DETERMINISTIC_LINK_BYTES_S
     cores = n_threads if deterministic else max(1, n_threads)
     return PolicyConfig(window=window or DEFAULT_WINDOW, t_cpu=expert_bytes / (CPU_EXPERT_BYTES_PER_CORE_S * cores),
-                        t_gpu=expert_bytes / GPU_EXPERT_BYTES_S, t_upload=expert_bytes / link, adaptive=not deterministic)
+                        t_gpu=expert_bytes / GPU_EXPERT_BYTES_S, t_upload=expert_bytes / link, adaptive=not deterministic,
+                        layer_plan=layer_plan, t_link=expert_bytes / (ZERO_COPY_FRACTION * link),
+                        t_cpu_layer=expert_bytes / (CPU_LAYER_BYTES_PER_THREAD_S * cores), t_fixed=CPU_LAYER_FIXED_S)
 
 
 def _big_moe_ctx(model: ModelFacts, free_total: int, n_gpus: int) -> tuple[int, str]:
@@ -458,7 +480,8 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     # -t
     if settings.n_threads not in (None, 0):  # 0 = "physical cores"
         threads, reasons["n_threads"] = settings.n_threads, "-t given"
-    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe or settings.miss_split)):
+    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe or settings.miss_split
+                                            or settings.cache_plan == "layer")):
         # a core feeds each GPU: with experts on the CPU (or --miss-split, which the command gives
         # the same active waiting) the Numba threads wait actively between layers
         # (moecache/threads.py), and need a core left for the thread that drives the GPU
@@ -502,7 +525,7 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     if model.expert_each:
         det = bool(settings.deterministic) or (environ or {}).get("MOECACHE_DETERMINISTIC") == "1"
         policy = policy_config(model.expert_each, probe, window=settings.moe_cache_window, deterministic=det,
-                               n_threads=threads, prompt_gpu=prompt_gpu)
+                               n_threads=threads, prompt_gpu=prompt_gpu, layer_plan=settings.cache_plan == "layer")
         reasons["policy"] = ("fixed costs (--deterministic)" if det else
                              "costs from the expert size, the threads and the measured link")
     return Resolved(n_ctx=ctx, n_batch=n_batch, n_ubatch=ub, n_threads=threads, cache_type=settings.kv_type(),

@@ -86,8 +86,9 @@ def _ints(v: str) -> list[int] | None:
 def experts_on_cpu(argv: list[str]) -> bool:
     """True if ``argv`` asks for routed experts on the CPU in every decode step: ``--cpu-moe``/``-cmoe``,
     ``--n-cpu-moe``/``-ncmoe`` with a value other than 0 (the last one given; a list: any of it), or
-    ``--miss-split`` (the expert cache hands a share of each layer's misses to the CPU)."""
-    if any(a in ("--cpu-moe", "-cmoe", "--miss-split") for a in argv):
+    ``--miss-split`` (the expert cache hands a share of each layer's misses to the CPU) or
+    ``--cache-plan layer`` (the layer plan hands whole layers' misses to it)."""
+    if any(a in ("--cpu-moe", "-cmoe", "--miss-split") for a in argv) or "layer" in _values(argv, ("--cache-plan",)):
         return True
     vals = _values(argv, ("--n-cpu-moe", "-ncmoe"))
     n = _ints(vals[-1]) if vals else None

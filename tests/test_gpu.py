@@ -1188,7 +1188,7 @@ def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, synth: dict 
 CHURN = dict(window=4, min_residency=1, hysteresis=0.0, t_upload=1e-9)  # admit eagerly: the cache churns
 
 
-@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged", "pin-ahead", "pin-split"])
+@pytest.mark.parametrize("load_mode", ["mmap", "pin", "pin-staged", "pin-ahead", "pin-split", "pin-plan"])
 def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_mode):
     """The expert cache with real streams: a --vram-budget that leaves room for a third of the
     experts; every decode step's logits equal the CPU's while experts are uploaded and evicted.
@@ -1201,17 +1201,21 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
     layer's first group copied during this layer, into the group buffer kept free for it); the
     first decode step after the prompt fills the empty slots with the prompt's most-used experts; a
     last prompt reads the resident experts in their slots. pin-split: miss_split, with the CPU held
-    at two misses per token (never judged late), so the graph's handoffs run on every layer."""
+    at two misses per token (never judged late), so the graph's handoffs run on every layer.
+    pin-plan: --cache-plan layer, the link priced out so that every layer with misses sends them
+    all to the CPU through the graph's handoff, the plan remade every 4 tokens."""
     stage = load_mode == "pin-staged"
     ahead = load_mode == "pin-ahead"
     split = load_mode == "pin-split"
-    load_mode = load_mode.removesuffix("-staged").removesuffix("-ahead").removesuffix("-split")
+    planned = load_mode == "pin-plan"
+    load_mode = load_mode.removesuffix("-staged").removesuffix("-ahead").removesuffix("-split").removesuffix("-plan")
     from moecache.moe.policy import PolicyConfig
 
     rng = np.random.default_rng(5)
-    with _cache_pair(tmp_path, 21, load_mode, PolicyConfig(**CHURN), stage_misses=stage, miss_split=split) as (ref, eng):
+    cfg = PolicyConfig(**CHURN, layer_plan=True, t_link=1e-3) if planned else PolicyConfig(**CHURN)
+    with _cache_pair(tmp_path, 21, load_mode, cfg, stage_misses=stage, miss_split=split) as (ref, eng):
         cache = eng.caches[0]
-        assert (cache.handoff is not None) == split
+        assert (cache.handoff is not None) == (split or planned) and cache.policy.layer_plan == planned
         if split:
             cache.split.ncpu[:] = 2
             cache.split.late_ns = 10**15
@@ -1240,9 +1244,18 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
                 # step) filled the empty slots with the prompt's most-used experts
                 print(f"{load_mode}: {eng.placement.cache_slots[0][1]} slots, the prompt used {used} experts, "
                       f"{cache.prompt_fills} loaded after it")
-                assert cache.prompt_fills == min(used, eng.placement.cache_slots[0][1])
+                if planned:  # the plan made from the prompt's usage, in slots
+                    assert cache.prompt_fills == cache.policy.plan.target.sum() > 0
+                else:
+                    assert cache.prompt_fills == min(used, eng.placement.cache_slots[0][1])
         s = cache.stats
-        assert s.hits > 0 and s.misses > 0 and s.uploads > eng.placement.cache_slots[0][1]
+        assert s.hits > 0 and s.misses > 0
+        assert planned or s.uploads > eng.placement.cache_slots[0][1]
+        if planned:  # the plan's CPU layers' misses went to the CPU inside the replayed graphs
+            print(f"plans {cache.policy.plans}, slots {cache.policy.plan.slots.tolist()}, cpu misses {s.cpu_misses}")
+            assert cache.policy.plans >= 2 and cache.split.planned and s.cpu_misses > 0
+            np.testing.assert_array_equal(cache.split.ncpu, np.where(cache.policy.plan.cpu, 4, 0))
+            assert cache.handoff.buf.err[0] == 0
         if stage:  # the scratch starts zeroed: staged misses wrote into it
             assert bool(cache.scratch[0].any()) and bool(cache.scratch[2].any())
         if split:  # the replays handed misses to the CPU on every cached layer

@@ -75,6 +75,7 @@ class BenchOptions:
     cache_type_v: str | None = None
     miss_split: bool = False  # --miss-split (one value for the whole bench)
     elastic_slots: bool = False  # --elastic-slots (one value for the whole bench)
+    cache_plan: str = "expert"  # --cache-plan (one value for the whole bench)
 
 
 def bench_command(o: BenchOptions) -> None:
@@ -132,6 +133,8 @@ def bench_command(o: BenchOptions) -> None:
         shown.append("miss_split")
     if o.elastic_slots:
         shown.append("elastic_slots")
+    if o.cache_plan != "expert":
+        shown.append("cache_plan")
     need = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
     if ctx_size is not None and ctx_size < need:
         raise UserError(f"-c {ctx_size}: the tests need {need} tokens of context (depth + prompt + generated + "
@@ -145,7 +148,7 @@ def bench_command(o: BenchOptions) -> None:
                             vram_budget=p.vram_budget, cache_type=cache_type,
                             load_mode=None if p.load_mode == "auto" else p.load_mode,
                             moe_cache_window=p.moe_cache_window, routing=p.routing, miss_split=o.miss_split,
-                            elastic_slots=o.elastic_slots)
+                            elastic_slots=o.elastic_slots, cache_plan=o.cache_plan)
         return load_engine(p.model, settings, "bench", said=said).engine
 
     from rich.console import Console

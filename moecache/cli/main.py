@@ -97,6 +97,12 @@ MissSplitOpt = Annotated[bool, typer.Option("--miss-split", help="Expert cache w
                                             "hand a share of each layer's misses to the CPU inside the CUDA graph, "
                                             "the share refit per layer from the measured wait (opt-in; "
                                             "measured slower on the H200).")]
+CachePlanOpt = Annotated[str, typer.Option("--cache-plan", help="Expert cache with --load-mode pin: expert = slots "
+                                           "follow each expert's usage; layer = slots follow a plan per layer, "
+                                           "recomputed every --moe-cache-window tokens: whole layers at flat "
+                                           "routing, hot sets with local routing, each layer's misses read over "
+                                           "PCIe or computed on the CPU, whichever is predicted cheaper "
+                                           "(opt-in while measured).")]
 ElasticOpt = Annotated[bool, typer.Option("--elastic-slots", help="Expert cache filling the free VRAM: the part of "
                                           "the reserve that only prompts use (all of it but 384 MiB) becomes "
                                           "elastic slots, experts while decoding; their memory goes back to the "
@@ -200,6 +206,7 @@ def run(
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
     miss_split: MissSplitOpt = False,
+    cache_plan: CachePlanOpt = "expert",
     elastic_slots: ElasticOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
@@ -236,7 +243,7 @@ def run(
                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                              flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
-                             no_moe_profile=no_moe_profile, miss_split=miss_split, elastic_slots=elastic_slots)
+                             no_moe_profile=no_moe_profile, miss_split=miss_split, cache_plan=cache_plan, elastic_slots=elastic_slots)
         opts = RunOptions(model=model, prompt=prompt, file=file, n_predict=n_predict, conversation=conversation,
                           system=system, chat_template=chat_template, as_json=as_json, escape=escape, special=special,
                           verbose=verbose, display_prompt=not no_display_prompt)
@@ -329,6 +336,7 @@ def serve(
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
     miss_split: MissSplitOpt = False,
+    cache_plan: CachePlanOpt = "expert",
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -358,7 +366,7 @@ def serve(
                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                              flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
-                             no_moe_profile=no_moe_profile, miss_split=miss_split)
+                             no_moe_profile=no_moe_profile, miss_split=miss_split, cache_plan=cache_plan)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose,
                                    timeout=timeout),
@@ -399,6 +407,7 @@ def bench(
     cache_type_v: CacheTypeVOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
     miss_split: MissSplitOpt = False,
+    cache_plan: CachePlanOpt = "expert",
     elastic_slots: ElasticOpt = False,
     version: VersionOpt = None,
 ) -> None:
@@ -412,7 +421,7 @@ def bench(
                                    moe_cache=moe_cache, vram_budget=vram_budget, window=moe_cache_window,
                                    routing=routing, n_gen_warmup=n_gen_warmup, warmup=not no_warmup,
                                    load_mode=load_mode, output=output, ctx_size=ctx_size, cache_type_k=cache_type_k,
-                                   cache_type_v=cache_type_v, miss_split=miss_split, elastic_slots=elastic_slots))
+                                   cache_type_v=cache_type_v, miss_split=miss_split, cache_plan=cache_plan, elastic_slots=elastic_slots))
     _user_errors(body)
 
 

@@ -407,6 +407,14 @@ class CachedExperts:
             self._split_compute(self._first, np.zeros((1, n_embd), np.float32), ids, np.ones((1, top_k), np.float32),
                                 np.zeros((1, n_embd), np.float32))
             self.cpu_s[self._first] = 0.0
+        if policy.layer_plan and self.split is not None:
+            self.split.set_shares(np.zeros(n_layer, np.int32))  # the plan sets them (link until it exists)
+        if policy.layer_plan and self.split is None:
+            # the plan's CPU path is the handoff inside decode graphs: without it, per-expert admissions
+            why = (self.zero_copy_why or "not a GPU") if not self.zero_copy else "no host handoff"
+            self.log(f"note: --cache-plan layer ignored: the layer plan sends misses to the CPU through the "
+                     f"zero-copy path's host handoff, which is off ({why}); per-expert admissions instead")
+            policy.layer_plan = False
         self.scratch = None  # stage_misses: (gate, up, down) arrays of 2 * top_k experts on the backend
         if stage_misses and self.zero_copy:
             g, u, d, _ = main
@@ -489,6 +497,7 @@ class CachedExperts:
         rows = sorted(il for il in self.cached_layers if il < usage.shape[0])
         mine[rows] = usage[rows, :mine.shape[1]]
         adm = self.policy.preload(mine)
+        self._plan_paths()
         self._load(adm, t_end)
         return len(adm)
 
@@ -529,6 +538,7 @@ class CachedExperts:
             return 0
         t_end = time.perf_counter() + timeout_s
         adm = self.policy.preload(self.policy.usage.copy())
+        self._plan_paths()
         self._load(adm, t_end)
         self.prompt_fills += len(adm)
         return len(adm)
@@ -680,6 +690,15 @@ class CachedExperts:
         self.split.fix(share)
         self._ncpu_dirty = True
 
+    def _plan_paths(self) -> None:
+        """The layer plan's miss paths to the split: every miss of a layer the plan puts on the CPU
+        goes there (share ``top_k``), none of the others' (from the next pass on)."""
+        plan = self.policy.plan
+        if self.split is None or plan is None:
+            return
+        self.split.set_shares(np.where(plan.cpu[:self.split.n_layer], self.split.k, 0).astype(np.int32))
+        self._ncpu_dirty = True
+
     def launched(self) -> None:
         """While a pass runs on the device: account the finished passes (:meth:`flush`), which feeds
         the policy and starts the admitted uploads while the device is busy. A replayed decode graph
@@ -719,11 +738,14 @@ class CachedExperts:
             self.stats.hits += n_hit
             self.stats.misses += hit.size - n_hit
             self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
+            if self.policy.replan():
+                self._plan_paths()
             if not admit:
                 continue
             flat, missed = lids.reshape(layers.size, -1), ~hit.reshape(layers.size, -1)
             for i in np.flatnonzero(self.policy.may_admit(layers, flat, missed)).tolist():
                 self._apply(self.policy.decide(int(layers[i]), flat[i][missed[i]]))
+            self._apply(self.policy.fill_plan())  # a layer plan's experts not missed yet (none without one)
 
     def end_pass(self) -> None:
         """After a pass's output reached the host: bring its routing log to the host (processed by the

@@ -288,7 +288,8 @@ class SplitControl:
     paths. One share per layer serves every batch size (a batch's tokens each take up to ``ncpu``).
 
     :meth:`fix` pins every layer's share (a benchmark's sweep, ``bench/miss_split.py``): ``update``
-    then changes nothing until ``fix(None)``.
+    then changes nothing until ``fix(None)``. :meth:`set_shares` sets each layer's share from the
+    expert cache's layer plan (``--cache-plan layer``: 0 or ``k``); ``update`` then changes nothing.
     """
 
     n_layer: int
@@ -302,6 +303,7 @@ class SplitControl:
     every: np.ndarray = field(init=False)
     probed: np.ndarray = field(init=False)
     fixed: int | None = field(init=False, default=None)
+    planned: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self.ncpu = np.zeros(self.n_layer, np.int32)
@@ -312,7 +314,7 @@ class SplitControl:
     def update(self, layers: list[int], count: np.ndarray, n_miss: np.ndarray, wait_ns: np.ndarray) -> bool:
         """After a pass: ``layers`` that posted, and per layer (arrays indexed by layer) the CPU's
         pairs, the misses and the GPU's wait in ns. Returns whether ``ncpu`` changed."""
-        if self.fixed is not None:
+        if self.fixed is not None or self.planned:
             return False
         changed = False
         for il in layers:
@@ -337,6 +339,15 @@ class SplitControl:
                 self.calm[il] = 0
             self.probed[il] = False
         return changed
+
+    def set_shares(self, ncpu: np.ndarray) -> None:
+        """Each layer's share from a plan (int (n_layer,), each in [0, k], else ValueError); the
+        shares stay until the next call (``update`` does not refit them)."""
+        ncpu = np.asarray(ncpu)
+        if ncpu.shape != self.ncpu.shape or (ncpu < 0).any() or (ncpu > self.k).any():
+            raise ValueError(f"set_shares: expected {self.ncpu.shape[0]} shares in [0, {self.k}], got {ncpu}")
+        self.planned = True
+        self.ncpu[:] = ncpu
 
     def fix(self, share: int | None) -> None:
         """Pin every layer's share to ``share`` misses per token (0 to ``k``, else ValueError), or

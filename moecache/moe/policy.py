@@ -23,16 +23,32 @@ Victims are the least-used residents of any layer. The policy only decides, and 
 expert as resident at once; the executor (:mod:`moecache.moe.cache`) copies it and publishes the
 slot when the copy completed.
 Source of the rule: ../shared/design.md ("swap only when it pays back").
+
+With ``layer_plan`` (``--cache-plan layer``) the slots follow a **layer plan** instead
+(:mod:`moecache.moe.layer_plan`): every ``window`` tokens :meth:`CachePolicy.replan` computes the
+slots per layer and the experts to hold that minimise the misses' predicted cost, each layer's
+misses on the link or on the CPU (whole layers at flat routing, hot sets with local routing), and
+adopts it when its saving over ``window`` tokens pays for the uploads it needs. A missed expert is
+admitted only if the plan holds it, in place of the least-used resident the plan does not hold
+(``min_residency`` and the upload credit as above); the executor sends the misses of the layers the
+plan puts on the CPU there (:attr:`CachePolicy.plan`'s ``cpu``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moecache.moe.layer_plan import LayerPlan, MissCosts, held_cost, plan_layers
 from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
 
 import numpy as np
 from numba import njit
+
+# the layer plan's horizon: a plan is adopted when its predicted saving over this many windows pays for the
+# uploads it needs (the usage's time constant is one window, but a stable routing keeps a plan's saving
+# much longer; over one window, a plan made from the first, noisy usage was never replaced at flat routing)
+PLAN_HORIZON_WINDOWS = 4
+NOISE_MARGIN = 2.0  # the layer plan's usage shrinkage counts the sampling noise this many times (_shrunk)
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,10 @@ class PolicyConfig:
         min_residency: tokens an admitted expert is safe from eviction.
         adaptive: let the executor set the budget from measured token times (the CLI turns it on
             unless ``--deterministic``; False: the fixed count).
+        layer_plan: ``--cache-plan layer``: the slots follow a layer plan (see the module's text).
+        t_link: the layer plan's cost of one miss the GPU reads over PCIe (zero-copy).
+        t_cpu_layer: the layer plan's cost of one miss in a layer's one CPU call.
+        t_fixed: the layer plan's fixed cost of a layer whose misses go to the CPU (per token).
     """
 
     window: int = 64
@@ -61,11 +81,15 @@ class PolicyConfig:
     hysteresis: float = 0.5
     min_residency: int = 4
     adaptive: bool = False
+    layer_plan: bool = False
+    t_link: float = 60e-6
+    t_cpu_layer: float = 35e-6
+    t_fixed: float = 70e-6
 
     def validate(self) -> None:
         if self.window < 1:
             raise ValueError(f"--moe-cache-window must be >= 1 token, got {self.window}")
-        if min(self.t_cpu, self.t_gpu, self.t_upload) < 0 or self.uploads_per_token < 0:
+        if min(self.t_cpu, self.t_gpu, self.t_upload, self.t_link, self.t_cpu_layer, self.t_fixed) < 0 or self.uploads_per_token < 0:
             raise ValueError("policy times and the upload budget must be >= 0")
 
 
@@ -103,6 +127,12 @@ class CachePolicy:
         self.uploads = 0
         self.uploads_per_token = config.uploads_per_token
         self._vc: tuple[int, int] | None | bool = False  # the victim, cached until usage or residency changes
+        # the layer plan (config.layer_plan): on while the executor can use it (it may turn it off)
+        self.layer_plan = config.layer_plan
+        self.cpu_path = True  # the executor can send a layer's misses to the CPU (MissCosts.cpu)
+        self.plan: LayerPlan | None = None
+        self.plans = 0  # plans adopted
+        self._plan_t: int | None = None  # the token clock at the last replan (None: replan at the next call)
         # the victim search compiled (or loaded from Numba's cache) now, not when the pool first fills
         # (mid-decode, possibly inside a timed run)
         _least_used_eligible(self.resident, self.clock, self.admitted_at, self.usage, 0.0)
@@ -153,6 +183,11 @@ class CachePolicy:
         :meth:`moecache.moe.cache.CachedExperts.flush` calls :meth:`decide` only for the Trues."""
         if self.credit < 1.0:
             return np.zeros(len(layers), bool)
+        if self.layer_plan:
+            if self.plan is None or (self.n_resident >= self.n_slots and self._victim() is None):
+                return np.zeros(len(layers), bool)
+            rows = np.asarray(layers)[:, None]
+            return (missed & self.plan.target[rows, ids] & ~self.resident[rows, ids]).any(axis=1)
         top = np.where(missed, self.usage[np.asarray(layers)[:, None], ids], -np.inf).max(axis=1)
         return np.broadcast_to(self._pays(top), top.shape).copy()  # (a scalar False where nothing can pay)
 
@@ -177,6 +212,8 @@ class CachePolicy:
         """Admissions for the experts of ``layer`` that missed (after :meth:`observe`), most used
         first, within the credit. The returned experts count as resident from now (their copies are
         in flight); victims are no longer resident."""
+        if self.layer_plan:
+            return self._decide_planned(layer, missed)
         cfg = self.cfg
         gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
         out: list[Admission] = []
@@ -215,12 +252,108 @@ class CachePolicy:
             out.append(Admission(layer, int(e), victim))
         return out
 
+    def _decide_planned(self, layer: int, missed: np.ndarray) -> list[Admission]:
+        """:meth:`decide` under a layer plan: the missed experts the plan holds, most used first, into
+        free slots or in place of the least-used residents it does not hold, within the credit."""
+        out: list[Admission] = []
+        if self.plan is None or missed.size == 0 or self.credit < 1.0:
+            return out
+        cand = np.unique(missed)
+        cand = cand[self.plan.target[layer, cand] & ~self.resident[layer, cand]]
+        cand = cand[np.argsort(-self.usage[layer, cand], kind="stable")]
+        for e in cand:
+            if self.credit < 1.0:
+                break
+            victim = None
+            if self.n_resident >= self.n_slots:
+                victim = self._victim()
+                if victim is None:
+                    break
+                self.resident[victim] = False
+                self.n_resident -= 1
+                self._vc = False
+            self.resident[layer, e] = True
+            self.admitted_at[layer, e] = self.clock[layer]
+            self.n_resident += 1
+            self.credit -= 1.0
+            self.uploads += 1
+            out.append(Admission(layer, int(e), victim))
+        return out
+
+    def fill_plan(self) -> list[Admission]:
+        """Under a layer plan, after a pass's own admissions: the credit left goes to planned experts
+        that are not resident yet, whether or not this pass missed them (most used first, as
+        :meth:`decide` admits them), so a plan is in slots within its uploads' time instead of
+        waiting for each expert's next miss."""
+        if not self.layer_plan or self.plan is None or self.credit < 1.0:
+            return []
+        want = np.flatnonzero((self.plan.target & ~self.resident).reshape(-1))
+        if not want.size:
+            return []
+        want = want[np.argsort(-self.usage.reshape(-1)[want], kind="stable")]
+        out: list[Admission] = []
+        n_e = self.usage.shape[1]
+        for flat in want[:int(self.credit)].tolist():
+            got = self._decide_planned(flat // n_e, np.array([flat % n_e]))
+            if not got:
+                break
+            out += got
+        return out
+
+    def miss_costs(self) -> MissCosts:
+        """The layer plan's path costs from the config (the CPU path as the executor allows)."""
+        c = self.cfg
+        return MissCosts(c.t_link, c.t_cpu_layer, c.t_fixed, self.cpu_path)
+
+    def replan(self) -> bool:
+        """With ``layer_plan``: every ``window`` tokens (the first time after ``window`` tokens: the
+        usage is too noisy before; no admissions until then; or at the next call after a resize),
+        plan the slots from the usage (:func:`moecache.moe.layer_plan.plan_layers`) and adopt the
+        plan when its predicted saving over :data:`PLAN_HORIZON_WINDOWS` windows, against the current
+        plan under the same usage, exceeds the uploads it needs (experts it holds that are not
+        resident, ``t_upload`` each). Returns whether a plan was adopted (the executor then sets each
+        layer's miss path from ``plan.cpu``)."""
+        if not self.layer_plan:
+            return False
+        now = int(self.clock.max()) if self.clock.size else 0
+        if now < self.cfg.window:
+            return False
+        if self._plan_t is not None and now - self._plan_t < self.cfg.window:
+            return False
+        self._plan_t = now
+        costs = self.miss_costs()
+        usage = self._per_token(self.usage)
+        new = plan_layers(usage, self.n_slots, costs, self.resident, self.cfg.hysteresis)
+        if self.plan is not None and self.plan.target.sum() <= self.n_slots:
+            cur = held_cost(usage, self.plan.target, costs)
+            uploads = int((new.target & ~self.resident).sum())
+            if (cur - new.cost) * PLAN_HORIZON_WINDOWS * self.cfg.window <= uploads * self.cfg.t_upload:
+                return False
+        self.plan = new
+        self.plans += 1
+        self._vc = False
+        return True
+
+    def _per_token(self, usage: np.ndarray) -> np.ndarray:
+        """``usage`` scaled per layer to the fraction of tokens that use each expert, the layer
+        plan's unit: each layer's row sums to its experts per token (routed pairs / tokens seen;
+        the usage's own scale is off by the average's start from zero and by prompt passes, which
+        count as one step each). Rows of layers that saw no token stay as they are."""
+        out = np.array(usage, np.float64)
+        tot = out.sum(axis=1)
+        seen = (self.clock > 0) & (tot > 0)
+        k = self.counts.sum(axis=1)[seen] / self.clock[seen]
+        out[seen] *= (k / tot[seen])[:, None]
+        return _shrunk(out, self.cfg.window)
+
     def _victim(self) -> tuple[int, int] | None:
-        """The least-used resident past its minimum residency, as (layer, expert); cached until the
-        usage or the residents change (an admission into a free slot is too young to be one)."""
+        """The least-used resident past its minimum residency (under a layer plan: of those it does
+        not hold), as (layer, expert); cached until the usage, the residents or the plan change (an
+        admission into a free slot is too young to be one)."""
         if self._vc is not False:
             return self._vc
-        flat = _least_used_eligible(self.resident, self.clock, self.admitted_at, self.usage,
+        held = self.resident if self.plan is None or not self.layer_plan else self.resident & ~self.plan.target
+        flat = _least_used_eligible(held, self.clock, self.admitted_at, self.usage,
                                     float(self.cfg.min_residency))
         self._vc = None if flat < 0 else divmod(flat, self.usage.shape[1])
         return self._vc
@@ -245,6 +378,7 @@ class CachePolicy:
             raise ValueError(f"resize: {self.n_resident} residents do not fit in {n_slots} slots")
         self.n_slots = n_slots
         self._vc = False
+        self._plan_t = None  # a layer plan is made again for the new pool at the next replan
 
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
@@ -253,9 +387,17 @@ class CachePolicy:
         self.usage[...] = usage
         self._vc = False
         order = np.argsort(-usage, axis=None, kind="stable")
+        held = None
+        if self.layer_plan and usage.any():  # under a layer plan: the plan for this usage, adopted now
+            self.plan = plan_layers(self._per_token(usage), self.n_slots, self.miss_costs(), self.resident,
+                                    self.cfg.hysteresis)
+            self.plans += 1
+            self._plan_t = int(self.clock.max()) if self.clock.size else 0
+            held = self.plan.target.reshape(-1)
+            order = order[held[order]]
         out = []
         for flat in order:
-            if self.n_resident >= self.n_slots or usage.flat[flat] <= 0:
+            if self.n_resident >= self.n_slots or (held is None and usage.flat[flat] <= 0):
                 break
             layer, e = divmod(int(flat), usage.shape[1])
             if not self.resident[layer, e]:
@@ -264,6 +406,23 @@ class CachePolicy:
                 self.n_resident += 1
                 out.append(Admission(layer, e, None))
         return out
+
+
+def _shrunk(u: np.ndarray, window: int) -> np.ndarray:
+    """Each layer's usages (float (n_layer, n_expert), fractions of tokens) pulled toward the layer's
+    mean by the share of their spread that sampling noise explains (James-Stein style): an average
+    with time constant ``window`` of a 0/1 use with probability ``p`` has variance ``p (1 - p) /
+    (2 window - 1)``. At flat routing the spread is all noise and the usages become flat (a plan
+    made on the noise would hold experts that are not hotter and replace them every window); a
+    layer with real hot experts keeps most of its spread. The noise counts :data:`NOISE_MARGIN`
+    times: the average has not settled in its first windows, and the spread of a layer's few
+    experts is itself a noisy estimate (a spread 1.3 times the noise by chance would keep a quarter
+    of it as apparent hot sets)."""
+    mean = u.mean(axis=1, keepdims=True)
+    spread = u.var(axis=1, keepdims=True)
+    noise = mean * (1.0 - mean) / (2 * window - 1)
+    keep = np.clip(1.0 - NOISE_MARGIN * noise / np.maximum(spread, 1e-300), 0.0, 1.0)
+    return mean + keep * (u - mean)
 
 
 @njit(cache=True, nogil=True)

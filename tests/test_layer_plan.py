@@ -1,0 +1,231 @@
+"""The layer plan (--cache-plan layer): the plan is the least-cost one over every possible set of held
+experts (brute force over all subsets, the cost model written out here independently), flat routing
+gets whole layers, the policy admits only what the plan holds and stops uploading once it holds it,
+and the expert cache sends the misses of the plan's CPU layers through the handoff (the CPU twin)
+with outputs equal to the all-CPU reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from moecache.backends import NumpyBackend
+from moecache.gguf_file import open_gguf
+from moecache.models.base import expert_weights
+from moecache.moe.cache import CachedExperts
+from moecache.moe.executor import CPUExperts
+from moecache.moe.layer_plan import MissCosts, held_cost, plan_layers
+from moecache.moe.policy import CachePolicy, PolicyConfig
+from moecache.moe.routing import Routing
+
+COSTS = MissCosts(t_link=60e-6, t_cpu=42e-6, t_fixed=50e-6)
+
+
+def _reference_cost(usage, held, costs):
+    """The model of moecache/moe/layer_plan.py written out per layer and expert: expected misses,
+    the probability of any miss (independent experts), the cheaper path."""
+    total = 0.0
+    for il in range(usage.shape[0]):
+        m, keep = 0.0, 1.0
+        for e in range(usage.shape[1]):
+            if not held[il, e]:
+                m += usage[il, e]
+                keep *= 1.0 - usage[il, e]
+        link = costs.t_link * m
+        cpu = costs.t_fixed * (1.0 - keep) + costs.t_cpu * m
+        total += min(link, cpu) if costs.cpu else link
+    return total
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_plan_is_the_least_cost_over_every_held_set(seed):
+    rng = np.random.default_rng(900 + seed)
+    print("seed", 900 + seed)
+    n_layer, n_expert = 3, 4
+    usage = rng.dirichlet(np.full(n_expert, rng.uniform(0.2, 3.0)), n_layer) * 2  # top-2 routing: rows sum to 2
+    usage = np.minimum(usage, 0.999)
+    n_slots = int(rng.integers(0, n_layer * n_expert + 2))
+    costs = MissCosts(*rng.uniform(10e-6, 100e-6, 3), cpu=bool(seed % 4))
+    best = np.inf
+    for bits in itertools.product((False, True), repeat=n_layer * n_expert):
+        held = np.array(bits).reshape(n_layer, n_expert)
+        if held.sum() <= n_slots:
+            best = min(best, _reference_cost(usage, held, costs))
+    plan = plan_layers(usage, n_slots, costs)
+    assert plan.target.sum() <= n_slots and (plan.target.sum(axis=1) == plan.slots).all()
+    assert plan.cost == pytest.approx(best, rel=1e-9, abs=1e-15)
+    assert _reference_cost(usage, plan.target, costs) == pytest.approx(best, rel=1e-9, abs=1e-15)
+    assert held_cost(usage, plan.target, costs) == pytest.approx(best, rel=1e-9, abs=1e-15)
+    for il in range(n_layer):  # the path the plan names is the cheaper one for what it holds
+        rest = ~plan.target[il]
+        m = usage[il, rest].sum()
+        cpu = costs.t_fixed * (1 - np.prod(1 - usage[il, rest])) + costs.t_cpu * m
+        if costs.cpu and not np.isclose(cpu, costs.t_link * m):
+            assert plan.cpu[il] == (cpu < costs.t_link * m)
+        elif not costs.cpu:
+            assert not plan.cpu[il]
+
+
+def test_flat_routing_gets_whole_layers_the_last_ones_and_the_rest_on_the_cpu():
+    n_layer, n_expert, k = 8, 16, 4
+    usage = np.full((n_layer, n_expert), k / n_expert)
+    plan = plan_layers(usage, 2 * n_expert + 5, COSTS)
+    assert plan.slots.tolist() == [0] * 5 + [5, 16, 16]
+    assert plan.cpu.tolist() == [True] * 6 + [False, False]
+    # spread evenly instead (the per-expert policy's shape at flat routing): dearer
+    spread = np.zeros_like(plan.target)
+    for i in range(2 * n_expert + 5):
+        spread[i % n_layer, i // n_layer] = True
+    assert _reference_cost(usage, spread, COSTS) > plan.cost * 1.05
+
+
+def test_link_only_holds_the_most_used_experts():
+    rng = np.random.default_rng(5)
+    usage = rng.random((6, 10)) * 0.5
+    n = 17
+    plan = plan_layers(usage, n, MissCosts(60e-6, 42e-6, 50e-6, cpu=False))
+    top = np.zeros(usage.size, bool)
+    top[np.argsort(-usage, axis=None)[:n]] = True
+    np.testing.assert_array_equal(plan.target.reshape(-1), top)
+    assert not plan.cpu.any()
+
+
+def test_plan_refuses_negative_inputs():
+    with pytest.raises(ValueError):
+        plan_layers(np.zeros((2, 4)), -1, COSTS)
+    with pytest.raises(ValueError):
+        plan_layers(np.zeros((2, 4)), 3, MissCosts(-1.0, 0.0, 0.0))
+
+
+def _flat_ids(rng, n_layer, n_expert, k, t=1):
+    return np.stack([np.stack([rng.choice(n_expert, k, replace=False) for _ in range(t)]) for _ in range(n_layer)])
+
+
+def test_policy_under_a_layer_plan_admits_only_what_it_holds_and_settles():
+    """Flat routing, room for 2.5 layers: the policy plans after a window of tokens, admits only planned
+    experts, evicts only unplanned ones, fills the plan and then uploads nothing more."""
+    seed = 31
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    n_layer, n_expert, k = 6, 64, 4
+    cfg = PolicyConfig(window=128, t_upload=40e-6, layer_plan=True, t_link=60e-6, t_cpu_layer=42e-6, t_fixed=50e-6,
+                       uploads_per_token=8, burst=16, min_residency=2)
+    pol = CachePolicy(n_layer, n_expert, 160, cfg)
+    layers = np.arange(n_layer)
+    uploads_at = []
+    for step in range(600):
+        pol.new_tokens(1)
+        ids = _flat_ids(rng, n_layer, n_expert, k)
+        live = pol.resident.copy()
+        pol.observe_all(layers, ids)
+        pol.replan()
+        if step < cfg.window - 1:
+            assert pol.plan is None and pol.uploads == 0
+        flat = ids.reshape(n_layer, -1)
+        missed = ~np.take_along_axis(live, flat, axis=1)
+        for il in np.flatnonzero(pol.may_admit(layers, flat, missed)):
+            for a in pol.decide(int(il), flat[il][missed[il]]):
+                assert pol.plan.target[a.layer, a.expert]
+                assert a.victim is None or not pol.plan.target[a.victim]
+        assert pol.n_resident == pol.resident.sum() <= 160
+        uploads_at.append(pol.uploads)
+    # three layers without slots, on the CPU; the room in the others, whose few misses go over the link
+    # (at flat routing any split of the room among link-path layers costs the same: linear in misses)
+    slots = pol.plan.slots
+    assert slots.sum() == 160 and (slots == 0).sum() == 3
+    assert (pol.plan.cpu == (slots == 0)).all()
+    assert (pol.resident == pol.plan.target).all()
+    assert uploads_at[-1] == uploads_at[300] == 160  # filled once, no churn at flat routing
+    assert pol.plans >= 1
+
+
+def test_per_token_usage_rows_sum_to_the_experts_per_token():
+    """A prompt pass counts as one step of the usage average: the plan's usage is rescaled so each
+    layer's row sums to its experts per token."""
+    rng = np.random.default_rng(3)
+    pol = CachePolicy(2, 8, 4, PolicyConfig(layer_plan=True))
+    pol.observe_all(np.arange(2), _flat_ids(rng, 2, 8, 2, t=64))
+    pol.observe_all(np.arange(2), _flat_ids(rng, 2, 8, 2, t=1))
+    np.testing.assert_allclose(pol._per_token(pol.usage).sum(axis=1), 2.0)
+
+
+def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path):
+    """The CPU twin's zero-copy road with the layer plan: after the plan, each layer's share is k on
+    the plan's CPU layers and 0 elsewhere; every pass's output equals the all-CPU reference; the CPU
+    took exactly the misses of the CPU layers."""
+    from moecache.testing.synth import PRESETS, SynthConfig, write_model
+
+    path = tmp_path / "moe.gguf"
+    cfg = SynthConfig(**{**PRESETS["tiny"].__dict__, "n_layer": 4, "n_expert": 64, "n_expert_used": 4,
+                         "name": "synthetic-plan"})
+    write_model(path, cfg, seed=44)
+    seed = 45
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    with open_gguf(path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = 96  # a layer and a half
+        pcfg = PolicyConfig(window=96, t_upload=40e-6, layer_plan=True, t_link=60e-6, t_cpu_layer=42e-6, t_fixed=50e-6,
+                            uploads_per_token=8, burst=16, min_residency=2)
+        cache = CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(c.n_layer, c.n_expert, n_slots, pcfg), 32,
+                              zero_copy=True, top_k=c.n_expert_used, miss_split=True)
+        assert cache.handoff is not None and cache.policy.layer_plan
+        ref = CPUExperts(ew, NumpyBackend())
+        k = c.n_expert_used
+        for step in range(130):
+            cache.begin_pass(1)
+            ncpu = cache.split.ncpu.copy()
+            live = cache._map_live.copy()
+            want_cpu = 0
+            for il in sorted(ew):
+                h = rng.standard_normal((1, c.n_embd)).astype(np.float32)
+                ids = rng.choice(c.n_expert, (1, k), replace=False).astype(np.int32)
+                r = Routing(ids, rng.dirichlet(np.ones(k), 1).astype(np.float32))
+                np.testing.assert_allclose(cache(il, h, r), ref(il, h, r), rtol=1e-5, atol=1e-6)
+                if ncpu[il]:
+                    want_cpu += int((live[il][ids] < 0).sum())
+            before = cache.stats.cpu_misses
+            cache.launched()
+            cache.end_pass()
+            assert cache.stats.cpu_misses - before == want_cpu
+        plan = cache.policy.plan
+        assert plan is not None and plan.slots.sum() == n_slots and (plan.slots == 0).sum() == 2
+        np.testing.assert_array_equal(cache.split.ncpu, np.where(plan.cpu, k, 0))
+        assert (plan.cpu == (plan.slots == 0)).all()
+        assert cache.stats.cpu_misses > 0
+        cache.flush()
+        cache.poll()
+        np.testing.assert_array_equal(cache.slot_of >= 0, plan.target)  # the plan in slots
+        cache.close()
+
+
+def test_layer_plan_without_the_zero_copy_path_is_said_and_off(tmp_path):
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "moe.gguf"
+    write_model(path, PRESETS["tiny"], seed=2)
+    with open_gguf(path) as m:
+        c = m.config
+        said = []
+        pol = CachePolicy(c.n_layer, c.n_expert, 4, PolicyConfig(layer_plan=True))
+        cache = CachedExperts(expert_weights(m, "silu"), NumpyBackend(), 4, pol, 32, zero_copy=False,
+                              top_k=c.n_expert_used, miss_split=True, log=said.append)
+        assert not pol.layer_plan
+        assert any("--cache-plan layer ignored" in s for s in said)
+        cache.close()
+
+
+def test_settings_check_the_cache_plan():
+    from moecache.settings import Settings
+    from moecache.threads import experts_on_cpu
+
+    Settings(cache_plan="layer").check()
+    with pytest.raises(ValueError, match="--cache-plan"):
+        Settings(cache_plan="layers").check()
+    with pytest.raises(ValueError, match="--miss-split"):
+        Settings(cache_plan="layer", miss_split=True).check()
+    assert experts_on_cpu(["--cache-plan", "layer"]) and experts_on_cpu(["--cache-plan=layer"])
+    assert not experts_on_cpu(["--cache-plan", "expert"])
