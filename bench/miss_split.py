@@ -41,20 +41,25 @@ def main() -> None:
     ap.add_argument("--shares", default="0,1,2,3,4,8,auto", help="arms: shares of each token's misses, or auto")
     ap.add_argument("-t", type=int, default=15)
     ap.add_argument("--no-split", action="store_true", help="load without --miss-split: one arm, off")
+    ap.add_argument("--cache-plan", default="expert", choices=("expert", "layer"), help="layer: load with "
+                    "--cache-plan layer instead of --miss-split (arms 'keep': the plan's own shares)")
+    ap.add_argument("--kernel-alone", type=int, default=0, help="after the arms: time this many CPU calls of one "
+                    "layer's 8 (top_k) random experts for one token outside the decode step (moe_ffn_routed)")
     a = ap.parse_args()
 
     from moecache.threads import openmp_wait_for_args
 
     # the OpenMP wait policy the moecache command would give (active with --miss-split), before numba loads
-    print("OpenMP wait:", openmp_wait_for_args(([] if a.no_split else ["--miss-split"]) + ["-t", str(a.t)]),
-          file=sys.stderr)
+    flag = ["--cache-plan", "layer"] if a.cache_plan == "layer" else [] if a.no_split else ["--miss-split"]
+    print("OpenMP wait:", openmp_wait_for_args(flag + ["-t", str(a.t)]), file=sys.stderr)
     from moecache.cli.common import load_engine
     from moecache.settings import Settings
     from moecache.sizes import parse_size
 
     settings = Settings(n_ctx=a.warmup + len(a.shares.split(",")) * (a.settle + a.n) + 16, n_threads=a.t,
                         moe_cache=-1, vram_budget=parse_size(a.vram_budget, "--vram-budget"), load_mode="pin",
-                        routing=a.routing, miss_split=not a.no_split)
+                        routing=a.routing, miss_split=not a.no_split and a.cache_plan == "expert",
+                        cache_plan=a.cache_plan)
     eng = load_engine(a.model, settings, "bench").engine
     if not eng.caches:
         raise SystemExit("no expert cache (a GPU, a model bigger than --vram-budget): nothing to split")
@@ -91,8 +96,27 @@ def main() -> None:
                "cpu_misses_per_token": round(cpu_m / a.n, 1),
                "host_compute_ms_per_token": round(1e3 * (float(cache.cpu_s.sum()) - cpu0) / a.n, 3),
                "gpu_wait_ms_per_token": round(wait_ns / 1e6 / a.n, 3),
-               "ncpu_mean": None if cache.split is None else round(float(cache.split.ncpu.mean()), 2)}
+               "ncpu_mean": None if cache.split is None else round(float(cache.split.ncpu.mean()), 2),
+               "cpu_layers": None if cache.split is None else int((cache.split.ncpu > 0).sum())}
         print(json.dumps(row), flush=True)
+    if a.kernel_alone:
+        from moecache.quants import cpu
+
+        il = min(cache.cached_layers)
+        e = cache.layers[il]
+        k = eng.gguf.config.n_expert_used
+        h = rng.standard_normal((1, e.down.shape[1])).astype(np.float32)
+        out = np.zeros_like(h)
+        times = []
+        for _ in range(a.kernel_alone):
+            ids = rng.choice(e.gate.shape[0], (1, k), replace=False).astype(np.int32)
+            w = np.full((1, k), 1.0 / k, np.float32)
+            t0 = time.perf_counter()
+            cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, w, h, out, cpu.ACT_SILU, cache.act_q8)
+            times.append(time.perf_counter() - t0)
+        t = np.array(times[len(times) // 4:]) * 1e6
+        print(json.dumps({"kernel_alone_us_median": round(float(np.median(t)), 1), "p10": round(float(np.percentile(t, 10)), 1),
+                          "p90": round(float(np.percentile(t, 90)), 1), "experts": k}), flush=True)
 
 
 if __name__ == "__main__":

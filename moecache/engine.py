@@ -272,7 +272,7 @@ class Engine:
                         self.log(f"note: {flag} ignored: the misses are handed to the CPU inside CUDA-graph "
                                  f"decode steps, and this run decodes op by op")
                         for c in self.caches:
-                            c.policy.cpu_path = False  # a layer plan then reads every miss over the link
+                            c.policy.max_share = 0  # a layer plan then reads every miss over the link
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             if config.n_batch < min(config.n_ubatch, self.n_ctx):
                 self.log(f"note: -ub {config.n_ubatch} is more than -b {config.n_batch}: {self.n_ubatch} "

@@ -71,8 +71,9 @@ CPU_EXPERT_BYTES_PER_CORE_S = 2.2e9
 #   0.29-0.31 ms for a layer's 8 experts (kernels-h200-prefetch.md), ~37 us each, 5.0 GB/s per thread;
 CPU_LAYER_BYTES_PER_THREAD_S = 5.0e9
 # - the fixed cost of a layer whose misses the CPU computes, per token: the miss split's host compute
-#   per miss fell from 77 us at 2 misses a layer to 50 at 5.6 and 8 (fit: ~70 us + ~35 us per expert);
-CPU_LAYER_FIXED_S = 70e-6
+#   per miss was 77 us at 2 misses a layer, 63-65 at 3, 50 at 5.6-8, and one miss a layer (qwen3-moe,
+#   share 1) ~118 us: ~85 us + ~35 us per expert fits them all;
+CPU_LAYER_FIXED_S = 85e-6
 # - the GPU's zero-copy reads of missed experts against the pinned host-to-device copy rate: 58-62 us per
 #   expert (43-46 GB/s) against 53 GB/s copies (probe-pcie.md).
 ZERO_COPY_FRACTION = 0.83

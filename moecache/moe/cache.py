@@ -409,6 +409,7 @@ class CachedExperts:
             self.cpu_s[self._first] = 0.0
         if policy.layer_plan and self.split is not None:
             self.split.set_shares(np.zeros(n_layer, np.int32))  # the plan sets them (link until it exists)
+            policy.max_share = policy.top_k = int(top_k)
         if policy.layer_plan and self.split is None:
             # the plan's CPU path is the handoff inside decode graphs: without it, per-expert admissions
             why = (self.zero_copy_why or "not a GPU") if not self.zero_copy else "no host handoff"
@@ -691,12 +692,12 @@ class CachedExperts:
         self._ncpu_dirty = True
 
     def _plan_paths(self) -> None:
-        """The layer plan's miss paths to the split: every miss of a layer the plan puts on the CPU
-        goes there (share ``top_k``), none of the others' (from the next pass on)."""
+        """The layer plan's shares to the split: up to ``plan.share[il]`` of each token's misses of
+        layer ``il`` go to the CPU, the others over the link (from the next pass on)."""
         plan = self.policy.plan
         if self.split is None or plan is None:
             return
-        self.split.set_shares(np.where(plan.cpu[:self.split.n_layer], self.split.k, 0).astype(np.int32))
+        self.split.set_shares(np.minimum(plan.share[:self.split.n_layer], self.split.k).astype(np.int32))
         self._ncpu_dirty = True
 
     def launched(self) -> None:

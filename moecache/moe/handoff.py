@@ -347,7 +347,8 @@ class SplitControl:
         if ncpu.shape != self.ncpu.shape or (ncpu < 0).any() or (ncpu > self.k).any():
             raise ValueError(f"set_shares: expected {self.ncpu.shape[0]} shares in [0, {self.k}], got {ncpu}")
         self.planned = True
-        self.ncpu[:] = ncpu
+        if self.fixed is None:  # a benchmark's pinned share (fix) holds until fix(None)
+            self.ncpu[:] = ncpu
 
     def fix(self, share: int | None) -> None:
         """Pin every layer's share to ``share`` misses per token (0 to ``k``, else ValueError), or

@@ -11,13 +11,19 @@ with no miss at all avoids.
 Model, per layer ``l`` holding its ``s`` most used experts in slots (``u`` the policy's usage: the
 average fraction of tokens that route to an expert, so a layer's usages sum to ``top_k``):
 
-- expected misses per token ``m(s) = sum of u over the experts not held``;
-- probability that a token misses at all ``p(s) = 1 - prod(1 - u)`` over them (experts taken as
-  independent: an approximation of top-k routing);
-- the link path (the GPU reads each miss over PCIe, zero-copy): ``t_link * m(s)``;
-- the CPU path (the layer's misses handed to the CPU in one call, :mod:`moecache.moe.handoff`):
-  ``t_fixed * p(s) + t_cpu * m(s)``;
-- the layer's cost is the cheaper path (or the link path when there is no CPU path).
+- expected misses per token ``m(s) = sum of u over the experts not held``; a token's misses ``x``
+  taken as binomial over its ``top_k`` experts, each a miss with probability ``m(s) / top_k`` (an
+  approximation of top-k routing; a token has at most ``top_k`` misses);
+- share 0, the link path (the GPU reads each miss over PCIe, zero-copy): ``t_link * x``;
+- a share ``c`` of 1..``max_share`` (the host handoff, :mod:`moecache.moe.handoff`: the CPU takes up
+  to ``c`` of the token's misses in one call while the GPU reads the others over the link, both at
+  once): ``max(t_fixed + t_cpu * min(x, c), t_link * (x - min(x, c)))`` when ``x > 0``, else 0;
+- a layer costs the expectation over ``x`` at its cheapest share (the expectation of the maximum,
+  not the maximum of expectations: a token with one miss pays the CPU's fixed cost in full).
+
+Measured on the H200 (bench/results/layer-plan-h200.md): with a layer's eight misses split, the CPU
+taking 3-5 of them, a uniform-routing token took 13.6-14.8 ms against 18.0-18.2 with all eight on
+the CPU and ~19 with all on the link.
 
 The plan minimises the sum over layers under ``sum(s) <= n_slots``, exactly, by dynamic programming
 over layers and slot counts (per-layer costs are not convex, so a greedy per-slot choice would not
@@ -32,6 +38,7 @@ a layer's hot set covers most of its tokens and the plan holds hot sets, as the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
@@ -52,17 +59,20 @@ class MissCosts:
         t_cpu: one miss computed on the CPU (expert bytes / the CPU kernels' read rate).
         t_fixed: what a layer pays once when the CPU computes any of its misses (the handoff's
             round trip, the parallel region's fork and join).
-        cpu: whether the CPU path exists (the expert cache's host handoff); False: link only.
+        max_share: the most misses per token the CPU may take in a layer (the model's top_k); 0:
+            no CPU path (the expert cache has no host handoff), link only.
+        k: experts per token (``expert_used_count``): a token's misses are binomial over ``k``.
     """
 
     t_link: float
     t_cpu: float
     t_fixed: float
-    cpu: bool = True
+    max_share: int = 8
+    k: int = 8
 
     def validate(self) -> None:
-        if min(self.t_link, self.t_cpu, self.t_fixed) < 0:
-            raise ValueError(f"miss costs must be >= 0, got {self}")
+        if min(self.t_link, self.t_cpu, self.t_fixed, self.max_share) < 0 or self.k < 1:
+            raise ValueError(f"miss costs must be >= 0 and k >= 1, got {self}")
 
 
 @dataclass(frozen=True)
@@ -71,37 +81,53 @@ class LayerPlan:
 
     Attributes:
         slots: int64 (n_layer,) slots per layer.
-        cpu: bool (n_layer,) the layer's misses go to the CPU (else the GPU reads them over the link).
+        share: int32 (n_layer,) misses per token the CPU takes in each layer (0: the GPU reads every
+            miss over the link).
         target: bool (n_layer, n_expert) the experts the plan holds in slots.
         cost: predicted seconds per token of every layer's misses.
     """
 
     slots: np.ndarray
-    cpu: np.ndarray
+    share: np.ndarray
     target: np.ndarray
     cost: float
 
+    @property
+    def cpu(self) -> np.ndarray:
+        """bool (n_layer,): the layers whose misses the CPU takes a share of."""
+        return self.share > 0
+
+
+def _share_costs(m: np.ndarray, costs: MissCosts) -> tuple[np.ndarray, np.ndarray]:
+    """The expected cost per token (float64, ``m``'s shape) of ``m`` expected misses at the cheapest
+    share, and that share (int32), under the binomial model above (``n = k``)."""
+    n = costs.k
+    p = np.clip(m / n, 0.0, 1.0)
+    x = np.arange(n + 1)
+    comb = np.array([math.comb(n, int(i)) for i in x], np.float64)
+    pmf = comb * p[..., None] ** x * (1.0 - p[..., None]) ** (n - x)  # (..., n + 1)
+    cost = costs.t_link * m
+    share = np.zeros(m.shape, np.int32)
+    for c in range(1, costs.max_share + 1):
+        on_cpu = np.minimum(x, c)
+        each = np.where(x > 0, np.maximum(costs.t_fixed + costs.t_cpu * on_cpu, costs.t_link * (x - on_cpu)), 0.0)
+        mean = pmf @ each
+        better = mean < cost
+        cost = np.where(better, mean, cost)
+        share[better] = c
+    return cost, share
+
 
 def _costs(u_sorted: np.ndarray, costs: MissCosts) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer and slot count ``s`` (0..n_expert): the misses' cost and whether the CPU path is
-    the cheaper, from usages sorted descending per layer (float (n_layer, n_expert)). Returns
-    (float64 (n_layer, n_expert + 1), bool (n_layer, n_expert + 1))."""
+    """Per layer and slot count ``s`` (0..n_expert): the misses' cost at the cheapest share and that
+    share, from usages sorted descending per layer (float (n_layer, n_expert)). Returns
+    (float64 (n_layer, n_expert + 1), int32 (n_layer, n_expert + 1))."""
     n_layer, n_expert = u_sorted.shape
-    u = np.clip(u_sorted, 0.0, 1.0 - 1e-12)
     m = np.zeros((n_layer, n_expert + 1))
-    m[:, :-1] = np.cumsum(u[:, ::-1], axis=1)[:, ::-1]  # misses when the first s are held
-    keep = np.ones((n_layer, n_expert + 1))
-    keep[:, :-1] = np.exp(np.cumsum(np.log1p(-u[:, ::-1]), axis=1)[:, ::-1])  # P(no miss)
-    link = costs.t_link * m
-    if costs.cpu:
-        cpu = costs.t_fixed * (1.0 - keep) + costs.t_cpu * m
-        on_cpu = cpu < link
-        cost = np.where(on_cpu, cpu, link)
-    else:
-        on_cpu = np.zeros(m.shape, bool)
-        cost = link
+    m[:, :-1] = np.cumsum(np.clip(u_sorted, 0.0, None)[:, ::-1], axis=1)[:, ::-1]  # misses when the first s are held
+    cost, share = _share_costs(m, costs)
     cost = cost * (1.0 + TIE_SLOPE * np.arange(n_layer))[:, None]
-    return cost, on_cpu
+    return cost, share
 
 
 def plan_layers(usage: np.ndarray, n_slots: int, costs: MissCosts, resident: np.ndarray | None = None,
@@ -128,28 +154,22 @@ def plan_layers(usage: np.ndarray, n_slots: int, costs: MissCosts, resident: np.
     rank = usage if resident is None else usage * np.where(resident, 1.0 + keep_bonus, 1.0)
     order = np.argsort(-rank, axis=1, kind="stable")
     u_sorted = np.take_along_axis(usage, order, axis=1)
-    cost, on_cpu = _costs(u_sorted, costs)
+    cost, share = _costs(u_sorted, costs)
     budget = min(int(n_slots), n_layer * n_expert)
     slots = _allocate(cost, budget)
     target = np.zeros((n_layer, n_expert), bool)
     for il in range(n_layer):
         target[il, order[il, :slots[il]]] = True
     idx = np.arange(n_layer)
-    return LayerPlan(slots, on_cpu[idx, slots].copy(), target,
+    return LayerPlan(slots, share[idx, slots].copy(), target,
                      float((cost[idx, slots] / (1.0 + TIE_SLOPE * idx)).sum()))
 
 
 def held_cost(usage: np.ndarray, held: np.ndarray, costs: MissCosts) -> float:
     """Predicted seconds per token of every layer's misses with the experts ``held`` (bool
-    (n_layer, n_expert)) in slots, each layer on its cheaper path (the model above)."""
-    u = np.clip(np.asarray(usage, np.float64), 0.0, 1.0 - 1e-12)
-    out = np.where(held, 0.0, u)
-    m = out.sum(axis=1)
-    link = costs.t_link * m
-    if not costs.cpu:
-        return float(link.sum())
-    cpu = costs.t_fixed * (1.0 - np.exp(np.log1p(-out).sum(axis=1))) + costs.t_cpu * m
-    return float(np.minimum(link, cpu).sum())
+    (n_layer, n_expert)) in slots, each layer at its cheapest share (the model above)."""
+    m = np.where(held, 0.0, np.clip(np.asarray(usage, np.float64), 0.0, None)).sum(axis=1)
+    return float(_share_costs(m, costs)[0].sum())
 
 
 @njit(cache=True, nogil=True)

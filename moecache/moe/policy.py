@@ -48,6 +48,9 @@ from numba import njit
 # uploads it needs (the usage's time constant is one window, but a stable routing keeps a plan's saving
 # much longer; over one window, a plan made from the first, noisy usage was never replaced at flat routing)
 PLAN_HORIZON_WINDOWS = 4
+# a new layer plan must also predict this much less than the current one (relative): the usage left after
+# the shrinkage still carries noise, and a plan that is not clearly better is not worth its uploads' risk
+PLAN_MARGIN = 0.03
 NOISE_MARGIN = 2.0  # the layer plan's usage shrinkage counts the sampling noise this many times (_shrunk)
 
 
@@ -84,7 +87,7 @@ class PolicyConfig:
     layer_plan: bool = False
     t_link: float = 60e-6
     t_cpu_layer: float = 35e-6
-    t_fixed: float = 70e-6
+    t_fixed: float = 85e-6
 
     def validate(self) -> None:
         if self.window < 1:
@@ -129,7 +132,8 @@ class CachePolicy:
         self._vc: tuple[int, int] | None | bool = False  # the victim, cached until usage or residency changes
         # the layer plan (config.layer_plan): on while the executor can use it (it may turn it off)
         self.layer_plan = config.layer_plan
-        self.cpu_path = True  # the executor can send a layer's misses to the CPU (MissCosts.cpu)
+        self.max_share = 8  # the most misses per token the executor can hand the CPU in a layer (0: none)
+        self.top_k: int | None = None  # experts per token (the executor's; None: from the routing seen)
         self.plan: LayerPlan | None = None
         self.plans = 0  # plans adopted
         self._plan_t: int | None = None  # the token clock at the last replan (None: replan at the next call)
@@ -303,7 +307,11 @@ class CachePolicy:
     def miss_costs(self) -> MissCosts:
         """The layer plan's path costs from the config (the CPU path as the executor allows)."""
         c = self.cfg
-        return MissCosts(c.t_link, c.t_cpu_layer, c.t_fixed, self.cpu_path)
+        k = self.top_k
+        if k is None:  # routed pairs per token of the layers seen (each token routes k)
+            seen = self.clock > 0
+            k = int(round(float((self.counts.sum(axis=1)[seen] / self.clock[seen]).max()))) if seen.any() else 1
+        return MissCosts(c.t_link, c.t_cpu_layer, c.t_fixed, min(self.max_share, max(1, k)), max(1, k))
 
     def replan(self) -> bool:
         """With ``layer_plan``: every ``window`` tokens (the first time after ``window`` tokens: the
@@ -311,8 +319,8 @@ class CachePolicy:
         plan the slots from the usage (:func:`moecache.moe.layer_plan.plan_layers`) and adopt the
         plan when its predicted saving over :data:`PLAN_HORIZON_WINDOWS` windows, against the current
         plan under the same usage, exceeds the uploads it needs (experts it holds that are not
-        resident, ``t_upload`` each). Returns whether a plan was adopted (the executor then sets each
-        layer's miss path from ``plan.cpu``)."""
+        resident, ``t_upload`` each) and is at least :data:`PLAN_MARGIN` of the current plan's cost. Returns whether a plan was adopted (the executor then sets each
+        layer's share from ``plan.share``)."""
         if not self.layer_plan:
             return False
         now = int(self.clock.max()) if self.clock.size else 0
@@ -327,7 +335,8 @@ class CachePolicy:
         if self.plan is not None and self.plan.target.sum() <= self.n_slots:
             cur = held_cost(usage, self.plan.target, costs)
             uploads = int((new.target & ~self.resident).sum())
-            if (cur - new.cost) * PLAN_HORIZON_WINDOWS * self.cfg.window <= uploads * self.cfg.t_upload:
+            if ((cur - new.cost) * PLAN_HORIZON_WINDOWS * self.cfg.window <= uploads * self.cfg.t_upload
+                    or new.cost > (1.0 - PLAN_MARGIN) * cur):
                 return False
         self.plan = new
         self.plans += 1
