@@ -1253,7 +1253,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         assert planned or s.uploads > eng.placement.cache_slots[0][1]
         if planned:  # the plan's CPU layers' misses went to the CPU inside the replayed graphs
             print(f"plans {cache.policy.plans}, slots {cache.policy.plan.slots.tolist()}, cpu misses {s.cpu_misses}")
-            assert cache.policy.plans >= 2 and cache.split.planned and s.cpu_misses > 0
+            assert cache.policy.plans >= 1 and cache.split.planned and s.cpu_misses > 0
             np.testing.assert_array_equal(cache.split.ncpu, cache.policy.plan.share)
             assert set(cache.policy.plan.share.tolist()) <= {0, 4}  # the link priced out: all or nothing
             assert cache.handoff.buf.err[0] == 0

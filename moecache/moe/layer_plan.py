@@ -4,7 +4,9 @@ Why (issue 19; ``bench/results/miss-split-h200.md``, ``static-h200-s28.md``): at
 per-expert policy spreads the slots over every layer, so every layer keeps ~5.6 misses per token and
 pays for them one by one over the link (~60 us each on the H200), while the static placement
 (``-ncmoe``) makes whole layers free of misses and hands the other layers' eight experts to the CPU
-in one call per layer: 70.7 t/s against the cache's 54.5 at 8 GiB with uniform routing. A layer's
+in one call per layer (70.7 t/s against the cache's 54.5 at 8 GiB with uniform routing in the
+twenty-eighth session's processes; level, 55.9 and 55.4, in one lease of the twenty-ninth: the gain
+measured since is from splitting those layers' misses between the CPU and the link, below). A layer's
 miss cost is not linear in its misses: the CPU path has a fixed cost per layer that only a layer
 with no miss at all avoids.
 
@@ -21,14 +23,16 @@ average fraction of tokens that route to an expert, so a layer's usages sum to `
 - a layer costs the expectation over ``x`` at its cheapest share (the expectation of the maximum,
   not the maximum of expectations: a token with one miss pays the CPU's fixed cost in full).
 
-Measured on the H200 (bench/results/layer-plan-h200.md): with a layer's eight misses split, the CPU
-taking 3-5 of them, a uniform-routing token took 13.6-14.8 ms against 18.0-18.2 with all eight on
-the CPU and ~19 with all on the link.
+Measured on the H200 (bench/results/layer-plan-h200.md, whole layers in slots, the other layers'
+eight misses each): the CPU taking 3-6 of them while the link read the rest, a uniform-routing token
+took 13.6-15.4 ms, against 18.0-18.2 with all eight on the CPU (the default cache, every miss over
+the link: 19.2 ms in its own process).
 
 The plan minimises the sum over layers under ``sum(s) <= n_slots``, exactly, by dynamic programming
 over layers and slot counts (per-layer costs are not convex, so a greedy per-slot choice would not
-find whole layers). Ties give slots to later layers: the host's accounting of a pass then runs
-while the GPU computes the last (miss-free) layers instead of after them. Within a layer, held
+find whole layers). Ties give slots to later layers, so that the host's accounting of a pass can run
+while the GPU computes the last (miss-free) layers instead of after them (the intent; not measured,
+and the usage's residual noise usually outweighs the tie). Within a layer, held
 experts rank by ``u``, residents' usage counted ``1 + keep_bonus`` times (so near-equal usages do not
 swap residents back and forth).
 

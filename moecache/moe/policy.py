@@ -30,8 +30,9 @@ slots per layer and the experts to hold that minimise the misses' predicted cost
 misses on the link or on the CPU (whole layers at flat routing, hot sets with local routing), and
 adopts it when its saving over ``window`` tokens pays for the uploads it needs. A missed expert is
 admitted only if the plan holds it, in place of the least-used resident the plan does not hold
-(``min_residency`` and the upload credit as above); the executor sends the misses of the layers the
-plan puts on the CPU there (:attr:`CachePolicy.plan`'s ``cpu``).
+(``min_residency`` and the upload credit as above), and the credit a pass leaves uploads planned
+experts not missed yet (:meth:`CachePolicy.fill_plan`); the executor hands up to ``plan.share[il]``
+of each token's misses of layer ``il`` to the CPU, the GPU reading the others over the link.
 """
 
 from __future__ import annotations
