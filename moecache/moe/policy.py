@@ -246,16 +246,22 @@ class CachePolicy:
                 uv = self.usage[victim]
                 if (ue - uv) * gain <= cfg.t_upload or ue < (1.0 + cfg.hysteresis) * uv:
                     break
-                self.resident[victim] = False
-                self.n_resident -= 1
-                self._vc = False
-            self.resident[layer, e] = True
-            self.admitted_at[layer, e] = self.clock[layer]
-            self.n_resident += 1
-            self.credit -= 1.0
-            self.uploads += 1
-            out.append(Admission(layer, int(e), victim))
+            out.append(self._admit(layer, int(e), victim))
         return out
+
+    def _admit(self, layer: int, e: int, victim: tuple[int, int] | None) -> Admission:
+        """Count ``e`` of ``layer`` resident from now, in place of ``victim`` (None: a free slot),
+        paid from the credit."""
+        if victim is not None:
+            self.resident[victim] = False
+            self.n_resident -= 1
+            self._vc = False
+        self.resident[layer, e] = True
+        self.admitted_at[layer, e] = self.clock[layer]
+        self.n_resident += 1
+        self.credit -= 1.0
+        self.uploads += 1
+        return Admission(layer, e, victim)
 
     def _decide_planned(self, layer: int, missed: np.ndarray) -> list[Admission]:
         """:meth:`decide` under a layer plan: the missed experts the plan holds, most used first, into
@@ -274,15 +280,7 @@ class CachePolicy:
                 victim = self._victim()
                 if victim is None:
                     break
-                self.resident[victim] = False
-                self.n_resident -= 1
-                self._vc = False
-            self.resident[layer, e] = True
-            self.admitted_at[layer, e] = self.clock[layer]
-            self.n_resident += 1
-            self.credit -= 1.0
-            self.uploads += 1
-            out.append(Admission(layer, int(e), victim))
+            out.append(self._admit(layer, int(e), victim))
         return out
 
     def fill_plan(self) -> list[Admission]:
