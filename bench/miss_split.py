@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("-t", type=int, default=15)
     ap.add_argument("--no-split", action="store_true", help="load without --miss-split: one arm, off")
     ap.add_argument("--cache-plan", default="expert", choices=("expert", "layer"), help="layer: load with "
-                    "--cache-plan layer instead of --miss-split (arms 'keep': the plan's own shares)")
+                    "--cache-plan layer instead of --miss-split (arms 'keep', or 'auto' after a fixed one: the plan's own shares)")
     ap.add_argument("--kernel-alone", type=int, default=0, help="after the arms: time this many CPU calls of one "
                     "layer's 8 (top_k) random experts for one token outside the decode step (moe_ffn_routed)")
     a = ap.parse_args()

@@ -119,7 +119,8 @@ class Settings:
         miss_split: ``--miss-split``: the expert cache's decode graphs hand a share of each layer's
             misses to the CPU (``Engine(miss_split=True)``; opt-in: measured slower on the H200, bench/results/miss-split-h200.md).
         cache_plan: ``--cache-plan``: "expert" (the per-expert policy) or "layer" (the slots follow
-            a layer plan, each layer's misses on the link or the CPU: :mod:`moecache.moe.layer_plan`).
+            a layer plan, which also sets each layer's share of its misses for the CPU, the link
+            reading the rest: :mod:`moecache.moe.layer_plan`).
         elastic_slots: ``--elastic-slots``: the expert cache takes the part of the reserve that only
             prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: measured
             within an 8 GiB budget and +10-19% tg128 on the H200, run h200-s24b/c, but not yet run

@@ -87,8 +87,10 @@ def experts_on_cpu(argv: list[str]) -> bool:
     """True if ``argv`` asks for routed experts on the CPU in every decode step: ``--cpu-moe``/``-cmoe``,
     ``--n-cpu-moe``/``-ncmoe`` with a value other than 0 (the last one given; a list: any of it), or
     ``--miss-split`` (the expert cache hands a share of each layer's misses to the CPU) or
-    ``--cache-plan layer`` (the layer plan hands whole layers' misses to it)."""
-    if any(a in ("--cpu-moe", "-cmoe", "--miss-split") for a in argv) or "layer" in _values(argv, ("--cache-plan",)):
+    ``--cache-plan layer`` (the layer plan hands a share of some layers' misses to it; the last
+    ``--cache-plan`` given)."""
+    plans = _values(argv, ("--cache-plan",))
+    if any(a in ("--cpu-moe", "-cmoe", "--miss-split") for a in argv) or (plans and plans[-1] == "layer"):
         return True
     vals = _values(argv, ("--n-cpu-moe", "-ncmoe"))
     n = _ints(vals[-1]) if vals else None

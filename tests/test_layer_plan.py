@@ -135,13 +135,16 @@ def test_policy_under_a_layer_plan_admits_only_what_it_holds_and_settles():
         pol.observe_all(layers, ids)
         pol.replan()
         if step < cfg.window - 1:
-            assert pol.plan is None and pol.uploads == 0
+            assert pol.plan is None  # (the per-expert rule admits until the first plan)
         flat = ids.reshape(n_layer, -1)
         missed = ~np.take_along_axis(live, flat, axis=1)
         for il in np.flatnonzero(pol.may_admit(layers, flat, missed)):
             for a in pol.decide(int(il), flat[il][missed[il]]):
-                assert pol.plan.target[a.layer, a.expert]
-                assert a.victim is None or not pol.plan.target[a.victim]
+                if pol.plan is not None:
+                    assert pol.plan.target[a.layer, a.expert]
+                    assert a.victim is None or not pol.plan.target[a.victim]
+        if step == cfg.window - 2:
+            assert pol.uploads > 0  # per-expert admissions before the plan
         for a in pol.fill_plan():
             assert pol.plan.target[a.layer, a.expert] and (a.victim is None or not pol.plan.target[a.victim])
         assert pol.n_resident == pol.resident.sum() <= 160
@@ -153,7 +156,8 @@ def test_policy_under_a_layer_plan_admits_only_what_it_holds_and_settles():
     assert (pol.plan.share[slots == 0] == 2).all()  # (4 misses a token: 2 on the CPU, 2 over the link)
     assert (pol.resident == pol.plan.target).all()
     # the first plan (after one window, from noisier usage) may be replaced once; then no churn
-    assert 1 <= pol.plans <= 2 and uploads_at[-1] == uploads_at[350] <= 2 * 160
+    at_plan = uploads_at[cfg.window - 1]
+    assert 1 <= pol.plans <= 2 and uploads_at[-1] == uploads_at[350] <= at_plan + 2 * 160
 
 
 def test_per_token_usage_rows_sum_to_the_experts_per_token():
@@ -228,8 +232,8 @@ def test_layer_plan_without_the_zero_copy_path_is_said_and_off(tmp_path):
         pol = CachePolicy(c.n_layer, c.n_expert, 4, PolicyConfig(layer_plan=True))
         cache = CachedExperts(expert_weights(m, "silu"), NumpyBackend(), 4, pol, 32, zero_copy=False,
                               top_k=c.n_expert_used, miss_split=True, log=said.append)
-        assert not pol.layer_plan
-        assert any("--cache-plan layer ignored" in s for s in said)
+        assert not pol.layer_plan and cache.handoff is None
+        assert len(said) == 1 and "--cache-plan layer ignored" in said[0]  # (not a --miss-split the user never gave)
         cache.close()
 
 
@@ -244,3 +248,119 @@ def test_settings_check_the_cache_plan():
         Settings(cache_plan="layer", miss_split=True).check()
     assert experts_on_cpu(["--cache-plan", "layer"]) and experts_on_cpu(["--cache-plan=layer"])
     assert not experts_on_cpu(["--cache-plan", "expert"])
+    assert not experts_on_cpu(["--cache-plan", "layer", "--cache-plan", "expert"])  # the last one counts
+
+
+def test_local_routing_gets_hot_sets_with_every_miss_over_the_link():
+    """Skewed usage (a few hot experts per layer, the rest rare): the plan holds each layer's hot
+    experts (no whole layers) and leaves the rare misses to the link (share 0)."""
+    rng = np.random.default_rng(17)
+    n_layer, n_expert, k = 6, 64, 4
+    usage = np.full((n_layer, n_expert), 0.004)
+    for il in range(n_layer):
+        usage[il, rng.choice(n_expert, 6, replace=False)] = (k - 0.004 * 58) / 6
+    plan = plan_layers(usage, 6 * n_layer, MissCosts(60e-6, 35e-6, 85e-6, max_share=k, k=k))
+    np.testing.assert_array_equal(plan.target, usage > 0.1)
+    assert (plan.share == 0).all()
+
+
+def test_residents_win_ties_within_a_layer():
+    usage = np.full((1, 8), 0.5)
+    resident = np.zeros((1, 8), bool)
+    resident[0, [2, 5, 7]] = True
+    plan = plan_layers(usage, 3, COSTS, resident)
+    np.testing.assert_array_equal(plan.target, resident)
+
+
+def test_plan_budget_in_units_stays_within_the_slots():
+    """Budgets above PLAN_UNITS plan in units of slots: never more slots than the pool, whole layers
+    still reachable."""
+    from moecache.moe.layer_plan import PLAN_UNITS
+
+    n_layer, n_expert = 30, 200
+    n_slots = PLAN_UNITS * 2 + 123
+    plan = plan_layers(np.full((n_layer, n_expert), 4 / n_expert), n_slots, MissCosts(60e-6, 35e-6, 85e-6, 4, 4))
+    assert plan.slots.sum() <= n_slots and plan.target.sum() == plan.slots.sum()
+    assert (plan.slots == n_expert).sum() >= 15
+
+
+def test_replan_keeps_a_plan_that_a_new_one_does_not_clearly_beat():
+    """The same usage again: the new plan costs the same, so it is not adopted (no uploads for nothing);
+    replan_soon (a changed miss path) adopts the next one whatever it saves."""
+    cfg = PolicyConfig(window=4, t_upload=40e-6, layer_plan=True, t_link=60e-6, t_cpu_layer=35e-6, t_fixed=85e-6)
+    pol = CachePolicy(4, 16, 20, cfg)
+    pol.top_k = pol.max_share = 2
+    rng = np.random.default_rng(8)
+    for _ in range(4):
+        pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
+    assert pol.replan() and pol.plans == 1
+    first = pol.plan
+    pol.clock += 4  # a window later, the same usage
+    assert not pol.replan() and pol.plan is first
+    pol.max_share = 0
+    pol.replan_soon()
+    assert pol.replan() and pol.plans == 2 and (pol.plan.share == 0).all()
+
+
+def test_preload_and_resize_under_a_layer_plan():
+    """A profile's usage preloads the plan it makes (its experts only); a smaller pool makes the next
+    replan adopt a plan that fits it."""
+    n_layer, n_expert = 3, 16
+    cfg = PolicyConfig(window=4, layer_plan=True)
+    pol = CachePolicy(n_layer, n_expert, 24, cfg)
+    pol.top_k = pol.max_share = 4
+    usage = np.full((n_layer, n_expert), 0.25)
+    adm = pol.preload(usage)
+    assert pol.plan is not None and pol.plans == 1
+    assert sorted((a.layer, a.expert) for a in adm) == sorted(zip(*np.nonzero(pol.plan.target)))
+    assert pol.n_resident == len(adm) == pol.plan.slots.sum() <= 24
+    evicted = [(a.layer, a.expert) for a in adm[-8:]]
+    pol.resize(16, evicted)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        pol.observe_all(np.arange(n_layer), _flat_ids(rng, n_layer, n_expert, 4))
+    assert pol.replan() and pol.plan.slots.sum() <= 16
+
+
+def test_fix_none_gives_a_plans_shares_back():
+    from moecache.moe.handoff import SplitControl
+
+    sc = SplitControl(4, 4)
+    sc.set_shares(np.array([0, 4, 2, 0]))
+    sc.fix(3)
+    assert sc.ncpu.tolist() == [3, 3, 3, 3]
+    sc.set_shares(np.array([1, 1, 1, 1]))  # a new plan while a share is pinned: kept for later
+    assert sc.ncpu.tolist() == [3, 3, 3, 3]
+    sc.fix(None)
+    assert sc.ncpu.tolist() == [1, 1, 1, 1]
+    assert not sc.update([0, 1], np.ones(4, np.int32), np.full(4, 3, np.int32), np.zeros(4, np.int64))
+
+
+def test_op_by_op_passes_turn_the_plans_cpu_path_off_and_back(tmp_path):
+    """Decode passes that run op by op cannot hand misses to the CPU: after PATH_CHECK_PASSES passes
+    mostly op by op the plan's CPU path goes (said once) and the plan is made again; replayed passes
+    bring it back."""
+    from moecache.moe.cache import PATH_CHECK_PASSES
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "moe.gguf"
+    write_model(path, PRESETS["tiny"], seed=3)
+    with open_gguf(path) as m:
+        c = m.config
+        said = []
+        pol = CachePolicy(c.n_layer, c.n_expert, 4, PolicyConfig(layer_plan=True))
+        cache = CachedExperts(expert_weights(m, "silu"), NumpyBackend(), 4, pol, 32, zero_copy=True,
+                              top_k=c.n_expert_used, miss_split=True, log=said.append)
+        cache.handoff.inline = False  # as a GPU's handoff (the twin answers inline and always splits)
+        assert pol.max_share == c.n_expert_used
+        for _ in range(PATH_CHECK_PASSES):
+            cache._zc_calls, cache._split_seen = 3, False  # layers called op by op, none handed over
+            cache._check_plan_paths()
+        assert pol.max_share == 0 and pol._force and len([s for s in said if "op by op" in s]) == 1
+        pol._force = False
+        for _ in range(PATH_CHECK_PASSES):
+            cache._zc_calls, cache._split_seen = 0, False  # replayed graphs
+            cache._check_plan_paths()
+        assert pol.max_share == c.n_expert_used and pol._force
+        cache.handoff.inline = True
+        cache.close()

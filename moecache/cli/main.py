@@ -99,10 +99,10 @@ MissSplitOpt = Annotated[bool, typer.Option("--miss-split", help="Expert cache w
                                             "measured slower on the H200).")]
 CachePlanOpt = Annotated[str, typer.Option("--cache-plan", help="Expert cache with --load-mode pin: expert = slots "
                                            "follow each expert's usage; layer = slots follow a plan per layer, "
-                                           "recomputed every --moe-cache-window tokens: whole layers at flat "
-                                           "routing, hot sets with local routing, each layer's misses read over "
-                                           "PCIe or computed on the CPU, whichever is predicted cheaper "
-                                           "(opt-in while measured).")]
+                                           "remade every --moe-cache-window tokens: whole layers at flat "
+                                           "routing, hot sets with local routing, and per layer the share of "
+                                           "each token's misses the CPU computes while the GPU reads the rest "
+                                           "over PCIe, as predicted fastest (opt-in while measured).")]
 ElasticOpt = Annotated[bool, typer.Option("--elastic-slots", help="Expert cache filling the free VRAM: the part of "
                                           "the reserve that only prompts use (all of it but 384 MiB) becomes "
                                           "elastic slots, experts while decoding; their memory goes back to the "

@@ -131,6 +131,7 @@ TAKE_BACK_DELAY_PASSES = 1
 # the captures of other batch sizes; the decode peak measured ~186 MiB over the plan in all (run
 # h200-s21a), of which most exists before the take-back (TAKE_BACK_DELAY_PASSES)
 TAKE_BACK_MARGIN_BYTES = 128 << 20
+PATH_CHECK_PASSES = 64  # decode passes between two checks of a layer plan's CPU path (_check_plan_paths)
 LENT = ("lent",)  # the owner of an elastic slot lent to a prompt's arrays (CachedExperts.lend_tail)
 
 
@@ -389,8 +390,9 @@ class CachedExperts:
         self._ncpu_dirty = False
         self._serve: list[int] = []  # of those, the ones whose share this pass can be non-zero
         if miss_split and not self.zero_copy:
-            self.log(f"note: --miss-split ignored: it splits the zero-copy path's misses, which is off "
-                     f"({self.zero_copy_why or 'not a GPU'})")
+            if not policy.layer_plan:  # (a layer plan's own note says so below)
+                self.log(f"note: --miss-split ignored: it splits the zero-copy path's misses, which is off "
+                         f"({self.zero_copy_why or 'not a GPU'})")
         elif miss_split:
             n_embd = layers[self._first].down.shape[1]
             self.split = SplitControl(n_layer, top_k)
@@ -407,6 +409,11 @@ class CachedExperts:
             self._split_compute(self._first, np.zeros((1, n_embd), np.float32), ids, np.ones((1, top_k), np.float32),
                                 np.zeros((1, n_embd), np.float32))
             self.cpu_s[self._first] = 0.0
+        # a layer plan's CPU shares need replayed decode graphs (op-by-op passes do not split): passes of
+        # each kind since the last check (end_pass), and whether this pass handed a layer over
+        self._graph_passes = self._op_passes = 0
+        self._split_seen = False
+        self._op_noted = False
         if policy.layer_plan and self.split is not None:
             self.split.set_shares(np.zeros(n_layer, np.int32))  # the plan sets them (link until it exists)
             policy.max_share = policy.top_k = int(top_k)
@@ -590,6 +597,7 @@ class CachedExperts:
             self.be.fill(self._ids_log, -1)  # rows of layers this pass does not route stay -1 (skipped)
             self._pass_start = time.perf_counter()
         self._zc_calls = 0
+        self._split_seen = False
         self._posted = []
         if self.handoff is not None and self._expect:
             self._seq += 1
@@ -691,6 +699,30 @@ class CachedExperts:
         self.split.fix(share)
         self._ncpu_dirty = True
 
+    def _check_plan_paths(self) -> None:
+        """After a zero-copy pass under a layer plan: count it as replayed (or captured) with the
+        handoff, or as op by op (no CPU share: every miss over the link); every
+        :data:`PATH_CHECK_PASSES` passes the plan's CPU path follows the majority (``max_share``
+        ``top_k`` or 0, the plan made again), said once when it goes."""
+        if self.split is None or not self.policy.layer_plan or self.handoff.inline:
+            return
+        if self._zc_calls and not self._split_seen:
+            self._op_passes += 1
+        else:
+            self._graph_passes += 1
+        if self._op_passes + self._graph_passes < PATH_CHECK_PASSES:
+            return
+        want = 0 if self._op_passes > self._graph_passes else self.split.k
+        if want != self.policy.max_share:
+            if not want and not self._op_noted:
+                self._op_noted = True
+                self.log(f"note: --cache-plan layer: {self._op_passes} of the last "
+                         f"{self._op_passes + self._graph_passes} decode passes ran op by op, where the CPU takes no "
+                         f"share of the misses: the plan reads every miss over PCIe until decode graphs replay again")
+            self.policy.max_share = want
+            self.policy.replan_soon()
+        self._graph_passes = self._op_passes = 0
+
     def _plan_paths(self) -> None:
         """The layer plan's shares to the split: up to ``plan.share[il]`` of each token's misses of
         layer ``il`` go to the CPU, the others over the link (from the next pass on)."""
@@ -765,6 +797,7 @@ class CachedExperts:
                 self.stats.cpu_misses += int(b.count[layers].sum())
                 if self.split.update(layers, b.count, b.n_miss, b.wait_ns):
                     self._ncpu_dirty = True
+        self._check_plan_paths()
         self._pending_routes.append((np.array(self.be.to_host(self._ids_log[:, :t])), self._map_live, t))
         self._expect = 0
         if self._pass_start is not None:
@@ -856,6 +889,7 @@ class CachedExperts:
         out = self.be.moe_ffn_cached((pool.gate, pool.up, pool.down), pool.types, gpu_pairs, h, e.act,
                                      self._map_dev[il], (e.gate, e.up, e.down), scratch)
         if split:
+            self._split_seen = True
             out = hf.wait(il, out, add=True)
             if hf.inline:
                 self._posted.append(il)

@@ -289,7 +289,8 @@ class SplitControl:
 
     :meth:`fix` pins every layer's share (a benchmark's sweep, ``bench/miss_split.py``): ``update``
     then changes nothing until ``fix(None)``. :meth:`set_shares` sets each layer's share from the
-    expert cache's layer plan (``--cache-plan layer``: 0 or ``k``); ``update`` then changes nothing.
+    expert cache's layer plan (``--cache-plan layer``: 0 to ``k`` per layer); ``update`` then changes
+    nothing, and ``fix(None)`` gives the plan's shares back.
     """
 
     n_layer: int
@@ -304,6 +305,7 @@ class SplitControl:
     probed: np.ndarray = field(init=False)
     fixed: int | None = field(init=False, default=None)
     planned: bool = field(init=False, default=False)
+    plan_shares: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.ncpu = np.zeros(self.n_layer, np.int32)
@@ -347,16 +349,21 @@ class SplitControl:
         if ncpu.shape != self.ncpu.shape or (ncpu < 0).any() or (ncpu > self.k).any():
             raise ValueError(f"set_shares: expected {self.ncpu.shape[0]} shares in [0, {self.k}], got {ncpu}")
         self.planned = True
+        self.plan_shares = ncpu.astype(np.int32)
         if self.fixed is None:  # a benchmark's pinned share (fix) holds until fix(None)
             self.ncpu[:] = ncpu
 
     def fix(self, share: int | None) -> None:
         """Pin every layer's share to ``share`` misses per token (0 to ``k``, else ValueError), or
-        give the shares back to :meth:`update` (None: they start again from 0)."""
+        give the shares back (None): to a layer plan's (:meth:`set_shares`), else to :meth:`update`,
+        starting again from 0."""
         if share is not None and not 0 <= share <= self.k:
             raise ValueError(f"a fixed share must be in [0, {self.k}], got {share}")
         self.fixed = share
-        self.ncpu[:] = 0 if share is None else share
+        if share is None and self.plan_shares is not None:
+            self.ncpu[:] = self.plan_shares
+        else:
+            self.ncpu[:] = 0 if share is None else share
         self.calm[:] = 0
         self.every[:] = self.probe_every
         self.probed[:] = False

@@ -26,9 +26,12 @@ Source of the rule: ../shared/design.md ("swap only when it pays back").
 
 With ``layer_plan`` (``--cache-plan layer``) the slots follow a **layer plan** instead
 (:mod:`moecache.moe.layer_plan`): every ``window`` tokens :meth:`CachePolicy.replan` computes the
-slots per layer and the experts to hold that minimise the misses' predicted cost, each layer's
-misses on the link or on the CPU (whole layers at flat routing, hot sets with local routing), and
-adopts it when its saving over ``window`` tokens pays for the uploads it needs. A missed expert is
+slots per layer, the experts to hold and each layer's share of its misses for the CPU (the link
+reading the rest at the same time) that minimise the misses' predicted cost (whole layers at flat
+routing, hot sets with local routing), and adopts it when its saving over
+:data:`PLAN_HORIZON_WINDOWS` windows pays for the uploads it needs and is at least
+:data:`PLAN_MARGIN` of the current plan's cost. Until the first plan (``window`` tokens, or a
+prompt's fill) the per-expert rule above admits. Under a plan a missed expert is
 admitted only if the plan holds it, in place of the least-used resident the plan does not hold
 (``min_residency`` and the upload credit as above), and the credit a pass leaves uploads planned
 experts not missed yet (:meth:`CachePolicy.fill_plan`); the executor hands up to ``plan.share[il]``
@@ -138,6 +141,10 @@ class CachePolicy:
         self.plan: LayerPlan | None = None
         self.plans = 0  # plans adopted
         self._plan_t: int | None = None  # the token clock at the last replan (None: replan at the next call)
+        self._force = False  # the next replan adopts its plan whatever it saves (replan_soon)
+        if self.layer_plan:  # the plan's dynamic programme compiled (or loaded from Numba's cache) now,
+            # not at the first replan (mid-decode, possibly inside a timed run)
+            plan_layers(np.full((2, 2), 0.5), 1, MissCosts(1.0, 1.0, 1.0, 1, 1))
         # the victim search compiled (or loaded from Numba's cache) now, not when the pool first fills
         # (mid-decode, possibly inside a timed run)
         _least_used_eligible(self.resident, self.clock, self.admitted_at, self.usage, 0.0)
@@ -185,11 +192,13 @@ class CachePolicy:
         not pay, alone or over the current victim). ``ids`` int (n, m) each layer's routed experts,
         ``missed`` bool (n, m) which of them missed. Credit only falls and the victim's usage only
         rises while a pass's decisions are taken, so a False stays False for the rest of that pass:
-        :meth:`moecache.moe.cache.CachedExperts.flush` calls :meth:`decide` only for the Trues."""
+        :meth:`moecache.moe.cache.CachedExperts.flush` calls :meth:`decide` only for the Trues.
+        Under a layer plan: True where a missed expert is planned and not resident, and a slot is
+        free or a resident the plan does not hold can go."""
         if self.credit < 1.0:
             return np.zeros(len(layers), bool)
-        if self.layer_plan:
-            if self.plan is None or (self.n_resident >= self.n_slots and self._victim() is None):
+        if self._planned():
+            if self.n_resident >= self.n_slots and self._victim() is None:
                 return np.zeros(len(layers), bool)
             rows = np.asarray(layers)[:, None]
             return (missed & self.plan.target[rows, ids] & ~self.resident[rows, ids]).any(axis=1)
@@ -217,7 +226,7 @@ class CachePolicy:
         """Admissions for the experts of ``layer`` that missed (after :meth:`observe`), most used
         first, within the credit. The returned experts count as resident from now (their copies are
         in flight); victims are no longer resident."""
-        if self.layer_plan:
+        if self._planned():
             return self._decide_planned(layer, missed)
         cfg = self.cfg
         gain = cfg.window * (cfg.t_cpu - cfg.t_gpu)
@@ -263,6 +272,10 @@ class CachePolicy:
         self.uploads += 1
         return Admission(layer, e, victim)
 
+    def _planned(self) -> bool:
+        """Admissions follow a layer plan (``layer_plan`` on and a plan made)."""
+        return self.layer_plan and self.plan is not None
+
     def _decide_planned(self, layer: int, missed: np.ndarray) -> list[Admission]:
         """:meth:`decide` under a layer plan: the missed experts the plan holds, most used first, into
         free slots or in place of the least-used residents it does not hold, within the credit."""
@@ -288,7 +301,7 @@ class CachePolicy:
         that are not resident yet, whether or not this pass missed them (most used first, as
         :meth:`decide` admits them), so a plan is in slots within its uploads' time instead of
         waiting for each expert's next miss."""
-        if not self.layer_plan or self.plan is None or self.credit < 1.0:
+        if not self._planned() or self.credit < 1.0:
             return []
         want = np.flatnonzero((self.plan.target & ~self.resident).reshape(-1))
         if not want.size:
@@ -314,7 +327,8 @@ class CachePolicy:
 
     def replan(self) -> bool:
         """With ``layer_plan``: every ``window`` tokens (the first time after ``window`` tokens: the
-        usage is too noisy before; no admissions until then; or at the next call after a resize),
+        usage is too noisy before, and the per-expert rule admits until then; or at the next call
+        after a resize or :meth:`replan_soon`),
         plan the slots from the usage (:func:`moecache.moe.layer_plan.plan_layers`) and adopt the
         plan when its predicted saving over :data:`PLAN_HORIZON_WINDOWS` windows, against the current
         plan under the same usage, exceeds the uploads it needs (experts it holds that are not
@@ -331,7 +345,8 @@ class CachePolicy:
         costs = self.miss_costs()
         usage = self._per_token(self.usage)
         new = plan_layers(usage, self.n_slots, costs, self.resident, self.cfg.hysteresis)
-        if self.plan is not None and self.plan.target.sum() <= self.n_slots:
+        force, self._force = self._force, False
+        if self.plan is not None and self.plan.target.sum() <= self.n_slots and not force:
             cur = held_cost(usage, self.plan.target, costs)
             uploads = int((new.target & ~self.resident).sum())
             if ((cur - new.cost) * PLAN_HORIZON_WINDOWS * self.cfg.window <= uploads * self.cfg.t_upload
@@ -341,6 +356,12 @@ class CachePolicy:
         self.plans += 1
         self._vc = False
         return True
+
+    def replan_soon(self) -> None:
+        """Make the next :meth:`replan` plan again and adopt its plan without the margins (the
+        executor's miss paths changed: ``max_share``)."""
+        self._plan_t = None
+        self._force = True
 
     def _per_token(self, usage: np.ndarray) -> np.ndarray:
         """``usage`` scaled per layer to the fraction of tokens that use each expert, the layer
@@ -360,7 +381,7 @@ class CachePolicy:
         admission into a free slot is too young to be one)."""
         if self._vc is not False:
             return self._vc
-        held = self.resident if self.plan is None or not self.layer_plan else self.resident & ~self.plan.target
+        held = self.resident & ~self.plan.target if self._planned() else self.resident
         flat = _least_used_eligible(held, self.clock, self.admitted_at, self.usage,
                                     float(self.cfg.min_residency))
         self._vc = None if flat < 0 else divmod(flat, self.usage.shape[1])
@@ -386,7 +407,8 @@ class CachePolicy:
             raise ValueError(f"resize: {self.n_resident} residents do not fit in {n_slots} slots")
         self.n_slots = n_slots
         self._vc = False
-        self._plan_t = None  # a layer plan is made again for the new pool at the next replan
+        if self.plan is not None:  # a layer plan is made again for the new pool at the next replan
+            self.replan_soon()
 
     def preload(self, usage: np.ndarray) -> list[Admission]:
         """Fill empty slots with the most-used experts of a saved profile (float (n_layer, n_expert)
