@@ -308,7 +308,8 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
                 else rec.get("n_cpu_moe"),
                 our_placement=None if engine == "llama.cpp" else "static" if static
                 else "layer plan" if rec.get("cache_plan") == "layer" else "default",
-                plan_cpu_layers=rec.get("plan_cpu_layers"), graph_steps=rec.get("graph_steps"),
+                plan_cpu_layers=rec.get("plan_cpu_layers"), plan_shares=rec.get("plan_shares"),
+                graph_steps=rec.get("graph_steps"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
                 build_commit=rec.get("build_commit"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

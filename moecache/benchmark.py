@@ -40,7 +40,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "load_mode", "type_k", "type_v", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
                       "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "miss_split",
-              "elastic_slots", "cache_plan", "plan_cpu_layers",
+              "elastic_slots", "cache_plan", "plan_cpu_layers", "plan_shares",
               "hit_rate", "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts", "host_expert_layers",
               "graph_steps")
 
@@ -244,6 +244,21 @@ def model_info(eng: Any) -> dict[str, Any]:
     return {"model_type": f"{g.config.arch} {size} {main}", "model_size": g.n_bytes, "model_n_params": n_params}
 
 
+def plan_fields(eng: Any) -> dict:
+    """``bench``'s layer-plan fields at the end of a test: ``cache_plan`` ("layer" when an expert
+    cache of ``eng`` follows a layer plan, ``--cache-plan layer``, else "expert"), ``plan_cpu_layers``
+    (the layers whose misses the CPU takes a share of) and ``plan_shares`` (how many layers have each
+    share, "share x layers" by share, e.g. "0x15 4x33"); None for both without a plan."""
+    planned = [c for c in getattr(eng, "caches", ()) if getattr(c.policy, "layer_plan", False)]
+    plans = [c.policy.plan for c in planned if c.policy.plan is not None]
+    if not plans:
+        return {"cache_plan": "layer" if planned else "expert", "plan_cpu_layers": None, "plan_shares": None}
+    shares = np.concatenate([p.share for p in plans])
+    counts = np.bincount(shares)
+    return {"cache_plan": "layer", "plan_cpu_layers": int((shares > 0).sum()),
+            "plan_shares": " ".join(f"{c}x{n}" for c, n in enumerate(counts) if n)}
+
+
 def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: bool, n_gen_warmup: int,
           make_engine: Callable[[BenchParams], Any], progress: Callable[[str], None] | None = None,
           say: Callable[[str], None] | None = None) -> list[Result]:
@@ -270,7 +285,6 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     eng.eval([int(rng.integers(0, eng.gguf.config.n_vocab))])
             pl = getattr(eng, "placement", None)
             slot_bytes = _slot_bytes(eng)
-            planned = [c for c in getattr(eng, "caches", ()) if getattr(c.policy, "layer_plan", False)]
             for test in tests:
                 if progress:
                     progress(f"{p.model.name} {test.name}")
@@ -298,11 +312,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "miss_split": int(bool(getattr(eng, "miss_split", False))),  # --miss-split (asked for)
                     # --elastic-slots: the elastic slots placed (counted in moe_cache_mib_granted too)
                     "elastic_slots": sum(n for _, n in (getattr(pl, "elastic_slots", ()) if pl else ())),
-                    # --cache-plan layer in effect (a cache whose policy follows a layer plan), and the
-                    # layers whose misses the plan sends to the CPU at the end of the test
-                    "cache_plan": "layer" if planned else "expert",
-                    "plan_cpu_layers": sum(int(c.policy.plan.cpu.sum()) for c in planned if c.policy.plan is not None)
-                    if planned else None,
+                    **plan_fields(eng),
                     # MoE layers whose experts are in host RAM as placed (-ncmoe's N when the placement
                     # chose it: --moe-cache 0 under --vram-budget)
                     "host_expert_layers": host_expert_layers(eng) if pl is not None and pl.devices else None,

@@ -295,3 +295,20 @@ def test_run_test_counts_the_timed_steps_replayed_as_a_graph_and_the_rows_carry_
     r = Result(fields={"host_expert_layers": 36, "graph_steps": 384}, samples_ns=[1], n_tokens=1)
     row = json.loads(render([r], "jsonl", []).splitlines()[0])
     assert row["host_expert_layers"] == 36 and row["graph_steps"] == 384
+
+
+def test_plan_fields_count_the_layers_per_share():
+    from types import SimpleNamespace
+
+    from moecache.benchmark import plan_fields
+
+    def cache(layer_plan, shares):
+        plan = None if shares is None else SimpleNamespace(share=np.array(shares))
+        return SimpleNamespace(policy=SimpleNamespace(layer_plan=layer_plan, plan=plan))
+
+    assert plan_fields(SimpleNamespace()) == {"cache_plan": "expert", "plan_cpu_layers": None, "plan_shares": None}
+    assert plan_fields(SimpleNamespace(caches=[cache(False, None)]))["cache_plan"] == "expert"
+    assert plan_fields(SimpleNamespace(caches=[cache(True, None)])) == {"cache_plan": "layer", "plan_cpu_layers": None,
+                                                                         "plan_shares": None}
+    got = plan_fields(SimpleNamespace(caches=[cache(True, [0, 4, 4, 0, 3]), cache(True, [4])]))
+    assert got == {"cache_plan": "layer", "plan_cpu_layers": 4, "plan_shares": "0x2 3x1 4x3"}
