@@ -267,7 +267,9 @@ class Engine:
                 self.backend = self.model.output_be
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph, batch_graph, graph_handoff)
-                    if any(c.handoff is not None for c in self.caches) and self.model.decode_graph is None:
+                    # (the CPU twin's inline handoff answers op-by-op passes: nothing is lost there)
+                    if any(c.handoff is not None and not c.handoff.inline for c in self.caches) \
+                            and self.model.decode_graph is None:
                         flag = "--miss-split" if self.miss_split else "--cache-plan layer's CPU path"
                         self.log(f"note: {flag} ignored: the misses are handed to the CPU inside CUDA-graph "
                                  f"decode steps, and this run decodes op by op")

@@ -1431,3 +1431,38 @@ def test_elastic_slots_flag_road(model_path):
 
     row = json.loads(next(ln for ln in r.output.splitlines() if ln.startswith("{")))
     assert row["elastic_slots"] == 0  # no GPU here: no expert cache, no elastic slots
+
+
+def test_layer_plan_with_elastic_slots_on_a_twin_gpu(model_path, monkeypatch):
+    """--cache-plan layer with elastic slots on a twin GPU: every lend and take-back resizes the pool
+    under a plan (the next plan fits the new pool); logits equal the CPU engine's through prompt,
+    decode, prompt, decode, with the plan's CPU shares answered by the twin's inline handoff."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+
+    free, want = _twin_gpu_with_elastic_slots(model_path, monkeypatch, Twin())
+    with open_gguf(model_path) as m:
+        n_vocab = m.config.n_vocab
+    rng = np.random.default_rng(12)
+    cfg = PolicyConfig(window=4, layer_plan=True, min_residency=1, t_link=1e-3)  # the link priced out: CPU shares
+    with Engine(model_path, EngineConfig(n_ctx=160)) as ref, \
+            Engine(model_path, EngineConfig(n_ctx=160), placement=PlacementOptions(elastic_slots=True, vram_budget=free),
+                   policy_config=cfg, gpu_act_q8=False) as eng:  # float activations (the CPU shares' too)
+        cache = eng.caches[0]
+        pol = cache.policy
+        assert not cache.act_q8
+        assert cache.tail == want and pol.layer_plan and cache.handoff is not None and cache.handoff.inline
+        sizes = set()
+        for round_ in range(3):
+            toks = rng.integers(0, n_vocab, 40)
+            np.testing.assert_allclose(eng.eval(toks), ref.eval(toks), rtol=1e-4, atol=1e-5)
+            for _ in range(12):
+                t = [int(rng.integers(0, n_vocab))]
+                np.testing.assert_allclose(eng.eval(t), ref.eval(t), rtol=1e-4, atol=1e-5)
+                sizes.add(pol.n_slots)
+                assert pol.n_resident == int(pol.resident.sum()) <= pol.n_slots
+            cache.flush()
+            assert pol.plan is not None and pol.plan.target.sum() <= pol.n_slots
+        assert len(sizes) >= 2  # the pool changed size under the plan (lent, then taken back)
+        np.testing.assert_array_equal(cache.split.ncpu, pol.plan.share)
+        assert cache.stats.cpu_misses > 0 and pol.plans >= 2
