@@ -247,13 +247,15 @@ def model_info(eng: Any) -> dict[str, Any]:
 def plan_fields(eng: Any) -> dict:
     """``bench``'s layer-plan fields at the end of a test: ``cache_plan`` ("layer" when an expert
     cache of ``eng`` follows a layer plan, ``--cache-plan layer``, else "expert"), ``plan_cpu_layers``
-    (the layers whose misses the CPU takes a share of) and ``plan_shares`` (how many layers have each
-    share, "share x layers" by share, e.g. "0x15 4x33"); None for both without a plan."""
+    (the layers whose misses the CPU takes a share of) and ``plan_shares`` (how many of the caches'
+    layers have each share, "share x layers" by share, e.g. "0x15 4x33"); None for both without a
+    plan."""
     planned = [c for c in getattr(eng, "caches", ()) if getattr(c.policy, "layer_plan", False)]
-    plans = [c.policy.plan for c in planned if c.policy.plan is not None]
-    if not plans:
+    held = [c for c in planned if c.policy.plan is not None]
+    if not held:
         return {"cache_plan": "layer" if planned else "expert", "plan_cpu_layers": None, "plan_shares": None}
-    shares = np.concatenate([p.share for p in plans])
+    # each cache's own layers (a plan has a row for every layer of the model)
+    shares = np.concatenate([c.policy.plan.share[sorted(c.cached_layers)] for c in held]).astype(np.int64)
     counts = np.bincount(shares)
     return {"cache_plan": "layer", "plan_cpu_layers": int((shares > 0).sum()),
             "plan_shares": " ".join(f"{c}x{n}" for c, n in enumerate(counts) if n)}

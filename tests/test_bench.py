@@ -302,9 +302,10 @@ def test_plan_fields_count_the_layers_per_share():
 
     from moecache.benchmark import plan_fields
 
-    def cache(layer_plan, shares):
+    def cache(layer_plan, shares, layers=None):  # a plan has a row per model layer; the cache holds `layers`
         plan = None if shares is None else SimpleNamespace(share=np.array(shares))
-        return SimpleNamespace(policy=SimpleNamespace(layer_plan=layer_plan, plan=plan))
+        held = set(range(len(shares or ()))) if layers is None else set(layers)
+        return SimpleNamespace(policy=SimpleNamespace(layer_plan=layer_plan, plan=plan), cached_layers=held)
 
     assert plan_fields(SimpleNamespace()) == {"cache_plan": "expert", "plan_cpu_layers": None, "plan_shares": None}
     assert plan_fields(SimpleNamespace(caches=[cache(False, None)]))["cache_plan"] == "expert"
@@ -312,3 +313,6 @@ def test_plan_fields_count_the_layers_per_share():
                                                                          "plan_shares": None}
     got = plan_fields(SimpleNamespace(caches=[cache(True, [0, 4, 4, 0, 3]), cache(True, [4])]))
     assert got == {"cache_plan": "layer", "plan_cpu_layers": 4, "plan_shares": "0x2 3x1 4x3"}
+    # two GPUs' caches, each with its own layers of a 4-layer model: each layer counted once
+    got = plan_fields(SimpleNamespace(caches=[cache(True, [4, 4, 0, 0], [0, 1]), cache(True, [0, 0, 3, 0], [2, 3])]))
+    assert got == {"cache_plan": "layer", "plan_cpu_layers": 3, "plan_shares": "0x1 3x1 4x2"}

@@ -336,31 +336,96 @@ def test_fix_none_gives_a_plans_shares_back():
     assert not sc.update([0, 1], np.ones(4, np.int32), np.full(4, 3, np.int32), np.zeros(4, np.int64))
 
 
-def test_op_by_op_passes_turn_the_plans_cpu_path_off_and_back(tmp_path):
-    """Decode passes that run op by op cannot hand misses to the CPU: after PATH_CHECK_PASSES passes
-    mostly op by op the plan's CPU path goes (said once) and the plan is made again; replayed passes
-    bring it back."""
+def test_op_by_op_passes_turn_the_plans_cpu_path_off_and_back(tmp_path, monkeypatch):
+    """Real passes through a GPU-like handoff (not inline: only a pass being captured hands misses
+    over; the twin backend says whether it captures): after PATH_CHECK_PASSES passes run op by op the
+    plan's CPU path goes (said once, the plan made again); a half-and-half mix keeps the path it has;
+    captured (or replayed) passes bring it back."""
     from moecache.moe.cache import PATH_CHECK_PASSES
     from moecache.testing.synth import PRESETS, write_model
 
     path = tmp_path / "moe.gguf"
     write_model(path, PRESETS["tiny"], seed=3)
+    rng = np.random.default_rng(9)
     with open_gguf(path) as m:
         c = m.config
         said = []
         pol = CachePolicy(c.n_layer, c.n_expert, 4, PolicyConfig(layer_plan=True))
-        cache = CachedExperts(expert_weights(m, "silu"), NumpyBackend(), 4, pol, 32, zero_copy=True,
-                              top_k=c.n_expert_used, miss_split=True, log=said.append)
-        cache.handoff.inline = False  # as a GPU's handoff (the twin answers inline and always splits)
-        assert pol.max_share == c.n_expert_used
-        for _ in range(PATH_CHECK_PASSES):
-            cache._zc_calls, cache._split_seen = 3, False  # layers called op by op, none handed over
-            cache._check_plan_paths()
+        ew = expert_weights(m, "silu")
+        cache = CachedExperts(ew, NumpyBackend(), 4, pol, 32, zero_copy=True, top_k=c.n_expert_used,
+                              miss_split=True, log=said.append)
+        cache.handoff.inline = False  # as a GPU's handoff
+        capturing = [False]
+        monkeypatch.setattr(cache.be, "capturing", lambda: capturing[0], raising=False)
+        k = c.n_expert_used
+
+        def passes(n, captured):
+            for i in range(n):
+                capturing[0] = captured(i)
+                cache.begin_pass(1)
+                for il in sorted(ew):
+                    ids = rng.choice(c.n_expert, (1, k), replace=False).astype(np.int32)
+                    cache(il, rng.standard_normal((1, c.n_embd)).astype(np.float32),
+                          Routing(ids, np.full((1, k), 1.0 / k, np.float32)))
+                cache.launched()
+                cache.end_pass()
+
+        assert pol.max_share == k
+        passes(PATH_CHECK_PASSES, lambda i: i % 2 == 0)  # half and half: kept
+        assert pol.max_share == k and not pol._force
+        passes(PATH_CHECK_PASSES, lambda i: False)  # op by op
         assert pol.max_share == 0 and pol._force and len([s for s in said if "op by op" in s]) == 1
-        pol._force = False
-        for _ in range(PATH_CHECK_PASSES):
-            cache._zc_calls, cache._split_seen = 0, False  # replayed graphs
-            cache._check_plan_paths()
-        assert pol.max_share == c.n_expert_used and pol._force
+        passes(PATH_CHECK_PASSES, lambda i: i % 2 == 0)  # half and half: kept off
+        assert pol.max_share == 0
+        passes(PATH_CHECK_PASSES, lambda i: True)  # captured: back
+        assert pol.max_share == k
+        assert len([s for s in said if "op by op" in s]) == 1
+        capturing[0] = False
         cache.handoff.inline = True
         cache.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocate_with_gapped_units_is_the_least_cost_choice(seed):
+    """The programme over options of any unit cost (the unit plans of large pools): its choice costs
+    what the best of every combination costs, within the budget (brute force)."""
+    from moecache.moe.layer_plan import _allocate
+
+    rng = np.random.default_rng(500 + seed)
+    print("seed", 500 + seed)
+    n_layer, n_opt = 3, 5
+    units = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 9), n_opt - 1, replace=False))]).astype(np.int64)
+    cost = rng.random((n_layer, n_opt))
+    budget = int(rng.integers(0, 20))
+    pick = _allocate(cost, units, budget)
+    best = min(sum(cost[il, o] for il, o in enumerate(combo)) for combo in itertools.product(range(n_opt), repeat=n_layer)
+               if sum(units[o] for o in combo) <= budget)
+    assert units[pick].sum() <= budget
+    assert cost[np.arange(n_layer), pick].sum() == pytest.approx(best, rel=1e-12)
+
+
+def test_unit_plans_spend_the_slots_the_units_leave():
+    """Above PLAN_UNITS slots a whole layer of n_expert not a multiple of the unit costs more units
+    than slots: the slots left over go to partial layers (flat usage: every slot used)."""
+    from moecache.moe.layer_plan import PLAN_UNITS
+
+    n_layer, n_expert = 58, 256
+    n_slots = 12000
+    assert n_slots > PLAN_UNITS and n_expert % -(-n_slots // PLAN_UNITS)
+    plan = plan_layers(np.full((n_layer, n_expert), 8 / n_expert), n_slots, MissCosts(60e-6, 35e-6, 85e-6, 8, 8))
+    assert plan.slots.sum() == n_slots == plan.target.sum()
+
+
+def test_a_resized_pool_is_planned_again_at_the_next_replan():
+    """resize() under a plan makes the next replan run before its window and adopt its plan."""
+    cfg = PolicyConfig(window=64, layer_plan=True, t_link=60e-6, t_cpu_layer=35e-6, t_fixed=85e-6)
+    pol = CachePolicy(4, 16, 32, cfg)
+    pol.top_k = pol.max_share = 2
+    rng = np.random.default_rng(4)
+    for _ in range(64):
+        pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
+    assert pol.replan() and pol.plans == 1
+    pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
+    assert not pol.replan()  # within the window
+    pol.resize(48)  # more slots (a take-back): plan now, whatever the margins say
+    assert pol.replan() and pol.plans == 2 and pol.plan.slots.sum() <= 48

@@ -132,6 +132,7 @@ TAKE_BACK_DELAY_PASSES = 1
 # h200-s21a), of which most exists before the take-back (TAKE_BACK_DELAY_PASSES)
 TAKE_BACK_MARGIN_BYTES = 128 << 20
 PATH_CHECK_PASSES = 64  # decode passes between two checks of a layer plan's CPU path (_check_plan_paths)
+PATH_SWITCH = 0.75  # ... which switches it only when this share of those passes ran the other way
 LENT = ("lent",)  # the owner of an elastic slot lent to a prompt's arrays (CachedExperts.lend_tail)
 
 
@@ -702,17 +703,20 @@ class CachedExperts:
     def _check_plan_paths(self) -> None:
         """After a zero-copy pass under a layer plan: count it as replayed (or captured) with the
         handoff, or as op by op (no CPU share: every miss over the link); every
-        :data:`PATH_CHECK_PASSES` passes the plan's CPU path follows the majority (``max_share``
-        ``top_k`` or 0, the plan made again), said once when it goes."""
+        :data:`PATH_CHECK_PASSES` passes the plan's CPU path follows a :data:`PATH_SWITCH` majority
+        (``max_share`` ``top_k`` or 0, the plan made again), said once when it goes."""
         if self.split is None or not self.policy.layer_plan or self.handoff.inline:
             return
         if self._zc_calls and not self._split_seen:
             self._op_passes += 1
         else:
             self._graph_passes += 1
-        if self._op_passes + self._graph_passes < PATH_CHECK_PASSES:
+        n = self._op_passes + self._graph_passes
+        if n < PATH_CHECK_PASSES:
             return
-        want = 0 if self._op_passes > self._graph_passes else self.split.k
+        # (a clear majority either way: a mix near half and half keeps the path it has)
+        want = 0 if self._op_passes >= PATH_SWITCH * n else self.split.k if self._graph_passes >= PATH_SWITCH * n \
+            else self.policy.max_share
         if want != self.policy.max_share:
             if not want and not self._op_noted:
                 self._op_noted = True

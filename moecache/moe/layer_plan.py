@@ -167,14 +167,30 @@ def plan_layers(usage: np.ndarray, n_slots: int, costs: MissCosts, resident: np.
     # plan with every count)
     q = max(1, -(-budget // PLAN_UNITS))
     counts = np.unique(np.append(np.arange(0, n_expert + 1, q), n_expert))
-    pick = _allocate(cost[:, counts], -(-counts // q), budget // q)
+    pick = _allocate(np.ascontiguousarray(cost[:, counts]), -(-counts // q), budget // q)
     slots = counts[pick].astype(np.int64)
+    if q > 1:  # the slots the units left over (whole layers charged ceil(n_expert / q) units, budget % q)
+        _spend_leftover(cost, slots, budget)
     target = np.zeros((n_layer, n_expert), bool)
     for il in range(n_layer):
         target[il, order[il, :slots[il]]] = True
     idx = np.arange(n_layer)
     return LayerPlan(slots, share[idx, slots].copy(), target,
                      float((cost[idx, slots] / (1.0 + TIE_SLOPE * idx)).sum()))
+
+
+def _spend_leftover(cost: np.ndarray, slots: np.ndarray, budget: int) -> None:
+    """Give the slots a unit plan left unused (``budget - slots.sum()``) one at a time to the layer
+    whose cost (float (n_layer, n_expert + 1)) falls most, while one falls; ``slots`` in place."""
+    n_layer, width = cost.shape
+    rows = np.arange(n_layer)
+    for _ in range(budget - int(slots.sum())):
+        nxt = np.minimum(slots + 1, width - 1)
+        gain = np.where(slots < width - 1, cost[rows, slots] - cost[rows, nxt], -np.inf)
+        il = int(np.argmax(gain))
+        if gain[il] <= 0:
+            break
+        slots[il] += 1
 
 
 def held_cost(usage: np.ndarray, held: np.ndarray, costs: MissCosts) -> float:
