@@ -284,15 +284,22 @@ def test_plan_budget_in_units_stays_within_the_slots():
     assert (plan.slots == n_expert).sum() >= 15
 
 
+def _flat_policy(n_slots, window, seed):
+    """A layer-plan policy of 4 layers x 16 experts (top-2) that has seen one window of flat routing,
+    and the generator that drew it."""
+    cfg = PolicyConfig(window=window, t_upload=40e-6, layer_plan=True, t_link=60e-6, t_cpu_layer=35e-6, t_fixed=85e-6)
+    pol = CachePolicy(4, 16, n_slots, cfg)
+    pol.top_k = pol.max_share = 2
+    rng = np.random.default_rng(seed)
+    for _ in range(window):
+        pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
+    return pol, rng
+
+
 def test_replan_keeps_a_plan_that_a_new_one_does_not_clearly_beat():
     """The same usage again: the new plan costs the same, so it is not adopted (no uploads for nothing);
     replan_soon (a changed miss path) adopts the next one whatever it saves."""
-    cfg = PolicyConfig(window=4, t_upload=40e-6, layer_plan=True, t_link=60e-6, t_cpu_layer=35e-6, t_fixed=85e-6)
-    pol = CachePolicy(4, 16, 20, cfg)
-    pol.top_k = pol.max_share = 2
-    rng = np.random.default_rng(8)
-    for _ in range(4):
-        pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
+    pol, _ = _flat_policy(20, window=4, seed=8)
     assert pol.replan() and pol.plans == 1
     first = pol.plan
     pol.clock += 4  # a window later, the same usage
@@ -418,12 +425,7 @@ def test_unit_plans_spend_the_slots_the_units_leave():
 
 def test_a_resized_pool_is_planned_again_at_the_next_replan():
     """resize() under a plan makes the next replan run before its window and adopt its plan."""
-    cfg = PolicyConfig(window=64, layer_plan=True, t_link=60e-6, t_cpu_layer=35e-6, t_fixed=85e-6)
-    pol = CachePolicy(4, 16, 32, cfg)
-    pol.top_k = pol.max_share = 2
-    rng = np.random.default_rng(4)
-    for _ in range(64):
-        pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
+    pol, rng = _flat_policy(32, window=64, seed=4)
     assert pol.replan() and pol.plans == 1
     pol.observe_all(np.arange(4), _flat_ids(rng, 4, 16, 2))
     assert not pol.replan()  # within the window
