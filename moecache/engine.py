@@ -267,14 +267,12 @@ class Engine:
                 self.backend = self.model.output_be
                 if self.placement is not None and self.placement.devices:
                     self._decode_graph(cuda_graph, batch_graph, graph_handoff)
-                    # (the CPU twin's inline handoff answers op-by-op passes: nothing is lost there)
-                    if any(c.handoff is not None and not c.handoff.inline for c in self.caches) \
-                            and self.model.decode_graph is None:
-                        flag = "--miss-split" if self.miss_split else "--cache-plan layer's CPU path"
-                        self.log(f"note: {flag} ignored: the misses are handed to the CPU inside CUDA-graph "
-                                 f"decode steps, and this run decodes op by op")
-                        for c in self.caches:
-                            c.policy.max_share = 0  # a layer plan then reads every miss over the link
+                    # (the CPU twin's inline handoff answers op-by-op passes: nothing is lost there; a
+                    # layer plan's caches turn their CPU path off by themselves, CachedExperts._check_plan_paths)
+                    if self.miss_split and self.model.decode_graph is None \
+                            and any(c.handoff is not None and not c.handoff.inline for c in self.caches):
+                        self.log("note: --miss-split ignored: the misses are split inside CUDA-graph decode "
+                                 "steps, and this run decodes op by op")
             self.n_ubatch = min(config.n_ubatch, config.n_batch, self.n_ctx)
             if config.n_batch < min(config.n_ubatch, self.n_ctx):
                 self.log(f"note: -ub {config.n_ubatch} is more than -b {config.n_batch}: {self.n_ubatch} "

@@ -304,14 +304,18 @@ class SplitControl:
     every: np.ndarray = field(init=False)
     probed: np.ndarray = field(init=False)
     fixed: int | None = field(init=False, default=None)
-    planned: bool = field(init=False, default=False)
-    plan_shares: np.ndarray | None = field(init=False, default=None)
+    plan_shares: np.ndarray | None = field(init=False, default=None)  # set_shares' (None: no plan)
 
     def __post_init__(self):
         self.ncpu = np.zeros(self.n_layer, np.int32)
         self.calm = np.zeros(self.n_layer, np.int64)
         self.every = np.full(self.n_layer, self.probe_every, np.int64)
         self.probed = np.zeros(self.n_layer, bool)
+
+    @property
+    def planned(self) -> bool:
+        """The shares come from a plan (:meth:`set_shares`), not from :meth:`update`."""
+        return self.plan_shares is not None
 
     def update(self, layers: list[int], count: np.ndarray, n_miss: np.ndarray, wait_ns: np.ndarray) -> bool:
         """After a pass: ``layers`` that posted, and per layer (arrays indexed by layer) the CPU's
@@ -348,7 +352,6 @@ class SplitControl:
         ncpu = np.asarray(ncpu)
         if ncpu.shape != self.ncpu.shape or (ncpu < 0).any() or (ncpu > self.k).any():
             raise ValueError(f"set_shares: expected {self.ncpu.shape[0]} shares in [0, {self.k}], got {ncpu}")
-        self.planned = True
         self.plan_shares = ncpu.astype(np.int32)
         if self.fixed is None:  # a benchmark's pinned share (fix) holds until fix(None)
             self.ncpu[:] = ncpu

@@ -172,8 +172,7 @@ def plan_layers(usage: np.ndarray, n_slots: int, costs: MissCosts, resident: np.
     if q > 1:  # the slots the units left over (whole layers charged ceil(n_expert / q) units, budget % q)
         _spend_leftover(cost, slots, budget)
     target = np.zeros((n_layer, n_expert), bool)
-    for il in range(n_layer):
-        target[il, order[il, :slots[il]]] = True
+    np.put_along_axis(target, order, np.arange(n_expert) < slots[:, None], axis=1)  # each layer's first slots
     idx = np.arange(n_layer)
     return LayerPlan(slots, share[idx, slots].copy(), target,
                      float((cost[idx, slots] / (1.0 + TIE_SLOPE * idx)).sum()))

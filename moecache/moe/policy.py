@@ -280,21 +280,28 @@ class CachePolicy:
         """:meth:`decide` under a layer plan: the missed experts the plan holds, most used first, into
         free slots or in place of the least-used residents it does not hold, within the credit."""
         out: list[Admission] = []
-        if self.plan is None or missed.size == 0 or self.credit < 1.0:
+        if missed.size == 0:
             return out
         cand = np.unique(missed)
         cand = cand[self.plan.target[layer, cand] & ~self.resident[layer, cand]]
-        cand = cand[np.argsort(-self.usage[layer, cand], kind="stable")]
-        for e in cand:
-            if self.credit < 1.0:
+        for e in cand[np.argsort(-self.usage[layer, cand], kind="stable")].tolist():
+            a = self._admit_planned(layer, e)
+            if a is None:
                 break
-            victim = None
-            if self.n_resident >= self.n_slots:
-                victim = self._victim()
-                if victim is None:
-                    break
-            out.append(self._admit(layer, int(e), victim))
+            out.append(a)
         return out
+
+    def _admit_planned(self, layer: int, e: int) -> Admission | None:
+        """Admit planned expert ``e`` of ``layer`` into a free slot or over the least-used resident
+        the plan does not hold; None when the credit is spent or no such resident may go."""
+        if self.credit < 1.0:
+            return None
+        victim = None
+        if self.n_resident >= self.n_slots:
+            victim = self._victim()
+            if victim is None:
+                return None
+        return self._admit(layer, e, victim)
 
     def fill_plan(self) -> list[Admission]:
         """Under a layer plan, after a pass's own admissions: the credit left goes to planned experts
@@ -308,12 +315,11 @@ class CachePolicy:
             return []
         want = want[np.argsort(-self.usage.reshape(-1)[want], kind="stable")]
         out: list[Admission] = []
-        n_e = self.usage.shape[1]
         for flat in want[:int(self.credit)].tolist():
-            got = self._decide_planned(flat // n_e, np.array([flat % n_e]))
-            if not got:
+            a = self._admit_planned(*divmod(flat, self.usage.shape[1]))
+            if a is None:
                 break
-            out += got
+            out.append(a)
         return out
 
     def miss_costs(self) -> MissCosts:
@@ -352,10 +358,15 @@ class CachePolicy:
             if ((cur - new.cost) * PLAN_HORIZON_WINDOWS * self.cfg.window <= uploads * self.cfg.t_upload
                     or new.cost > (1.0 - PLAN_MARGIN) * cur):
                 return False
-        self.plan = new
-        self.plans += 1
-        self._vc = False
+        self._adopt(new, now)
         return True
+
+    def _adopt(self, plan: LayerPlan, now: int) -> None:
+        """``plan`` from now (token clock ``now``): admissions and victims follow it."""
+        self.plan = plan
+        self.plans += 1
+        self._plan_t = now
+        self._vc = False
 
     def replan_soon(self) -> None:
         """Make the next :meth:`replan` plan again and adopt its plan without the margins (the
@@ -419,10 +430,8 @@ class CachePolicy:
         order = np.argsort(-usage, axis=None, kind="stable")
         held = None
         if self.layer_plan and usage.any():  # under a layer plan: the plan for this usage, adopted now
-            self.plan = plan_layers(self._per_token(usage), self.n_slots, self.miss_costs(), self.resident,
-                                    self.cfg.hysteresis)
-            self.plans += 1
-            self._plan_t = int(self.clock.max()) if self.clock.size else 0
+            self._adopt(plan_layers(self._per_token(usage), self.n_slots, self.miss_costs(), self.resident,
+                                    self.cfg.hysteresis), int(self.clock.max()) if self.clock.size else 0)
             held = self.plan.target.reshape(-1)
             order = order[held[order]]
         out = []
