@@ -1018,7 +1018,9 @@ def test_cuda_graph_decode_with_cpu_experts_and_a_routing_process(gpu, tmp_path,
 def test_handoff_kernels_split_post_and_add(gpu, t):
     """handoff_post / handoff_wait of ops.cu against the host module's rule (split_pairs) and a
     host answer: the CPU's pairs and rows reach the page-locked buffers, the GPU's pairs come back
-    with -1 for the CPU's, and the host's sum is added to (or copied into) the output."""
+    with -1 for the CPU's, and the host's sum is added to (or copied into) the output. A layer with
+    no share (ncpu 0 with a map) is not served (as the expert cache does): it posts no flag, counts
+    its misses, and leaves the output as it was (or zero)."""
     from moecache.backends.handoff_cuda import CudaHandoff
     from moecache.moe import handoff
 
@@ -1030,7 +1032,7 @@ def test_handoff_kernels_split_post_and_add(gpu, t):
     hf = CudaHandoff(be, n_layer, 16, n_embd, k)
     stream = cp.cuda.Stream(non_blocking=True)
     for seq, (il, n_cpu, use_map, add) in enumerate([(1, 2, True, True), (3, 0, True, True), (0, 8, False, False),
-                                                      (2, 3, True, False)], start=1):
+                                                      (2, 3, True, False), (1, 0, True, False)], start=1):
         ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
         w = rng.random((t, k)).astype(np.float32)
         h = rng.standard_normal((t, n_embd)).astype(np.float32)
@@ -1049,9 +1051,12 @@ def test_handoff_kernels_split_post_and_add(gpu, t):
             gids = hf.post(il, cp.asarray(h), cp.asarray(ids), cp.asarray(w),
                            cp.asarray(slot_map) if use_map else None, cp.asarray(ncpu) if use_map else None)
             out = hf.wait(il, cp.asarray(base), add=add)
-            n = handoff.serve(hf.buf, [il], seq, compute, timeout_s=20)
+            n = handoff.serve(hf.buf, [il], seq, compute, timeout_s=20) if n_cpu or not use_map else 0
             res = out.get()
         handoff.check(hf.buf)
+        assert hf.buf.count[il] == (want_cpu >= 0).sum() and hf.buf.n_tok[il] == t
+        if use_map:
+            assert hf.buf.n_miss[il] == (slot_map[ids] < 0).sum()
         if use_map:
             np.testing.assert_array_equal(gids.get(), want_gpu)
         else:

@@ -281,7 +281,18 @@ def test_plan_budget_in_units_stays_within_the_slots():
     n_slots = PLAN_UNITS * 2 + 123
     plan = plan_layers(np.full((n_layer, n_expert), 4 / n_expert), n_slots, MissCosts(60e-6, 35e-6, 85e-6, 4, 4))
     assert plan.slots.sum() <= n_slots and plan.target.sum() == plan.slots.sum()
-    assert (plan.slots == n_expert).sum() >= 15
+    assert (plan.slots == n_expert).sum() >= n_slots // n_expert - 1
+
+
+def test_plan_unit_divides_the_layer_when_it_can():
+    """The programme's unit is the smallest divisor of n_expert from ceil(budget / PLAN_UNITS) up to
+    twice it (whole layers then cost exactly their slots), else that ceiling."""
+    from moecache.moe.layer_plan import PLAN_UNITS, _unit
+
+    assert _unit(PLAN_UNITS, 128) == 1 and _unit(0, 128) == 1
+    assert _unit(2 * PLAN_UNITS + 1, 128) == 4  # 3 does not divide 128
+    assert _unit(2 * PLAN_UNITS + 1, 200) == 4 and _unit(2 * PLAN_UNITS + 1, 60) == 3
+    assert _unit(4 * PLAN_UNITS + 1, 127) == 5  # 127 is prime: no divisor in 5..10
 
 
 def _flat_policy(n_slots, window, seed):

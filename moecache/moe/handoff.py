@@ -12,6 +12,10 @@ Per layer the step runs two small kernels (``handoff_post`` and ``handoff_wait``
 3. ``handoff_wait`` spins on ``done[il]`` (only when ``count[il]`` > 0) and copies or adds ``out``
    into the layer's output on the device.
 
+A layer whose share is 0 (the expert cache's split, ``ncpu[il]`` = 0) posts only its counts: no rows,
+no system-scope fences and no flag, and the host does not serve it (the cache lists the layers with a
+share), so a layer plan's GPU-only layers cost one short kernel each, not two PCIe round trips.
+
 Against ending the graph at each such layer (a stream synchronisation, four copies and a launch from
 Python per layer: ~77-107 us per layer on the H200 machine, ``bench/cpu_moe_step.py``), the handoff
 costs the two kernels and the PCIe round trips of the flags.
@@ -252,14 +256,16 @@ class InlineHandoff:
         check_request(self.max_tok, self.n_embd, self.k, h.shape, ids.shape, slot_map, ncpu)
         t = h.shape[0]
         ids = np.asarray(ids, np.int32)
-        cpu, gpu = split_pairs(ids, slot_map, int(ncpu[il]) if ncpu is not None else 0)
+        cap = int(ncpu[il]) if ncpu is not None else 0
+        cpu, gpu = split_pairs(ids, slot_map, cap)
         b = self.buf
-        b.h[:t], b.ids[:t], b.w[:t] = h, cpu, w
         b.count[il] = int((cpu >= 0).sum())
         b.n_miss[il] = int(((ids >= 0) & (np.asarray(slot_map)[np.maximum(ids, 0)] < 0)).sum()) \
             if slot_map is not None else int((ids >= 0).sum())
         b.n_tok[il] = t
-        b.flag[il] = self.seq
+        if slot_map is None or cap > 0:  # as handoff_post: a layer without a share posts no rows and no flag
+            b.h[:t], b.ids[:t], b.w[:t] = h, cpu, w
+            b.flag[il] = self.seq
         return gpu if slot_map is not None else None
 
     def wait(self, il: int, out: np.ndarray, add: bool) -> np.ndarray:

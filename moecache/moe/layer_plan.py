@@ -51,7 +51,10 @@ import numpy as np
 from numba import njit
 
 TIE_SLOPE = 1e-6  # layer l's miss cost counts (1 + TIE_SLOPE * l) times: ties go to later layers
-PLAN_UNITS = 2048  # the dynamic programme's width in slot units (plan_layers: larger budgets plan in units of slots)
+# the dynamic programme's width in slot units (plan_layers: larger budgets plan in units of slots); 48
+# layers of 128 experts at 1900 slots: 4 ms a plan (2-core host) against 14 at 2048, with a predicted
+# cost 0.05-0.13% above the exact programme's (skewed to flat routing, thirtieth session)
+PLAN_UNITS = 1024
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ def plan_layers(usage: np.ndarray, n_slots: int, costs: MissCosts, resident: np.
     # multiples of a unit of q slots (and the whole layer), each charged ceil(s / q) units, so the
     # programme stays ~PLAN_UNITS wide (a 61-layer, 384-expert model with 12000 slots took 0.34 s a
     # plan with every count)
-    q = max(1, -(-budget // PLAN_UNITS))
+    q = _unit(budget, n_expert)
     counts = np.unique(np.append(np.arange(0, n_expert + 1, q), n_expert))
     pick = _allocate(np.ascontiguousarray(cost[:, counts]), -(-counts // q), budget // q)
     slots = counts[pick].astype(np.int64)
@@ -176,6 +179,14 @@ def plan_layers(usage: np.ndarray, n_slots: int, costs: MissCosts, resident: np.
     idx = np.arange(n_layer)
     return LayerPlan(slots, share[idx, slots].copy(), target,
                      float((cost[idx, slots] / (1.0 + TIE_SLOPE * idx)).sum()))
+
+
+def _unit(budget: int, n_expert: int) -> int:
+    """The programme's slot unit: the smallest ``q >= ceil(budget / PLAN_UNITS)`` that divides
+    ``n_expert`` when one is at most twice that (a whole layer then costs exactly its slots), else
+    that ceiling."""
+    q0 = max(1, -(-budget // PLAN_UNITS))
+    return next((q for q in range(q0, 2 * q0 + 1) if n_expert % q == 0), q0)
 
 
 def _spend_leftover(cost: np.ndarray, slots: np.ndarray, budget: int) -> None:

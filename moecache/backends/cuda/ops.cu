@@ -1372,7 +1372,10 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // the last ones in pair order. HIDS/HW get the CPU's pairs (id -1 for the others), GIDS (if not
 // null) the GPU's (-1 for the CPU's); with any pair for the CPU, H's T rows go to HH; COUNT[il]
 // (the CPU's pairs), NMISS[il] (every miss, or every pair without a map) and NTOK[il] are set, then
-// FLAG[il] = SEQ. DCOUNT[il] (device) tells handoff_wait whether to wait.
+// FLAG[il] = SEQ. DCOUNT[il] (device) tells handoff_wait whether to wait. A layer whose NCPU[il] is 0
+// (with a map) writes only DCOUNT, COUNT, NMISS and NTOK: no rows, no fences and no FLAG (the host
+// serves only layers with a share, moecache/moe/cache.py), so a plan's GPU-only layers cost one small
+// kernel, not two PCIe round trips.
 extern "C" __global__ void handoff_post(const float *h, const int *ids, const float *w, const int *slot_map,
                                         const int *ncpu, int il, int T, int k, long long n_embd,
                                         const long long *seq, float *HH, int *HIDS, float *HW, int *GIDS,
@@ -1390,8 +1393,10 @@ extern "C" __global__ void handoff_post(const float *h, const int *ids, const fl
             bool cpu = miss && taken < cap;
             missed += miss;
             taken += cpu;
-            ((volatile int *)HIDS)[p] = cpu ? e : -1;
-            ((volatile float *)HW)[p] = w[p];
+            if (cap > 0) {  // no share: nothing for the host to read
+                ((volatile int *)HIDS)[p] = cpu ? e : -1;
+                ((volatile float *)HW)[p] = w[p];
+            }
             if (GIDS) GIDS[p] = cpu ? -1 : e;
         }
         atomicAdd(&n_cpu_pairs, taken);
@@ -1399,6 +1404,15 @@ extern "C" __global__ void handoff_post(const float *h, const int *ids, const fl
     }
     __syncthreads();
     int n = n_cpu_pairs;
+    if (cap == 0) {  // a layer without a share (the host does not serve it): the counts, no fences, no flag
+        if (threadIdx.x == 0) {
+            DCOUNT[il] = 0;
+            COUNT[il] = 0;
+            NMISS[il] = n_miss;
+            NTOK[il] = T;
+        }
+        return;
+    }
     if (n > 0) {
         long long m = (long long)T * n_embd;
         for (long long i = threadIdx.x; i < m; i += blockDim.x) ((volatile float *)HH)[i] = h[i];
@@ -1439,6 +1453,7 @@ extern "C" __global__ void handoff_wait(volatile const long long *DONE, const in
         WAITNS[il] = waited;
     }
     __syncthreads();
+    if (!ok && add) return;  // nothing to add
     // eight volatile reads in flight per thread before their stores (one PCIe round trip each)
     for (long long i0 = threadIdx.x; i0 < n; i0 += 8 * (long long)blockDim.x) {
         float v[8];
