@@ -50,7 +50,7 @@ def main() -> None:
     from moecache.threads import openmp_wait_for_args
 
     # the OpenMP wait policy the moecache command would give (active with --miss-split), before numba loads
-    flag = ["--cache-plan", "layer"] if a.cache_plan == "layer" else [] if a.no_split else ["--miss-split"]
+    flag = ["--cache-plan", a.cache_plan] + ([] if a.no_split or a.cache_plan == "layer" else ["--miss-split"])
     print("OpenMP wait:", openmp_wait_for_args(flag + ["-t", str(a.t)]), file=sys.stderr)
     from moecache.cli.common import load_engine
     from moecache.settings import Settings

@@ -113,13 +113,13 @@ STATIC = ("-ngl", "99", "--moe-cache", "0")  # --our-static: the budget's static
 
 def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin",
              miss_split: bool = False, elastic_slots: bool = False, static: bool = False,
-             cache_plan: str = "expert") -> list[str]:
+             cache_plan: str = "auto") -> list[str]:
     """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM;
     ``miss_split`` / ``elastic_slots``: ``--miss-split`` / ``--elastic-slots`` in the cases with an
     expert cache; ``static``: those cases run with the cache off instead, ``--moe-cache 0``, so the
     placement keeps as many layers' experts on the GPU as the budget holds and the CPU computes the
     rest: llama.cpp's ``-ncmoe`` arm, with our N and kernels; ``cache_plan``: ``--cache-plan`` in
-    the cases with an expert cache, when not "expert")."""
+    the cases with an expert cache, when not "auto", the default)."""
     ours = STATIC if static and case.ours == CACHE else case.ours
     cmd = [sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", str(case.p), "-n", str(case.n),
            "-t", str(threads), "-r", str(reps), "-o", "jsonl", *ours]
@@ -140,7 +140,7 @@ def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_
         cmd += ["--miss-split"]
     if elastic_slots and cached:
         cmd += ["--elastic-slots"]
-    if cache_plan != "expert" and cached:
+    if cache_plan != "auto" and cached:
         cmd += ["--cache-plan", cache_plan]
     return cmd
 
@@ -308,7 +308,8 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
                 else rec.get("n_cpu_moe"),
                 our_placement=None if engine == "llama.cpp" else "static" if static
                 else "layer plan" if rec.get("cache_plan") == "layer" else "default",
-                plan_cpu_layers=rec.get("plan_cpu_layers"), plan_shares=rec.get("plan_shares"),
+                cache_plan=rec.get("cache_plan"), plan_cpu_layers=rec.get("plan_cpu_layers"),
+                plan_shares=rec.get("plan_shares"),
                 graph_steps=rec.get("graph_steps"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
@@ -393,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     "computes a share of the misses)")
     ap.add_argument("--elastic-slots", action="store_true", help="our cache cases with --elastic-slots (opt-in: the "
                     "prompt-only part of the reserve as slots while decoding)")
-    ap.add_argument("--cache-plan", default="expert", choices=("expert", "layer"), help="our cache cases with "
-                    "--cache-plan (layer: opt-in, slots and miss paths per layer)")
+    ap.add_argument("--cache-plan", default="auto", choices=("auto", "expert", "layer"), help="our cache cases "
+                    "with --cache-plan (auto: the default, layer where experts are page-locked behind one GPU)")
     ap.add_argument("--our-static", action="store_true", help="our cache cases with the cache off (--moe-cache 0): "
                     "the budget's static placement, -ncmoe chosen by our planner; the row says (N, static)")
     ap.add_argument("--deadline-s", type=float, default=0, help="start no new case after this many seconds (0: none)")

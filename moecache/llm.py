@@ -59,7 +59,7 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
                                       ("--deterministic", bool(settings.deterministic)),
                                       ("--miss-split", bool(settings.miss_split)),
                                       ("--elastic-slots", bool(settings.elastic_slots)),
-                                      ("--cache-plan", settings.cache_plan != "expert"),
+                                      ("--cache-plan", settings.cache_plan != "auto"),
                                       ("--moe-profile", settings.moe_profile is not None)) if given]
     moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
                                     ("--n-cpu-moe", bool(placement.n_cpu_moe))) if given]
@@ -210,7 +210,8 @@ def _check_n_predict(n: int) -> None:
 def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log: Log | None = None,
              log_once: Log | None = None, verbose: bool = False,
              pin_progress: Callable[[], Callable[[int, int, float], None]] | None = None,
-             environ: Mapping[str, str] | None = None) -> LLM:
+             environ: Mapping[str, str] | None = None,
+             on_resolved: Callable[[Resolved], None] | None = None, omp_active: bool | None = None) -> LLM:
     """Resolve ``settings`` against the model and the startup probe, say what was resolved, build
     the engine, say what it placed where (the lines ``moecache run`` prints on stderr).
 
@@ -225,6 +226,9 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         verbose: every resolved value with its reason.
         pin_progress: makes the callback (bytes done, total, seconds) that sees ``--load-mode pin``'s copy.
         environ: the environment (``MOECACHE_DETERMINISTIC``); default: ``os.environ``.
+        on_resolved: called with the resolved settings before the engine is built (the commands
+            settle the OpenMP wait policy there: :func:`moecache.threads.settle_openmp_wait`).
+        omp_active: see :func:`moecache.settings.resolve` (None: from ``OMP_WAIT_POLICY``).
 
     Raises:
         ValueError: a setting is impossible (the message names the flag), or ``--routing`` on a
@@ -250,9 +254,11 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         placement = settings.placement_options()
         probe = startup_probe(with_gpus=placement.n_gpu_layers != 0)
         env = os.environ if environ is None else environ
-        res = resolve(settings, facts, probe, command=command, environ=env)
+        res = resolve(settings, facts, probe, command=command, environ=env, omp_active=omp_active)
         for line in res.summary_lines(probe, verbose):
             log(line)
+        if on_resolved is not None:
+            on_resolved(res)
         override = None
         if res.routing:  # checked before the (possibly long) load
             from moecache.moe.routing_process import make_routing

@@ -25,13 +25,21 @@ says so). The rules, for MoE models that do not fit
   more than a quarter of the VRAM left after the dense weights and the reserve: the rest is the
   expert cache's;
 - ``-t`` physical cores minus one per GPU (a core feeds each GPU); also with ``--cpu-moe`` /
-  ``--n-cpu-moe`` on a GPU;
+  ``--n-cpu-moe``, ``--miss-split`` or a layer plan on a GPU;
 - routed experts in host RAM, the VRAM left after dense weights and KV cache as the expert budget;
 - prompt processing on the GPU with the fastest measured host link;
 - ``--load-mode auto``: pin when the model fits in available RAM with headroom and either its
   routed experts go to host RAM (the expert cache reads decode misses zero-copy from page-locked
   memory: ~8x the decode speed of computing them on the CPU, bench/results/cache-arms-h200.md) or
   the command is ``serve`` on a machine with a GPU; otherwise map the file.
+- ``--cache-plan auto``: "layer" (:mod:`moecache.moe.layer_plan`: slots per layer, and per layer a
+  share of each token's misses computed by the CPU while the GPU reads the rest zero-copy) for
+  ``run`` and ``bench`` when the routed experts stay in host RAM, page-locked, behind one GPU's
+  expert cache, ``--cpu-moe``/``-ncmoe``/``--miss-split``/``--moe-cache 0`` not given and the Numba
+  threads wait actively (the commands set that after resolving: moecache/threads.py); else
+  "expert". H200, 8 GiB, tg128 against llama.cpp in one lease: 1.14 / 1.23 at uniform and
+  low-locality routing against 0.96 / 0.92 per expert (runs h200-s29d/e); ``serve`` keeps
+  "expert" (its batched steps under the plan are not measured), and so do two GPUs (not measured);
 - ``-b`` is raised to the resolved ``-ub`` when ``-ub`` was not given (a reason says so);
 - the expert cache's policy costs (:func:`policy_config`) from the expert size, the threads and the
   measured link (fixed values with ``--deterministic``).
@@ -77,7 +85,7 @@ CPU_LAYER_FIXED_S = 85e-6
 # - the GPU's zero-copy reads of missed experts against the pinned host-to-device copy rate: 58-62 us per
 #   expert (43-46 GB/s) against 53 GB/s copies (probe-pcie.md).
 ZERO_COPY_FRACTION = 0.83
-CACHE_PLANS = ("expert", "layer")  # --cache-plan
+CACHE_PLANS = ("auto", "expert", "layer")  # --cache-plan
 DETERMINISTIC_LINK_BYTES_S = 25e9  # --deterministic: a fixed link instead of the measured one
 GPU_EXPERT_BYTES_S = 1e12  # the policy's estimate of a hit's GPU time (VRAM read rate)
 DEFAULT_WINDOW = 64  # --moe-cache-window when not given
@@ -118,9 +126,10 @@ class Settings:
         no_moe_profile: ``--no-moe-profile``: neither load nor save one.
         miss_split: ``--miss-split``: the expert cache's decode graphs hand a share of each layer's
             misses to the CPU (``Engine(miss_split=True)``; opt-in: measured slower on the H200, bench/results/miss-split-h200.md).
-        cache_plan: ``--cache-plan``: "expert" (the per-expert policy) or "layer" (the slots follow
+        cache_plan: ``--cache-plan``: "expert" (the per-expert policy), "layer" (the slots follow
             a layer plan, which also sets each layer's share of its misses for the CPU, the link
-            reading the rest: :mod:`moecache.moe.layer_plan`).
+            reading the rest: :mod:`moecache.moe.layer_plan`) or "auto" (:func:`resolve` picks one:
+            the module docstring's rule).
         elastic_slots: ``--elastic-slots``: the expert cache takes the part of the reserve that only
             prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: measured
             within an 8 GiB budget and +10-19% tg128 on the H200, run h200-s24b/c, but not yet run
@@ -153,7 +162,7 @@ class Settings:
     no_moe_profile: bool = False
     miss_split: bool = False
     elastic_slots: bool = False
-    cache_plan: str = "expert"
+    cache_plan: str = "auto"
 
     def check(self) -> None:
         """Every check that needs neither the model nor the machine.
@@ -185,7 +194,8 @@ class Settings:
         if self.moe_cache_window is not None and self.moe_cache_window < 1:
             raise ValueError(f"--moe-cache-window must be >= 1, got {self.moe_cache_window}")
         if self.cache_plan not in CACHE_PLANS:
-            raise ValueError(f"--cache-plan must be {' or '.join(CACHE_PLANS)}, got {self.cache_plan!r}")
+            raise ValueError(f"--cache-plan must be {', '.join(CACHE_PLANS[:-1])} or {CACHE_PLANS[-1]}, "
+                             f"got {self.cache_plan!r}")
         if self.cache_plan == "layer" and self.miss_split:
             raise ValueError("--cache-plan layer sets each layer's miss path itself: --miss-split goes without it")
         if self.load_mode is not None and self.load_mode.lower() not in ("auto", *LOAD_MODES):
@@ -296,6 +306,7 @@ class Resolved:
         placement: the placement flags with the prompt GPU.
         policy: the expert cache's policy costs (None for a dense model).
         routing: ``--routing`` (None: the router decides).
+        cache_plan: ``--cache-plan`` resolved: "expert" or "layer".
     """
 
     n_ctx: int
@@ -310,12 +321,15 @@ class Resolved:
     policy: PolicyConfig | None = None
     routing: str | None = None
     reasons: dict[str, str] = field(default_factory=dict)
+    cache_plan: str = "expert"
 
     def summary_lines(self, probe: Probe, verbose: bool = False) -> list[str]:
         """The ``resolved:`` lines the commands print on stderr: one short table, or (``verbose``)
         every value with its reason and each GPU the probe saw."""
         rows = [("-ub", str(self.n_ubatch), "n_ubatch"), ("-c", str(self.n_ctx or "trained"), "n_ctx"),
                 ("-t", str(self.n_threads), "n_threads"), ("--load-mode", self.load_mode, "load_mode")]
+        if self.experts_in_ram:
+            rows.append(("--cache-plan", self.cache_plan, "cache_plan"))
         if not verbose:
             return ["resolved: " + " | ".join(f"{n} {v}" for n, v, _ in rows)
                     + (" | experts in host RAM" if self.experts_in_ram else "")]
@@ -357,6 +371,32 @@ def policy_config(expert_bytes: int, probe: Probe, *, window: int | None, determ
                         t_gpu=expert_bytes / GPU_EXPERT_BYTES_S, t_upload=expert_bytes / link, adaptive=not deterministic,
                         layer_plan=layer_plan, t_link=expert_bytes / (ZERO_COPY_FRACTION * link),
                         t_cpu_layer=expert_bytes / (CPU_LAYER_BYTES_PER_THREAD_S * cores), t_fixed=CPU_LAYER_FIXED_S)
+
+
+def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gpus: int, mode: str,
+                command: str, omp_active: bool) -> tuple[str, str]:
+    """(``--cache-plan`` resolved, its reason): "auto" is "layer" for ``run`` and ``bench`` when the
+    routed experts stay in host RAM behind one GPU's expert cache that reads its misses zero-copy
+    (``--load-mode pin``), the expert placement and ``--miss-split`` left alone, and the Numba
+    threads wait actively (``omp_active``: the plan's fixed cost per CPU layer was measured so;
+    sleeping threads take ~0.3 ms to wake, moecache/threads.py); else "expert"."""
+    if settings.cache_plan != "auto":
+        return settings.cache_plan, "--cache-plan given"
+    why = ("the routed experts are in VRAM: no expert cache" if not big else
+           "--moe-cache 0: no expert cache" if placement.moe_cache == 0 else
+           "--cpu-moe / --n-cpu-moe place the experts" if placement.cpu_moe or placement.n_cpu_moe else
+           "--miss-split asked for" if settings.miss_split else
+           "mapped weights: the cache computes misses on the CPU, there is no link path to share" if mode != "pin" else
+           "measured on one GPU only" if n_gpus != 1 else
+           f"{command}: measured for run and bench only (serve's batched steps are not)"
+           if command not in ("run", "bench") else
+           "the Numba threads do not wait actively (OMP_WAIT_POLICY=ACTIVE, set before the first parallel kernel, "
+           "turns the layer plan on)" if not omp_active else None)
+    if why:
+        return "expert", why
+    return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
+                     "of the misses by the layer plan (H200, 8 GiB: tg128 1.14-1.23x llama.cpp at flat routing, "
+                     "against 0.92-0.96 per expert, bench/results/vs-llamacpp-h200.md)")
 
 
 def _big_moe_ctx(model: ModelFacts, free_total: int, n_gpus: int) -> tuple[int, str]:
@@ -418,7 +458,7 @@ def _experts_in_ram(settings: Settings, model: ModelFacts, placement: PlacementO
 
 
 def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str = "run",
-            environ: Mapping[str, str] | None = None) -> Resolved:
+            environ: Mapping[str, str] | None = None, omp_active: bool | None = None) -> Resolved:
     """The values a command runs with, each with its reason (the module docstring gives the rules).
 
     Args:
@@ -427,6 +467,9 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         probe: the machine (:func:`moecache.probe.startup_probe`; no GPUs with ``-ngl 0``).
         command: "run", "perplexity", "bench" or "serve" (``serve`` pins weights when they fit RAM).
         environ: the environment (``MOECACHE_DETERMINISTIC=1`` acts as ``--deterministic``); None = empty.
+        omp_active: whether the Numba threads will wait actively when a layer plan gives the CPU
+            experts (the commands settle the wait policy after resolving: True); None = whether
+            ``environ`` has ``OMP_WAIT_POLICY=ACTIVE``. ``--cache-plan auto`` is "expert" without it.
 
     Raises:
         ValueError: a flag's value is impossible (the message names the flag).
@@ -479,18 +522,6 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         ctx, reasons["n_ctx"] = 0, "the model's trained context"
     if settings.n_ubatch is not None and ub > (ctx or model.context_length or ub):
         ub, reasons["n_ubatch"] = ctx or model.context_length, f"-ub {ub} given, more than the context: lowered to it"
-    # -t
-    if settings.n_threads not in (None, 0):  # 0 = "physical cores"
-        threads, reasons["n_threads"] = settings.n_threads, "-t given"
-    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe or settings.miss_split
-                                            or settings.cache_plan == "layer")):
-        # a core feeds each GPU: with experts on the CPU (or --miss-split, which the command gives
-        # the same active waiting) the Numba threads wait actively between layers
-        # (moecache/threads.py), and need a core left for the thread that drives the GPU
-        threads = max(1, host.physical_cores - len(gpus))
-        reasons["n_threads"] = f"{host.physical_cores} physical cores - 1 per GPU"
-    else:
-        threads, reasons["n_threads"] = host.physical_cores, "physical cores"
     # --load-mode
     mode = (settings.load_mode or "auto").lower()
     if mode != "auto":
@@ -508,6 +539,22 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
             mode, reasons["load_mode"] = "mmap", "serve without a GPU maps the file (page-locked RAM is for GPU copies)"
         else:
             mode, reasons["load_mode"] = "mmap", f"{command} maps the file"
+    # --cache-plan
+    if omp_active is None:
+        omp_active = (environ or {}).get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
+    plan, reasons["cache_plan"] = _cache_plan(settings, placement, big, len(gpus), mode, command, omp_active)
+    # -t
+    if settings.n_threads not in (None, 0):  # 0 = "physical cores"
+        threads, reasons["n_threads"] = settings.n_threads, "-t given"
+    elif big or (gpus and model.is_moe and (placement.cpu_moe or placement.n_cpu_moe or settings.miss_split
+                                            or plan == "layer")):
+        # a core feeds each GPU: with experts on the CPU (or --miss-split, which the command gives
+        # the same active waiting) the Numba threads wait actively between layers
+        # (moecache/threads.py), and need a core left for the thread that drives the GPU
+        threads = max(1, host.physical_cores - len(gpus))
+        reasons["n_threads"] = f"{host.physical_cores} physical cores - 1 per GPU"
+    else:
+        threads, reasons["n_threads"] = host.physical_cores, "physical cores"
     # experts and prompt GPU
     if big:
         reasons["experts"] = (f"the placement: model {model.n_bytes / GiB:.1f} GiB and its KV cache do not fit in "
@@ -527,9 +574,9 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     if model.expert_each:
         det = bool(settings.deterministic) or (environ or {}).get("MOECACHE_DETERMINISTIC") == "1"
         policy = policy_config(model.expert_each, probe, window=settings.moe_cache_window, deterministic=det,
-                               n_threads=threads, prompt_gpu=prompt_gpu, layer_plan=settings.cache_plan == "layer")
+                               n_threads=threads, prompt_gpu=prompt_gpu, layer_plan=plan == "layer")
         reasons["policy"] = ("fixed costs (--deterministic)" if det else
                              "costs from the expert size, the threads and the measured link")
     return Resolved(n_ctx=ctx, n_batch=n_batch, n_ubatch=ub, n_threads=threads, cache_type=settings.kv_type(),
                     load_mode=mode, experts_in_ram=big, prompt_gpu=prompt_gpu, placement=placement, policy=policy,
-                    routing=settings.routing, reasons=reasons)
+                    routing=settings.routing, reasons=reasons, cache_plan=plan)

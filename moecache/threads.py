@@ -19,7 +19,15 @@ misses); before the twenty-seventh session it got the short spin, under which ``
 --miss-split`` lost 15% at 8 GiB uniform routing while ``bench/miss_split.py``, in libgomp's
 default 300k-round spin, saw the split level with share 0 (bench/results/miss-split-h200.md). With
 active waiting (twenty-eighth session, run h200-s28b) the split made -1% at uniform routing and -17%
-at low-locality against the default: it still does not pay.
+at low-locality against the default: it still does not pay. ``--cache-plan layer`` (a share of some
+layers' misses, by the layer plan) waits actively too.
+
+``--cache-plan auto`` (the default) is decided only when the settings are resolved: the model and
+the machine say whether it becomes "layer". So on a machine with the GPU stack a command line that
+leaves it to auto sets nothing at start (:func:`openmp_wait_for_args` returns "deferred"), and the
+command calls :func:`settle_openmp_wait` with the resolved values before the engine loads: Numba
+starts its OpenMP runtime at the first parallel kernel, which the load runs, and libgomp reads the
+environment once, when it loads (:func:`openmp_runtime_loaded` checks that it has not).
 """
 
 from __future__ import annotations
@@ -108,6 +116,46 @@ def threads_flag(argv: list[str]) -> int | None:
     return max(n)
 
 
+def plan_undecided(argv: list[str]) -> bool:
+    """True if ``argv`` leaves ``--cache-plan`` to auto (not given, or the last one given is auto)."""
+    plans = _values(argv, ("--cache-plan",))
+    return not plans or plans[-1] == "auto"
+
+
+def openmp_runtime_loaded(maps: str | None = None) -> bool:
+    """Whether an OpenMP runtime (libgomp, LLVM's libomp, Intel's libiomp) is mapped into this
+    process (``maps``: the text of ``/proc/self/maps``; read when None; False where it cannot be
+    read, i.e. not Linux)."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return False
+    return any(name in maps for name in ("libgomp", "libomp", "libiomp"))
+
+
+def settle_openmp_wait(active: bool, n_threads: int, n_cpus: int | None = None, maps: str | None = None) -> str:
+    """The wait policy of a command line whose choice :func:`openmp_wait_for_args` deferred, from
+    the resolved settings: active waiting when ``active`` (CPU experts or a layer plan) and
+    ``n_threads`` leaves a core free (below ``n_cpus``, default the CPUs this process may run on),
+    else the short spin. Nothing changes when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is already
+    set (the user's, or the command line's own choice at start) or when an OpenMP runtime is
+    already loaded (``maps``: see :func:`openmp_runtime_loaded`).
+
+    Returns "active", "short spin", "set before" or "too late" (the runtime keeps its defaults: the
+    caller says so)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return "set before"
+    if openmp_runtime_loaded(maps):
+        return "too late"
+    if active and n_threads < (n_cpus or _cpus()):
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        return "active"
+    short_openmp_spin()
+    return "short spin"
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -129,7 +177,11 @@ def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None, gpu_stack: 
     waiting is only chosen where a core stays free. Without a GPU the flags change nothing and
     spinning workers would starve OpenBLAS (above).
 
-    Returns what the process now has, for the log: "active", "short spin" or "user's"."""
+    With the GPU stack and ``--cache-plan`` left to auto (:func:`plan_undecided`) and no ``-t`` at
+    or above ``n_cpus``, nothing is set: the command decides once the settings are resolved
+    (:func:`settle_openmp_wait`).
+
+    Returns what the process now has, for the log: "active", "short spin", "deferred" or "user's"."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return "user's"
     if gpu_stack is None:
@@ -137,8 +189,11 @@ def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None, gpu_stack: 
 
         gpu_stack = importlib.util.find_spec("cupy") is not None
     t = threads_flag(argv)
-    if experts_on_cpu(argv) and gpu_stack and (t is None or t < (n_cpus or _cpus())):
+    free_core = t is None or t < (n_cpus or _cpus())
+    if experts_on_cpu(argv) and gpu_stack and free_core:
         os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
         return "active"
+    if gpu_stack and free_core and plan_undecided(argv):
+        return "deferred"
     short_openmp_spin()
     return "short spin"

@@ -241,3 +241,43 @@ def test_a_lowered_context_is_the_largest_at_which_the_whole_model_fits():
         assert r.n_ctx == max(fits), (model_gib, r.n_ctx, fits)
         placed = plan(r.placement, model.sizes.with_context(r.n_ctx), [free_gib * GiB], [GiB])
         assert all(placed.experts_on_device)
+
+
+PLAN_CASES = [
+    # (name, model, gpus, command, flags, omp_active, expected plan, a word of the reason)
+    ("big MoE, pinned, one GPU, active threads", MOE_BIG, [gpu(0, 8)], "run", Settings(), True, "layer", "layer plan"),
+    ("bench too", MOE_BIG, [gpu(0, 8)], "bench", Settings(), True, "layer", "layer plan"),
+    ("threads not waiting actively", MOE_BIG, [gpu(0, 8)], "run", Settings(), False, "expert", "OMP_WAIT_POLICY"),
+    ("serve", MOE_BIG, [gpu(0, 8)], "serve", Settings(), True, "expert", "serve"),
+    ("perplexity", MOE_BIG, [gpu(0, 8)], "perplexity", Settings(), True, "expert", "perplexity"),
+    ("mapped weights", MOE_BIG, [gpu(0, 8)], "run", Settings(load_mode="mmap"), True, "expert", "mapped"),
+    ("two GPUs", MOE_BIG, [gpu(0, 8), gpu(1, 8)], "run", Settings(), True, "expert", "one GPU"),
+    ("the model fits in VRAM", MOE_SMALL, [gpu(0, 24)], "run", Settings(), True, "expert", "VRAM"),
+    ("no GPU", MOE_BIG, [], "run", Settings(), True, "expert", "VRAM"),
+    ("--moe-cache 0", MOE_BIG, [gpu(0, 8)], "run", Settings(moe_cache="0"), True, "expert", "--moe-cache 0"),
+    ("--n-cpu-moe", MOE_BIG, [gpu(0, 8)], "run", Settings(n_cpu_moe=40), True, "expert", "--n-cpu-moe"),
+    ("--miss-split", MOE_BIG, [gpu(0, 8)], "run", Settings(miss_split=True), True, "expert", "--miss-split"),
+    ("given: expert", MOE_BIG, [gpu(0, 8)], "run", Settings(cache_plan="expert"), True, "expert", "given"),
+    ("given: layer, even for serve", MOE_BIG, [gpu(0, 8)], "serve", Settings(cache_plan="layer"), False, "layer", "given"),
+]
+
+
+@pytest.mark.parametrize("name,model,gpus,command,flags,active,want,why", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_cache_plan_auto(name, model, gpus, command, flags, active, want, why):
+    """--cache-plan auto: layer for run and bench with the experts page-locked behind one GPU's cache
+    and the threads waiting actively; the layer plan's policy and a core left follow it."""
+    r = resolve(flags, model, Probe(HOST, tuple(gpus)), command=command, omp_active=active)
+    assert r.cache_plan == want and why in r.reasons["cache_plan"]
+    if model.expert_each:
+        assert r.policy.layer_plan is (want == "layer")
+    if want == "layer":
+        assert r.n_threads == HOST.physical_cores - len(gpus)
+
+
+def test_cache_plan_auto_reads_the_wait_policy_from_the_environment():
+    probe = Probe(HOST, (gpu(0, 8),))
+    assert resolve(Settings(), MOE_BIG, probe, environ={"OMP_WAIT_POLICY": "active"}).cache_plan == "layer"
+    assert resolve(Settings(), MOE_BIG, probe, environ={"OMP_WAIT_POLICY": "PASSIVE"}).cache_plan == "expert"
+    assert resolve(Settings(), MOE_BIG, probe).cache_plan == "expert"
+    short = resolve(Settings(), MOE_BIG, probe, omp_active=True).summary_lines(probe)[0]
+    assert "--cache-plan layer" in short

@@ -33,9 +33,44 @@ def test_wait_policy_follows_the_flags(monkeypatch):
     assert threads.openmp_wait_for_args(["bench", "-ncmoe", "48"], n_cpus=16, gpu_stack=True) == "active"
     assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    assert threads.openmp_wait_for_args(["bench"], gpu_stack=True) == "short spin"
+    assert threads.openmp_wait_for_args(["bench", "--cache-plan", "expert"], gpu_stack=True) == "short spin"
     assert threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
     assert "OMP_WAIT_POLICY" not in threads.os.environ
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    # --cache-plan left to auto: nothing set until the settings are resolved
+    for argv in (["bench"], ["run", "--cache-plan", "layer", "--cache-plan=auto"]):
+        assert threads.openmp_wait_for_args(argv, n_cpus=16, gpu_stack=True) == "deferred"
+        assert "OMP_WAIT_POLICY" not in threads.os.environ and "GOMP_SPINCOUNT" not in threads.os.environ
+    assert threads.openmp_wait_for_args(["run", "--cache-plan", "layer"], n_cpus=16, gpu_stack=True) == "active"
+
+
+def test_deferred_wait_settles_from_the_resolved_settings(monkeypatch):
+    """settle_openmp_wait: active waiting for a resolved layer plan with a core free, else the short
+    spin; nothing once either variable is set or once an OpenMP runtime is mapped."""
+    def clear():
+        for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+            monkeypatch.delenv(k, raising=False)
+
+    clear()
+    assert threads.settle_openmp_wait(True, 15, n_cpus=16, maps="") == "active"
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert threads.settle_openmp_wait(False, 15, n_cpus=16, maps="") == "set before"  # the first choice stays
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in threads.os.environ
+    clear()
+    assert threads.settle_openmp_wait(True, 16, n_cpus=16, maps="") == "short spin"  # no core left
+    assert threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
+    clear()
+    assert threads.settle_openmp_wait(False, 15, n_cpus=16, maps="") == "short spin"
+    clear()
+    maps = "7f1c2a000000-7f1c2a040000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0\n"
+    assert threads.settle_openmp_wait(True, 15, n_cpus=16, maps=maps) == "too late"
+    assert "OMP_WAIT_POLICY" not in threads.os.environ and "GOMP_SPINCOUNT" not in threads.os.environ
+
+
+def test_openmp_runtime_loaded_reads_the_maps():
+    assert not threads.openmp_runtime_loaded("7f00-7f10 r-xp 0 0:0 0 /usr/lib/libc.so.6\n")
+    for lib in ("libgomp.so.1", "libomp.so.5", "libiomp5.so"):
+        assert threads.openmp_runtime_loaded(f"7f00-7f10 r-xp 0 0:0 0 /opt/lib/{lib}\n")
 
 
 def test_users_setting_wins(monkeypatch):
@@ -58,7 +93,10 @@ def test_users_setting_wins(monkeypatch):
     (["bench", "-ncmoe", "48", "-ts", "3,1"], "active"),  # -ts is not -t
     (["bench", "--vram-budget", "8GiB", "--miss-split", "-t", "15"], "active"),
     (["bench", "--vram-budget", "8GiB", "--miss-split", "-t", "16"], "short spin"),
-    (["bench", "--vram-budget", "8GiB", "-t", "15"], "short spin"),  # the cache alone: the GPU reads the misses
+    (["bench", "--vram-budget", "8GiB", "-t", "15", "--cache-plan", "expert"], "short spin"),  # the GPU reads the misses
+    (["bench", "--vram-budget", "8GiB", "-t", "15"], "deferred"),  # auto: decided once resolved
+    (["bench", "--vram-budget", "8GiB", "-t", "16"], "short spin"),  # auto, but no core left
+    (["bench", "--vram-budget", "8GiB", "--cache-plan", "layer", "-t", "15"], "active"),
 ])
 def test_active_waiting_leaves_a_core_free(monkeypatch, argv, want):
     for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
@@ -97,3 +135,33 @@ def test_one_thread_if_active_sets_the_calling_threads_numba_count(monkeypatch):
         assert got[policy] == want, policy
         assert threads.waits_actively() is (policy in ("ACTIVE", " active "))
     assert numba.get_num_threads() == main
+
+
+def test_no_openmp_runtime_before_the_settings_are_resolved(code_moe_tiny):
+    """The deferred choice works only if nothing loads OpenMP before open_llm's on_resolved (where
+    the commands settle it): in a fresh process, a real model's load reaches it with no OpenMP
+    runtime mapped, and a completion afterwards maps one (the check sees it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os, sys\n"
+        "for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT', 'NUMBA_THREADING_LAYER'): os.environ.pop(k, None)\n"
+        "from moecache import threads\n"
+        "from moecache.llm import open_llm\n"
+        "from moecache.settings import Settings\n"
+        "seen = []\n"
+        "llm = open_llm(sys.argv[1], Settings(n_ctx=64, n_gpu_layers=0), on_resolved=lambda r: seen.append("
+        "threads.openmp_runtime_loaded()))\n"
+        "llm.complete('def f', n_predict=1)\n"
+        "import numba\n"
+        "print(seen, threads.openmp_runtime_loaded(), numba.threading_layer())\n")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code, str(code_moe_tiny)], capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen, after, layer = r.stdout.split()[-3:]
+    assert seen == "[False]"
+    if layer == "omp":  # (a TBB layer maps no OpenMP runtime)
+        assert after == "True"

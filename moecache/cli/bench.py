@@ -75,7 +75,7 @@ class BenchOptions:
     cache_type_v: str | None = None
     miss_split: bool = False  # --miss-split (one value for the whole bench)
     elastic_slots: bool = False  # --elastic-slots (one value for the whole bench)
-    cache_plan: str = "expert"  # --cache-plan (one value for the whole bench)
+    cache_plan: str = "auto"  # --cache-plan (one value for the whole bench)
 
 
 def bench_command(o: BenchOptions) -> None:
@@ -133,7 +133,7 @@ def bench_command(o: BenchOptions) -> None:
         shown.append("miss_split")
     if o.elastic_slots:
         shown.append("elastic_slots")
-    if o.cache_plan != "expert":
+    if o.cache_plan != "auto":
         shown.append("cache_plan")
     need = max(t.n_depth + t.n_prompt + t.n_gen for t in tests) + max(1, n_gen_warmup) + 8
     if ctx_size is not None and ctx_size < need:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -117,8 +118,28 @@ def load_engine(model: Path, settings, command: str, verbose: bool = False, said
         if line not in said:
             said.add(line)
             note(line)
+    # neither variable set: the command line left the choice to the resolved settings
+    # (moecache.threads.openmp_wait_for_args), and settle_wait makes it active for a layer plan
+    deferred = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
     return open_llm(model, settings, command=command, log=note, log_once=once, verbose=verbose,
-                    pin_progress=pin_progress_bar)
+                    pin_progress=pin_progress_bar, on_resolved=lambda res: settle_wait(res, settings, once),
+                    omp_active=True if deferred else None)
+
+
+def settle_wait(res, settings, log) -> str:
+    """The OpenMP wait policy of a command whose ``--cache-plan`` was left to auto, once resolved
+    (:func:`moecache.threads.settle_openmp_wait`): active waiting when the CPU takes experts in
+    decode steps (a layer plan, ``--cpu-moe``/``--n-cpu-moe``, ``--miss-split``). Says once when an
+    OpenMP runtime had already loaded. Returns what settle_openmp_wait returned."""
+    from moecache.threads import settle_openmp_wait
+
+    pl = res.placement
+    active = res.cache_plan == "layer" or bool(pl.cpu_moe or pl.n_cpu_moe or settings.miss_split)
+    got = settle_openmp_wait(active, res.n_threads)
+    if got == "too late" and active:
+        log("note: the Numba threads keep OpenMP's default wait: its runtime loaded before the settings were "
+            "resolved (set OMP_WAIT_POLICY=ACTIVE for the CPU's share of the experts)")
+    return got
 
 
 def cache_stats_lines(eng) -> list[str]:

@@ -102,7 +102,9 @@ CachePlanOpt = Annotated[str, typer.Option("--cache-plan", help="Expert cache wi
                                            "remade every --moe-cache-window tokens: whole layers at flat "
                                            "routing, hot sets with local routing, and per layer the share of "
                                            "each token's misses the CPU computes while the GPU reads the rest "
-                                           "over PCIe, as predicted fastest (opt-in while measured).")]
+                                           "over PCIe, as predicted fastest; auto = layer for run and bench when the "
+                                           "experts are page-locked behind one GPU's cache, else expert (the "
+                                           "resolved value and why: -v).")]
 ElasticOpt = Annotated[bool, typer.Option("--elastic-slots", help="Expert cache filling the free VRAM: the part of "
                                           "the reserve that only prompts use (all of it but 384 MiB) becomes "
                                           "elastic slots, experts while decoding; their memory goes back to the "
@@ -206,7 +208,7 @@ def run(
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
     miss_split: MissSplitOpt = False,
-    cache_plan: CachePlanOpt = "expert",
+    cache_plan: CachePlanOpt = "auto",
     elastic_slots: ElasticOpt = False,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
@@ -336,7 +338,7 @@ def serve(
     moe_profile: MoeProfileOpt = None,
     no_moe_profile: NoMoeProfileOpt = False,
     miss_split: MissSplitOpt = False,
-    cache_plan: CachePlanOpt = "expert",
+    cache_plan: CachePlanOpt = "auto",
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -407,7 +409,7 @@ def bench(
     cache_type_v: CacheTypeVOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, csv, json or jsonl.")] = "md",
     miss_split: MissSplitOpt = False,
-    cache_plan: CachePlanOpt = "expert",
+    cache_plan: CachePlanOpt = "auto",
     elastic_slots: ElasticOpt = False,
     version: VersionOpt = None,
 ) -> None:
