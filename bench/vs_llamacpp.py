@@ -112,11 +112,11 @@ STATIC = ("-ngl", "99", "--moe-cache", "0")  # --our-static: the budget's static
 
 
 def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_mode: str = "pin",
-             miss_split: bool = False, elastic_slots: bool = False, static: bool = False,
+             miss_split: bool = False, elastic_slots: bool | None = None, static: bool = False,
              cache_plan: str = "auto") -> list[str]:
     """``moecache bench``'s command line for a case (``load_mode`` where experts are in host RAM;
-    ``miss_split`` / ``elastic_slots``: ``--miss-split`` / ``--elastic-slots`` in the cases with an
-    expert cache; ``static``: those cases run with the cache off instead, ``--moe-cache 0``, so the
+    ``miss_split`` / ``elastic_slots``: ``--miss-split`` / ``--elastic-slots`` (True) or
+    ``--no-elastic-slots`` (False; None: neither) in the cases with an expert cache; ``static``: those cases run with the cache off instead, ``--moe-cache 0``, so the
     placement keeps as many layers' experts on the GPU as the budget holds and the CPU computes the
     rest: llama.cpp's ``-ncmoe`` arm, with our N and kernels; ``cache_plan``: ``--cache-plan`` in
     the cases with an expert cache, when not "auto", the default)."""
@@ -138,8 +138,8 @@ def ours_cmd(model: str, case: Case, reps: int, threads: int, warmup: int, load_
         cmd += ["--n-gen-warmup", str(warmup)]
     if miss_split and cached:
         cmd += ["--miss-split"]
-    if elastic_slots and cached:
-        cmd += ["--elastic-slots"]
+    if elastic_slots is not None and cached:
+        cmd += ["--elastic-slots" if elastic_slots else "--no-elastic-slots"]
     if cache_plan != "auto" and cached:
         cmd += ["--cache-plan", cache_plan]
     return cmd
@@ -392,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--our-load-mode", default="pin", help="our --load-mode where experts are in host RAM")
     ap.add_argument("--miss-split", action="store_true", help="our cache cases with --miss-split (opt-in: the CPU "
                     "computes a share of the misses)")
-    ap.add_argument("--elastic-slots", action="store_true", help="our cache cases with --elastic-slots (opt-in: the "
-                    "prompt-only part of the reserve as slots while decoding)")
+    ap.add_argument("--elastic-slots", action=argparse.BooleanOptionalAction, default=None, help="our cache cases "
+                    "with --elastic-slots or --no-elastic-slots (not given: the default, on)")
     ap.add_argument("--cache-plan", default="auto", choices=("auto", "expert", "layer"), help="our cache cases "
                     "with --cache-plan (auto: the default, layer where experts are page-locked behind one GPU)")
     ap.add_argument("--our-static", action="store_true", help="our cache cases with the cache off (--moe-cache 0): "
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-llamacpp-h200")
     a = ap.parse_args(argv)
 
-    if a.our_static and (a.miss_split or a.elastic_slots or a.cache_plan != "expert"):
+    if a.our_static and (a.miss_split or a.elastic_slots is not None or a.cache_plan != "auto"):
         ap.error("--our-static turns the expert cache off: --miss-split, --elastic-slots and --cache-plan need it")
     if a.miss_split and a.cache_plan != "expert":
         ap.error("--cache-plan layer sets each layer's miss path itself: --miss-split goes without it")

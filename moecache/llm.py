@@ -58,7 +58,7 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
                                       ("--moe-cache-stats", bool(settings.moe_cache_stats)),
                                       ("--deterministic", bool(settings.deterministic)),
                                       ("--miss-split", bool(settings.miss_split)),
-                                      ("--elastic-slots", bool(settings.elastic_slots)),
+                                      ("--elastic-slots", settings.elastic_slots is not None),
                                       ("--cache-plan", settings.cache_plan != "auto"),
                                       ("--moe-profile", settings.moe_profile is not None)) if given]
     moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),

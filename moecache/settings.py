@@ -130,11 +130,12 @@ class Settings:
             a layer plan, which also sets each layer's share of its misses for the CPU, the link
             reading the rest: :mod:`moecache.moe.layer_plan`) or "auto" (:func:`resolve` picks one:
             the module docstring's rule).
-        elastic_slots: ``--elastic-slots``: the expert cache takes the part of the reserve that only
-            prompts use as elastic slots (:class:`moecache.placement.PlacementOptions`; opt-in: measured
-            within an 8 GiB budget and +10-19% tg128 on the H200, run h200-s24b/c, but not yet run
-            through the whole GPU suite as the default). Off for ``serve`` (no such flag there;
-            its prompt chunks between decode steps would empty and refill them each time).
+        elastic_slots: ``--elastic-slots`` / ``--no-elastic-slots`` (None: not given, on): the
+            expert cache takes the part of the reserve that only prompts use as elastic slots
+            (:class:`moecache.placement.PlacementOptions`; H200, 8 GiB, in one lease with the layer
+            plan: tg128 +9-17%, every peak within the budget, runs h200-s30a-c,
+            bench/results/vs-llamacpp-h200.md). Off for ``serve`` (no such flag there; its prompt
+            chunks between decode steps would empty and refill them each time).
     """
 
     n_ctx: int | None = None
@@ -161,7 +162,7 @@ class Settings:
     moe_profile: str | None = None
     no_moe_profile: bool = False
     miss_split: bool = False
-    elastic_slots: bool = False
+    elastic_slots: bool | None = None
     cache_plan: str = "auto"
 
     def check(self) -> None:
@@ -235,7 +236,7 @@ class Settings:
                                 tensor_split=ts, main_gpu=self.main_gpu or 0,
                                 moe_cache=mc if isinstance(mc, int) or mc is None else parse_moe_cache(mc),
                                 vram_budget=vb if isinstance(vb, int) else parse_size(vb, "--vram-budget"),
-                                elastic_slots=bool(self.elastic_slots))
+                                elastic_slots=self.elastic_slots is not False)
 
 
 def kv_cache_type(ctk: str | None, ctv: str | None, default: str = DEFAULT_CACHE_TYPE) -> str:

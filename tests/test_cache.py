@@ -1396,8 +1396,9 @@ def test_elastic_slots_left_out_where_the_backend_cannot_make_them(model_path, m
 
 
 def test_elastic_slots_flag_road(model_path):
-    """--elastic-slots: off unless given; run and bench pass it to the placement; serve's resolution
-    turns it off (its prompt chunks between decode steps would empty and refill the slots)."""
+    """--elastic-slots / --no-elastic-slots: on unless --no-elastic-slots; run and bench pass it to
+    the placement; serve's resolution turns it off (its prompt chunks between decode steps would
+    empty and refill the slots)."""
     from typer.testing import CliRunner
 
     import moecache.cli.bench as bench_mod
@@ -1405,13 +1406,15 @@ def test_elastic_slots_flag_road(model_path):
     from moecache.probe import GiB, GpuInfo, HostInfo, Probe
     from moecache.settings import Settings, model_facts, resolve
 
-    assert Settings().placement_options().elastic_slots is False
+    assert Settings().placement_options().elastic_slots is True
     assert Settings(elastic_slots=True).placement_options().elastic_slots is True
+    assert Settings(elastic_slots=False).placement_options().elastic_slots is False
     with open_gguf(model_path) as m:
         facts = model_facts(m, "f16")
     probe = Probe(HostInfo("test cpu", 4, 8, 16 * GiB, 12 * GiB), (GpuInfo(0, "gpu", "", 8 * GiB, 8 * GiB),))
-    assert resolve(Settings(elastic_slots=True), facts, probe, command="run").placement.elastic_slots
-    assert not resolve(Settings(elastic_slots=True), facts, probe, command="serve").placement.elastic_slots
+    assert resolve(Settings(), facts, probe, command="run").placement.elastic_slots
+    assert not resolve(Settings(elastic_slots=False), facts, probe, command="run").placement.elastic_slots
+    assert not resolve(Settings(), facts, probe, command="serve").placement.elastic_slots
     seen = []
     orig = bench_mod.load_engine
 
@@ -1421,12 +1424,13 @@ def test_elastic_slots_flag_road(model_path):
 
     bench_mod.load_engine = spy
     try:
-        r = CliRunner().invoke(app, ["bench", "-m", str(model_path), "-p", "0", "-n", "2", "-r", "1", "--elastic-slots",
-                                     "-o", "jsonl"])
+        runs = [CliRunner().invoke(app, ["bench", "-m", str(model_path), "-p", "0", "-n", "2", "-r", "1", *flag,
+                                         "-o", "jsonl"]) for flag in (["--no-elastic-slots"], ["--elastic-slots"], [])]
     finally:
         bench_mod.load_engine = orig
-    assert r.exit_code == 0, r.output
-    assert seen == [True]
+    for r in runs:
+        assert r.exit_code == 0, r.output
+    assert seen == [False, True, None]
     import json
 
     row = json.loads(next(ln for ln in r.output.splitlines() if ln.startswith("{")))

@@ -279,8 +279,9 @@ def test_cache_at_vram_is_what_the_placement_grants():
     """--what-if-vram: a VRAM size becomes the cache the placement grants a run at that budget: the
     VRAM the placement uses (95% of what the run's own CUDA context leaves, 526 MiB as measured on the
     H200, less the 1 GiB reserve and the float32 prompt scratch) less the dense weights, KV cache and
-    output, in whole experts (the rule of moecache/placement.py, worked by hand here); a model that
-    fits whole caches every expert; more VRAM, more cache."""
+    output, in whole experts (the rule of moecache/placement.py, worked by hand here); with the
+    elastic slots (the default) also the reserve less what decoding keeps; a model that fits whole
+    caches every expert; more VRAM, more cache."""
     from facts import LARGEST_F32, OUTPUT, moe_facts
 
     from moecache.moe.profile import cache_at_vram
@@ -290,11 +291,15 @@ def test_cache_at_vram_is_what_the_placement_grants():
     GiB = 1 << 30
     host = HostInfo("test cpu", 16, 32, 128 * GiB, 120 * GiB)
     f = moe_facts(17 * GiB, 16 * GiB, 40960, 96 * 1024)
-    c = cache_at_vram(f, 8 * GiB, Settings(n_ctx=512), host)
-    usable = int((8 * GiB - (526 << 20)) * 0.95) - GiB - LARGEST_F32
+    c = cache_at_vram(f, 8 * GiB, Settings(n_ctx=512, elastic_slots=False), host)
+    free = 8 * GiB - (526 << 20)
+    usable = int(free * 0.95) - GiB - LARGEST_F32
     dense = (17 * GiB - 16 * GiB - OUTPUT) // 48 * 48 + OUTPUT + 512 * (96 * 1024 // 48) * 48
     assert not c.fits and c.n_ctx == 512
     assert c.cache_bytes == (usable - dense) // f.expert_each * f.expert_each
+    elastic = cache_at_vram(f, 8 * GiB, Settings(n_ctx=512), host).cache_bytes - c.cache_bytes
+    assert elastic % f.expert_each == 0
+    assert 0 < elastic <= free - usable - (384 << 20)  # the reserve less the decode keep (placement.DECODE_KEEP_BYTES)
     sizes = [cache_at_vram(f, v * GiB, Settings(n_ctx=512), host).cache_bytes for v in (4, 8, 12, 16)]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
     whole = cache_at_vram(f, 40 * GiB, Settings(), host)

@@ -91,6 +91,9 @@ def test_command_lines_follow_the_fairness_rules():
     assert "--miss-split" not in V.ours_cmd("m", g, 3, 15, 256, miss_split=True)  # no cache: nothing to split
     assert "--elastic-slots" not in us and "--elastic-slots" in V.ours_cmd("m.gguf", c, 3, 15, 256, elastic_slots=True)
     assert "--elastic-slots" not in V.ours_cmd("m", g, 3, 15, 256, elastic_slots=True)
+    assert "--no-elastic-slots" in V.ours_cmd("m.gguf", c, 3, 15, 256, elastic_slots=False)
+    assert "--cache-plan" not in us and V.ours_cmd("m.gguf", c, 3, 15, 256, cache_plan="expert")[-2:] == \
+        ["--cache-plan", "expert"]
     st = V.ours_cmd("m.gguf", c, 3, 15, 256, static=True)  # --our-static: the budget's static placement
     assert st[st.index("--moe-cache") + 1] == "0" and "-1" not in st and V.warmup_of(st) == 0
     assert st[st.index("--vram-budget") + 1] == "8192MiB" and st[st.index("--load-mode") + 1] == "pin"
@@ -189,7 +192,7 @@ def test_experts_in_vram_per_gib_of_budget():
 
 
 def test_our_static_refuses_the_cache_only_flags(capsys):
-    for flag in ("--miss-split", "--elastic-slots"):
+    for flag in ("--miss-split", "--elastic-slots", "--no-elastic-slots", "--cache-plan=layer"):
         with pytest.raises(SystemExit) as e:
             V.main(["--llama-bench", "/bin/false", "--our-static", flag])
         assert e.value.code == 2 and "--our-static turns the expert cache off" in capsys.readouterr().err

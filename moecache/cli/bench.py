@@ -74,7 +74,7 @@ class BenchOptions:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     miss_split: bool = False  # --miss-split (one value for the whole bench)
-    elastic_slots: bool = False  # --elastic-slots (one value for the whole bench)
+    elastic_slots: bool | None = None  # --elastic-slots / --no-elastic-slots (one value for the whole bench; None: on)
     cache_plan: str = "auto"  # --cache-plan (one value for the whole bench)
 
 
@@ -131,7 +131,7 @@ def bench_command(o: BenchOptions) -> None:
         shown.append("n_gen_warmup")
     if o.miss_split:
         shown.append("miss_split")
-    if o.elastic_slots:
+    if o.elastic_slots is not None:
         shown.append("elastic_slots")
     if o.cache_plan != "auto":
         shown.append("cache_plan")
