@@ -307,7 +307,8 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
                 n_cpu_moe=ncmoe if engine == "llama.cpp" else rec.get("host_expert_layers") if static
                 else rec.get("n_cpu_moe"),
                 our_placement=None if engine == "llama.cpp" else "static" if static
-                else "layer plan" if rec.get("cache_plan") == "layer" else "default",
+                else "layer plan" if rec.get("cache_plan") == "layer"
+                else "per-expert" if case.ours == CACHE and rec.get("cache_plan") == "expert" else "default",
                 cache_plan=rec.get("cache_plan"), plan_cpu_layers=rec.get("plan_cpu_layers"),
                 plan_shares=rec.get("plan_shares"),
                 graph_steps=rec.get("graph_steps"),
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.our_static and (a.miss_split or a.elastic_slots is not None or a.cache_plan != "auto"):
         ap.error("--our-static turns the expert cache off: --miss-split, --elastic-slots and --cache-plan need it")
-    if a.miss_split and a.cache_plan != "expert":
+    if a.miss_split and a.cache_plan == "layer":
         ap.error("--cache-plan layer sets each layer's miss path itself: --miss-split goes without it")
     t_start = time.perf_counter()
     unknown = [c for c in a.cases.split(",") if c not in CASES]

@@ -58,7 +58,7 @@ def ineffective_flag_notes(eng, settings: Settings) -> list[str]:
                                       ("--moe-cache-stats", bool(settings.moe_cache_stats)),
                                       ("--deterministic", bool(settings.deterministic)),
                                       ("--miss-split", bool(settings.miss_split)),
-                                      ("--elastic-slots", settings.elastic_slots is not None),
+                                      ("--elastic-slots" if settings.elastic_slots else "--no-elastic-slots", settings.elastic_slots is not None),
                                       ("--cache-plan", settings.cache_plan != "auto"),
                                       ("--moe-profile", settings.moe_profile is not None)) if given]
     moe_flags = [f for f, given in (("--cpu-moe", placement.cpu_moe),
@@ -205,6 +205,23 @@ def _check_n_predict(n: int) -> None:
     """``n_predict`` as ``-n`` takes it: -1 (until the end) or >= 0; ValueError naming the flag."""
     if not isinstance(n, int) or isinstance(n, bool) or n < -1:
         raise ValueError(f"-n/--n-predict (n_predict) must be -1 (until the end of generation) or >= 0, got {n!r}")
+
+
+def resolve_file(path: str | Path, settings: Settings, *, command: str = "run",
+                 environ: Mapping[str, str] | None = None, omp_active: bool | None = None) -> Resolved:
+    """What :func:`open_llm` would resolve for the model at ``path`` (no engine is built): its facts,
+    the startup probe and :func:`moecache.settings.resolve` with the same arguments (``environ``
+    default ``os.environ``). Raises as :func:`open_llm` does before it loads."""
+    from moecache.gguf_file import open_gguf
+    from moecache.probe import startup_probe
+    from moecache.settings import model_facts, resolve
+
+    settings.check()
+    with open_gguf(path) as gguf:
+        facts = model_facts(gguf, settings.kv_type())
+    probe = startup_probe(with_gpus=settings.placement_options().n_gpu_layers != 0)
+    return resolve(settings, facts, probe, command=command, environ=os.environ if environ is None else environ,
+                   omp_active=omp_active)
 
 
 def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log: Log | None = None,

@@ -71,9 +71,10 @@ class PlacementOptions:
         elastic_slots: an expert cache that fills the free VRAM also takes the part of the reserve
             that only prompt ubatches use, as elastic slots whose memory goes back to the driver for
             each prompt pass (:class:`moecache.moe.cache.CachedExperts`' ``tail``; one GPU's cache
-            only; ``--elastic-slots``). Opt-in: within an 8 GiB ``--vram-budget`` in every case
-            measured (H200, runs h200-s24b/c, bench/results/vs-llamacpp-h200.md), where decode
-            takes back only the slots that fit (at -c 12948 -ub 2048, 432-448 of 501).
+            only; ``--elastic-slots``, on by default through :class:`moecache.settings.Settings`;
+            False here, the engine's own default). Within an 8 GiB ``--vram-budget`` in every case
+            measured (H200, runs h200-s24b/c and h200-s30b/c, bench/results/vs-llamacpp-h200.md),
+            where decode takes back only the slots that fit (at -c 12948 -ub 2048, 432-448 of 501).
     """
 
     n_gpu_layers: int = -1

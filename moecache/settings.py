@@ -391,8 +391,9 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
            "measured on one GPU only" if n_gpus != 1 else
            f"{command}: measured for run and bench only (serve's batched steps are not)"
            if command not in ("run", "bench") else
-           "the Numba threads do not wait actively (OMP_WAIT_POLICY=ACTIVE, set before the first parallel kernel, "
-           "turns the layer plan on)" if not omp_active else None)
+           "the Numba threads do not wait actively between layers (the commands make them when -t leaves a CPU "
+           "free for the thread that drives the GPU; a library caller sets OMP_WAIT_POLICY=ACTIVE before the "
+           "first parallel kernel)" if not omp_active else None)
     if why:
         return "expert", why
     return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "

@@ -27,7 +27,15 @@ the machine say whether it becomes "layer". So on a machine with the GPU stack a
 leaves it to auto sets nothing at start (:func:`openmp_wait_for_args` returns "deferred"), and the
 command calls :func:`settle_openmp_wait` with the resolved values before the engine loads: Numba
 starts its OpenMP runtime at the first parallel kernel, which the load runs, and libgomp reads the
-environment once, when it loads (:func:`openmp_runtime_loaded` checks that it has not).
+environment once, when it loads (:func:`openmp_runtime_loaded` checks that it has not). Only the
+commands that load a model defer (:data:`DEFERRING_COMMANDS`); the others get the short spin at once.
+
+Active waiting here is ``OMP_WAIT_POLICY=ACTIVE`` with ``GOMP_SPINCOUNT`` :data:`ACTIVE_SPINCOUNT`,
+not libgomp's own ACTIVE count (3e10 rounds, minutes): a decode step's gaps between CPU layers are
+micro- to milliseconds, while an interactive chat waiting for its user would otherwise keep every
+Numba thread at 100% of a core. On the development VM the idle workers stopped spinning ~0.3 s after
+the last parallel call with it (2 s of CPU in 2 s idle with libgomp's count); gaps of 2 ms between
+calls kept them busy-waiting either way. Not yet measured on the H200.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from __future__ import annotations
 import os
 
 SPINCOUNT = "10000"
+ACTIVE_SPINCOUNT = "30000000"  # ~0.3 s of spinning before an idle thread sleeps (libgomp: ~100k rounds per ms)
+DEFERRING_COMMANDS = ("run", "bench", "serve", "perplexity", "profile")  # they resolve settings and load a model
 
 
 def short_openmp_spin() -> None:
@@ -116,6 +126,16 @@ def threads_flag(argv: list[str]) -> int | None:
     return max(n)
 
 
+def _set_active() -> None:
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+    os.environ["GOMP_SPINCOUNT"] = ACTIVE_SPINCOUNT
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand of ``argv`` (its first word that is not a flag), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def plan_undecided(argv: list[str]) -> bool:
     """True if ``argv`` leaves ``--cache-plan`` to auto (not given, or the last one given is auto)."""
     plans = _values(argv, ("--cache-plan",))
@@ -143,20 +163,22 @@ def settle_openmp_wait(active: bool, n_threads: int, n_cpus: int | None = None, 
     set (the user's, or the command line's own choice at start) or when an OpenMP runtime is
     already loaded (``maps``: see :func:`openmp_runtime_loaded`).
 
-    Returns "active", "short spin", "set before" or "too late" (the runtime keeps its defaults: the
-    caller says so)."""
+    Returns "active", "short spin", "no free core" (active waiting was wanted, but ``n_threads``
+    takes every CPU: the short spin), "set before" or "too late" (the runtime keeps its defaults);
+    the caller says so for the last two that concern it."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return "set before"
     if openmp_runtime_loaded(maps):
         return "too late"
-    if active and n_threads < (n_cpus or _cpus()):
-        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+    free = n_threads < (n_cpus or usable_cpus())
+    if active and free:
+        _set_active()
         return "active"
     short_openmp_spin()
-    return "short spin"
+    return "no free core" if active else "short spin"
 
 
-def _cpus() -> int:
+def usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -189,11 +211,11 @@ def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None, gpu_stack: 
 
         gpu_stack = importlib.util.find_spec("cupy") is not None
     t = threads_flag(argv)
-    free_core = t is None or t < (n_cpus or _cpus())
+    free_core = t is None or t < (n_cpus or usable_cpus())
     if experts_on_cpu(argv) and gpu_stack and free_core:
-        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        _set_active()
         return "active"
-    if gpu_stack and free_core and plan_undecided(argv):
+    if gpu_stack and free_core and plan_undecided(argv) and _command(argv) in DEFERRING_COMMANDS:
         return "deferred"
     short_openmp_spin()
     return "short spin"

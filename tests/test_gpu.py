@@ -1057,6 +1057,7 @@ def test_handoff_kernels_split_post_and_add(gpu, t):
         assert hf.buf.count[il] == (want_cpu >= 0).sum() and hf.buf.n_tok[il] == t
         if use_map:
             assert hf.buf.n_miss[il] == (slot_map[ids] < 0).sum()
+        assert (hf.buf.flag[il] == seq) == bool(n_cpu or not use_map)  # a share-0 layer posts no flag
         if use_map:
             np.testing.assert_array_equal(gids.get(), want_gpu)
         else:

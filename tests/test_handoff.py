@@ -203,3 +203,24 @@ def test_split_control_fixed_share_holds_until_released():
         with pytest.raises(ValueError, match="fixed share"):
             sc.fix(bad)
 
+
+
+def test_inline_handoff_share_zero_layer_posts_counts_only():
+    """The CPU twin of handoff_post: with a slot map and ncpu 0 a layer writes its counts (no pairs
+    for the CPU, every miss counted) but no rows and no flag, as the GPU kernel does; a layer with a
+    share posts its rows and its flag, and its answer is added."""
+    hf = handoff.InlineHandoff(2, 4, 8, 4, lambda il, h, ids, w, out: out.__setitem__(Ellipsis, 1.0))
+    hf.go(3)
+    slot_map = np.array([0, -1, 1, -1, -1, 2], np.int32)  # experts 1, 3, 4 are misses
+    ids = np.array([[0, 1, 3, 5]], np.int32)
+    h = np.full((1, 8), 7.0, np.float32)
+    w = np.ones((1, 4), np.float32)
+    gpu = hf.post(0, h, ids, w, slot_map, np.array([0, 2], np.int32))
+    b = hf.buf
+    np.testing.assert_array_equal(gpu, ids)  # every pair stays the GPU's
+    assert b.count[0] == 0 and b.n_miss[0] == 2 and b.n_tok[0] == 1 and b.flag[0] < 3 and not b.h.any()
+    np.testing.assert_array_equal(hf.wait(0, np.zeros((1, 8), np.float32), add=True), 0.0)
+    gpu = hf.post(1, h, ids, w, slot_map, np.array([0, 2], np.int32))
+    np.testing.assert_array_equal(gpu, [[0, -1, -1, 5]])  # the last two misses are the CPU's
+    assert b.count[1] == 2 and b.n_miss[1] == 2 and b.flag[1] == 3 and (b.h[0] == 7.0).all()
+    np.testing.assert_array_equal(hf.wait(1, np.zeros((1, 8), np.float32), add=True), 1.0)

@@ -33,6 +33,7 @@ def test_wait_policy_follows_the_flags(monkeypatch):
     assert threads.openmp_wait_for_args(["bench", "-ncmoe", "48"], n_cpus=16, gpu_stack=True) == "active"
     assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.delenv("GOMP_SPINCOUNT")
     assert threads.openmp_wait_for_args(["bench", "--cache-plan", "expert"], gpu_stack=True) == "short spin"
     assert threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
     assert "OMP_WAIT_POLICY" not in threads.os.environ
@@ -55,9 +56,9 @@ def test_deferred_wait_settles_from_the_resolved_settings(monkeypatch):
     assert threads.settle_openmp_wait(True, 15, n_cpus=16, maps="") == "active"
     assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     assert threads.settle_openmp_wait(False, 15, n_cpus=16, maps="") == "set before"  # the first choice stays
-    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in threads.os.environ
+    assert threads.os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and threads.os.environ["GOMP_SPINCOUNT"] == threads.ACTIVE_SPINCOUNT
     clear()
-    assert threads.settle_openmp_wait(True, 16, n_cpus=16, maps="") == "short spin"  # no core left
+    assert threads.settle_openmp_wait(True, 16, n_cpus=16, maps="") == "no free core"  # the short spin
     assert threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
     clear()
     assert threads.settle_openmp_wait(False, 15, n_cpus=16, maps="") == "short spin"
@@ -165,3 +166,112 @@ def test_no_openmp_runtime_before_the_settings_are_resolved(code_moe_tiny):
     assert seen == "[False]"
     if layer == "omp":  # (a TBB layer maps no OpenMP runtime)
         assert after == "True"
+
+
+def _clear_wait(monkeypatch):
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(threads, "openmp_runtime_loaded", lambda maps=None: False)
+
+
+def _resolved(plan="layer", gpu=0, n_threads=15, cpu_moe=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cache_plan=plan, prompt_gpu=gpu, n_threads=n_threads,
+                           placement=SimpleNamespace(cpu_moe=cpu_moe, n_cpu_moe=0))
+
+
+def test_active_waiting_is_bounded(monkeypatch):
+    """Active waiting spins ACTIVE_SPINCOUNT rounds, then sleeps (an idle chat does not keep every
+    thread at 100%): both the command-line choice and the settled one set the bound."""
+    _clear_wait(monkeypatch)
+    assert threads.openmp_wait_for_args(["run", "--cpu-moe"], n_cpus=16, gpu_stack=True) == "active"
+    assert threads.os.environ["GOMP_SPINCOUNT"] == threads.ACTIVE_SPINCOUNT
+    _clear_wait(monkeypatch)
+    assert threads.settle_openmp_wait(True, 15, n_cpus=16) == "active"
+    assert threads.os.environ["GOMP_SPINCOUNT"] == threads.ACTIVE_SPINCOUNT
+    assert threads.waits_actively()
+
+
+def test_only_commands_that_load_a_model_defer(monkeypatch):
+    _clear_wait(monkeypatch)
+    for argv in (["probe-pcie"], ["info", "-m", "x.gguf"], []):
+        assert threads.openmp_wait_for_args(argv, n_cpus=16, gpu_stack=True) == "short spin"
+        _clear_wait(monkeypatch)
+    for cmd in threads.DEFERRING_COMMANDS:
+        assert threads.openmp_wait_for_args([cmd, "-m", "x.gguf"], n_cpus=16, gpu_stack=True) == "deferred"
+
+
+def test_settle_wait_says_why_the_threads_do_not_wait_actively(monkeypatch):
+    from moecache.cli.common import settle_wait, wants_active_wait
+    from moecache.settings import Settings
+
+    said = []
+    _clear_wait(monkeypatch)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 8)
+    assert wants_active_wait(_resolved("layer"), Settings()) and not wants_active_wait(_resolved("expert"), Settings())
+    assert wants_active_wait(_resolved("expert", cpu_moe=True), Settings())
+    assert settle_wait(True, 8, said.append) == "no free core"
+    assert len(said) == 1 and "-t 8 leaves no CPU free" in said[0] and "may use 8" in said[0]
+    assert settle_wait(True, 7, said.append) == "set before" and len(said) == 1  # the short spin stays
+    _clear_wait(monkeypatch)
+    monkeypatch.setattr(threads, "openmp_runtime_loaded", lambda maps=None: True)
+    assert settle_wait(True, 7, said.append) == "too late" and "loaded before" in said[-1]
+    assert settle_wait(False, 7, said.append) == "too late" and len(said) == 2  # nothing to say without a plan
+
+
+@pytest.mark.parametrize("results, want", [
+    ([("layer", 0), ("expert", 0)], "active"),  # one combination with a plan: active for all
+    ([("expert", 0), ("expert", 0)], "short spin"),
+    ([("layer", 0), ("expert", None)], "short spin"),  # a CPU-only combination: no spinning threads
+])
+def test_bench_settles_one_wait_for_every_combination(monkeypatch, results, want):
+    """bench resolves every combination before the first load and settles one policy for all
+    (the runtime reads it once), so --cache-plan auto resolves the same way in each row."""
+    import moecache.llm as llm
+    from moecache.cli import bench as bench_mod
+
+    _clear_wait(monkeypatch)
+    seen = []
+
+    def fake_resolve_file(model, settings, command, omp_active):
+        seen.append((model, command, omp_active))
+        plan, gpu = results[len(seen) - 1]
+        return _resolved(plan, gpu, n_threads=7)
+
+    monkeypatch.setattr(llm, "resolve_file", fake_resolve_file)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 8)
+    combos = [type("P", (), {"model": f"m{i}.gguf"})() for i in range(len(results))]
+    from moecache.settings import Settings
+
+    assert bench_mod.settle_for_all(combos, lambda p: Settings()) == want
+    assert seen == [("m0.gguf", "bench", True), ("m1.gguf", "bench", True)]
+    assert threads.waits_actively() is (want == "active")
+    # settled: later loads see it, and bench resolves nothing again
+    assert bench_mod.settle_for_all(combos, lambda p: Settings()) is None and len(seen) == 2
+
+
+def test_load_engine_defers_to_the_resolved_settings(monkeypatch):
+    """load_engine: with neither variable set it resolves with active waiting assumed and settles
+    the policy from the resolved settings before the engine loads; with one set, resolve reads the
+    environment (omp_active None) and nothing changes."""
+    import moecache.llm as llm
+    from moecache.cli.common import load_engine
+    from moecache.settings import Settings
+
+    got = {}
+
+    def fake_open_llm(model, settings, **kw):
+        got.update(kw)
+        kw["on_resolved"](_resolved("layer", 0, n_threads=7))
+        return "llm"
+
+    monkeypatch.setattr(llm, "open_llm", fake_open_llm)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 8)
+    _clear_wait(monkeypatch)
+    assert load_engine("m.gguf", Settings(), "run") == "llm"
+    assert got["omp_active"] is True and threads.waits_actively()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    load_engine("m.gguf", Settings(), "run")
+    assert got["omp_active"] is None and threads.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

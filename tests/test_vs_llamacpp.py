@@ -192,6 +192,9 @@ def test_experts_in_vram_per_gib_of_budget():
 
 
 def test_our_static_refuses_the_cache_only_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        V.main(["--llama-bench", "/bin/false", "--miss-split", "--cache-plan", "layer"])
+    assert e.value.code == 2 and "--miss-split goes without it" in capsys.readouterr().err
     for flag in ("--miss-split", "--elastic-slots", "--no-elastic-slots", "--cache-plan=layer"):
         with pytest.raises(SystemExit) as e:
             V.main(["--llama-bench", "/bin/false", "--our-static", flag])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import re
-
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,26 @@ class BenchOptions:
     cache_plan: str = "auto"  # --cache-plan (one value for the whole bench)
 
 
+def settle_for_all(combos, settings_of) -> str | None:
+    """One OpenMP wait policy for every combination, chosen before the first loads (the runtime
+    reads it once): when the command line left it to the resolved settings
+    (:func:`moecache.threads.openmp_wait_for_args` deferred it), active waiting if some combination
+    gives the CPU experts in decode steps (a layer plan among them) and none runs on the CPU alone
+    (spinning threads starve its OpenBLAS calls, moecache/threads.py); each combination's
+    ``--cache-plan auto`` then resolves against that. Returns what was settled, None when nothing
+    was deferred."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return None
+    from moecache.cli.common import settle_wait, wants_active_wait
+    from moecache.llm import resolve_file
+
+    pairs = [(settings_of(p), p) for p in combos]
+    res = [resolve_file(p.model, st, command="bench", omp_active=True) for st, p in pairs]
+    active = any(wants_active_wait(r, st) for r, (st, _) in zip(res, pairs)) and all(
+        r.prompt_gpu is not None for r in res)
+    return settle_wait(active, max(r.n_threads for r in res), note)
+
+
 def bench_command(o: BenchOptions) -> None:
     """Expand the lists into combinations, load an engine per combination (the library's
     settings road, as ``run``), run the tests and print the table. Raises UserError / ValueError."""
@@ -142,14 +162,18 @@ def bench_command(o: BenchOptions) -> None:
     n_ctx = ctx_size or need
     said: set[str] = set()  # notes said once for the whole bench, not once per combination
 
+    def settings_of(p: BenchParams) -> Settings:
+        return Settings(n_ctx=n_ctx, n_batch=p.n_batch, n_ubatch=p.n_ubatch or None, n_threads=p.n_threads or None,
+                        n_gpu_layers=p.n_gpu_layers, n_cpu_moe=p.n_cpu_moe, moe_cache=p.moe_cache,
+                        vram_budget=p.vram_budget, cache_type=cache_type,
+                        load_mode=None if p.load_mode == "auto" else p.load_mode,
+                        moe_cache_window=p.moe_cache_window, routing=p.routing, miss_split=o.miss_split,
+                        elastic_slots=o.elastic_slots, cache_plan=o.cache_plan)
+
     def make_engine(p: BenchParams):
-        settings = Settings(n_ctx=n_ctx, n_batch=p.n_batch, n_ubatch=p.n_ubatch or None, n_threads=p.n_threads or None,
-                            n_gpu_layers=p.n_gpu_layers, n_cpu_moe=p.n_cpu_moe, moe_cache=p.moe_cache,
-                            vram_budget=p.vram_budget, cache_type=cache_type,
-                            load_mode=None if p.load_mode == "auto" else p.load_mode,
-                            moe_cache_window=p.moe_cache_window, routing=p.routing, miss_split=o.miss_split,
-                            elastic_slots=o.elastic_slots, cache_plan=o.cache_plan)
-        return load_engine(p.model, settings, "bench", said=said).engine
+        return load_engine(p.model, settings_of(p), "bench", said=said).engine
+
+    settle_for_all(combos, settings_of)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -167,6 +191,8 @@ def bench_command(o: BenchOptions) -> None:
 
         results = bench(combos, tests, reps, o.warmup, n_gen_warmup, make_engine, progress, say=note)
         prog.update(task, completed=total)
+    if "cache_plan" not in shown and len({r.fields.get("cache_plan") for r in results}) > 1:
+        shown.append("cache_plan")  # auto resolved differently between combinations
     sys.stdout.write(render(results, output, shown))
     if any(r.fields.get("routing") for r in results):
         note("note: --routing replaced the routers' choices: speeds, hit rates and uploads are measured; the text "

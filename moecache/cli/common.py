@@ -122,23 +122,35 @@ def load_engine(model: Path, settings, command: str, verbose: bool = False, said
     # (moecache.threads.openmp_wait_for_args), and settle_wait makes it active for a layer plan
     deferred = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
     return open_llm(model, settings, command=command, log=note, log_once=once, verbose=verbose,
-                    pin_progress=pin_progress_bar, on_resolved=lambda res: settle_wait(res, settings, once),
+                    pin_progress=pin_progress_bar,
+                    on_resolved=lambda res: settle_wait(wants_active_wait(res, settings), res.n_threads, once),
                     omp_active=True if deferred else None)
 
 
-def settle_wait(res, settings, log) -> str:
-    """The OpenMP wait policy of a command whose ``--cache-plan`` was left to auto, once resolved
-    (:func:`moecache.threads.settle_openmp_wait`): active waiting when the CPU takes experts in
-    decode steps (a layer plan, ``--cpu-moe``/``--n-cpu-moe``, ``--miss-split``). Says once when an
-    OpenMP runtime had already loaded. Returns what settle_openmp_wait returned."""
-    from moecache.threads import settle_openmp_wait
-
+def wants_active_wait(res, settings) -> bool:
+    """Whether resolved settings (a :class:`moecache.settings.Resolved`) give the CPU experts in
+    decode steps, where the Numba threads should wait actively: a layer plan, ``--cpu-moe`` /
+    ``--n-cpu-moe`` or ``--miss-split`` (``settings``: what was asked for)."""
     pl = res.placement
-    active = res.cache_plan == "layer" or bool(pl.cpu_moe or pl.n_cpu_moe or settings.miss_split)
-    got = settle_openmp_wait(active, res.n_threads)
+    return res.cache_plan == "layer" or bool(pl.cpu_moe or pl.n_cpu_moe or settings.miss_split)
+
+
+def settle_wait(active: bool, n_threads: int, log) -> str:
+    """The OpenMP wait policy of a command whose ``--cache-plan`` was left to auto, once resolved
+    (:func:`moecache.threads.settle_openmp_wait`; nothing when the command line or the user chose
+    it before): ``active`` waiting (:func:`wants_active_wait`) with ``n_threads``. Says once when an
+    OpenMP runtime had already loaded, or when ``n_threads`` leaves no CPU free for it. Returns what
+    settle_openmp_wait returned."""
+    from moecache.threads import settle_openmp_wait, usable_cpus
+
+    got = settle_openmp_wait(active, n_threads)
     if got == "too late" and active:
         log("note: the Numba threads keep OpenMP's default wait: its runtime loaded before the settings were "
             "resolved (set OMP_WAIT_POLICY=ACTIVE for the CPU's share of the experts)")
+    elif got == "no free core":
+        log(f"note: the Numba threads do not wait actively: -t {n_threads} leaves no CPU free for the thread that "
+            f"drives the GPU (this process may use {usable_cpus()}); "
+            f"the CPU's share of the experts wakes them at each layer")
     return got
 
 

@@ -103,7 +103,8 @@ CachePlanOpt = Annotated[str, typer.Option("--cache-plan", help="Expert cache wi
                                            "routing, hot sets with local routing, and per layer the share of "
                                            "each token's misses the CPU computes while the GPU reads the rest "
                                            "over PCIe, as predicted fastest; auto = layer for run and bench when the "
-                                           "experts are page-locked behind one GPU's cache, else expert (the "
+                                           "experts are page-locked behind one GPU's cache and -t leaves a CPU "
+                                           "free (the Numba threads then wait actively), else expert (the "
                                            "resolved value and why: -v).")]
 ElasticOpt = Annotated[Optional[bool], typer.Option("--elastic-slots/--no-elastic-slots", show_default=False,
                                                     help="Expert cache filling the free VRAM: the part of "
