@@ -227,8 +227,7 @@ def resolve_file(path: str | Path, settings: Settings, *, command: str = "run",
 def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log: Log | None = None,
              log_once: Log | None = None, verbose: bool = False,
              pin_progress: Callable[[], Callable[[int, int, float], None]] | None = None,
-             environ: Mapping[str, str] | None = None,
-             on_resolved: Callable[[Resolved], None] | None = None, omp_active: bool | None = None) -> LLM:
+             environ: Mapping[str, str] | None = None, omp_active: bool | None = None) -> LLM:
     """Resolve ``settings`` against the model and the startup probe, say what was resolved, build
     the engine, say what it placed where (the lines ``moecache run`` prints on stderr).
 
@@ -243,8 +242,6 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         verbose: every resolved value with its reason.
         pin_progress: makes the callback (bytes done, total, seconds) that sees ``--load-mode pin``'s copy.
         environ: the environment (``MOECACHE_DETERMINISTIC``); default: ``os.environ``.
-        on_resolved: called with the resolved settings before the engine is built (the commands
-            settle the OpenMP wait policy there: :func:`moecache.threads.settle_openmp_wait`).
         omp_active: see :func:`moecache.settings.resolve` (None: from ``OMP_WAIT_POLICY``).
 
     Raises:
@@ -274,8 +271,6 @@ def open_llm(path: str | Path, settings: Settings, *, command: str = "run", log:
         res = resolve(settings, facts, probe, command=command, environ=env, omp_active=omp_active)
         for line in res.summary_lines(probe, verbose):
             log(line)
-        if on_resolved is not None:
-            on_resolved(res)
         override = None
         if res.routing:  # checked before the (possibly long) load
             from moecache.moe.routing_process import make_routing

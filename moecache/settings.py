@@ -392,8 +392,9 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
            f"{command}: measured for run and bench only (serve's batched steps are not)"
            if command not in ("run", "bench") else
            "the Numba threads do not wait actively between layers (the commands make them when -t leaves a CPU "
-           "free for the thread that drives the GPU; a library caller sets OMP_WAIT_POLICY=ACTIVE before the "
-           "first parallel kernel)" if not omp_active else None)
+           "free for the thread that drives the GPU and, in bench, no combination runs on the CPU alone; a "
+           "library caller sets OMP_WAIT_POLICY=ACTIVE and GOMP_SPINCOUNT=30000000 before the first parallel "
+           "kernel)" if not omp_active else None)
     if why:
         return "expert", why
     return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "

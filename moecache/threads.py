@@ -30,8 +30,9 @@ starts its OpenMP runtime at the first parallel kernel, which the load runs, and
 environment once, when it loads (:func:`openmp_runtime_loaded` checks that it has not). Only the
 commands that load a model defer (:data:`DEFERRING_COMMANDS`); the others get the short spin at once.
 
-Active waiting here is ``OMP_WAIT_POLICY=ACTIVE`` with ``GOMP_SPINCOUNT`` :data:`ACTIVE_SPINCOUNT`,
-not libgomp's own ACTIVE count (3e10 rounds, minutes): a decode step's gaps between CPU layers are
+Active waiting here is ``OMP_WAIT_POLICY=ACTIVE`` with ``GOMP_SPINCOUNT`` :data:`ACTIVE_SPINCOUNT`
+(libgomp's ``initialize_env``: a given spin count replaces ACTIVE's own of 3e10 rounds, minutes;
+``KMP_BLOCKTIME`` 300 ms bounds LLVM's and Intel's runtimes the same way): a decode step's gaps between CPU layers are
 micro- to milliseconds, while an interactive chat waiting for its user would otherwise keep every
 Numba thread at 100% of a core. On the development VM the idle workers stopped spinning ~0.3 s after
 the last parallel call with it (2 s of CPU in 2 s idle with libgomp's count); gaps of 2 ms between
@@ -43,7 +44,7 @@ from __future__ import annotations
 import os
 
 SPINCOUNT = "10000"
-ACTIVE_SPINCOUNT = "30000000"  # ~0.3 s of spinning before an idle thread sleeps (libgomp: ~100k rounds per ms)
+ACTIVE_SPINCOUNT = "30000000"  # spin rounds before an idle thread sleeps: ~0.3 s on the development VM (libgomp guesses ~100k a ms)
 DEFERRING_COMMANDS = ("run", "bench", "serve", "perplexity", "profile")  # they resolve settings and load a model
 
 
@@ -129,6 +130,7 @@ def threads_flag(argv: list[str]) -> int | None:
 def _set_active() -> None:
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
     os.environ["GOMP_SPINCOUNT"] = ACTIVE_SPINCOUNT
+    os.environ.setdefault("KMP_BLOCKTIME", "300")  # the same bound (ms) for LLVM's and Intel's runtimes
 
 
 def _command(argv: list[str]) -> str | None:
@@ -199,9 +201,9 @@ def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None, gpu_stack: 
     waiting is only chosen where a core stays free. Without a GPU the flags change nothing and
     spinning workers would starve OpenBLAS (above).
 
-    With the GPU stack and ``--cache-plan`` left to auto (:func:`plan_undecided`) and no ``-t`` at
-    or above ``n_cpus``, nothing is set: the command decides once the settings are resolved
-    (:func:`settle_openmp_wait`).
+    With the GPU stack, ``--cache-plan`` left to auto (:func:`plan_undecided`), a command that loads
+    a model (:data:`DEFERRING_COMMANDS`) and no ``-t`` at or above ``n_cpus``, nothing is set: the
+    command decides once the settings are resolved (:func:`settle_openmp_wait`).
 
     Returns what the process now has, for the log: "active", "short spin", "deferred" or "user's"."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:

@@ -139,9 +139,10 @@ def test_one_thread_if_active_sets_the_calling_threads_numba_count(monkeypatch):
 
 
 def test_no_openmp_runtime_before_the_settings_are_resolved(code_moe_tiny):
-    """The deferred choice works only if nothing loads OpenMP before open_llm's on_resolved (where
-    the commands settle it): in a fresh process, a real model's load reaches it with no OpenMP
-    runtime mapped, and a completion afterwards maps one (the check sees it)."""
+    """The deferred choice works only if nothing loads OpenMP before the commands settle it: in a
+    fresh process with neither variable set, the CLI's load_engine resolves a real model, settles
+    the wait with no OpenMP runtime mapped yet (here: no GPU, so the short spin), and a completion
+    afterwards maps one (the check sees it)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -150,22 +151,35 @@ def test_no_openmp_runtime_before_the_settings_are_resolved(code_moe_tiny):
         "import os, sys\n"
         "for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT', 'NUMBA_THREADING_LAYER'): os.environ.pop(k, None)\n"
         "from moecache import threads\n"
-        "from moecache.llm import open_llm\n"
+        "import moecache.cli.common as c\n"
         "from moecache.settings import Settings\n"
-        "seen = []\n"
-        "llm = open_llm(sys.argv[1], Settings(n_ctx=64, n_gpu_layers=0), on_resolved=lambda r: seen.append("
-        "threads.openmp_runtime_loaded()))\n"
+        "seen, orig = [], c.settle_wait\n"
+        "def spy(*a):\n"
+        "    seen.append(threads.openmp_runtime_loaded())\n"
+        "    return orig(*a)\n"
+        "c.settle_wait = spy\n"
+        "llm = c.load_engine(sys.argv[1], Settings(n_ctx=64, n_gpu_layers=0), 'run')\n"
         "llm.complete('def f', n_predict=1)\n"
         "import numba\n"
-        "print(seen, threads.openmp_runtime_loaded(), numba.threading_layer())\n")
+        "print(seen, threads.openmp_runtime_loaded(), numba.threading_layer(), os.environ.get('GOMP_SPINCOUNT'))\n")
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code, str(code_moe_tiny)], capture_output=True, text=True,
                        timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
-    seen, after, layer = r.stdout.split()[-3:]
-    assert seen == "[False]"
+    seen, after, layer, spin = r.stdout.split()[-4:]
+    assert seen == "[False]" and spin == threads.SPINCOUNT
     if layer == "omp":  # (a TBB layer maps no OpenMP runtime)
         assert after == "True"
+
+
+@pytest.fixture(autouse=True)
+def _restore_wait_variables(monkeypatch):
+    """The code under test writes the wait variables into os.environ itself: every test here leaves
+    them as it found them (set then deleted through monkeypatch, which restores the original)."""
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.setenv(k, "x")
+        monkeypatch.delenv(k)
+    yield
 
 
 def _clear_wait(monkeypatch):
@@ -221,9 +235,12 @@ def test_settle_wait_says_why_the_threads_do_not_wait_actively(monkeypatch):
 
 
 @pytest.mark.parametrize("results, want", [
-    ([("layer", 0), ("expert", 0)], "active"),  # one combination with a plan: active for all
-    ([("expert", 0), ("expert", 0)], "short spin"),
-    ([("layer", 0), ("expert", None)], "short spin"),  # a CPU-only combination: no spinning threads
+    # one combination with a plan: active for all (the other's -t 8, every CPU, does not count: it
+    # wants no active waiting)
+    ([("layer", 0, 7), ("expert", 0, 8)], "active"),
+    ([("expert", 0, 7), ("expert", 0, 7)], "short spin"),
+    ([("layer", 0, 7), ("expert", None, 8)], "short spin"),  # a CPU-only combination: no spinning threads
+    ([("layer", 0, 8), ("expert", 0, 7)], "no free core"),  # the plan's own -t takes every CPU
 ])
 def test_bench_settles_one_wait_for_every_combination(monkeypatch, results, want):
     """bench resolves every combination before the first load and settles one policy for all
@@ -236,8 +253,8 @@ def test_bench_settles_one_wait_for_every_combination(monkeypatch, results, want
 
     def fake_resolve_file(model, settings, command, omp_active):
         seen.append((model, command, omp_active))
-        plan, gpu = results[len(seen) - 1]
-        return _resolved(plan, gpu, n_threads=7)
+        plan, gpu, n = results[len(seen) - 1]
+        return _resolved(plan, gpu, n_threads=n)
 
     monkeypatch.setattr(llm, "resolve_file", fake_resolve_file)
     monkeypatch.setattr(threads, "usable_cpus", lambda: 8)
@@ -252,26 +269,46 @@ def test_bench_settles_one_wait_for_every_combination(monkeypatch, results, want
 
 
 def test_load_engine_defers_to_the_resolved_settings(monkeypatch):
-    """load_engine: with neither variable set it resolves with active waiting assumed and settles
-    the policy from the resolved settings before the engine loads; with one set, resolve reads the
-    environment (omp_active None) and nothing changes."""
+    """load_engine: with neither variable set it resolves once with active waiting assumed, settles
+    the policy from that before anything loads, and loads against what was settled (a layer plan
+    only if the threads wait actively); with one set it settles nothing."""
     import moecache.llm as llm
     from moecache.cli.common import load_engine
     from moecache.settings import Settings
 
-    got = {}
-
-    def fake_open_llm(model, settings, **kw):
-        got.update(kw)
-        kw["on_resolved"](_resolved("layer", 0, n_threads=7))
-        return "llm"
-
-    monkeypatch.setattr(llm, "open_llm", fake_open_llm)
+    calls = []
+    monkeypatch.setattr(llm, "resolve_file", lambda *a, **k: calls.append(("resolve", k["omp_active"]))
+                        or _resolved("layer", 0, n_threads=7))
+    monkeypatch.setattr(llm, "open_llm", lambda *a, **k: calls.append(("load", threads.waits_actively())) or "llm")
     monkeypatch.setattr(threads, "usable_cpus", lambda: 8)
     _clear_wait(monkeypatch)
     assert load_engine("m.gguf", Settings(), "run") == "llm"
-    assert got["omp_active"] is True and threads.waits_actively()
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert calls == [("resolve", True), ("load", True)]
+    _clear_wait(monkeypatch)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 7)  # -t 7 takes every CPU: no active waiting
+    calls.clear()
     load_engine("m.gguf", Settings(), "run")
-    assert got["omp_active"] is None and threads.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert calls == [("resolve", True), ("load", False)] and threads.os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT
+    calls.clear()
+    load_engine("m.gguf", Settings(), "run")  # settled: nothing resolved twice
+    assert calls == [("load", False)]
+
+
+def test_bench_command_settles_before_loading(monkeypatch, tmp_path):
+    """moecache bench calls settle_for_all with its combinations before the first engine loads."""
+    from typer.testing import CliRunner
+
+    import moecache.cli.bench as bench_mod
+    from moecache.cli.main import app
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=0)
+    order = []
+    monkeypatch.setattr(bench_mod, "settle_for_all", lambda combos, settings_of: order.append(
+        ("settle", len(combos), settings_of(combos[0]).n_threads)))
+    orig = bench_mod.load_engine
+    monkeypatch.setattr(bench_mod, "load_engine", lambda *a, **k: order.append(("load",)) or orig(*a, **k))
+    r = CliRunner().invoke(app, ["bench", "-m", str(path), "-p", "0", "-n", "1", "-r", "1", "-t", "1,2", "-o", "jsonl"])
+    assert r.exit_code == 0, r.output
+    assert order == [("settle", 2, 1), ("load",), ("load",)]

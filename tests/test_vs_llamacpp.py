@@ -181,9 +181,13 @@ def test_experts_in_vram_per_gib_of_budget():
     cached = V.row_of({"avg_ts": 55.0, "n_cpu_moe": 0, "host_expert_layers": 48, "moe_cache": -1}, "r", c,
                       "moecache", 6737, None, 256, 1850)
     assert cached["n_cpu_moe"] == 0 and cached["our_placement"] == "default"
-    cpu = V.row_of({"avg_ts": 48.0, "n_cpu_moe": 999, "host_expert_layers": 48, "moe_cache": 0}, "r",
-                   V.CASES["cpu-moe-tg64"], "moecache", 1931, None, 0)
+    cpu = V.row_of({"avg_ts": 48.0, "n_cpu_moe": 999, "host_expert_layers": 48, "moe_cache": 0,
+                    "cache_plan": "expert"}, "r", V.CASES["cpu-moe-tg64"], "moecache", 1931, None, 0)
     assert cpu["n_cpu_moe"] == 999 and cpu["our_placement"] == "default"  # --cpu-moe is not --our-static
+    # a cache case's row says which plan ran (auto resolves to either)
+    for plan, want in (("layer", "layer plan"), ("expert", "per-expert")):
+        got = V.row_of({"avg_ts": 55.0, "moe_cache": -1, "cache_plan": plan}, "r", c, "moecache", 6737, None, 256, 1850)
+        assert got["our_placement"] == want and got["cache_plan"] == plan
     assert "| 5684 (36, static) | 8192 | - | 304 / 192 |" in V.render([rows[0], st_row], "r", "# h")
     x2 = V.CASES["x2-8g-tg128-uniform"]  # 8 GiB per GPU, two GPUs: per GiB of the 16 GiB in all
     md2 = V.render([V.row_of({"avg_ts": 1.0}, "r", x2, "llama.cpp", 8000, 10, 0, 4096),

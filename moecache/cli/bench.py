@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -86,16 +85,17 @@ def settle_for_all(combos, settings_of) -> str | None:
     (spinning threads starve its OpenBLAS calls, moecache/threads.py); each combination's
     ``--cache-plan auto`` then resolves against that. Returns what was settled, None when nothing
     was deferred."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    from moecache.cli.common import settle_wait, wait_deferred, wants_active_wait
+
+    if not wait_deferred():
         return None
-    from moecache.cli.common import settle_wait, wants_active_wait
     from moecache.llm import resolve_file
 
     pairs = [(settings_of(p), p) for p in combos]
     res = [resolve_file(p.model, st, command="bench", omp_active=True) for st, p in pairs]
-    active = any(wants_active_wait(r, st) for r, (st, _) in zip(res, pairs)) and all(
-        r.prompt_gpu is not None for r in res)
-    return settle_wait(active, max(r.n_threads for r in res), note)
+    wanting = [r.n_threads for r, (st, _) in zip(res, pairs) if wants_active_wait(r, st)]
+    active = bool(wanting) and all(r.prompt_gpu is not None for r in res)
+    return settle_wait(active, max(wanting, default=1), note)
 
 
 def bench_command(o: BenchOptions) -> None:

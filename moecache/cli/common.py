@@ -118,13 +118,22 @@ def load_engine(model: Path, settings, command: str, verbose: bool = False, said
         if line not in said:
             said.add(line)
             note(line)
-    # neither variable set: the command line left the choice to the resolved settings
-    # (moecache.threads.openmp_wait_for_args), and settle_wait makes it active for a layer plan
-    deferred = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    if wait_deferred():
+        # the command line left the wait to the resolved settings (moecache.threads.openmp_wait_for_args):
+        # resolve once assuming active waiting, settle it (active for a layer plan with a CPU free), and
+        # the load resolves against what was settled (no layer plan if the threads could not be made to wait)
+        from moecache.llm import resolve_file
+
+        res = resolve_file(model, settings, command=command, omp_active=True)
+        settle_wait(wants_active_wait(res, settings), res.n_threads, once)
     return open_llm(model, settings, command=command, log=note, log_once=once, verbose=verbose,
-                    pin_progress=pin_progress_bar,
-                    on_resolved=lambda res: settle_wait(wants_active_wait(res, settings), res.n_threads, once),
-                    omp_active=True if deferred else None)
+                    pin_progress=pin_progress_bar)
+
+
+def wait_deferred() -> bool:
+    """Neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT`` is set: the command line deferred the
+    OpenMP wait policy to the resolved settings (:func:`moecache.threads.openmp_wait_for_args`)."""
+    return "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
 
 
 def wants_active_wait(res, settings) -> bool:
