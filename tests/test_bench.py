@@ -316,3 +316,21 @@ def test_plan_fields_count_the_layers_per_share():
     # two GPUs' caches, each with its own layers of a 4-layer model: each layer counted once
     got = plan_fields(SimpleNamespace(caches=[cache(True, [4, 4, 0, 0], [0, 1]), cache(True, [0, 0, 3, 0], [2, 3])]))
     assert got == {"cache_plan": "layer", "plan_cpu_layers": 3, "plan_shares": "0x1 3x1 4x2"}
+
+
+def test_routing_reuse_counts_the_last_tokens_experts():
+    """bench/routing_reuse.py's reuse(): against a hand count on a tiny sequence, and uniform
+    routing's share near chance (k / n_expert for the last token)."""
+    from bench_scripts import load
+
+    rr = load("routing_reuse")
+    ids = np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]]], np.int32)  # 4 tokens, 1 layer, top-2 of 4
+    # last token: t1 reuses 1 of {0,1}; t2 reuses 2 of {1,2}; t3 reuses 3 of {2,3}: 3 of 6 pairs
+    assert rr.reuse(ids, 4, 1) == (0.5, 2.0)
+    # last two tokens: t2 {0,1,2} holds 2; t3 {1,2,3} holds 3: 2 of 4 pairs, 3 experts held
+    assert rr.reuse(ids, 4, 2) == (0.5, 3.0)
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    flat = np.random.default_rng(seed).random((2000, 3, 64)).argsort(axis=2)[:, :, :4].astype(np.int32)
+    share, held = rr.reuse(flat, 64, 1)
+    assert held == 4.0 and abs(share - 4 / 64) < 0.015
