@@ -88,11 +88,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def usable_cores(cpus: set[int] | None = None, sysfs: Path = Path("/sys/devices/system/cpu")) -> tuple[int, int] | None:
+    """(physical cores, logical CPUs) among the CPUs this process may run on (``cpus``, default its
+    affinity: ``taskset``, a cpuset, a batch job's share), the cores told apart by sysfs topology
+    (``cpuN/topology/physical_package_id`` and ``core_id``); a CPU without them counts as its own
+    core. None where the affinity is unknown (not Linux). CPU quotas (a container's ``--cpus``)
+    leave the affinity as it is and are not seen."""
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:
+            return None
+    cores = set()
+    for c in cpus:
+        topo = sysfs / f"cpu{c}" / "topology"
+        try:
+            cores.add((int((topo / "physical_package_id").read_text()), int((topo / "core_id").read_text())))
+        except (OSError, ValueError):
+            cores.add(("cpu", c))
+    return len(cores), len(cpus)
+
+
 def host_info(measure_bytes: int = 0, reps: int = 3) -> HostInfo:
-    """Cores and RAM; with ``measure_bytes`` > 0 also the RAM read bandwidth (1 and all threads)."""
+    """Cores and RAM; with ``measure_bytes`` > 0 also the RAM read bandwidth (1 and all threads).
+    The cores are those this process may run on (:func:`usable_cores`), at most the machine's."""
     vm = psutil.virtual_memory()
     logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
     physical = psutil.cpu_count(logical=False) or logical
+    usable = usable_cores()
+    if usable is not None:
+        physical, logical = min(physical, max(1, usable[0])), min(logical, max(1, usable[1]))
     r1 = ra = 0.0
     if measure_bytes:
         r1, ra = ram_read_bandwidth(measure_bytes, reps)

@@ -281,3 +281,28 @@ def test_cache_plan_auto_reads_the_wait_policy_from_the_environment():
     assert resolve(Settings(), MOE_BIG, probe).cache_plan == "expert"
     short = resolve(Settings(), MOE_BIG, probe, omp_active=True).summary_lines(probe)[0]
     assert "--cache-plan layer" in short
+
+
+def test_usable_cores_count_the_affinitys_physical_cores(tmp_path):
+    """usable_cores: the CPUs of the affinity grouped into cores by sysfs topology (two hyperthreads
+    of one core count once; cores of two packages with the same core_id count twice); a CPU without
+    topology files is its own core; host_info never counts more than the machine has."""
+    from moecache.probe import host_info, usable_cores
+
+    def cpu(n, pkg, core):
+        d = tmp_path / f"cpu{n}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{pkg}\n")
+        (d / "core_id").write_text(f"{core}\n")
+
+    for n, (pkg, core) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (0, 0), (0, 1), (1, 0), (1, 1)]):
+        cpu(n, pkg, core)  # 4 cores of 2 packages, CPUs 4-7 their siblings
+    assert usable_cores(set(range(8)), tmp_path) == (4, 8)
+    assert usable_cores({0, 4}, tmp_path) == (1, 2)  # one core's two threads (taskset -c 0,4)
+    assert usable_cores({0, 2}, tmp_path) == (2, 2)  # core 0 of each package
+    assert usable_cores({0, 9}, tmp_path) == (2, 2)  # cpu9 has no topology here
+    h = host_info()
+    assert 1 <= h.physical_cores <= h.logical_cores
+    mine = usable_cores()
+    if mine is not None:
+        assert h.physical_cores <= mine[0] and h.logical_cores <= mine[1]
