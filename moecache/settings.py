@@ -398,8 +398,9 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
     if why:
         return "expert", why
     return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
-                     "of the misses by the layer plan (H200, 8 GiB: tg128 1.14-1.23x llama.cpp at flat routing, "
-                     "against 0.92-0.96 per expert, bench/results/vs-llamacpp-h200.md)")
+                     "of the misses by the layer plan (H200, 8 GiB, with the elastic slots: tg128 1.25-1.26x llama.cpp "
+                     "at flat routing, run h200-s30b; 0.92-0.96 per expert in h200-s29e, "
+                     "bench/results/vs-llamacpp-h200.md)")
 
 
 def _big_moe_ctx(model: ModelFacts, free_total: int, n_gpus: int) -> tuple[int, str]:
@@ -544,7 +545,9 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
             mode, reasons["load_mode"] = "mmap", f"{command} maps the file"
     # --cache-plan
     if omp_active is None:
-        omp_active = (environ or {}).get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
+        from moecache.threads import waits_actively
+
+        omp_active = waits_actively(environ or {})
     plan, reasons["cache_plan"] = _cache_plan(settings, placement, big, len(gpus), mode, command, omp_active)
     # -t
     if settings.n_threads not in (None, 0):  # 0 = "physical cores"

@@ -54,10 +54,18 @@ def short_openmp_spin() -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
 
 
-def waits_actively() -> bool:
+def waits_actively(environ=None) -> bool:
     """Whether this process's OpenMP threads wait actively (``OMP_WAIT_POLICY=ACTIVE``: set by
-    :func:`openmp_wait_for_args`, or the user's)."""
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
+    :func:`openmp_wait_for_args`, or the user's), by ``environ`` (default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    return env.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
+
+
+def wait_chosen() -> bool:
+    """``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set (the user's, or a choice made already):
+    nothing here changes it; neither set means the command line deferred it
+    (:func:`openmp_wait_for_args`)."""
+    return "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 
 
 def one_thread_if_active() -> None:
@@ -168,7 +176,7 @@ def settle_openmp_wait(active: bool, n_threads: int, n_cpus: int | None = None, 
     Returns "active", "short spin", "no free core" (active waiting was wanted, but ``n_threads``
     takes every CPU: the short spin), "set before" or "too late" (the runtime keeps its defaults);
     the caller says so for the last two that concern it."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    if wait_chosen():
         return "set before"
     if openmp_runtime_loaded(maps):
         return "too late"
@@ -206,7 +214,7 @@ def openmp_wait_for_args(argv: list[str], n_cpus: int | None = None, gpu_stack: 
     command decides once the settings are resolved (:func:`settle_openmp_wait`).
 
     Returns what the process now has, for the log: "active", "short spin", "deferred" or "user's"."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    if wait_chosen():
         return "user's"
     if gpu_stack is None:
         import importlib.util

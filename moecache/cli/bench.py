@@ -85,9 +85,10 @@ def settle_for_all(combos, settings_of) -> str | None:
     (spinning threads starve its OpenBLAS calls, moecache/threads.py); each combination's
     ``--cache-plan auto`` then resolves against that. Returns what was settled, None when nothing
     was deferred."""
-    from moecache.cli.common import settle_wait, wait_deferred, wants_active_wait
+    from moecache.cli.common import settle_wait, wants_active_wait
+    from moecache.threads import wait_chosen
 
-    if not wait_deferred():
+    if wait_chosen():
         return None
     from moecache.llm import resolve_file
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -118,7 +117,9 @@ def load_engine(model: Path, settings, command: str, verbose: bool = False, said
         if line not in said:
             said.add(line)
             note(line)
-    if wait_deferred():
+    from moecache.threads import wait_chosen
+
+    if not wait_chosen():
         # the command line left the wait to the resolved settings (moecache.threads.openmp_wait_for_args):
         # resolve once assuming active waiting, settle it (active for a layer plan with a CPU free), and
         # the load resolves against what was settled (no layer plan if the threads could not be made to wait)
@@ -128,12 +129,6 @@ def load_engine(model: Path, settings, command: str, verbose: bool = False, said
         settle_wait(wants_active_wait(res, settings), res.n_threads, once)
     return open_llm(model, settings, command=command, log=note, log_once=once, verbose=verbose,
                     pin_progress=pin_progress_bar)
-
-
-def wait_deferred() -> bool:
-    """Neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT`` is set: the command line deferred the
-    OpenMP wait policy to the resolved settings (:func:`moecache.threads.openmp_wait_for_args`)."""
-    return "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
 
 
 def wants_active_wait(res, settings) -> bool:
@@ -155,7 +150,7 @@ def settle_wait(active: bool, n_threads: int, log) -> str:
     got = settle_openmp_wait(active, n_threads)
     if got == "too late" and active:
         log("note: the Numba threads keep OpenMP's default wait: its runtime loaded before the settings were "
-            "resolved (set OMP_WAIT_POLICY=ACTIVE for the CPU's share of the experts)")
+            "resolved (set OMP_WAIT_POLICY=ACTIVE and GOMP_SPINCOUNT=30000000 for the CPU's share of the experts)")
     elif got == "no free core":
         log(f"note: the Numba threads do not wait actively: -t {n_threads} leaves no CPU free for the thread that "
             f"drives the GPU (this process may use {usable_cpus()}); "
