@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import shlex
 import socket
 import statistics
 import subprocess
@@ -208,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="rounds of the largest stream count before measuring (the expert cache warms up)")
     ap.add_argument("--bench", action="store_true", help="also moecache bench -p 0 -n N with the same flags")
     ap.add_argument("--bench-warmup", type=int, default=256, help="bench's --n-gen-warmup")
+    ap.add_argument("--bench-also", default="",
+                    help="with --bench, a second bench run with these flags added (one string), e.g. the "
+                         "settings serve resolves that bench's defaults differ from: "
+                         "'--cache-plan expert --no-elastic-slots'")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sampler", choices=("greedy", "default"), default="greedy",
                     help="the streams' sampling: greedy (temperature 0), or the server's default chain "
@@ -251,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
             srv.kill()
         log.close()
     tg = bench_tg(a.model, a.n, extra, a.bench_warmup, ctx) if a.bench else None
+    also = shlex.split(a.bench_also)
+    tg_also = bench_tg(a.model, a.n, extra + also, a.bench_warmup, ctx) if a.bench and also else None
     one = next((r for r in rows if r["streams"] == 1), None)
     lines = [f"# moecache serve under load: {Path(a.model).name}\n",
              f"`python bench/serve_load.py {' '.join(sys.argv[1:])}`; server: "
@@ -271,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
         if one.get("server_predicted_ts"):
             lines += [f"the server's own `timings.predicted_per_second` for it: {one['server_predicted_ts']:.1f} t/s = "
                       f"**{one['server_predicted_ts'] / tg:.2f}** of bench tg"]
+    if tg_also and one:
+        lines += [f"bench with `{a.bench_also}` added: {tg_also:.1f} t/s; the server's single stream "
+                  f"{one['aggregate_ts'] / tg_also:.2f} of it"]
     if soaked:
         s = soaked["samples"]
         warm = next((x for x in s if x["t_s"] >= 60), s[0])  # after a minute: the warm-up is over

@@ -313,7 +313,10 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
                 plan_shares=rec.get("plan_shares"),
                 graph_steps=rec.get("graph_steps"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
-                hit_rate=rec.get("hit_rate"), n_ubatch=rec.get("n_ubatch"), n_gen_warmup=warmup,
+                hit_rate=rec.get("hit_rate"), misses_per_token=rec.get("misses_per_token"),
+                cpu_misses_per_token=rec.get("cpu_misses_per_token"),
+                cpu_wait_us_per_token=rec.get("cpu_wait_us_per_token"), n_ubatch=rec.get("n_ubatch"),
+                n_gen_warmup=warmup,
                 build_commit=rec.get("build_commit"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 gpu_info=rec.get("gpu_info"), experts_vram=experts_vram)
 

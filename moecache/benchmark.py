@@ -41,7 +41,8 @@ LLAMA_BENCH_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "b
                       "stddev_ns", "avg_ts", "stddev_ts")
 OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_window", "routing", "miss_split",
               "elastic_slots", "cache_plan", "plan_cpu_layers", "plan_shares",
-              "hit_rate", "uploads_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts", "host_expert_layers",
+              "hit_rate", "uploads_per_token", "misses_per_token", "cpu_misses_per_token",
+              "cpu_wait_us_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts", "host_expert_layers",
               "graph_steps")
 
 
@@ -171,7 +172,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)
-    totals = {"hits": 0, "misses": 0, "uploads": 0, "tokens": 0, "depth_ns": 0,
+    totals = {"hits": 0, "misses": 0, "uploads": 0, "cpu_misses": 0, "cpu_wait_ns": 0, "tokens": 0, "depth_ns": 0,
               "graph_steps": 0 if graph is not None else None}
 
     def once() -> int:
@@ -193,8 +194,8 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             totals["graph_steps"] += graph.replays - r0
         for c in caches:
             c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
-        for k in ("hits", "misses", "uploads"):
-            totals[k] += sum(getattr(c.stats, k) for c in caches)
+        for k in ("hits", "misses", "uploads", "cpu_misses", "cpu_wait_ns"):
+            totals[k] += sum(getattr(c.stats, k, 0) for c in caches)
         totals["tokens"] += max((c.stats.tokens for c in caches), default=0)  # every cache counts every token
         return ns
 
@@ -320,6 +321,12 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "host_expert_layers": host_expert_layers(eng) if pl is not None and pl.devices else None,
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
+                    # the misses' paths per token (every MoE layer): all misses, those the CPU computed
+                    # (the rest the GPU read over the link), and how long the GPU waited for the CPU's
+                    # answers (us, the handoff's wait_ns measured on the GPU)
+                    "misses_per_token": round(misses / toks, 3) if toks else None,
+                    "cpu_misses_per_token": round(tot["cpu_misses"] / toks, 3) if toks else None,
+                    "cpu_wait_us_per_token": round(tot["cpu_wait_ns"] / toks / 1e3, 1) if toks else None,
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
                     # and the decode after it from one prefill
                     "depth_ts": depth_ts(test, reps, tot["depth_ns"]),

@@ -334,3 +334,46 @@ def test_routing_reuse_counts_the_last_tokens_experts():
     flat = np.random.default_rng(seed).random((2000, 3, 64)).argsort(axis=2)[:, :, :4].astype(np.int32)
     share, held = rr.reuse(flat, 64, 1)
     assert held == 4.0 and abs(share - 4 / 64) < 0.015
+
+
+def test_run_test_sums_the_miss_paths_of_every_cache():
+    """run_test's totals carry the CPU's misses and the GPU's waits for them (CacheStats.cpu_misses,
+    cpu_wait_ns) over the timed steps only, summed over the caches, as hits and misses are; bench's
+    jsonl rows carry the per-token fields."""
+    from types import SimpleNamespace
+
+    from moecache.benchmark import BenchTest, Result, render, run_test
+    from moecache.moe.cache import CacheStats
+
+    class Cache:
+        def __init__(self, cpu, wait):
+            self.stats, self.cpu, self.wait = CacheStats(), cpu, wait
+
+        def reset_stats(self):
+            self.stats.reset()
+
+        def flush(self):
+            pass
+
+    class Eng:
+        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=10))
+
+        def __init__(self):
+            self.caches = [Cache(3, 1000), Cache(1, 500)]
+
+        def reset(self):
+            pass
+
+        def eval(self, toks):
+            for c in self.caches:
+                c.stats.tokens += len(toks)
+                c.stats.misses += 2 * c.cpu
+                c.stats.cpu_misses += c.cpu
+                c.stats.cpu_wait_ns += c.wait
+
+    _, tot = run_test(Eng(), BenchTest(0, 5, 0), 2, True, np.random.default_rng(0))  # the warm-up step not counted
+    assert (tot["tokens"], tot["misses"], tot["cpu_misses"], tot["cpu_wait_ns"]) == (10, 80, 40, 15000)
+    r = Result(fields={"misses_per_token": 8.0, "cpu_misses_per_token": 4.0, "cpu_wait_us_per_token": 1.5},
+               samples_ns=[1], n_tokens=1)
+    row = json.loads(render([r], "jsonl", []).splitlines()[0])
+    assert (row["misses_per_token"], row["cpu_misses_per_token"], row["cpu_wait_us_per_token"]) == (8.0, 4.0, 1.5)

@@ -206,10 +206,14 @@ def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path):
                 r = Routing(ids, rng.dirichlet(np.ones(k), 1).astype(np.float32))
                 np.testing.assert_allclose(cache(il, h, r), ref(il, h, r), rtol=1e-5, atol=1e-6)
                 want_cpu += int((split_pairs(ids, live[il], int(ncpu[il]))[0] >= 0).sum())
-            before = cache.stats.cpu_misses
+            before, before_wait = cache.stats.cpu_misses, cache.stats.cpu_wait_ns
             cache.launched()
+            # the GPU's waits as handoff_wait records them (0 where the CPU had no pair)
+            waits = np.where(cache.handoff.buf.count > 0, rng.integers(1, 10**6, c.n_layer), 0)
+            cache.handoff.buf.wait_ns[:] = waits
             cache.end_pass()
             assert cache.stats.cpu_misses - before == want_cpu
+            assert cache.stats.cpu_wait_ns - before_wait == int(waits.sum())
         plan = cache.policy.plan
         assert plan is not None and plan.slots.sum() == n_slots and (plan.slots == 0).sum() == 2
         np.testing.assert_array_equal(cache.split.ncpu, plan.share)

@@ -146,6 +146,7 @@ class CacheStats:
     uploads: int = 0
     uploaded_bytes: int = 0
     cpu_misses: int = 0  # misses the CPU computed through the miss split (counted in misses too)
+    cpu_wait_ns: int = 0  # how long the GPU waited for the CPU's answers (the handoff's wait_ns, summed)
 
     @property
     def hit_rate(self) -> float:
@@ -153,7 +154,7 @@ class CacheStats:
 
     def reset(self) -> None:
         """Zero the counters."""
-        self.tokens = self.hits = self.misses = self.uploads = self.uploaded_bytes = self.cpu_misses = 0
+        self.tokens = self.hits = self.misses = self.uploads = self.uploaded_bytes = self.cpu_misses = self.cpu_wait_ns = 0
 
 
 @dataclass
@@ -799,6 +800,7 @@ class CachedExperts:
             if layers:
                 b = self.handoff.buf
                 self.stats.cpu_misses += int(b.count[layers].sum())
+                self.stats.cpu_wait_ns += int(b.wait_ns[layers].sum())
                 if self.split.update(layers, b.count, b.n_miss, b.wait_ns):
                     self._ncpu_dirty = True
         self._check_plan_paths()
