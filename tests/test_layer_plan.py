@@ -446,3 +446,47 @@ def test_a_resized_pool_is_planned_again_at_the_next_replan():
     assert not pol.replan()  # within the window
     pol.resize(48)  # more slots (a take-back): plan now, whatever the margins say
     assert pol.replan() and pol.plans == 2 and pol.plan.slots.sum() <= 48
+
+
+def test_a_pass_of_several_tokens_pays_the_cpus_fixed_cost_once():
+    """With B tokens per pass (serve's batched steps) the CPU's fixed cost is paid once a pass. By
+    hand: every pair a miss (m = k = 8, no variance): share 5 of each token's 8 at B = 8
+    (max(85/8 + 5 * 33, 3 * 60) = 180 us a token), where one token a pass keeps share 4 (240 us);
+    against a Monte Carlo of B binomial tokens (the expectation of the maximum of the two paths'
+    times over a pass, per token) the model's cost is within 5% at the shares it picks, and never
+    above the link alone."""
+    from moecache.moe.layer_plan import _share_costs
+
+    t = dict(t_link=60e-6, t_cpu=33e-6, t_fixed=85e-6, max_share=8, k=8)
+    cost, share = _share_costs(np.array([8.0]), MissCosts(**t, tokens=8.0))
+    assert share[0] == 5 and cost[0] == pytest.approx(180e-6)
+    cost, share = _share_costs(np.array([8.0]), MissCosts(**t))
+    assert share[0] == 4 and cost[0] == pytest.approx(240e-6)
+    seed = 71
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    for b in (2, 4, 8, 16):
+        m = np.array([0.3, 0.6, 1.2, 2.5, 5.0])
+        cost, share = _share_costs(m, MissCosts(**t, tokens=float(b)))
+        for mi, ci, si in zip(m, cost, share):
+            x = rng.binomial(8, mi / 8, size=(20000, b))
+            on = np.minimum(x, si)
+            cpu = on.sum(axis=1)
+            mc = np.where(cpu > 0, t["t_fixed"] + t["t_cpu"] * cpu, 0.0) if si else np.zeros(len(x))
+            sim = np.maximum(mc, t["t_link"] * (x - on).sum(axis=1)).mean() / b
+            assert ci == pytest.approx(sim, rel=0.05), (b, mi, si)
+            assert ci <= t["t_link"] * mi + 1e-12  # never above the link alone (share 0)
+    with pytest.raises(ValueError):
+        MissCosts(**t, tokens=0.5).validate()
+
+
+def test_policy_follows_the_tokens_per_decode_pass():
+    """note_pass keeps a running mean of tokens per decode pass (weight 1/8 to the newest) and the
+    plan's costs take it, rounded to a tenth."""
+    pol = CachePolicy(2, 8, 4, PolicyConfig(layer_plan=True))
+    assert pol.miss_costs().tokens == 1.0
+    for _ in range(200):
+        pol.note_pass(8)
+    assert pol.miss_costs().tokens == 8.0
+    pol.note_pass(0)  # (a pass counts at least one token)
+    assert pol.pass_tokens == pytest.approx(8.0 - 7.0 / 8, abs=1e-6)

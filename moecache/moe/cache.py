@@ -588,7 +588,9 @@ class CachedExperts:
         if not self.zero_copy:
             return
         self._expect = n_tokens if self.takes_zero_copy(n_tokens) else 0
-        if not self._expect:
+        if self._expect:
+            self.policy.note_pass(n_tokens)  # (a layer plan's costs per pass)
+        else:
             self.flush()
         self.poll()
         if self._map_dirty:

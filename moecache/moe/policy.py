@@ -55,6 +55,9 @@ PLAN_HORIZON_WINDOWS = 4
 # a new layer plan must also predict this much less than the current one (relative): the usage left after
 # the shrinkage still carries noise, and a plan that is not clearly better is not worth its uploads' risk
 PLAN_MARGIN = 0.03
+# tokens per decode pass as the layer plan sees them: a running mean with weight 1 / PASS_TOKENS_SPAN to
+# the newest pass (serve's batched steps: slots join and leave between steps)
+PASS_TOKENS_SPAN = 8
 NOISE_MARGIN = 2.0  # the layer plan's usage shrinkage counts the sampling noise this many times (_shrunk)
 
 
@@ -138,6 +141,7 @@ class CachePolicy:
         self.layer_plan = config.layer_plan
         self.max_share = 8  # the most misses per token the executor can hand the CPU in a layer (0: none)
         self.top_k: int | None = None  # experts per token (the executor's; None: from the routing seen)
+        self.pass_tokens = 1.0  # decode tokens per pass, a running mean (note_pass; serve's batched steps)
         self.plan: LayerPlan | None = None
         self.plans = 0  # plans adopted
         self._plan_t: int | None = None  # the token clock at the last replan (None: replan at the next call)
@@ -322,14 +326,21 @@ class CachePolicy:
             out.append(a)
         return out
 
+    def note_pass(self, n_tokens: int) -> None:
+        """A decode pass of ``n_tokens`` tokens (>= 1) is queued: the running mean of tokens per pass
+        that the layer plan's costs take (:attr:`MissCosts.tokens`; weight 1/8 to the newest pass)."""
+        self.pass_tokens += (max(1, int(n_tokens)) - self.pass_tokens) / PASS_TOKENS_SPAN
+
     def miss_costs(self) -> MissCosts:
-        """The layer plan's path costs from the config (the CPU path as the executor allows)."""
+        """The layer plan's path costs from the config (the CPU path as the executor allows; the
+        running mean of tokens per decode pass, rounded to a tenth)."""
         c = self.cfg
         k = self.top_k
         if k is None:  # routed pairs per token of the layers seen (each token routes k)
             seen = self.clock > 0
             k = int(round(float((self.counts.sum(axis=1)[seen] / self.clock[seen]).max()))) if seen.any() else 1
-        return MissCosts(c.t_link, c.t_cpu_layer, c.t_fixed, min(self.max_share, max(1, k)), max(1, k))
+        return MissCosts(c.t_link, c.t_cpu_layer, c.t_fixed, min(self.max_share, max(1, k)), max(1, k),
+                         max(1.0, round(self.pass_tokens, 1)))
 
     def replan(self) -> bool:
         """With ``layer_plan``: every ``window`` tokens (the first time after ``window`` tokens: the
