@@ -170,8 +170,10 @@ def test_per_token_usage_rows_sum_to_the_experts_per_token():
     np.testing.assert_allclose(pol._per_token(pol.usage).sum(axis=1), 2.0)
 
 
-def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path):
-    """The CPU twin's zero-copy road with the layer plan: after the plan, each layer's share is the
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path, tokens):
+    """The CPU twin's zero-copy road with the layer plan, passes of one token and of four (serve's
+    batched steps; the plan then costs a pass of four): after the plan, each layer's share is the
     plan's; every pass's output equals the all-CPU reference; the CPU took exactly the pairs the
     split rule gives it under those shares."""
     from moecache.moe.handoff import split_pairs
@@ -196,14 +198,14 @@ def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path):
         ref = CPUExperts(ew, NumpyBackend())
         k = c.n_expert_used
         for step in range(130):
-            cache.begin_pass(1)
+            cache.begin_pass(tokens)
             ncpu = cache.split.ncpu.copy()
             live = cache._map_live.copy()
             want_cpu = 0
             for il in sorted(ew):
-                h = rng.standard_normal((1, c.n_embd)).astype(np.float32)
-                ids = rng.choice(c.n_expert, (1, k), replace=False).astype(np.int32)
-                r = Routing(ids, rng.dirichlet(np.ones(k), 1).astype(np.float32))
+                h = rng.standard_normal((tokens, c.n_embd)).astype(np.float32)
+                ids = np.stack([rng.choice(c.n_expert, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+                r = Routing(ids, rng.dirichlet(np.ones(k), tokens).astype(np.float32))
                 np.testing.assert_allclose(cache(il, h, r), ref(il, h, r), rtol=1e-5, atol=1e-6)
                 want_cpu += int((split_pairs(ids, live[il], int(ncpu[il]))[0] >= 0).sum())
             before, before_wait = cache.stats.cpu_misses, cache.stats.cpu_wait_ns
@@ -215,9 +217,13 @@ def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path):
             assert cache.stats.cpu_misses - before == want_cpu
             assert cache.stats.cpu_wait_ns - before_wait == int(waits.sum())
         plan = cache.policy.plan
-        assert plan is not None and plan.slots.sum() == n_slots and (plan.slots == 0).sum() == 2
+        assert plan is not None and plan.slots.sum() == n_slots
+        assert cache.policy.miss_costs().tokens == tokens
+        if tokens == 1:  # flat routing, one token a pass: whole layers in slots, two layers with none
+            assert (plan.slots == 0).sum() == 2 and (plan.share[plan.slots == 0] > 0).all()
+        else:  # four a pass share the CPU's fixed cost: every layer not whole in slots gives it a share
+            assert (plan.share[plan.slots < c.n_expert] > 0).all()
         np.testing.assert_array_equal(cache.split.ncpu, plan.share)
-        assert (plan.share[plan.slots == 0] > 0).all()
         assert cache.stats.cpu_misses > 0
         cache.flush()
         cache.poll()
