@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the streams' sampling: greedy (temperature 0), or the server's default chain "
                          "(no temperature sent: temp 0.8, top-k 40, top-p 0.95, min-p 0.05)")
     a = ap.parse_args(argv)
+    if a.bench_also and not a.bench:
+        ap.error("--bench-also adds a second bench run to --bench's: give --bench too")
     temp = 0.0 if a.sampler == "greedy" else None
     streams = [int(s) for s in a.streams.split(",")]
     n_slots = max(streams + [a.soak_clients if a.soak_s else 1])
@@ -297,8 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.out:
         a.out.with_suffix(".md").write_text(text)
         with open(a.out.with_suffix(".jsonl"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            for r in rows:  # (the single stream's row carries the bench figures it is compared with)
+                extra_f = {"bench_tg_ts": tg, "bench_also": a.bench_also or None, "bench_also_tg_ts": tg_also} \
+                    if r is one and tg else {}
+                f.write(json.dumps({**r, **extra_f}) + "\n")
             if soaked:
                 f.write(json.dumps({"soak": soaked}) + "\n")
 

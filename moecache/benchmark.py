@@ -208,6 +208,19 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     return [once() for _ in range(reps)], totals
 
 
+def miss_paths(totals: dict) -> dict:
+    """The misses' paths per timed token (every MoE layer together) from :func:`run_test`'s totals:
+    ``misses_per_token``, ``cpu_misses_per_token`` (those the CPU computed; the rest the GPU read over
+    the link) and ``cpu_wait_us_per_token`` (how long the GPU waited for the CPU's answers, us: the
+    handoff's ``wait_ns`` measured on the GPU); None each without timed tokens."""
+    toks = totals["tokens"]
+    if not toks:
+        return {"misses_per_token": None, "cpu_misses_per_token": None, "cpu_wait_us_per_token": None}
+    return {"misses_per_token": round(totals["misses"] / toks, 3),
+            "cpu_misses_per_token": round(totals["cpu_misses"] / toks, 3),
+            "cpu_wait_us_per_token": round(totals["cpu_wait_ns"] / toks / 1e3, 1)}
+
+
 def depth_ts(test: BenchTest, reps: int, depth_ns: int) -> float | None:
     """The depth prefills' speed in t/s: ``reps`` prefills of ``test.n_depth`` tokens in ``depth_ns``
     ns together (run_test's ``totals["depth_ns"]``); None for a test without depth."""
@@ -321,12 +334,7 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     "host_expert_layers": host_expert_layers(eng) if pl is not None and pl.devices else None,
                     "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                     "uploads_per_token": round(uploads / toks, 3) if toks else None, "n_gen_warmup": n_gen_warmup,
-                    # the misses' paths per token (every MoE layer): all misses, those the CPU computed
-                    # (the rest the GPU read over the link), and how long the GPU waited for the CPU's
-                    # answers (us, the handoff's wait_ns measured on the GPU)
-                    "misses_per_token": round(misses / toks, 3) if toks else None,
-                    "cpu_misses_per_token": round(tot["cpu_misses"] / toks, 3) if toks else None,
-                    "cpu_wait_us_per_token": round(tot["cpu_wait_ns"] / toks / 1e3, 1) if toks else None,
+                    **miss_paths(tot),
                     # the untimed depth prefill's speed (prompt t/s over all reps): a long prompt's pp
                     # and the decode after it from one prefill
                     "depth_ts": depth_ts(test, reps, tot["depth_ns"]),

@@ -390,8 +390,8 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
            "mapped weights: the cache computes misses on the CPU, there is no link path to share" if mode != "pin" else
            "measured on one GPU only" if n_gpus != 1 else
            f"{command}: the default is measured for run and bench; serve with --cache-plan layer made 1.22x the "
-           "per-expert policy's 8-stream t/s but 0.93x its one stream's in one run each (H200, 8 GiB, "
-           "bench/results/serve-h200.md), not yet side by side" if command == "serve" else
+           "per-expert policy's 8-stream t/s but 0.93x its one stream's, one run each on two machines (H200, "
+           "8 GiB, bench/results/serve-h200.md), not yet side by side" if command == "serve" else
            f"{command}: measured for run and bench only" if command not in ("run", "bench") else
            "the Numba threads do not wait actively between layers (the commands make them when -t leaves a CPU "
            "free for the thread that drives the GPU and, in bench, no combination runs on the CPU alone; a "

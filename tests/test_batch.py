@@ -153,3 +153,44 @@ def test_batched_decode_of_caches_of_their_own_equals_the_shared_path(engine, rn
                                    rtol=0, atol=1e-5)
     for k in kvs:
         k.clear()
+
+
+def test_pass_hooks_hear_of_decode_steps_only(tmp_path):
+    """The model tells its pass hooks' ``note_decode`` of each decode step and its sequences (a
+    one-token eval: 1; a batched step of N sequences: N) before the pass, and not of prompt passes,
+    however short (the layer plan's tokens per decode pass, moecache/moe/policy.py)."""
+    from moecache.testing.synth import PRESETS, write_model
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=2)
+
+    class Hook:
+        def __init__(self):
+            self.log = []
+
+        def note_decode(self, n):
+            self.log.append(("decode", n))
+
+        def begin_pass(self, n):
+            self.log.append(("pass", n))
+
+        def launched(self):
+            pass
+
+        def end_pass(self):
+            pass
+
+        def abort_pass(self):
+            pass
+
+    with Engine(path, EngineConfig(n_ctx=96, n_threads=2)) as eng:
+        hook = Hook()
+        eng.model.pass_hooks.append(hook)
+        eng.eval([1, 2, 3, 4, 5])  # a prompt: no decode step
+        eng.eval([6])
+        kvs = eng.sequences(3)
+        for k in kvs:
+            eng.eval([7, 8], kv=k)
+        eng.decode([1, 2, 3], kvs)
+        assert hook.log == [("pass", 5), ("decode", 1), ("pass", 1), ("pass", 2), ("pass", 2), ("pass", 2),
+                            ("decode", 3), ("pass", 3)]

@@ -342,7 +342,7 @@ def test_run_test_sums_the_miss_paths_of_every_cache():
     jsonl rows carry the per-token fields."""
     from types import SimpleNamespace
 
-    from moecache.benchmark import BenchTest, Result, render, run_test
+    from moecache.benchmark import BenchTest, Result, miss_paths, render, run_test
     from moecache.moe.cache import CacheStats
 
     class Cache:
@@ -373,6 +373,9 @@ def test_run_test_sums_the_miss_paths_of_every_cache():
 
     _, tot = run_test(Eng(), BenchTest(0, 5, 0), 2, True, np.random.default_rng(0))  # the warm-up step not counted
     assert (tot["tokens"], tot["misses"], tot["cpu_misses"], tot["cpu_wait_ns"]) == (10, 80, 40, 15000)
+    # per token: 8 misses, 4 of them the CPU's, 1.5 us of waiting (15000 ns over 10 tokens)
+    assert miss_paths(tot) == {"misses_per_token": 8.0, "cpu_misses_per_token": 4.0, "cpu_wait_us_per_token": 1.5}
+    assert set(miss_paths({**tot, "tokens": 0}).values()) == {None}
     r = Result(fields={"misses_per_token": 8.0, "cpu_misses_per_token": 4.0, "cpu_wait_us_per_token": 1.5},
                samples_ns=[1], n_tokens=1)
     row = json.loads(render([r], "jsonl", []).splitlines()[0])

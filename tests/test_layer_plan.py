@@ -198,6 +198,7 @@ def test_cache_sends_the_plans_cpu_layers_through_the_handoff(tmp_path, tokens):
         ref = CPUExperts(ew, NumpyBackend())
         k = c.n_expert_used
         for step in range(130):
+            cache.note_decode(tokens)  # (the model's word for a decode step of `tokens` sequences)
             cache.begin_pass(tokens)
             ncpu = cache.split.ncpu.copy()
             live = cache._map_live.copy()
@@ -459,8 +460,9 @@ def test_a_pass_of_several_tokens_pays_the_cpus_fixed_cost_once():
     hand: every pair a miss (m = k = 8, no variance): share 5 of each token's 8 at B = 8
     (max(85/8 + 5 * 33, 3 * 60) = 180 us a token), where one token a pass keeps share 4 (240 us);
     against a Monte Carlo of B binomial tokens (the expectation of the maximum of the two paths'
-    times over a pass, per token) the model's cost is within 5% at the shares it picks, and never
-    above the link alone."""
+    times over a pass, per token) the model's cost is within 2.5% at the shares it picks, and never
+    above the link alone (counting the fixed cost in every pass, a token's miss or not, is off by
+    more)."""
     from moecache.moe.layer_plan import _share_costs
 
     t = dict(t_link=60e-6, t_cpu=33e-6, t_fixed=85e-6, max_share=8, k=8)
@@ -475,15 +477,16 @@ def test_a_pass_of_several_tokens_pays_the_cpus_fixed_cost_once():
         m = np.array([0.3, 0.6, 1.2, 2.5, 5.0])
         cost, share = _share_costs(m, MissCosts(**t, tokens=float(b)))
         for mi, ci, si in zip(m, cost, share):
-            x = rng.binomial(8, mi / 8, size=(20000, b))
+            x = rng.binomial(8, mi / 8, size=(40000, b))
             on = np.minimum(x, si)
             cpu = on.sum(axis=1)
             mc = np.where(cpu > 0, t["t_fixed"] + t["t_cpu"] * cpu, 0.0) if si else np.zeros(len(x))
             sim = np.maximum(mc, t["t_link"] * (x - on).sum(axis=1)).mean() / b
-            assert ci == pytest.approx(sim, rel=0.05), (b, mi, si)
+            assert ci == pytest.approx(sim, rel=0.025), (b, mi, si)
             assert ci <= t["t_link"] * mi + 1e-12  # never above the link alone (share 0)
-    with pytest.raises(ValueError):
-        MissCosts(**t, tokens=0.5).validate()
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            MissCosts(**t, tokens=bad).validate()
 
 
 def test_policy_follows_the_tokens_per_decode_pass():
@@ -496,3 +499,35 @@ def test_policy_follows_the_tokens_per_decode_pass():
     assert pol.miss_costs().tokens == 8.0
     pol.note_pass(0)  # (a pass counts at least one token)
     assert pol.pass_tokens == pytest.approx(8.0 - 7.0 / 8, abs=1e-6)
+
+
+def test_a_kept_plan_takes_the_shares_of_the_tokens_per_pass_now():
+    """A plan made at 8 tokens a pass (serve's batched steps) and kept when the load falls to one
+    token a pass (the same usage: no new plan is worth its uploads) gets the one-token shares at the
+    next replan, without uploads: the shares the cost model gives its held experts at 1 token a pass,
+    which differ from the 8-token ones here (so the test tells them apart)."""
+    from moecache.moe.layer_plan import _share_costs
+
+    pol, _ = _flat_policy(20, window=4, seed=8)
+    for _ in range(3):
+        pol.note_pass(8)
+    assert pol.miss_costs().tokens == 8.0
+    assert pol.replan() and pol.plans == 1
+    first = pol.plan
+    usage = pol._per_token(pol.usage)
+    m = np.where(first.target, 0.0, usage).sum(axis=1)
+    at8 = _share_costs(m, pol.miss_costs())[1]
+    np.testing.assert_array_equal(first.share, at8)
+    for _ in range(60):
+        pol.note_pass(1)
+    assert pol.miss_costs().tokens == 1.0
+    at1 = _share_costs(m, pol.miss_costs())[1]
+    assert not np.array_equal(at1, at8)
+    resident = pol.resident.copy()
+    pol.clock += 4  # a window later, the same usage
+    assert pol.replan() and pol.plans == 1  # the same plan, its shares remade
+    np.testing.assert_array_equal(pol.plan.share, at1)
+    np.testing.assert_array_equal(pol.plan.target, first.target)
+    assert (pol.resident == resident).all()
+    pol.clock += 4
+    assert not pol.replan()  # the tokens per pass unchanged since: nothing to remake

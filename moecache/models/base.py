@@ -267,6 +267,8 @@ class DecoderLM:
         last_only = (logits == "last") if isinstance(logits, str) else np.array_equal(logits, [tokens.size - 1])
         if isinstance(logits, str) and logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last', 'all' or an index array, got {logits!r}")
+        if tokens.size == 1:
+            self._note_decode(1)
         if self.decode_graph is not None and tokens.size == 1 and last_only:
             out = self.decode_graph.run(self, tokens, pos, kv)  # calls the pass hooks itself
             if out is not None:
@@ -286,6 +288,14 @@ class DecoderLM:
                 hk.launched()
             out = self.be.to_host(y) if y is not None else np.empty((0, c.n_vocab), np.float32)
         return out
+
+    def _note_decode(self, n_seqs: int) -> None:
+        """Tell the pass hooks that have ``note_decode`` (the expert caches) that the next pass is a
+        decode step of ``n_seqs`` sequences, one token each (a prompt's short last ubatch is not)."""
+        for hk in self.pass_hooks:
+            note = getattr(hk, "note_decode", None)
+            if note is not None:
+                note(n_seqs)
 
     @contextlib.contextmanager
     def hooked_pass(self, n_tokens: int) -> Iterator[None]:
@@ -330,6 +340,7 @@ class DecoderLM:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
         for k in kvs:
             k.check_room(1)
+        self._note_decode(tokens.size)
         if self.decode_graph is not None:
             out = self.decode_graph.run_seqs(self, tokens, kvs)  # calls the pass hooks itself
             if out is not None:

@@ -554,6 +554,11 @@ class CachedExperts:
         return len(adm)
 
     # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
+    def note_decode(self, n_seqs: int) -> None:
+        """The model's next pass is a decode step of ``n_seqs`` sequences (one token each; ``serve``'s
+        batched steps carry several): the policy's tokens per decode pass (a layer plan's costs)."""
+        self.policy.note_pass(n_seqs)
+
     def begin_pass(self, n_tokens: int) -> None:
         """Before a forward pass is queued: a prompt pass lends the elastic slots, a decode pass
         takes them back when due (:meth:`lend_tail`, :meth:`reclaim_tail`); the first decode pass
@@ -588,9 +593,7 @@ class CachedExperts:
         if not self.zero_copy:
             return
         self._expect = n_tokens if self.takes_zero_copy(n_tokens) else 0
-        if self._expect:
-            self.policy.note_pass(n_tokens)  # (a layer plan's costs per pass)
-        else:
+        if not self._expect:
             self.flush()
         self.poll()
         if self._map_dirty:

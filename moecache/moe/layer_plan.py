@@ -25,7 +25,8 @@ average fraction of tokens that route to an expert, so a layer's usages sum to `
 - a pass of several tokens (``serve``'s batched steps, :attr:`MissCosts.tokens`) makes one CPU call
   per layer for all of them: the fixed cost is paid once a pass (:func:`_share_costs`). Measured
   (H200, 8 GiB, qwen3-moe routing, 8 streams, ``bench/results/serve-h200.md``): 229.3 t/s with this
-  cost against 181.4 with the one-token cost, which gave no layer a CPU share at ~1.2 misses a token.
+  cost against 181.4 with the one-token cost, which gave no layer a CPU share at ~1.2 misses a token
+  (one run each, on two machines of the same kind).
 
 Measured on the H200 (bench/results/layer-plan-h200.md, whole layers in slots, the other layers'
 eight misses each): the CPU taking 3-6 of them while the link read the rest, a uniform-routing token
@@ -87,7 +88,8 @@ class MissCosts:
     tokens: float = 1.0
 
     def validate(self) -> None:
-        if min(self.t_link, self.t_cpu, self.t_fixed, self.max_share) < 0 or self.k < 1 or not self.tokens >= 1:
+        if (min(self.t_link, self.t_cpu, self.t_fixed, self.max_share) < 0 or self.k < 1
+                or not (self.tokens >= 1 and math.isfinite(self.tokens))):
             raise ValueError(f"miss costs must be >= 0, k >= 1 and tokens >= 1, got {self}")
 
 
@@ -243,6 +245,15 @@ def _spend_leftover(cost: np.ndarray, slots: np.ndarray, budget: int) -> None:
         if gain[il] <= 0:
             break
         slots[il] += 1
+
+
+def reshare(plan: LayerPlan, usage: np.ndarray, costs: MissCosts) -> LayerPlan:
+    """``plan`` with the shares (and predicted cost) that are cheapest for the experts it holds under
+    ``usage`` (float (n_layer, n_expert)) and ``costs``: the same slots and targets, so nothing to
+    upload (the tokens per decode pass moved since the plan was made)."""
+    m = np.where(plan.target, 0.0, np.clip(np.asarray(usage, np.float64), 0.0, None)).sum(axis=1)
+    cost, share = _share_costs(m, costs)
+    return LayerPlan(plan.slots, share.astype(np.int32), plan.target, float(cost.sum()))
 
 
 def held_cost(usage: np.ndarray, held: np.ndarray, costs: MissCosts) -> float:

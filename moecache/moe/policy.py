@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moecache.moe.layer_plan import LayerPlan, MissCosts, held_cost, plan_layers
+from moecache.moe.layer_plan import LayerPlan, MissCosts, held_cost, plan_layers, reshare
 from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
 
 import numpy as np
@@ -142,6 +142,8 @@ class CachePolicy:
         self.max_share = 8  # the most misses per token the executor can hand the CPU in a layer (0: none)
         self.top_k: int | None = None  # experts per token (the executor's; None: from the routing seen)
         self.pass_tokens = 1.0  # decode tokens per pass, a running mean (note_pass; serve's batched steps)
+        self._decode_passes = 0  # decode passes noted (the first one seeds the mean)
+        self._plan_tokens = 1.0  # the tokens per pass the plan's shares were chosen for
         self.plan: LayerPlan | None = None
         self.plans = 0  # plans adopted
         self._plan_t: int | None = None  # the token clock at the last replan (None: replan at the next call)
@@ -327,9 +329,13 @@ class CachePolicy:
         return out
 
     def note_pass(self, n_tokens: int) -> None:
-        """A decode pass of ``n_tokens`` tokens (>= 1) is queued: the running mean of tokens per pass
-        that the layer plan's costs take (:attr:`MissCosts.tokens`; weight 1/8 to the newest pass)."""
-        self.pass_tokens += (max(1, int(n_tokens)) - self.pass_tokens) / PASS_TOKENS_SPAN
+        """A decode pass of ``n_tokens`` tokens (one per sequence; at least 1 counts) is coming: the
+        running mean of tokens per pass that the layer plan's costs take (:attr:`MissCosts.tokens`;
+        the first pass sets it, then weight ``1 / PASS_TOKENS_SPAN`` to the newest)."""
+        n = max(1, int(n_tokens))
+        self._decode_passes += 1
+        self.pass_tokens = float(n) if self._decode_passes == 1 else \
+            self.pass_tokens + (n - self.pass_tokens) / PASS_TOKENS_SPAN
 
     def miss_costs(self) -> MissCosts:
         """The layer plan's path costs from the config (the CPU path as the executor allows; the
@@ -349,8 +355,11 @@ class CachePolicy:
         plan the slots from the usage (:func:`moecache.moe.layer_plan.plan_layers`) and adopt the
         plan when its predicted saving over :data:`PLAN_HORIZON_WINDOWS` windows, against the current
         plan under the same usage, exceeds the uploads it needs (experts it holds that are not
-        resident, ``t_upload`` each) and is at least :data:`PLAN_MARGIN` of the current plan's cost. Returns whether a plan was adopted (the executor then sets each
-        layer's share from ``plan.share``)."""
+        resident, ``t_upload`` each) and is at least :data:`PLAN_MARGIN` of the current plan's cost.
+        A plan kept while the tokens per decode pass moved (``serve``'s slots joining or leaving)
+        gets the shares that are cheapest for its held experts now
+        (:func:`moecache.moe.layer_plan.reshare`: no uploads). Returns whether a plan was adopted or
+        its shares changed (the executor then sets each layer's share from ``plan.share``)."""
         if not self.layer_plan:
             return False
         now = int(self.clock.max()) if self.clock.size else 0
@@ -368,8 +377,15 @@ class CachePolicy:
             uploads = int((new.target & ~self.resident).sum())
             if ((cur - new.cost) * PLAN_HORIZON_WINDOWS * self.cfg.window <= uploads * self.cfg.t_upload
                     or new.cost > (1.0 - PLAN_MARGIN) * cur):
-                return False
+                if costs.tokens == self._plan_tokens:
+                    return False
+                self._plan_tokens = costs.tokens
+                kept = reshare(self.plan, usage, costs)
+                changed = not np.array_equal(kept.share, self.plan.share)
+                self.plan = kept
+                return changed
         self._adopt(new, now)
+        self._plan_tokens = costs.tokens
         return True
 
     def _adopt(self, plan: LayerPlan, now: int) -> None:
