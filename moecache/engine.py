@@ -386,6 +386,7 @@ class Engine:
         self.kv.clear()
         for c in self.caches:
             c.reset_stats()  # the warm-up token is not the user's
+            c.policy.forget_passes()  # (nor a decode pass of theirs: the first one seeds the plan's mean)
 
     def close(self) -> None:
         """Release the model file, the expert caches (their copies in flight waited for, their

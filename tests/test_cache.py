@@ -1470,3 +1470,24 @@ def test_layer_plan_with_elastic_slots_on_a_twin_gpu(model_path, monkeypatch):
         assert len(sizes) >= 2  # the pool changed size under the plan (lent, then taken back)
         np.testing.assert_array_equal(cache.split.ncpu, pol.plan.share)
         assert cache.stats.cpu_misses > 0 and pol.plans >= 2
+
+
+def test_the_first_batched_decode_step_seeds_the_plans_tokens_per_pass(model_path, monkeypatch):
+    """The engine's warm-up token is not a decode pass of the user's: after the load the policy has
+    seen none, so the first batched step of 3 sequences sets its tokens per pass to 3 (the layer
+    plan's costs), and a prompt of the same three sequences before it counted nothing."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+
+    free, _ = _twin_gpu_with_elastic_slots(model_path, monkeypatch, Twin())
+    cfg = PolicyConfig(window=4, layer_plan=True, min_residency=1)
+    with Engine(model_path, EngineConfig(n_ctx=160), placement=PlacementOptions(elastic_slots=True, vram_budget=free),
+                policy_config=cfg) as eng:
+        pol = eng.caches[0].policy
+        assert pol._decode_passes == 0 and pol.pass_tokens == 1.0
+        kvs = eng.sequences(3)
+        for k in kvs:
+            eng.eval([1, 2, 3], kv=k)
+        assert pol._decode_passes == 0
+        eng.decode([4, 5, 6], kvs)
+        assert pol._decode_passes == 1 and pol.miss_costs().tokens == 3.0

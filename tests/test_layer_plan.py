@@ -518,6 +518,13 @@ def test_a_kept_plan_takes_the_shares_of_the_tokens_per_pass_now():
     m = np.where(first.target, 0.0, usage).sum(axis=1)
     at8 = _share_costs(m, pol.miss_costs())[1]
     np.testing.assert_array_equal(first.share, at8)
+    for _ in range(60):  # 9 a pass: the same shares here, so nothing changes (replan says so)
+        pol.note_pass(9)
+    assert pol.miss_costs().tokens == 9.0
+    np.testing.assert_array_equal(_share_costs(m, pol.miss_costs())[1], at8)
+    pol.clock += 4
+    assert not pol.replan() and pol.plan.target is first.target
+    np.testing.assert_array_equal(pol.plan.share, at8)
     for _ in range(60):
         pol.note_pass(1)
     assert pol.miss_costs().tokens == 1.0

@@ -291,7 +291,8 @@ class DecoderLM:
 
     def _note_decode(self, n_seqs: int) -> None:
         """Tell the pass hooks that have ``note_decode`` (the expert caches) that the next pass is a
-        decode step of ``n_seqs`` sequences, one token each (a prompt's short last ubatch is not)."""
+        decode step of ``n_seqs`` sequences, one token each (a prompt's ubatch of 2 or more tokens is
+        not; one of a single token is counted as one, a pass of one token either way)."""
         for hk in self.pass_hooks:
             note = getattr(hk, "note_decode", None)
             if note is not None:

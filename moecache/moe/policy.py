@@ -384,16 +384,23 @@ class CachePolicy:
                 changed = not np.array_equal(kept.share, self.plan.share)
                 self.plan = kept
                 return changed
-        self._adopt(new, now)
-        self._plan_tokens = costs.tokens
+        self._adopt(new, now, costs.tokens)
         return True
 
-    def _adopt(self, plan: LayerPlan, now: int) -> None:
-        """``plan`` from now (token clock ``now``): admissions and victims follow it."""
+    def _adopt(self, plan: LayerPlan, now: int, tokens: float) -> None:
+        """``plan`` from now (token clock ``now``; its shares chosen for ``tokens`` per decode pass):
+        admissions and victims follow it."""
         self.plan = plan
         self.plans += 1
         self._plan_t = now
+        self._plan_tokens = tokens
         self._vc = False
+
+    def forget_passes(self) -> None:
+        """Forget the tokens per decode pass seen so far (the engine's warm-up token is not a
+        user's pass): the next decode pass seeds the mean again."""
+        self.pass_tokens = 1.0
+        self._decode_passes = 0
 
     def replan_soon(self) -> None:
         """Make the next :meth:`replan` plan again and adopt its plan without the margins (the
@@ -457,8 +464,10 @@ class CachePolicy:
         order = np.argsort(-usage, axis=None, kind="stable")
         held = None
         if self.layer_plan and usage.any():  # under a layer plan: the plan for this usage, adopted now
-            self._adopt(plan_layers(self._per_token(usage), self.n_slots, self.miss_costs(), self.resident,
-                                    self.cfg.hysteresis), int(self.clock.max()) if self.clock.size else 0)
+            costs = self.miss_costs()
+            self._adopt(plan_layers(self._per_token(usage), self.n_slots, costs, self.resident,
+                                    self.cfg.hysteresis), int(self.clock.max()) if self.clock.size else 0,
+                        costs.tokens)
             held = self.plan.target.reshape(-1)
             order = order[held[order]]
         out = []
