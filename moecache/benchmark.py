@@ -195,7 +195,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
         for c in caches:
             c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
         for k in ("hits", "misses", "uploads", "cpu_misses", "cpu_wait_ns"):
-            totals[k] += sum(getattr(c.stats, k, 0) for c in caches)
+            totals[k] += sum(getattr(c.stats, k) for c in caches)
         totals["tokens"] += max((c.stats.tokens for c in caches), default=0)  # every cache counts every token
         return ns
 

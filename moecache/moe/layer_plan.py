@@ -251,16 +251,21 @@ def reshare(plan: LayerPlan, usage: np.ndarray, costs: MissCosts) -> LayerPlan:
     """``plan`` with the shares (and predicted cost) that are cheapest for the experts it holds under
     ``usage`` (float (n_layer, n_expert)) and ``costs``: the same slots and targets, so nothing to
     upload (the tokens per decode pass moved since the plan was made)."""
-    m = np.where(plan.target, 0.0, np.clip(np.asarray(usage, np.float64), 0.0, None)).sum(axis=1)
-    cost, share = _share_costs(m, costs)
-    return LayerPlan(plan.slots, share.astype(np.int32), plan.target, float(cost.sum()))
+    cost, share = _held_costs(usage, plan.target, costs)
+    return LayerPlan(plan.slots, share, plan.target, float(cost.sum()))
 
 
 def held_cost(usage: np.ndarray, held: np.ndarray, costs: MissCosts) -> float:
     """Predicted seconds per token of every layer's misses with the experts ``held`` (bool
     (n_layer, n_expert)) in slots, each layer at its cheapest share (the model above)."""
+    return float(_held_costs(usage, held, costs)[0].sum())
+
+
+def _held_costs(usage: np.ndarray, held: np.ndarray, costs: MissCosts) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the misses' cost (float64 (n_layer,)) and the cheapest share (int32) with the experts
+    ``held`` in slots: the expected misses are the usage of the experts not held."""
     m = np.where(held, 0.0, np.clip(np.asarray(usage, np.float64), 0.0, None)).sum(axis=1)
-    return float(_share_costs(m, costs)[0].sum())
+    return _share_costs(m, costs)
 
 
 @njit(cache=True, nogil=True)
