@@ -12,7 +12,8 @@ measurement of its first tokens measures the warm-up, not the steady state). Eac
 expert cache's hit rate over that phase and the mean decode batch (tokens per decode pass), from the
 server's ``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
 same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream
-ratio (server t/s / bench tg t/s). (Before the fifteenth session bench ran at its own -c, p + n:
+ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one round after
+the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before the fifteenth session bench ran at its own -c, p + n:
 at 8 GiB its expert cache then had the ~730 MiB that the server's -c 8192 KV cache takes.)
 
     python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
@@ -92,25 +93,32 @@ def get_json(port: int, path: str) -> tuple[int, str]:
         conn.close()
 
 
-def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.0) -> dict:
-    out: list[dict] = [{}] * n_streams
+def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.0, rounds: int = 1) -> dict:
+    """``rounds`` rounds, one after the other, of ``n_streams`` streams at once; the wall time is the
+    rounds' walls summed (the gaps between rounds left out), the percentiles pool every round's gaps."""
+    out: list[dict] = []
+    wall = 0.0
+    for k in range(rounds):
+        got: list[dict] = [{}] * n_streams
 
-    def one(i: int) -> None:
-        out[i] = stream_completion(port, f"request {i}: hello", n, temperature=temperature)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        def one(i: int) -> None:
+            got[i] = stream_completion(port, f"request {k}.{i}: hello", n, temperature=temperature)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n_streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall += max(o["t1"] for o in got) - min(o["t0"] for o in got)
+        out += got
     ok = [o for o in out if o["status"] == 200]
     gaps = sorted(g for o in ok for g in o["gaps"])
-    wall = max(o["t1"] for o in out) - min(o["t0"] for o in out)
     tokens = sum(o["tokens"] for o in ok)
 
     def pct(p: float) -> float:
         return gaps[min(len(gaps) - 1, int(p * len(gaps)))] * 1e3 if gaps else float("nan")
-    return {"streams": n_streams, "ok": len(ok), "failed": n_streams - len(ok), "tokens": tokens, "wall_s": wall,
-            "aggregate_ts": tokens / wall if wall > 0 else 0.0, "per_stream_ts": tokens / wall / max(1, len(ok)),
+    return {"streams": n_streams, "rounds": rounds, "ok": len(ok), "failed": len(out) - len(ok), "tokens": tokens,
+            "wall_s": wall,
+            "aggregate_ts": tokens / wall if wall > 0 else 0.0, "per_stream_ts": tokens / wall / n_streams if wall > 0 else 0.0,
             "tpot_p50_ms": pct(0.5), "tpot_p99_ms": pct(0.99),
             "server_predicted_ts": statistics.fmean(o["predicted_per_second"] for o in ok)
             if ok and all(o.get("predicted_per_second") for o in ok) else None,
@@ -210,9 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bench", action="store_true", help="also moecache bench -p 0 -n N with the same flags")
     ap.add_argument("--bench-warmup", type=int, default=256, help="bench's --n-gen-warmup")
     ap.add_argument("--bench-also", default="",
-                    help="with --bench, a second bench run with these flags added (one string), e.g. the "
-                         "settings serve resolves that bench's defaults differ from: "
-                         "'--cache-plan expert --no-elastic-slots'")
+                    help="with --bench, a second bench run with these flags added (one string), e.g. "
+                         "'--cache-plan expert --no-elastic-slots' (serve's defaults before the thirty-second session)")
+    ap.add_argument("--rounds", type=int, default=1, help="measured rounds of each stream count, one after the other")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="start the server with sys.setswitchinterval(S) (seconds; Python's default 0.005): how "
+                         "long the event loop may keep the GIL from the engine's thread once it asks")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sampler", choices=("greedy", "default"), default="greedy",
                     help="the streams' sampling: greedy (temperature 0), or the server's default chain "
@@ -225,7 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     n_slots = max(streams + [a.soak_clients if a.soak_s else 1])
     ctx = a.ctx or 1024 * n_slots
     port = free_port()
-    cmd = [sys.executable, "-m", "moecache.cli.main", "serve", "-m", a.model, "--port", str(port), "-np", str(n_slots),
+    launch = ["-m", "moecache.cli.main"] if a.switch_interval is None else [
+        "-c", f"import runpy, sys; sys.setswitchinterval({a.switch_interval!r}); "
+              "runpy.run_module('moecache.cli.main', run_name='__main__', alter_sys=True)"]
+    cmd = [sys.executable, *launch, "serve", "-m", a.model, "--port", str(port), "-np", str(n_slots),
            "-c", str(ctx), *extra]
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -244,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"warm-up": w}), file=sys.stderr)
         for n_streams in streams:
             c0 = counters(port)
-            row = concurrent(port, n_streams, a.n, temp)
+            row = concurrent(port, n_streams, a.n, temp, a.rounds)
+            row.update(server_flags=" ".join(extra), switch_interval=a.switch_interval)
             row.update(phase(c0, counters(port)))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -263,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     one = next((r for r in rows if r["streams"] == 1), None)
     lines = [f"# moecache serve under load: {Path(a.model).name}\n",
              f"`python bench/serve_load.py {' '.join(sys.argv[1:])}`; server: "
-             f"`{' '.join(cmd[2:])}`\n",
+             f"`{' '.join(cmd[cmd.index('serve'):])}`"
+             + (f" with sys.setswitchinterval({a.switch_interval})" if a.switch_interval is not None else "") + "\n",
              f"{a.warmup_rounds} warm-up round(s) of {max(streams)} streams first.\n",
              "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms "
              "| hit rate | mean decode batch |",

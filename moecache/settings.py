@@ -134,8 +134,7 @@ class Settings:
             expert cache takes the part of the reserve that only prompts use as elastic slots
             (:class:`moecache.placement.PlacementOptions`; H200, 8 GiB, in one lease with the layer
             plan: tg128 +9-17%, every peak within the budget, runs h200-s30a-c,
-            bench/results/vs-llamacpp-h200.md). Off for ``serve`` (no such flag there; its prompt
-            chunks between decode steps would empty and refill them each time).
+            bench/results/vs-llamacpp-h200.md); ``serve`` too (its requests' prompts lend them).
     """
 
     n_ctx: int | None = None
@@ -336,6 +335,8 @@ class Resolved:
                     + (" | experts in host RAM" if self.experts_in_ram else "")]
         if "experts" in self.reasons:
             rows.append(("experts", "host RAM" if self.experts_in_ram else "GPU", "experts"))
+        if self.experts_in_ram and "elastic_slots" in self.reasons:
+            rows.append(("elastic slots", "on" if self.placement.elastic_slots else "off", "elastic_slots"))
         if self.prompt_gpu is not None:
             rows.append(("prompt GPU", str(self.prompt_gpu), "prompt_gpu"))
         for gi in probe.gpus:
@@ -389,16 +390,18 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
            "--miss-split asked for" if settings.miss_split else
            "mapped weights: the cache computes misses on the CPU, there is no link path to share" if mode != "pin" else
            "measured on one GPU only" if n_gpus != 1 else
-           f"{command}: the default is measured for run and bench; serve with --cache-plan layer made 1.22x the "
-           "per-expert policy's 8-stream t/s but 0.93x its one stream's, one run each on two machines (H200, "
-           "8 GiB, bench/results/serve-h200.md), not yet side by side" if command == "serve" else
-           f"{command}: measured for run and bench only" if command not in ("run", "bench") else
+           f"{command}: measured for run, bench and serve only" if command not in ("run", "bench", "serve") else
            "the Numba threads do not wait actively between layers (the commands make them when -t leaves a CPU "
            "free for the thread that drives the GPU and, in bench, no combination runs on the CPU alone; a "
            "library caller sets OMP_WAIT_POLICY=ACTIVE and GOMP_SPINCOUNT=30000000 before the first parallel "
            "kernel)" if not omp_active else None)
     if why:
         return "expert", why
+    if command == "serve":
+        return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
+                         "of the misses by the layer plan, costed per decode pass (H200, 8 GiB, with the elastic "
+                         "slots, side by side with the per-expert policy: 1 stream 145.5-150.4 t/s against 129.0, "
+                         "8 streams 278.1-280.2 against 187.7, run h200-s32a, bench/results/serve-h200.md)")
     return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
                      "of the misses by the layer plan (H200, 8 GiB, with the elastic slots: tg128 1.25-1.26x llama.cpp "
                      "at flat routing, run h200-s30b; 0.92-0.96 per expert in h200-s29e, "
@@ -483,8 +486,13 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
     settings.check()
     reasons: dict[str, str] = {}
     placement = settings.placement_options()
-    if command == "serve":  # prompt chunks between decode steps would empty and refill them each time
-        placement = replace(placement, elastic_slots=False)
+    if settings.elastic_slots is not None:
+        reasons["elastic_slots"] = "--elastic-slots given" if settings.elastic_slots else "--no-elastic-slots given"
+    else:
+        reasons["elastic_slots"] = "the default: the reserve that only prompts use holds experts while decoding" + (
+            " (serve: each request's prompt lends them and the second decode pass after takes them back; they and "
+            "the layer plan together made 1.13-1.17x one stream's t/s and 1.48-1.49x 8 streams' of neither, H200, "
+            "8 GiB, run h200-s32a)" if command == "serve" else "")
     gpus = () if placement.n_gpu_layers == 0 else probe.gpus
     if placement.vram_budget:
         from moecache.placement import budgeted_free

@@ -1397,8 +1397,7 @@ def test_elastic_slots_left_out_where_the_backend_cannot_make_them(model_path, m
 
 def test_elastic_slots_flag_road(model_path):
     """--elastic-slots / --no-elastic-slots: on unless --no-elastic-slots; run and bench pass it to
-    the placement; serve's resolution turns it off (its prompt chunks between decode steps would
-    empty and refill the slots)."""
+    the placement; serve's resolution too, with the reason either way."""
     from typer.testing import CliRunner
 
     import moecache.cli.bench as bench_mod
@@ -1414,7 +1413,10 @@ def test_elastic_slots_flag_road(model_path):
     probe = Probe(HostInfo("test cpu", 4, 8, 16 * GiB, 12 * GiB), (GpuInfo(0, "gpu", "", 8 * GiB, 8 * GiB),))
     assert resolve(Settings(), facts, probe, command="run").placement.elastic_slots
     assert not resolve(Settings(elastic_slots=False), facts, probe, command="run").placement.elastic_slots
-    assert not resolve(Settings(), facts, probe, command="serve").placement.elastic_slots
+    served = resolve(Settings(), facts, probe, command="serve")  # serve too (its prompts lend them)
+    assert served.placement.elastic_slots and "serve" in served.reasons["elastic_slots"]
+    asked = resolve(Settings(elastic_slots=False), facts, probe, command="serve")
+    assert not asked.placement.elastic_slots and asked.reasons["elastic_slots"] == "--no-elastic-slots given"
     seen = []
     orig = bench_mod.load_engine
 
@@ -1470,6 +1472,41 @@ def test_layer_plan_with_elastic_slots_on_a_twin_gpu(model_path, monkeypatch):
         assert len(sizes) >= 2  # the pool changed size under the plan (lent, then taken back)
         np.testing.assert_array_equal(cache.split.ncpu, pol.plan.share)
         assert cache.stats.cpu_misses > 0 and pol.plans >= 2
+
+
+def test_serves_pattern_with_the_layer_plan_and_elastic_slots_on_a_twin_gpu(model_path, monkeypatch):
+    """serve's defaults on a twin GPU (the layer plan, elastic slots, three slots): prompts of new
+    requests, one of them in two chunks, arrive while other slots decode in batched passes of 1-3
+    tokens (moecache.testing.fidelity.SERVE_STEPS); every prompt's and pass's logits equal the CPU
+    engine's on the same schedule; the prompts lent the elastic slots and the passes after them took
+    them back, the plan's CPU shares answered misses, and the plan saw passes of several tokens."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.fidelity import serve_steps
+
+    free, want = _twin_gpu_with_elastic_slots(model_path, monkeypatch, Twin())
+    with open_gguf(model_path) as m:
+        n_vocab = m.config.n_vocab
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    cfg = PolicyConfig(window=4, layer_plan=True, min_residency=1, t_link=1e-3)  # the link priced out: CPU shares
+    with Engine(model_path, EngineConfig(n_ctx=240)) as ref, \
+            Engine(model_path, EngineConfig(n_ctx=240), placement=PlacementOptions(elastic_slots=True, vram_budget=free),
+                   policy_config=cfg, gpu_act_q8=False) as eng:
+        cache = eng.caches[0]
+        assert cache.tail > 0 and cache.policy.layer_plan and cache.handoff is not None
+
+        def check(a, b, what):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=what)
+        lends, reclaims = cache.tail_lends, cache.tail_reclaims
+        passes = serve_steps((eng, ref), np.random.default_rng(seed), n_vocab, check)
+        cache.flush()
+        assert passes == 19
+        # steps 4, 10 and 15 find the slots taken back and lend them (step 0's prompt may find them
+        # still lent since the load); the second pass after each takes them back
+        print(f"lends {cache.tail_lends - lends}, take-backs {cache.tail_reclaims - reclaims}")
+        assert cache.tail_lends - lends >= 3 and cache.tail_reclaims - reclaims >= 3
+        assert cache.stats.cpu_misses > 0 and cache.policy.plans >= 2 and cache.policy.pass_tokens > 1.0
 
 
 def test_the_first_batched_decode_step_seeds_the_plans_tokens_per_pass(model_path, monkeypatch):

@@ -1173,10 +1173,11 @@ def test_prefetched_host_expert_layers_give_the_same_logits(gpu, tmp_path, load_
 
 
 @contextlib.contextmanager
-def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, synth: dict | None = None, **engine_kw):
+def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, synth: dict | None = None, n_ctx: int = 128,
+                **engine_kw):
     """A tiny qwen3moe of 16 experts (top-4) written with ``seed`` (``synth``: SynthConfig fields
     changed): a CPU engine, and a GPU engine whose --vram-budget leaves its expert cache a third of
-    the experts (taken after the first engine's start), float32 activations."""
+    the experts (taken after the first engine's start), float32 activations; both at ``-c n_ctx``."""
     from moecache.engine import Engine, EngineConfig
     from moecache.placement import PlacementOptions
     from moecache.testing.synth import PRESETS as P
@@ -1185,8 +1186,8 @@ def _cache_pair(tmp_path, seed: int, load_mode: str, policy_config, synth: dict 
     path = tmp_path / "moe.gguf"
     write_model(path, SynthConfig(**{**P["tiny"].__dict__, "n_expert": 16, "n_expert_used": 4, **(synth or {})}),
                 seed=seed)
-    with Engine(path, EngineConfig(n_ctx=128)) as ref, \
-            Engine(path, EngineConfig(n_ctx=128), placement=PlacementOptions(vram_budget=third_of_experts_budget(path, 128)),
+    with Engine(path, EngineConfig(n_ctx=n_ctx)) as ref, \
+            Engine(path, EngineConfig(n_ctx=n_ctx), placement=PlacementOptions(vram_budget=third_of_experts_budget(path, n_ctx)),
                    load_mode=load_mode, policy_config=policy_config, gpu_act_q8=False, **engine_kw) as eng:
         yield ref, eng
 
@@ -1337,6 +1338,44 @@ def test_elastic_slots_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, monkeypatc
         # (the set counts memory that went and came; the cache also counts the slots the head's rounding keeps)
         assert el.lends >= 2 and cache.tail_lends >= 2 and el.take_backs >= 2 and el.bytes > 0
         assert cache.stats.uploads > 0
+
+
+def test_serves_pattern_with_the_layer_plan_and_elastic_slots_on_the_gpu(gpu, tmp_path, monkeypatch):
+    """serve's defaults on the GPU (pin: the layer plan's CPU shares through the graphs' handoff,
+    elastic slots over CUDA virtual memory, batched decode graphs): three slots whose new requests'
+    prompts arrive while the others decode in passes of 1-3 tokens (SERVE_STEPS); every prompt's and
+    pass's logits equal the CPU engine's on the same schedule; the prompts lent the elastic slots and
+    later passes took them back; the batched graphs replayed without a failure."""
+    import moecache.placement as placement_mod
+    from moecache.moe.policy import PolicyConfig
+    from moecache.testing.fidelity import serve_steps
+
+    orig = placement_mod._elastic_slots
+
+    def sized(opts, sizes, dev, on_dev, cache, reserve, notes):  # a sixth of the experts (as the test above)
+        want = sum(sizes.experts) // sizes.expert_each // 6
+        return orig(replace(opts, elastic_slots=True), sizes, dev, on_dev, cache,
+                    {g: placement_mod.DECODE_KEEP_BYTES + want * sizes.expert_each for g in reserve}, notes)
+
+    monkeypatch.setattr(placement_mod, "_elastic_slots", sized)
+    seed = _seed()
+    big = dict(n_embd=256, expert_ff=1024, expert_type="Q8_0")
+    cfg = PolicyConfig(**CHURN, layer_plan=True, t_link=1e-3)  # the link priced out: the plan gives the CPU shares
+    with _cache_pair(tmp_path, 29, "pin", cfg, synth=big, n_ctx=240) as (ref, eng):
+        cache = eng.caches[0]
+        graph = eng.model.decode_graph
+        assert cache.tail > 0 and cache.handoff is not None and graph is not None and graph.batched
+
+        def check(a, b, what):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=what)
+        lends, reclaims = cache.tail_lends, cache.tail_reclaims
+        assert serve_steps((eng, ref), np.random.default_rng(seed), 200, check) == 19
+        cache.flush()
+        print(f"seed {seed}: lends {cache.tail_lends - lends}, take-backs {cache.tail_reclaims - reclaims}, batched replays "
+              f"{graph.batched_replays}, replays {graph.replays}, cpu misses {cache.stats.cpu_misses}")
+        assert cache.tail_lends - lends >= 3 and cache.tail_reclaims - reclaims >= 3
+        assert not graph.batched_failed and graph.failed is None and graph.batched_replays > 0
+        assert cache.stats.cpu_misses > 0 and cache.handoff.buf.err[0] == 0
 
 
 def test_elastic_slot_arrays_give_memory_back_at_the_same_addresses(gpu):

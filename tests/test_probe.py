@@ -248,7 +248,8 @@ PLAN_CASES = [
     ("big MoE, pinned, one GPU, active threads", MOE_BIG, [gpu(0, 8)], "run", Settings(), True, "layer", "layer plan"),
     ("bench too", MOE_BIG, [gpu(0, 8)], "bench", Settings(), True, "layer", "layer plan"),
     ("threads not waiting actively", MOE_BIG, [gpu(0, 8)], "run", Settings(), False, "expert", "OMP_WAIT_POLICY"),
-    ("serve", MOE_BIG, [gpu(0, 8)], "serve", Settings(), True, "expert", "serve"),
+    ("serve", MOE_BIG, [gpu(0, 8)], "serve", Settings(), True, "layer", "costed per decode pass"),
+    ("serve, threads not waiting actively", MOE_BIG, [gpu(0, 8)], "serve", Settings(), False, "expert", "OMP_WAIT_POLICY"),
     ("perplexity", MOE_BIG, [gpu(0, 8)], "perplexity", Settings(), True, "expert", "perplexity"),
     ("mapped weights", MOE_BIG, [gpu(0, 8)], "run", Settings(load_mode="mmap"), True, "expert", "mapped"),
     ("two GPUs", MOE_BIG, [gpu(0, 8), gpu(1, 8)], "run", Settings(), True, "expert", "one GPU"),
@@ -258,13 +259,13 @@ PLAN_CASES = [
     ("--n-cpu-moe", MOE_BIG, [gpu(0, 8)], "run", Settings(n_cpu_moe=40), True, "expert", "--n-cpu-moe"),
     ("--miss-split", MOE_BIG, [gpu(0, 8)], "run", Settings(miss_split=True), True, "expert", "--miss-split"),
     ("given: expert", MOE_BIG, [gpu(0, 8)], "run", Settings(cache_plan="expert"), True, "expert", "given"),
-    ("given: layer, even for serve", MOE_BIG, [gpu(0, 8)], "serve", Settings(cache_plan="layer"), False, "layer", "given"),
+    ("given: layer, even without active threads", MOE_BIG, [gpu(0, 8)], "serve", Settings(cache_plan="layer"), False, "layer", "given"),
 ]
 
 
 @pytest.mark.parametrize("name,model,gpus,command,flags,active,want,why", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
 def test_cache_plan_auto(name, model, gpus, command, flags, active, want, why):
-    """--cache-plan auto: layer for run and bench with the experts page-locked behind one GPU's cache
+    """--cache-plan auto: layer for run, bench and serve with the experts page-locked behind one GPU's cache
     and the threads waiting actively; the layer plan's policy and a core left follow it."""
     r = resolve(flags, model, Probe(HOST, tuple(gpus)), command=command, omp_active=active)
     assert r.cache_plan == want and why in r.reasons["cache_plan"]
@@ -281,6 +282,8 @@ def test_cache_plan_auto_reads_the_wait_policy_from_the_environment():
     assert resolve(Settings(), MOE_BIG, probe).cache_plan == "expert"
     short = resolve(Settings(), MOE_BIG, probe, omp_active=True).summary_lines(probe)[0]
     assert "--cache-plan layer" in short
+    long = resolve(Settings(), MOE_BIG, probe, command="serve").summary_lines(probe, verbose=True)
+    assert any("elastic slots" in ln and " on " in ln and "serve: each request's prompt lends them" in ln for ln in long)
 
 
 def test_usable_cores_count_the_affinitys_physical_cores(tmp_path):

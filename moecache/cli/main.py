@@ -102,7 +102,7 @@ CachePlanOpt = Annotated[str, typer.Option("--cache-plan", help="Expert cache wi
                                            "remade every --moe-cache-window tokens: whole layers at flat "
                                            "routing, hot sets with local routing, and per layer the share of "
                                            "each token's misses the CPU computes while the GPU reads the rest "
-                                           "over PCIe, as predicted fastest; auto = layer for run and bench when the "
+                                           "over PCIe, as predicted fastest; auto = layer for run, bench and serve when the "
                                            "experts are page-locked behind one GPU's cache and -t leaves a CPU "
                                            "free (the Numba threads then wait actively), else expert (the "
                                            "resolved value and why: -v).")]
@@ -341,6 +341,7 @@ def serve(
     no_moe_profile: NoMoeProfileOpt = False,
     miss_split: MissSplitOpt = False,
     cache_plan: CachePlanOpt = "auto",
+    elastic_slots: ElasticOpt = None,
     flash_attn: FaOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -370,7 +371,8 @@ def serve(
                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, load_mode=load_mode,
                              flash_attn=flash_attn, moe_cache_window=moe_cache_window, moe_cache_stats=moe_cache_stats,
                              routing=routing, deterministic=deterministic, moe_profile=moe_profile,
-                             no_moe_profile=no_moe_profile, miss_split=miss_split, cache_plan=cache_plan)
+                             no_moe_profile=no_moe_profile, miss_split=miss_split, cache_plan=cache_plan,
+                             elastic_slots=elastic_slots)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose,
                                    timeout=timeout),

@@ -116,3 +116,45 @@ def first_real_divergence(ref: list[int], got: list[int], gaps: list[float], tie
         if a != b:
             return None if gaps[i] <= tie else i
     return None
+
+
+
+# serve's pattern on three slots, (kind, slots, tokens): "p" a request's prompt, or the last chunk of
+# one ("p+" a chunk with more to come: no logits), of one slot; "d" one decode pass of the slots
+# given. Prompts start while other slots decode; slot 0 starts a second request at step 15; every
+# chunk but one (12 tokens) is a prompt pass of 32+ tokens (PlacementOptions.offload_min_batch).
+SERVE_STEPS: tuple[tuple[str, tuple[int, ...], int], ...] = (
+    ("p", (0,), 40), ("d", (0,), 1), ("d", (0,), 1), ("d", (0,), 1),
+    ("p+", (1,), 36), ("d", (0,), 1), ("p", (1,), 12), ("d", (0, 1), 1), ("d", (0, 1), 1), ("d", (0, 1), 1),
+    ("p", (2,), 48), ("d", (0, 1), 1), ("d", (0, 1, 2), 1), ("d", (0, 1, 2), 1), ("d", (1, 2), 1),
+    ("p", (0,), 33), ("d", (1, 2), 1), ("d", (0, 1, 2), 1), ("d", (0, 1, 2), 1), ("d", (0,), 1), ("d", (0,), 1),
+    ("d", (0, 2), 1), ("d", (0, 1, 2), 1), ("d", (0, 1, 2), 1))
+
+
+def serve_steps(engines: tuple[Engine, Engine], rng: np.random.Generator, n_vocab: int, check) -> int:
+    """Run :data:`SERVE_STEPS` on two engines (three slot sequences each, ``Engine.sequences``), the
+    same random token ids (< ``n_vocab``) to both, as ``moecache serve``'s worker feeds its slots: a
+    request's prompt clears its slot's sequence first; a decode pass appends one token to each of
+    its slots. ``check(a, b, what)`` compares each float32 logits block (engine 0's, engine 1's:
+    a finished prompt's last row, a decode pass's rows). Returns the decode passes run."""
+    seqs = [e.sequences(3) for e in engines]
+    reading = [False] * 3  # the slot's request has prompt chunks left
+    passes = 0
+    for i, (kind, slots, n) in enumerate(SERVE_STEPS):
+        if kind in ("p", "p+"):
+            s = slots[0]
+            if not reading[s]:  # a new request in the slot
+                for q in seqs:
+                    q[s].clear()
+            reading[s] = kind == "p+"
+            toks = rng.integers(0, n_vocab, n)
+            rows = np.array([], np.int64) if reading[s] else "last"
+            out = [e.eval(toks, logits=rows, kv=q[s]) for e, q in zip(engines, seqs)]
+            if not reading[s]:
+                check(out[0], out[1], f"step {i}: slot {s}'s prompt")
+        else:
+            toks = rng.integers(0, n_vocab, len(slots))
+            out = [e.decode(toks, [q[s] for s in slots]) for e, q in zip(engines, seqs)]
+            check(out[0], out[1], f"step {i}: decode of slots {slots}")
+            passes += 1
+    return passes
