@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -188,12 +189,14 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
     return {**counts, "samples": samples}
 
 
-def bench_tg(model: str, n: int, flags: list[str], warmup: int, ctx: int) -> float | None:
+def bench_tg(model: str, n: int, flags: list[str], warmup: int, ctx: int, cpus: set[int] | None = None) -> float | None:
     """``moecache bench``'s tg t/s with the server's flags and its ``-c`` (the KV cache's VRAM: with
-    ``--vram-budget``, what is left to the expert cache; bench's own -c would be only p + n)."""
+    ``--vram-budget``, what is left to the expert cache; bench's own -c would be only p + n), on the
+    server's CPUs (``cpus``; None: this process's)."""
     r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
                         "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), "-c", str(ctx), *flags],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True, cwd=ROOT,
+                       preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     if r.returncode:
         print(f"bench failed: {r.stderr[-500:]}", file=sys.stderr)
         return None
@@ -224,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="start the server with sys.setswitchinterval(S) (seconds; Python's default 0.005): how "
                          "long the event loop may keep the GIL from the engine's thread once it asks")
+    ap.add_argument("--client-cpus", default=None,
+                    help="CPUs for this script's client threads, e.g. '15' or '14,15': the server runs on the "
+                         "others (its -t default follows its affinity), so the clients' HTTP and SSE parsing "
+                         "does not take cores from the server's threads (Linux)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sampler", choices=("greedy", "default"), default="greedy",
                     help="the streams' sampling: greedy (temperature 0), or the server's default chain "
@@ -244,7 +251,15 @@ def main(argv: list[str] | None = None) -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
     log = open(Path(a.out).with_suffix(".server.log") if a.out else "/dev/null", "w")
-    srv = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    server_cpus = None
+    if a.client_cpus:
+        mine = {int(c) for c in a.client_cpus.split(",")}
+        server_cpus = os.sched_getaffinity(0) - mine
+        if not server_cpus or not mine <= os.sched_getaffinity(0):
+            ap.error(f"--client-cpus {a.client_cpus}: not a part of this process's CPUs {sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, mine)  # this process's threads, the clients; the server is started on the rest
+    srv = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                           preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
     rows: list[dict] = []
     try:
         deadline = time.monotonic() + 900
@@ -259,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         for n_streams in streams:
             c0 = counters(port)
             row = concurrent(port, n_streams, a.n, temp, a.rounds)
-            row.update(server_flags=" ".join(extra), switch_interval=a.switch_interval)
+            row.update(server_flags=" ".join(extra), switch_interval=a.switch_interval, client_cpus=a.client_cpus)
             row.update(phase(c0, counters(port)))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -272,14 +287,16 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired:
             srv.kill()
         log.close()
-    tg = bench_tg(a.model, a.n, extra, a.bench_warmup, ctx) if a.bench else None
+    tg = bench_tg(a.model, a.n, extra, a.bench_warmup, ctx, server_cpus) if a.bench else None
     also = shlex.split(a.bench_also)
-    tg_also = bench_tg(a.model, a.n, extra + also, a.bench_warmup, ctx) if a.bench and also else None
+    tg_also = bench_tg(a.model, a.n, extra + also, a.bench_warmup, ctx, server_cpus) if a.bench and also else None
     one = next((r for r in rows if r["streams"] == 1), None)
     lines = [f"# moecache serve under load: {Path(a.model).name}\n",
              f"`python bench/serve_load.py {' '.join(sys.argv[1:])}`; server: "
              f"`{' '.join(cmd[cmd.index('serve'):])}`"
-             + (f" with sys.setswitchinterval({a.switch_interval})" if a.switch_interval is not None else "") + "\n",
+             + (f" with sys.setswitchinterval({a.switch_interval})" if a.switch_interval is not None else "")
+             + (f"; the clients on CPUs {a.client_cpus}, the server and bench on the others" if a.client_cpus else "")
+             + "\n",
              f"{a.warmup_rounds} warm-up round(s) of {max(streams)} streams first.\n",
              "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms "
              "| hit rate | mean decode batch |",

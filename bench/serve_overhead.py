@@ -6,7 +6,9 @@ Clients (``serve_load.stream_completion``, greedy, ``ignore_eos``) run in a chil
 
 Reported per stream count: the stand-in's own time per call, the server's
 ``timings.predicted_per_second`` as ms per token, their difference (sampling, detokenizing,
-streaming, and waits for the GIL while the event loop streams), and the clients' TPOT p50.
+streaming, and waits for the GIL while the event loop streams), the clients' TPOT p50, and the CPU
+time per generated token of the event loop's thread (HTTP, SSE; it holds the GIL for most of it) and
+of the worker's (the stand-in's logits copy included).
 
     python bench/serve_overhead.py [-m ../shared/models/code-moe-tiny.gguf] [--streams 1,8] [--step-ms 3.5] [-r 3]
 """
@@ -71,12 +73,19 @@ def main(argv: list[str] | None = None) -> None:
     state.worker = Worker(llm, max(streams), lambda job, res: None, print)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=a.port, log_level="warning",
                                            access_log=False, lifespan="off"))
-    threading.Thread(target=server.run, daemon=True).start()
+    loop_thread = threading.Thread(target=server.run, daemon=True)
+    loop_thread.start()
     while not server.started:
         time.sleep(0.05)
+    clocks = {"loop": time.pthread_getcpuclockid(loop_thread.ident),
+              "worker": time.pthread_getcpuclockid(state.worker._thread.ident)}
+
+    def cpu() -> dict[str, float]:
+        return {k: time.clock_gettime(c) for k, c in clocks.items()}
     print(f"stand-in step {a.step_ms} ms, {N_VOCAB}-entry logits, {a.n} tokens per request")
-    print("| streams | rep | stand-in ms | server ms per token | difference ms | TPOT p50 ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| streams | rep | stand-in ms | server ms per token | difference ms | TPOT p50 ms "
+          "| event loop CPU µs per token | worker CPU µs per token |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for ns in streams:
         client = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
                   "from serve_load import stream_completion as s; "
@@ -86,12 +95,16 @@ def main(argv: list[str] | None = None) -> None:
                   "print(json.dumps({'pps': p[len(p) // 2], 'tpot': g[len(g) // 2] * 1e3}))")
         for rep in range(a.reps + 1):  # the first round warms up
             own.clear()
+            c0 = cpu()
             out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, check=True).stdout
+            c1 = cpu()
             if rep == 0:
                 continue
             r = json.loads(out)
             own_ms, srv_ms = 1e3 * float(np.median(own)), 1e3 / r["pps"]
-            print(f"| {ns} | {rep} | {own_ms:.3f} | {srv_ms:.3f} | {srv_ms - own_ms:+.3f} | {r['tpot']:.3f} |", flush=True)
+            per = {k: 1e6 * (c1[k] - c0[k]) / (ns * a.n) for k in clocks}  # (the worker's includes the stand-in's copy)
+            print(f"| {ns} | {rep} | {own_ms:.3f} | {srv_ms:.3f} | {srv_ms - own_ms:+.3f} | {r['tpot']:.3f} "
+                  f"| {per['loop']:.0f} | {per['worker']:.0f} |", flush=True)
     server.should_exit = True
     llm.close()
 
