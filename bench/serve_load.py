@@ -96,7 +96,10 @@ def get_json(port: int, path: str) -> tuple[int, str]:
 
 def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.0, rounds: int = 1) -> dict:
     """``rounds`` rounds, one after the other, of ``n_streams`` streams at once; the wall time is the
-    rounds' walls summed (the gaps between rounds left out), the percentiles pool every round's gaps."""
+    rounds' walls summed (the gaps between rounds left out), the percentiles pool every round's gaps.
+    Returns the row: counts, ``wall_s``, ``aggregate_ts`` (generated tokens / s), ``per_stream_ts``
+    (aggregate / ``n_streams``: a failed stream counts as 0), TPOT p50/p99/mean in ms, and the
+    server's mean ``predicted_per_second`` (t/s; None unless every stream reported it)."""
     out: list[dict] = []
     wall = 0.0
     for k in range(rounds):
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.bench_also and not a.bench:
         ap.error("--bench-also adds a second bench run to --bench's: give --bench too")
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: expected 1 or more")
     temp = 0.0 if a.sampler == "greedy" else None
     streams = [int(s) for s in a.streams.split(",")]
     n_slots = max(streams + [a.soak_clients if a.soak_s else 1])
@@ -253,7 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     log = open(Path(a.out).with_suffix(".server.log") if a.out else "/dev/null", "w")
     server_cpus = None
     if a.client_cpus:
-        mine = {int(c) for c in a.client_cpus.split(",")}
+        try:
+            mine = {int(c) for c in a.client_cpus.split(",")}
+        except ValueError:
+            ap.error(f"--client-cpus {a.client_cpus}: expected CPU numbers separated by commas, e.g. 14,15")
         server_cpus = os.sched_getaffinity(0) - mine
         if not server_cpus or not mine <= os.sched_getaffinity(0):
             ap.error(f"--client-cpus {a.client_cpus}: not a part of this process's CPUs {sorted(os.sched_getaffinity(0))}")

@@ -34,12 +34,13 @@ says so). The rules, for MoE models that do not fit
   the command is ``serve`` on a machine with a GPU; otherwise map the file.
 - ``--cache-plan auto``: "layer" (:mod:`moecache.moe.layer_plan`: slots per layer, and per layer a
   share of each token's misses computed by the CPU while the GPU reads the rest zero-copy) for
-  ``run`` and ``bench`` when the routed experts stay in host RAM, page-locked, behind one GPU's
+  ``run``, ``bench`` and ``serve`` when the routed experts stay in host RAM, page-locked, behind one GPU's
   expert cache, ``--cpu-moe``/``-ncmoe``/``--miss-split``/``--moe-cache 0`` not given and the Numba
   threads wait actively (the commands set that after resolving: moecache/threads.py); else
   "expert". H200, 8 GiB, tg128 against llama.cpp in one lease: 1.14 / 1.23 at uniform and
-  low-locality routing against 0.96 / 0.92 per expert (runs h200-s29d/e); ``serve`` keeps
-  "expert" (its batched steps under the plan are not measured), and so do two GPUs (not measured);
+  low-locality routing against 0.96 / 0.92 per expert (runs h200-s29d/e); ``serve`` at 8 GiB, side by
+  side with the elastic slots: 1.13x one stream's t/s and 1.48x eight streams' (run h200-s32a); two
+  GPUs keep "expert" (not measured);
 - ``-b`` is raised to the resolved ``-ub`` when ``-ub`` was not given (a reason says so);
 - the expert cache's policy costs (:func:`policy_config`) from the expert size, the threads and the
   measured link (fixed values with ``--deterministic``).
@@ -377,7 +378,7 @@ def policy_config(expert_bytes: int, probe: Probe, *, window: int | None, determ
 
 def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gpus: int, mode: str,
                 command: str, omp_active: bool) -> tuple[str, str]:
-    """(``--cache-plan`` resolved, its reason): "auto" is "layer" for ``run`` and ``bench`` when the
+    """(``--cache-plan`` resolved, its reason): "auto" is "layer" for ``run``, ``bench`` and ``serve`` when the
     routed experts stay in host RAM behind one GPU's expert cache that reads its misses zero-copy
     (``--load-mode pin``), the expert placement and ``--miss-split`` left alone, and the Numba
     threads wait actively (``omp_active``: the plan's fixed cost per CPU layer was measured so;
@@ -400,8 +401,8 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
     if command == "serve":
         return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
                          "of the misses by the layer plan, costed per decode pass (H200, 8 GiB, with the elastic "
-                         "slots, side by side with the per-expert policy: 1 stream 145.5-150.4 t/s against 129.0, "
-                         "8 streams 278.1-280.2 against 187.7, run h200-s32a, bench/results/serve-h200.md)")
+                         "slots, side by side with the per-expert policy without them: 1 stream 145.5 t/s against 129.0, "
+                         "8 streams 278.1 against 187.7, run h200-s32a, bench/results/serve-h200.md)")
     return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
                      "of the misses by the layer plan (H200, 8 GiB, with the elastic slots: tg128 1.25-1.26x llama.cpp "
                      "at flat routing, run h200-s30b; 0.92-0.96 per expert in h200-s29e, "
@@ -490,9 +491,9 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         reasons["elastic_slots"] = "--elastic-slots given" if settings.elastic_slots else "--no-elastic-slots given"
     else:
         reasons["elastic_slots"] = "the default: the reserve that only prompts use holds experts while decoding" + (
-            " (serve: each request's prompt lends them and the second decode pass after takes them back; they and "
-            "the layer plan together made 1.13-1.17x one stream's t/s and 1.48-1.49x 8 streams' of neither, H200, "
-            "8 GiB, run h200-s32a)" if command == "serve" else "")
+            " (serve: each request's prompt pass lends them and the second pass after it that is not a prompt pass "
+            "takes them back; with the layer plan they made +17% one stream's t/s and +15% 8 streams', H200, "
+            "8 GiB, run h200-s32b; with the per-expert policy not measured in serve)" if command == "serve" else "")
     gpus = () if placement.n_gpu_layers == 0 else probe.gpus
     if placement.vram_budget:
         from moecache.placement import budgeted_free

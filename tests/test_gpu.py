@@ -1368,13 +1368,14 @@ def test_serves_pattern_with_the_layer_plan_and_elastic_slots_on_the_gpu(gpu, tm
 
         def check(a, b, what):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=what)
-        lends, reclaims = cache.tail_lends, cache.tail_reclaims
+        lends, reclaims, replays = cache.tail_lends, cache.tail_reclaims, graph.batched_replays
         assert serve_steps((eng, ref), np.random.default_rng(seed), 200, check) == 19
         cache.flush()
         print(f"seed {seed}: lends {cache.tail_lends - lends}, take-backs {cache.tail_reclaims - reclaims}, batched replays "
               f"{graph.batched_replays}, replays {graph.replays}, cpu misses {cache.stats.cpu_misses}")
         assert cache.tail_lends - lends >= 3 and cache.tail_reclaims - reclaims >= 3
-        assert not graph.batched_failed and graph.failed is None and graph.batched_replays > 0
+        # every pass of 1-3 slots replayed its batch size's graph (19 of 19 on the H200, h200-s32b)
+        assert not graph.batched_failed and graph.failed is None and graph.batched_replays - replays == 19
         assert cache.stats.cpu_misses > 0 and cache.handoff.buf.err[0] == 0
 
 

@@ -283,7 +283,12 @@ def test_cache_plan_auto_reads_the_wait_policy_from_the_environment():
     short = resolve(Settings(), MOE_BIG, probe, omp_active=True).summary_lines(probe)[0]
     assert "--cache-plan layer" in short
     long = resolve(Settings(), MOE_BIG, probe, command="serve").summary_lines(probe, verbose=True)
-    assert any("elastic slots" in ln and " on " in ln and "serve: each request's prompt lends them" in ln for ln in long)
+    assert any("elastic slots" in ln and " on " in ln and "serve: each request's prompt pass lends them" in ln
+               for ln in long)
+    off = resolve(Settings(elastic_slots=False), MOE_BIG, probe, command="serve").summary_lines(probe, verbose=True)
+    assert any("elastic slots" in ln and " off " in ln and "--no-elastic-slots given" in ln for ln in off)
+    fits = resolve(Settings(), MOE_SMALL, Probe(HOST, (gpu(0, 24),))).summary_lines(probe, verbose=True)
+    assert not any("elastic slots" in ln for ln in fits)  # no expert cache: no row
 
 
 def test_usable_cores_count_the_affinitys_physical_cores(tmp_path):

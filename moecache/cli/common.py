@@ -106,7 +106,7 @@ def load_engine(model: Path, settings, command: str, verbose: bool = False, said
 
     Args:
         settings: the :class:`moecache.settings.Settings` the flags asked for.
-        command: "run", "perplexity" or "bench".
+        command: "run", "perplexity", "bench" or "serve".
         said: notes already printed (bench loads one engine per combination): each said once.
     """
     from moecache.llm import open_llm

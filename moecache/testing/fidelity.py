@@ -1,6 +1,7 @@
 """Placement fidelity: the same model's perplexity and greedy tokens under each placement, load mode
 and ``-ub``, next to the CPU's (issue 24). Shared by ``tests/test_gpu_fidelity.py`` and
-``bench/placement_fidelity.py``."""
+``bench/placement_fidelity.py``. Also :func:`serve_steps`: a serve-like schedule of slots on two
+engines, for the logits' equality (``tests/test_cache.py``, ``tests/test_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -119,10 +120,14 @@ def first_real_divergence(ref: list[int], got: list[int], gaps: list[float], tie
 
 
 
-# serve's pattern on three slots, (kind, slots, tokens): "p" a request's prompt, or the last chunk of
-# one ("p+" a chunk with more to come: no logits), of one slot; "d" one decode pass of the slots
-# given. Prompts start while other slots decode; slot 0 starts a second request at step 15; every
-# chunk but one (12 tokens) is a prompt pass of 32+ tokens (PlacementOptions.offload_min_batch).
+# a serve-like schedule of three slots, (kind, slots, tokens): "p" a request's prompt, or the last
+# chunk of one ("p+" a chunk with more to come: no logits), of one slot; "d" one decode pass of the
+# slots given (tokens unused: one each). Prompts start while other slots decode; slot 0 starts a
+# second request at step 15; every chunk but one (12 tokens) is a prompt pass of 32+ tokens
+# (PlacementOptions.offload_min_batch). It is a superset of what serve's worker does: the worker also
+# decodes a slot in the step of its last prompt chunk, never rests a generating slot, and may put
+# several slots' chunks in one step; here slots rest between passes (steps 19-21), which the
+# sequences' independence allows.
 SERVE_STEPS: tuple[tuple[str, tuple[int, ...], int], ...] = (
     ("p", (0,), 40), ("d", (0,), 1), ("d", (0,), 1), ("d", (0,), 1),
     ("p+", (1,), 36), ("d", (0,), 1), ("p", (1,), 12), ("d", (0, 1), 1), ("d", (0, 1), 1), ("d", (0, 1), 1),
@@ -132,11 +137,18 @@ SERVE_STEPS: tuple[tuple[str, tuple[int, ...], int], ...] = (
 
 
 def serve_steps(engines: tuple[Engine, Engine], rng: np.random.Generator, n_vocab: int, check) -> int:
-    """Run :data:`SERVE_STEPS` on two engines (three slot sequences each, ``Engine.sequences``), the
-    same random token ids (< ``n_vocab``) to both, as ``moecache serve``'s worker feeds its slots: a
-    request's prompt clears its slot's sequence first; a decode pass appends one token to each of
-    its slots. ``check(a, b, what)`` compares each float32 logits block (engine 0's, engine 1's:
-    a finished prompt's last row, a decode pass's rows). Returns the decode passes run."""
+    """Run :data:`SERVE_STEPS` on two engines (three slot sequences each from ``Engine.sequences(3)``,
+    so the engines' own sequences must not be in use), the same random token ids (< ``n_vocab``, at
+    most the models' vocabulary) to both: a request's prompt clears its slot's sequence first; a
+    decode pass appends one token to each of its slots (``Engine.decode``). ``check(a, b, what)``
+    compares each float32 logits block (engine 0's, engine 1's): (1, n_vocab) after a request's
+    whole prompt, (len(slots), n_vocab) after a decode pass. Each slot needs 60 positions: ``-c``
+    of at least 180. Returns the decode passes run (19).
+
+    Raises:
+        ContextFullError: the engines' ``-c`` is below 180.
+        ValueError: ``n_vocab`` exceeds a model's vocabulary.
+    """
     seqs = [e.sequences(3) for e in engines]
     reading = [False] * 3  # the slot's request has prompt chunks left
     passes = 0
