@@ -44,7 +44,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_completion(port: int, prompt: str, n: int, timeout: float = 600.0, temperature: float | None = 0.0) -> dict:
+def stream_completion(port: int, prompt: str | list[int], n: int, timeout: float = 600.0,
+                      temperature: float | None = 0.0) -> dict:
     """One streamed completion: {"tokens", "gaps" (s between text events), "t0", "t1", "status",
     "predicted_per_second" (the server's ``timings`` of the last chunk: generation t/s from the
     first token's logits, llama-server's field; None when absent)}."""
@@ -94,7 +95,17 @@ def get_json(port: int, path: str) -> tuple[int, str]:
         conn.close()
 
 
-def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.0, rounds: int = 1) -> dict:
+def prompt_of(k: int, i: int, n_tokens: int) -> str | list[int]:
+    """Round ``k``'s stream ``i``'s prompt: a short text (5-8 tokens: no prompt pass of 32+ tokens, so
+    the elastic slots are never lent), or with ``n_tokens`` that many token ids (ids 100-4099, in
+    every vocabulary of 4100+ tokens; a different sequence per stream and round)."""
+    if not n_tokens:
+        return f"request {k}.{i}: hello"
+    return [100 + (i * 7919 + k * 104729 + j * 31) % 4000 for j in range(n_tokens)]
+
+
+def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.0, rounds: int = 1,
+               prompt_tokens: int = 0) -> dict:
     """``rounds`` rounds, one after the other, of ``n_streams`` streams at once; the wall time is the
     rounds' walls summed (the gaps between rounds left out), the percentiles pool every round's gaps.
     Returns the row: counts, ``wall_s``, ``aggregate_ts`` (generated tokens / s), ``per_stream_ts``
@@ -106,7 +117,7 @@ def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.
         got: list[dict] = [{}] * n_streams
 
         def one(i: int) -> None:
-            got[i] = stream_completion(port, f"request {k}.{i}: hello", n, temperature=temperature)
+            got[i] = stream_completion(port, prompt_of(k, i, prompt_tokens), n, temperature=temperature)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n_streams)]
         for t in threads:
             t.start()
@@ -226,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bench-also", default="",
                     help="with --bench, a second bench run with these flags added (one string), e.g. "
                          "'--cache-plan expert --no-elastic-slots' (serve's defaults before the thirty-second session)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="each request's prompt as this many token ids (default: a 5-8 token text; prompts of "
+                         "32+ tokens are prompt passes, which lend the elastic slots)")
     ap.add_argument("--rounds", type=int, default=1, help="measured rounds of each stream count, one after the other")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="start the server with sys.setswitchinterval(S) (seconds; Python's default 0.005): how "
@@ -277,12 +291,13 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(1)
         stream_completion(port, "warm-up", 8)
         for _ in range(a.warmup_rounds):
-            w = concurrent(port, max(streams), a.n, temp)
+            w = concurrent(port, max(streams), a.n, temp, 1, a.prompt_tokens)
             print(json.dumps({"warm-up": w}), file=sys.stderr)
         for n_streams in streams:
             c0 = counters(port)
-            row = concurrent(port, n_streams, a.n, temp, a.rounds)
-            row.update(server_flags=" ".join(extra), switch_interval=a.switch_interval, client_cpus=a.client_cpus)
+            row = concurrent(port, n_streams, a.n, temp, a.rounds, a.prompt_tokens)
+            row.update(server_flags=" ".join(extra), switch_interval=a.switch_interval, client_cpus=a.client_cpus,
+                       prompt_tokens=a.prompt_tokens)
             row.update(phase(c0, counters(port)))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)

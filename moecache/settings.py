@@ -493,7 +493,8 @@ def resolve(settings: Settings, model: ModelFacts, probe: Probe, *, command: str
         reasons["elastic_slots"] = "the default: the reserve that only prompts use holds experts while decoding" + (
             " (serve: each request's prompt pass lends them and the second pass after it that is not a prompt pass "
             "takes them back; with the layer plan they made +17% one stream's t/s and +15% 8 streams', H200, "
-            "8 GiB, run h200-s32b; with the per-expert policy not measured in serve)" if command == "serve" else "")
+            "8 GiB, run h200-s32b, with prompts too short to lend them: the lending's cost per request and the "
+            "per-expert policy with them are not measured in serve)" if command == "serve" else "")
     gpus = () if placement.n_gpu_layers == 0 else probe.gpus
     if placement.vram_budget:
         from moecache.placement import budgeted_free
