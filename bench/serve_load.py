@@ -13,8 +13,9 @@ expert cache's hit rate over that phase and the mean decode batch (tokens per de
 server's ``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
 same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream
 ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one round after
-the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before the fifteenth session bench ran at its own -c, p + n:
-at 8 GiB its expert cache then had the ~730 MiB that the server's -c 8192 KV cache takes.)
+the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before the
+fifteenth session bench ran at its own -c, p + n: at 8 GiB its expert cache then had the ~730 MiB
+that the server's -c 8192 KV cache takes.)
 
     python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
         --bench --out bench/results/serve-h200 -- --vram-budget 8GiB --routing qwen3-moe -t 15

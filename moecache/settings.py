@@ -38,9 +38,9 @@ says so). The rules, for MoE models that do not fit
   expert cache, ``--cpu-moe``/``-ncmoe``/``--miss-split``/``--moe-cache 0`` not given and the Numba
   threads wait actively (the commands set that after resolving: moecache/threads.py); else
   "expert". H200, 8 GiB, tg128 against llama.cpp in one lease: 1.14 / 1.23 at uniform and
-  low-locality routing against 0.96 / 0.92 per expert (runs h200-s29d/e); ``serve`` at 8 GiB, side by
-  side with the elastic slots: 1.13x one stream's t/s and 1.48x eight streams' (run h200-s32a); two
-  GPUs keep "expert" (not measured);
+  low-locality routing against 0.96 / 0.92 per expert (runs h200-s29d/e); ``serve`` at 8 GiB, with the
+  elastic slots, side by side with the per-expert policy without them: 1.13x one stream's t/s and
+  1.48x eight streams' (run h200-s32a); two GPUs keep "expert" (not measured);
 - ``-b`` is raised to the resolved ``-ub`` when ``-ub`` was not given (a reason says so);
 - the expert cache's policy costs (:func:`policy_config`) from the expert size, the threads and the
   measured link (fixed values with ``--deterministic``).

@@ -119,7 +119,6 @@ def first_real_divergence(ref: list[int], got: list[int], gaps: list[float], tie
     return None
 
 
-
 # a serve-like schedule of three slots, (kind, slots, tokens): "p" a request's prompt, or the last
 # chunk of one ("p+" a chunk with more to come: no logits), of one slot; "d" one decode pass of the
 # slots given (tokens unused: one each). Prompts start while other slots decode; slot 0 starts a
