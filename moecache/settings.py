@@ -398,15 +398,13 @@ def _cache_plan(settings: Settings, placement: PlacementOptions, big: bool, n_gp
            "kernel)" if not omp_active else None)
     if why:
         return "expert", why
-    if command == "serve":
-        return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
-                         "of the misses by the layer plan, costed per decode pass (H200, 8 GiB, with the elastic "
-                         "slots, side by side with the per-expert policy without them: 1 stream 145.5 t/s against 129.0, "
-                         "8 streams 278.1 against 187.7, run h200-s32a, bench/results/serve-h200.md)")
+    measured = (", costed per decode pass (H200, 8 GiB, with the elastic slots, side by side with the per-expert "
+                "policy without them: 1 stream 145.5 t/s against 129.0, 8 streams 278.1 against 187.7, run h200-s32a, "
+                "bench/results/serve-h200.md)" if command == "serve" else
+                " (H200, 8 GiB, with the elastic slots: tg128 1.25-1.26x llama.cpp at flat routing, run h200-s30b; "
+                "0.92-0.96 per expert in h200-s29e, bench/results/vs-llamacpp-h200.md)")
     return "layer", ("experts in host RAM, page-locked, behind one GPU's cache: slots and each layer's CPU share "
-                     "of the misses by the layer plan (H200, 8 GiB, with the elastic slots: tg128 1.25-1.26x llama.cpp "
-                     "at flat routing, run h200-s30b; 0.92-0.96 per expert in h200-s29e, "
-                     "bench/results/vs-llamacpp-h200.md)")
+                     "of the misses by the layer plan" + measured)
 
 
 def _big_moe_ctx(model: ModelFacts, free_total: int, n_gpus: int) -> tuple[int, str]:
