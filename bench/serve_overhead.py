@@ -11,12 +11,32 @@ time per generated token of the event loop's thread (HTTP, SSE; it holds the GIL
 of the worker's (the stand-in's logits copy included).
 
     python bench/serve_overhead.py [-m ../shared/models/code-moe-tiny.gguf] [--streams 1,8] [--step-ms 3.5] [-r 3]
+
+``--real`` keeps the engine (no stand-in; on the lent GPU machines): the model loads with ``-c``,
+``-t``, ``--vram-budget`` and ``--routing`` resolved as ``moecache.load`` (``run``) resolves them,
+and each rep's ``-n`` tokens are timed three ways: as ``moecache bench`` decodes (``Engine.eval`` of
+one token on the engine's own sequence), as the server's worker calls the engine with nothing
+around it (``Engine.decode`` of one slot of ``-np``), and through the server, where every
+``Engine.decode`` and prompt ``Engine.eval``/``Engine.eval_seqs`` call is timed in place. Per stream count it prints the
+server's wall time per round against the time inside the engine's calls (prompt and decode), the
+mean decode call, and per token of one stream: inside ``Engine.decode`` against the server's
+``predicted_per_second`` and the clients' TPOT. ``--client-cpus K`` runs the clients on CPU K
+(``sched_setaffinity``); ``--prompt-tokens N`` sends N-token prompts (``serve_load.prompt_of``);
+``--separate-prompts`` gives each slot's prompt chunk a pass of its own (the worker's
+``merge_prompts=False``).
+Set ``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000`` as ``serve`` does when it resolves the
+layer plan.
+
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 python bench/serve_overhead.py --real -m /tmp/q30.gguf \
+        --streams 1,8 -n 128 -r 3 -c 8192 -t 15 --vram-budget 8GiB --routing qwen3-moe [--client-cpus 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -39,7 +59,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-n", type=int, default=300, help="tokens per request")
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("--port", type=int, default=18181)
+    ap.add_argument("--real", action="store_true", help="the engine itself, no stand-in (the docstring says how)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=None, help="--real: -c (default 8192)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="--real: -t")
+    ap.add_argument("--vram-budget", default=None, help="--real: as run's --vram-budget (e.g. 8GiB)")
+    ap.add_argument("--routing", default=None, help="--real: as run's --routing (e.g. qwen3-moe)")
+    ap.add_argument("-np", "--parallel", type=int, default=None, help="--real: slots (default: the most streams)")
+    ap.add_argument("--warmup", type=int, default=256, help="--real: decode steps before the timed ones")
+    ap.add_argument("--client-cpus", type=int, default=None, help="--real: run the clients on this CPU")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="--real: N-token prompts (0: short text)")
+    ap.add_argument("--no-elastic-slots", action="store_true", help="--real: as run's --no-elastic-slots")
+    ap.add_argument("--skip-alone", action="store_true", help="--real: no timing outside the server")
+    ap.add_argument("--separate-prompts", action="store_true",
+                    help="--real: one prompt pass per slot (Worker merge_prompts=False)")
     a = ap.parse_args(argv)
+    if a.real:
+        return real(a)
 
     import uvicorn
 
@@ -106,6 +141,139 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {ns} | {rep} | {own_ms:.3f} | {srv_ms:.3f} | {srv_ms - own_ms:+.3f} | {r['tpot']:.3f} "
                   f"| {per['loop']:.0f} | {per['worker']:.0f} |", flush=True)
     server.should_exit = True
+    llm.close()
+
+
+def real(a: argparse.Namespace) -> None:
+    """``--real``: the engine's decode timed alone, as the worker calls it, and inside the server."""
+    import uvicorn
+
+    import moecache
+    from moecache.chat import resolve_chat_template
+    from moecache.sampling import SamplingParams
+    from moecache.server.app import ServerState, build_app
+    from moecache.server.worker import Worker
+
+    streams = [int(s) for s in a.streams.split(",")]
+    n_par = a.parallel or max(streams)
+    kw = {"n_ctx": a.ctx_size or 8192}
+    kw |= {k: v for k, v in (("n_threads", a.threads), ("vram_budget", a.vram_budget), ("routing", a.routing))
+           if v is not None} | ({"elastic_slots": False} if a.no_elastic_slots else {})
+    llm = moecache.load(a.model, log=lambda s: print(s, file=sys.stderr), **kw)
+    eng = llm.engine
+    rng = np.random.default_rng(0)
+    vocab = eng.gguf.config.n_vocab
+    print(f"{a.model}: {kw}, -np {n_par}, {a.n} tokens a rep, {a.reps} reps after {a.warmup} warm-up steps, "
+          f"prompts {a.prompt_tokens or 'of 5-8'} tokens, {'one prompt pass per slot' if a.separate_prompts else 'slots prompts merged'}")
+
+    seqs = eng.sequences(n_par)
+
+    def per_token_ms(step, clear) -> list[float]:
+        """The warm-up's steps, then each rep's ``-n`` from an empty sequence (bench's reps)."""
+        out = []
+        for rep in range(a.reps + 1):
+            n = a.warmup if rep == 0 else a.n
+            clear()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step(int(rng.integers(0, vocab)))
+            if rep:
+                out.append((time.perf_counter() - t0) * 1e3 / n)
+        return out
+
+    alone = {} if a.skip_alone else {"bench": per_token_ms(lambda tok: eng.eval([tok]), eng.reset),
+                                     "slot": per_token_ms(lambda tok: eng.decode([tok], [seqs[0]]), seqs[0].clear)}
+    seqs[0].clear()
+    for k, v in alone.items():
+        print(f"alone, {'Engine.eval on its own sequence (bench)' if k == 'bench' else 'Engine.decode of slot 0'}: "
+              f"{' '.join(f'{x:.3f}' for x in v)} ms per token", flush=True)
+
+    calls: list[tuple[str, float, int]] = []  # (kind, seconds, tokens) of every engine call the worker makes
+    decode, evaluate = eng.decode, eng.eval
+
+    in_decode = [False]  # Engine.decode of one sequence calls Engine.eval: not a prompt's call
+
+    def timed_decode(tokens, kvs):
+        t0 = time.perf_counter()
+        in_decode[0] = True
+        try:
+            return decode(tokens, kvs)
+        finally:
+            in_decode[0] = False
+            calls.append(("decode", time.perf_counter() - t0, len(kvs)))
+
+    def timed_eval(tokens, *args, **kwargs):
+        if in_decode[0]:
+            return evaluate(tokens, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return evaluate(tokens, *args, **kwargs)
+        finally:
+            calls.append(("prompt", time.perf_counter() - t0, len(tokens)))
+
+    evaluate_seqs = eng.eval_seqs
+
+    def timed_eval_seqs(parts, kvs):
+        t0 = time.perf_counter()
+        try:
+            return evaluate_seqs(parts, kvs)
+        finally:
+            calls.append(("prompt", time.perf_counter() - t0, sum(len(p) for p in parts)))
+
+    eng.decode, eng.eval, eng.eval_seqs = timed_decode, timed_eval, timed_eval_seqs
+    state = ServerState(model_id=Path(a.model).name, api_key=None, n_parallel=n_par, defaults=SamplingParams())
+    state.llm, state.template = llm, resolve_chat_template(eng.gguf, eng.tokenizer, None)
+    state.worker = Worker(llm, n_par, lambda job, res: None, print, merge_prompts=not a.separate_prompts)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=a.port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    loop_thread = threading.Thread(target=server.run, daemon=True)
+    loop_thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    clocks = {"loop": time.pthread_getcpuclockid(loop_thread.ident),
+              "worker": time.pthread_getcpuclockid(state.worker._thread.ident)}
+    pin = (lambda: os.sched_setaffinity(0, {a.client_cpus})) if a.client_cpus is not None else None
+    print("| streams | rep | wall ms | in prompt calls ms | in decode calls ms | outside ms | decode calls "
+          "| mean decode call ms | in decode ms per token | server ms per token | TPOT p50 ms | TPOT mean ms "
+          "| event loop CPU µs per token | worker CPU µs per token | hit rate |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for ns in streams:
+        for rep in range(a.reps + 1):  # the first round warms up
+            client = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); import serve_load as s; "
+                      f"print(json.dumps(s.concurrent({a.port}, {ns}, {a.n}, rounds=1, "
+                      f"prompt_tokens={a.prompt_tokens})))")
+            calls.clear()
+            h0 = [(c.stats.hits, c.stats.misses) for c in eng.caches]
+            c0 = {k: time.clock_gettime(c) for k, c in clocks.items()}
+            out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, check=True,
+                                 preexec_fn=pin).stdout
+            c1 = {k: time.clock_gettime(c) for k, c in clocks.items()}
+            if rep == 0:
+                continue
+            r = json.loads(out)
+            tok = max(1, r["tokens"])
+            hits = sum(c.stats.hits - h for c, (h, _) in zip(eng.caches, h0))
+            misses = sum(c.stats.misses - m for c, (_, m) in zip(eng.caches, h0))
+            hit_rate = hits / (hits + misses) if hits + misses else float("nan")
+            dec = [c for c in calls if c[0] == "decode"]
+            t_dec = 1e3 * sum(c[1] for c in dec)
+            t_pr = 1e3 * sum(c[1] for c in calls if c[0] == "prompt")
+            wall = 1e3 * r["wall_s"]
+            per = {k: 1e6 * (c1[k] - c0[k]) / tok for k in clocks}
+            srv = 1e3 / r["server_predicted_ts"] if r.get("server_predicted_ts") else float("nan")
+            print(f"| {ns} | {rep} | {wall:.1f} | {t_pr:.1f} | {t_dec:.1f} | {wall - t_pr - t_dec:.1f} | {len(dec)} "
+                  f"| {t_dec / max(1, len(dec)):.3f} | {t_dec * ns / tok:.3f} | {srv:.3f} | {r['tpot_p50_ms']:.3f} "
+                  f"| {r['tpot_mean_ms']:.3f} | {per['loop']:.0f} | {per['worker']:.0f} | {hit_rate:.3f} |", flush=True)
+            if ns > 1:
+                slow = sorted(c[1] * 1e3 for c in dec)
+                by_b: dict[int, list[float]] = {}
+                for c in dec:
+                    by_b.setdefault(c[2], []).append(c[1] * 1e3)
+                print(f"  decode calls: p50 {slow[len(slow) // 2]:.2f} p90 {slow[int(len(slow) * 0.9)]:.2f} max "
+                      f"{slow[-1]:.2f} ms; by batch: " + ", ".join(
+                          f"B={b}: {len(v)} x {statistics.fmean(v):.2f}" for b, v in sorted(by_b.items())), flush=True)
+    server.should_exit = True
+    state.worker.stop()
     llm.close()
 
 

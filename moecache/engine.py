@@ -472,6 +472,104 @@ class Engine:
             raise err
         return lg
 
+    @property
+    def prompt_pass_min(self) -> int | None:
+        """Tokens from which a forward pass computes the routed experts in host RAM the prompt way,
+        each used expert copied to the GPU once (``PlacementOptions.offload_min_batch``: the expert
+        cache's prompt path, op offload of ``-ncmoe`` layers); None when no expert is in host RAM
+        behind a GPU (every pass is computed where the experts are)."""
+        mins = []
+        for e in getattr(self.model.experts, "executors", {}).values():
+            m = getattr(e, "offload_min_batch", None)
+            be = getattr(e, "be", None) or getattr(e, "backend", None)
+            if m is not None and getattr(be, "device", None) is not None:
+                mins.append(m)
+        return min(mins) if mins else None
+
+    def eval_seqs(self, parts: list[list[int] | np.ndarray], kvs: list[KVCache]) -> np.ndarray:
+        """Append ``parts[i]`` to ``kvs[i]`` (from :meth:`sequences`) for every i, several sequences'
+        tokens in each forward pass (serve's prompt chunks of several slots): the parts are packed in
+        order into passes of at most ``n_ubatch`` tokens (a part longer than what is left of a pass
+        goes on in the next one); a pass with one part runs as :meth:`eval` runs it, one with several
+        as :meth:`DecoderLM.forward_parts`.
+
+        Except when every part is shorter than :attr:`prompt_pass_min`: then each part has a pass of
+        its own, computed with the experts where they are (the expert cache's hit and miss path).
+        Packed together they would cross it, and the pass would copy every expert it uses to the
+        GPU: on the H200 machine at 8 GiB (Qwen3-30B-A3B shape), 8 prompts of 5-8 tokens took
+        564-900 ms a round in one pass, against 369-401 ms in 8 passes; 8 prompts of 256 tokens,
+        each a prompt pass anyway, took 1192-1505 ms in passes of several, against 3085-3781 ms one
+        by one (``bench/serve_overhead.py --real``, bench/results/serve-h200.md).
+
+        Returns:
+            float32 (N, n_vocab): the logits of each part's last token.
+
+        Raises:
+            ContextFullError: a part does not fit its sequence (nothing is evaluated then).
+            ValueError: a count mismatch, an empty part, a cache given twice or an id outside the
+                vocabulary.
+            NonFiniteError: rows of the logits hold NaN or inf; its ``rows`` lists them and its
+                ``logits`` holds every part's (the other parts are in their caches).
+        """
+        toks = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+        if len(toks) != len(kvs) or not toks:
+            raise ValueError(f"eval_seqs: {len(toks)} parts for {len(kvs)} sequences")
+        if any(t.size == 0 for t in toks):
+            raise ValueError("eval_seqs: an empty part")
+        if len({id(k) for k in kvs}) != len(kvs):
+            raise ValueError("eval_seqs: a sequence's cache is given twice")
+        for t, k in zip(toks, kvs):
+            k.check_room(t.size)
+        least = self.prompt_pass_min
+        if least is not None and all(t.size < least for t in toks):
+            return self._eval_each(toks, kvs)
+        out = np.empty((len(toks), self.gguf.config.n_vocab), np.float32)
+        passes: list[list[tuple[int, int, int]]] = [[]]  # per pass: (part, first token, end)
+        room = self.n_ubatch
+        for i, t in enumerate(toks):
+            a = 0
+            while a < t.size:
+                if room == 0:
+                    passes.append([])
+                    room = self.n_ubatch
+                b = min(t.size, a + room)
+                passes[-1].append((i, a, b))
+                room -= b - a
+                a = b
+        for ps in passes:
+            if len(ps) == 1:
+                i, a, b = ps[0]
+                lg = self.model.forward(toks[i][a:b], kvs[i], logits="last")
+            else:
+                lg = self.model.forward_parts([toks[i][a:b] for i, a, b in ps], [kvs[i] for i, _, _ in ps])
+            for row, (i, _, b) in enumerate(ps):
+                if b == toks[i].size:
+                    out[i] = lg[row]
+        return self._named_rows(out)
+
+    def _eval_each(self, toks: list[np.ndarray], kvs: list[KVCache]) -> np.ndarray:
+        """:meth:`eval_seqs` one part at a time (each part's last logits; a part whose logits are not
+        finite is named, the others go on)."""
+        out = np.empty((len(toks), self.gguf.config.n_vocab), np.float32)
+        for i, (t, k) in enumerate(zip(toks, kvs)):
+            try:
+                out[i] = self.eval(t, kv=k)[-1]
+            except NonFiniteError:
+                out[i] = np.nan
+        return self._named_rows(out)
+
+    def _named_rows(self, out: np.ndarray) -> np.ndarray:
+        """``out`` when every row is finite; else NonFiniteError with ``rows`` and ``logits``."""
+        bad = [i for i in range(out.shape[0]) if not np.isfinite(out[i]).all()]
+        if bad:
+            err = NonFiniteError(
+                f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) for {len(bad)} of the "
+                f"{out.shape[0]} sequences' prompts evaluated together: its weights hold NaN/inf values or overflow "
+                f"float32")
+            err.rows, err.logits = bad, out
+            raise err
+        return out
+
     def eval(self, tokens: list[int] | np.ndarray, logits: str | np.ndarray = "last",
              kv: KVCache | None = None) -> np.ndarray:
         """Append ``tokens`` to the sequence (``kv``: one of :meth:`sequences`; default the engine's

@@ -1,6 +1,7 @@
 """Continuous batching in the engine: several sequences decoded in one forward pass
-(``Engine.sequences``, ``Engine.decode``, ``DecoderLM.forward_seqs``) give each sequence the logits it
-gets alone, for every architecture; the sequences share the engine's KV cache memory."""
+(``Engine.sequences``, ``Engine.decode``, ``DecoderLM.forward_seqs``), and several sequences' prompt
+chunks in one pass (``Engine.eval_seqs``, ``DecoderLM.forward_parts``), give each sequence the logits
+it gets alone, for every architecture; the sequences share the engine's KV cache memory."""
 
 from __future__ import annotations
 
@@ -84,6 +85,109 @@ def test_a_non_finite_sequence_is_named_by_its_row(engine, monkeypatch):
     monkeypatch.setattr(engine.model, "forward_seqs", one_nan)
     with pytest.raises(NonFiniteError) as e:
         engine.decode([1, 2, 3], kvs)
+    assert e.value.rows == [1] and np.isfinite(e.value.logits[[0, 2]]).all()
+    for k in kvs:
+        k.clear()
+
+
+def test_prompt_chunks_of_several_sequences_in_one_pass_equal_each_alone(engine, rng, monkeypatch):
+    """Engine.eval_seqs: three sequences' prompts, each in two chunks (the second on top of the
+    sequence's first), packed into passes of at most -ub tokens (here 7: a part is cut across two
+    passes, and passes hold several parts), give each part's last logits as the sequence alone gets
+    them; the passes with several parts go through DecoderLM.forward_parts (float32 sums in
+    another order: within 1e-4)."""
+    V = engine.gguf.config.n_vocab
+    firsts = [rng.integers(0, V, n) for n in (5, 2, 3)]
+    seconds = [rng.integers(0, V, n) for n in (4, 6, 1)]
+    ref = []
+    for a, b in zip(firsts, seconds):
+        engine.reset()
+        ref.append((engine.eval(a)[-1], engine.eval(b)[-1]))
+    engine.reset()
+    kvs = engine.sequences(3)
+    monkeypatch.setattr(engine, "n_ubatch", 7)
+    calls = []
+    real, real_one = engine.model.forward_parts, engine.model.forward
+
+    def counted(parts, caches):
+        calls.append([len(p) for p in parts])
+        return real(parts, caches)
+
+    def counted_one(tokens, kv, logits="last"):
+        calls.append(len(tokens))
+        return real_one(tokens, kv, logits)
+    monkeypatch.setattr(engine.model, "forward_parts", counted)
+    monkeypatch.setattr(engine.model, "forward", counted_one)
+    got1 = engine.eval_seqs(firsts, kvs)
+    got2 = engine.eval_seqs(seconds, kvs)
+    assert calls == [[5, 2], 3, [4, 3], [3, 1]]  # 5+2 | 3 alone (forward) || 4+3 of 6 | 3+1
+    for i in range(3):
+        np.testing.assert_allclose(got1[i], ref[i][0], rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got2[i], ref[i][1], rtol=0, atol=1e-4)
+        assert kvs[i].n_past == len(firsts[i]) + len(seconds[i])
+    for k in kvs:
+        k.clear()
+
+
+def test_eval_seqs_keeps_short_parts_apart_when_experts_would_be_copied(engine, monkeypatch, rng):
+    """With experts in host RAM behind a GPU (Engine.prompt_pass_min set; here faked at 8 on the
+    CPU engine, whose own is None), parts that are all shorter than it get a pass each (packed they
+    would cross it and copy every used expert); once one part reaches it, all go in one pass. The
+    logits are the same either way."""
+    from moecache.engine import Engine
+
+    assert engine.prompt_pass_min is None
+    V = engine.gguf.config.n_vocab
+    short, long_ = [rng.integers(0, V, n) for n in (3, 7)], [rng.integers(0, V, n) for n in (3, 8)]
+    kvs = engine.sequences(2)
+    ref = engine.eval_seqs(short, kvs)
+    for k in kvs:
+        k.clear()
+    ref_long = engine.eval_seqs(long_, kvs)
+    for k in kvs:
+        k.clear()
+    monkeypatch.setattr(Engine, "prompt_pass_min", property(lambda self: 8))
+    merged = []
+    real = engine.model.forward_parts
+    monkeypatch.setattr(engine.model, "forward_parts", lambda ps, ks: merged.append(len(ps)) or real(ps, ks))
+    np.testing.assert_allclose(engine.eval_seqs(short, kvs), ref, rtol=0, atol=1e-4)
+    assert merged == [] and [k.n_past for k in kvs] == [3, 7]
+    for k in kvs:
+        k.clear()
+    np.testing.assert_allclose(engine.eval_seqs(long_, kvs), ref_long, rtol=0, atol=1e-4)
+    assert merged == [2]
+    for k in kvs:
+        k.clear()
+
+
+def test_eval_seqs_refuses_bad_parts_before_any_change(engine, monkeypatch):
+    """Engine.eval_seqs: a part that does not fit, counts that differ, an empty part, a cache given
+    twice: one clear error, nothing evaluated; non-finite rows are named (serve fails those
+    requests only) and the other rows kept."""
+    from moecache.errors import NonFiniteError
+
+    kvs = engine.sequences(4)
+    with pytest.raises(ContextFullError):
+        engine.eval_seqs([[1, 2], list(range(25))], kvs[:2])
+    assert kvs[0].n_past == 0
+    with pytest.raises(ValueError, match="2 parts for 3 sequences"):
+        engine.eval_seqs([[1], [2]], kvs[:3])
+    with pytest.raises(ValueError, match="an empty part"):
+        engine.eval_seqs([[1], []], kvs[:2])
+    with pytest.raises(ValueError, match="given twice"):
+        engine.eval_seqs([[1], [2]], [kvs[0], kvs[0]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.model.forward_parts([np.array([1]), np.array([-1])], kvs[:2])
+    assert all(k.n_past == 0 for k in kvs)
+    real = engine.model.forward_parts
+
+    def one_nan(parts, caches):
+        lg = real(parts, caches)
+        lg[1, 0] = np.inf
+        return lg
+    monkeypatch.setattr(engine.model, "forward_parts", one_nan)
+    with pytest.raises(NonFiniteError) as e:
+        engine.eval_seqs([[1, 2], [3], [4, 5]], kvs[:3])
     assert e.value.rows == [1] and np.isfinite(e.value.logits[[0, 2]]).all()
     for k in kvs:
         k.clear()

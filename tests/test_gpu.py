@@ -1783,6 +1783,45 @@ def test_batched_decode_on_the_gpu_equals_each_sequence_alone(gpu, tmp_path, pre
         np.testing.assert_allclose(np.array(got[i]), ref[i], rtol=0, atol=1e-3 * np.abs(ref[i]).max())
 
 
+@pytest.mark.parametrize("preset,placement", [("tiny", {}), ("tiny-gemma3", {}), ("tiny", {"cpu_moe": True}),
+                                              ("tiny", {"n_gpu_layers": 99, "cpu_moe": True, "moe_cache": 1})])
+def test_prompt_chunks_of_several_sequences_in_one_pass_on_the_gpu(gpu, tmp_path, preset, placement):
+    """Engine.eval_seqs on the GPU (serve's prompt chunks of several slots in one pass,
+    DecoderLM.forward_parts): three sequences' prompts in two chunks each (69 tokens in the first
+    pass: with experts in host RAM, the prompt way, 32+ tokens; 21 in the second, on top of the
+    first: one pass with every expert on the GPU, a pass per part with experts in host RAM, as each
+    part is below 32) give each part's last logits as the sequence alone gets them; with every
+    expert on the GPU, on the CPU, and behind an expert cache (-ngl 99 --cpu-moe --moe-cache 1 MiB)."""
+    from moecache.engine import Engine, EngineConfig
+    from moecache.placement import PlacementOptions
+    from moecache.testing.synth import PRESETS as P
+    from moecache.testing.synth import write_model
+
+    path = tmp_path / f"{preset}.gguf"
+    write_model(path, P[preset], seed=7)
+    rng = np.random.default_rng(8)
+    firsts = [rng.integers(0, 200, n) for n in (20, 9, 40)]
+    seconds = [rng.integers(0, 200, n) for n in (3, 17, 1)]
+    with Engine(path, EngineConfig(n_ctx=192), placement=PlacementOptions(**placement), gpu_act_q8=False) as eng:
+        assert eng.prompt_pass_min == (32 if placement else None)
+        ref = []
+        for a, b in zip(firsts, seconds):
+            eng.reset()
+            ref.append(np.array([eng.eval(a)[-1], eng.eval(b)[-1]]))
+        eng.reset()
+        kvs = eng.sequences(3)
+        merged = []
+        real = eng.model.forward_parts
+        eng.model.forward_parts = lambda ps, ks: merged.append([len(p) for p in ps]) or real(ps, ks)
+        got1 = eng.eval_seqs(firsts, kvs)
+        got2 = eng.eval_seqs(seconds, kvs)
+        assert [k.n_past for k in kvs] == [23, 26, 41]
+        assert merged == ([[20, 9, 40]] if placement else [[20, 9, 40], [3, 17, 1]])
+    for i in range(3):
+        np.testing.assert_allclose(np.array([got1[i], got2[i]]), ref[i], rtol=0, atol=1e-3 * np.abs(ref[i]).max(),
+                                   err_msg=f"sequence {i}")
+
+
 def test_budget_guard_gives_the_pools_free_blocks_back_before_passing_the_limit(gpu):
     """CupyBackend.budget_guard: with the pool holding a free 256 MiB block, a 512 MiB request (no
     free block serves it) that would take the GPU's memory in use past the limit first gives the

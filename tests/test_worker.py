@@ -6,8 +6,10 @@ a failure of the scheduler itself answering every client instead of hanging them
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import moecache
@@ -194,8 +196,57 @@ def test_emit_texts_one_call_per_loop_in_order_and_a_closed_loop_cancels():
     assert jc.cancelled.is_set() and not ja.cancelled.is_set()
 
 
+def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monkeypatch):
+    """Prompts admitted together are evaluated in passes of several slots' chunks (at most -ub
+    tokens, here 16: 9 + 3 + 4 of 14 in the first step, the other 10 in the next while the first
+    two decode), each job getting the text it gets alone; a job whose prompt logits are not
+    finite fails alone (500) while the others of its pass finish."""
+    eng = llm.engine
+    prompts = [list(range(30, 39)), [5, 6, 7], list(range(50, 64))]
+    w = Worker(llm, 3, lambda j, r: None, print)
+    try:
+        alone = [run_jobs(w, [(p, gen(6))])[0][1].text for p in prompts]
+    finally:
+        w.stop()
+    real_admit = Worker._admit
+
+    def admit_together(self):  # every job of a run_jobs call queued before an admission
+        t_end = time.monotonic() + 10.0
+        while self._q.qsize() not in (0, 3) and time.monotonic() < t_end:
+            time.sleep(0.001)
+        return real_admit(self)
+    monkeypatch.setattr(Worker, "_admit", admit_together)
+    monkeypatch.setattr(eng, "n_ubatch", 16)
+    parts: list[list[int]] = []
+    real = eng.eval_seqs
+
+    def spy(ps, kvs):
+        parts.append([len(p) for p in ps])
+        return real(ps, kvs)
+    monkeypatch.setattr(eng, "eval_seqs", spy)
+    w = Worker(llm, 3, lambda j, r: None, print)
+    try:
+        out = run_jobs(w, [(p, gen(6)) for p in prompts])
+        assert parts == [[9, 3, 4]]  # then C's last 10 alone, through Engine.eval
+        assert [k for k, _ in out] == ["done"] * 3 and [r.text for _, r in out] == alone
+        real_parts = eng.model.forward_parts
+
+        def inf_in_b(ps, kvs):
+            lg = real_parts(ps, kvs)
+            lg[1, 0] = np.inf
+            return lg
+        monkeypatch.setattr(eng.model, "forward_parts", inf_in_b)
+        out = run_jobs(w, [(p, gen(6)) for p in prompts])
+        assert out[1][0] == "error" and out[1][1].status == 500 and "non-finite" in out[1][1].message
+        assert [out[0][1].text, out[2][1].text] == [alone[0], alone[2]]
+        assert w.n_processing == 0 and w.alive()
+    finally:
+        w.stop()
+
+
 def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch):
-    """A prompt's first token goes to its client as soon as it is sampled, not after the prompt chunk
+    """With one prompt pass per slot (``merge_prompts=False``), a prompt's first token goes to its
+    client as soon as it is sampled, not after the prompt chunk
     another slot evaluates next in the same step: jobs A (slot 0) and B (slot 1) are admitted
     together; in the first step A's prompt is evaluated and its first token sampled, then B's
     prompt chunk, which is held until A's first text has reached A's loop (5 s at most)."""
@@ -209,7 +260,7 @@ def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch)
         both_in.wait(timeout=10.0)  # both jobs queued before the first admission
         return real_admit(self)
     monkeypatch.setattr(Worker, "_admit", admit_both)
-    w = Worker(llm, 2, lambda j, r: None, print)
+    w = Worker(llm, 2, lambda j, r: None, print, merge_prompts=False)  # one prompt pass per slot
     loop = asyncio.new_event_loop()
     a_text = threading.Event()
     real_eval = eng.eval

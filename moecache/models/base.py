@@ -360,6 +360,51 @@ class DecoderLM:
             out = self.be.to_host(y)
         return out
 
+    def forward_parts(self, parts: list[np.ndarray], kvs: list[KVCache]) -> np.ndarray:
+        """Prompt chunks of several sequences in one pass: part ``i`` (T_i tokens) is appended to
+        ``kvs[i]`` at positions ``kvs[i].n_past ..`` (serve's slots: the matrix products and the
+        routed experts run once for every part's tokens, the expert cache sees one prompt pass of
+        sum(T_i) tokens; attention runs sequence by sequence, each part over its own cache).
+
+        Args:
+            parts: int (T_i,) token ids per sequence, each T_i >= 1.
+            kvs: one distinct cache per part.
+
+        Returns:
+            float32 host array (N, n_vocab): the logits of each part's last token.
+
+        Raises:
+            ValueError: a count mismatch, an empty part, a cache given twice or an id outside the
+                vocabulary.
+            ContextFullError: a part does not fit its cache (before any change).
+        """
+        c = self.cfg
+        parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+        if len(parts) != len(kvs) or not parts:
+            raise ValueError(f"forward_parts: {len(parts)} parts for {len(kvs)} sequences")
+        if any(p.size == 0 for p in parts):
+            raise ValueError("forward_parts: an empty part")
+        if len({id(k) for k in kvs}) != len(kvs):
+            raise ValueError("forward_parts: a sequence's cache is given twice")
+        tokens = np.concatenate(parts)
+        if tokens.min() < 0 or tokens.max() >= c.n_vocab:
+            bad = tokens[(tokens < 0) | (tokens >= c.n_vocab)][0]
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
+        for p, k in zip(parts, kvs):
+            k.check_room(p.size)
+        ends = np.cumsum([p.size for p in parts])
+        seqs = tuple((int(e - p.size), int(e), k) for p, e, k in zip(parts, ends, kvs))
+        pos = np.concatenate([np.arange(k.n_past, k.n_past + p.size) for p, k in zip(parts, kvs)])
+        with self.hooked_pass(tokens.size):
+            x = self.body(tokens, pos, None, {}, seqs=seqs)
+            for p, k in zip(parts, kvs):
+                k.advance(p.size)
+            y = self.head(x[ends - 1])
+            for hk in self.pass_hooks:
+                hk.launched()
+            out = self.be.to_host(y)
+        return out
+
     def body(self, tokens: Any, pos: np.ndarray, kv: KVCache | None, pos_inputs: dict[int, Any],
              seqs: tuple[tuple[int, int, KVCache], ...] = (),
              shared: tuple[KVCache, np.ndarray, int] | None = None, base_inputs: dict[int, Any] | None = None) -> Any:

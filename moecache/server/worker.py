@@ -7,7 +7,11 @@ cache (``-c`` split evenly, as llama-server splits it: :meth:`moecache.engine.En
 
 Continuous batching: the thread loops over steps. A step takes waiting jobs into free slots,
 evaluates prompt chunks of the slots still reading their prompts (slots take turns; at most ``-ub``
-prompt tokens per step, so several short prompts go in one step and a long one is cut), then runs
+prompt tokens per step, so several short prompts go in one step and a long one is cut; the chunks of
+several slots go to :meth:`moecache.engine.Engine.eval_seqs` together, which runs them in one
+forward pass, as llama-server puts every slot's tokens in one batch: the expert cache then copies
+the experts a prompt pass uses once for all of them, not once per slot; with experts in host RAM
+chunks that are all too short for a prompt pass still get a pass each), then runs
 one decode step for every slot that is generating, all of them in one
 forward pass (:meth:`moecache.engine.Engine.decode`: one token per sequence, the matrix products
 and the routed experts shared, attention per sequence). A request joins or leaves between steps,
@@ -159,11 +163,16 @@ class Worker:
             many more jobs may wait for a slot, :meth:`submit` refuses beyond (503).
         on_done: called in the worker thread with (job, Result) after each finished job (metrics).
         log: one line per unexpected error (stderr).
+        merge_prompts: several slots' prompt chunks of a step go to ``Engine.eval_seqs`` together
+            (False: each slot's to ``Engine.eval``, a pass each, as before the thirty-third session;
+            for benchmarks).
     """
 
-    def __init__(self, llm, n_parallel: int, on_done: Callable[[Job, Result], None], log: Callable[[str], None]):
+    def __init__(self, llm, n_parallel: int, on_done: Callable[[Job, Result], None], log: Callable[[str], None],
+                 merge_prompts: bool = True):
         self.llm = llm
         self.n_parallel = n_parallel
+        self.merge_prompts = merge_prompts
         self.on_done = on_done
         self.log = log
         self.stopping = threading.Event()
@@ -315,13 +324,19 @@ class Worker:
         prompting = sorted((r for r in self.runs if r is not None and r.left),
                            key=lambda x: (x.slot - self._turn) % self.n_parallel)
         budget = self.llm.engine.n_ubatch
+        chunks: list[tuple[_Run, int]] = []
         for r in prompting:
             if budget <= 0:
                 break
             n = min(len(r.left), budget)
             budget -= n
             self._turn = (r.slot + 1) % self.n_parallel
-            self._guarded([r], lambda: self._prompt_chunk(r, n))
+            chunks.append((r, n))
+        if len(chunks) > 1 and self.merge_prompts:
+            self._guarded([r for r, _ in chunks], lambda: self._prompt_chunks(chunks))
+        else:
+            for r, n in chunks:
+                self._guarded([r], lambda: self._prompt_chunk(r, n))
         ready = [r for r in self.runs if r is not None and r.next_tok is not None]
         if ready:
             self._guarded(ready, lambda: self._decode(ready))
@@ -361,14 +376,46 @@ class Worker:
         t0 = time.perf_counter()
         lg = eng.eval(part, logits=np.array([], np.int64) if r.left else "last", kv=r.kv)  # logits at the end only
         r.t_prompt += time.perf_counter() - t0
-        if not r.left:  # the whole prompt is in: the first token
-            for tok in r.job.ids:
-                r.sampler.accept(tok)
-            r.t_gen = time.perf_counter()
-            if r.job.gen.max_tokens == 0:
-                return self._finish(r, "length")
-            self._take(r, lg[-1])
-            self._send_texts()  # the first token goes out now, not after the other slots' prompt chunks
+        if not r.left:
+            self._prompt_done(r, lg[-1])
+
+    def _prompt_chunks(self, chunks: list[tuple[_Run, int]]) -> None:
+        """The next prompt tokens of several runs (``n`` each) in one forward pass
+        (:meth:`moecache.engine.Engine.eval_seqs`); each run whose prompt is in takes its first
+        token. The pass's time counts in each run's prompt time, as each waited for all of it. A
+        run whose logits are not finite fails alone."""
+        from moecache.errors import NonFiniteError
+
+        parts = []
+        for r, n in chunks:
+            parts.append(r.left[:n])
+            r.left = r.left[n:]
+        t0 = time.perf_counter()
+        bad: list[int] = []
+        try:
+            lg = self.llm.engine.eval_seqs(parts, [r.kv for r, _ in chunks])
+        except NonFiniteError as e:
+            if not hasattr(e, "rows"):
+                raise
+            lg, bad = e.logits, e.rows
+        dt = time.perf_counter() - t0
+        for j, (r, _) in enumerate(chunks):
+            r.t_prompt += dt
+            if j in bad:
+                self._fail(r, ApiError(500, "generation failed: the model computed non-finite logits (NaN or inf) "
+                                            "for this prompt"))
+            elif not r.left:
+                self._guarded([r], lambda r=r, j=j: self._prompt_done(r, lg[j]))
+
+    def _prompt_done(self, r: _Run, logits: Any) -> None:
+        """``r``'s whole prompt is in (``logits``: its last token's): its first token."""
+        for tok in r.job.ids:
+            r.sampler.accept(tok)
+        r.t_gen = time.perf_counter()
+        if r.job.gen.max_tokens == 0:
+            return self._finish(r, "length")
+        self._take(r, logits)
+        self._send_texts()  # the first token goes out now, not after the other slots' prompt chunks
 
     def _decode(self, ready: list[_Run]) -> None:
         """One forward pass for every generating slot; a sequence whose logits are not finite fails
