@@ -76,13 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.real:
         return real(a)
 
-    import uvicorn
-
     import moecache
-    from moecache.chat import resolve_chat_template
-    from moecache.sampling import SamplingParams
-    from moecache.server.app import ServerState, build_app
-    from moecache.server.worker import Worker
 
     streams = [int(s) for s in a.streams.split(",")]
     llm = moecache.load(a.model, n_ctx=4096)
@@ -103,17 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         return lg
 
     eng.decode = stand_in
-    state = ServerState(model_id="stand-in", api_key=None, n_parallel=max(streams), defaults=SamplingParams())
-    state.llm, state.template = llm, resolve_chat_template(eng.gguf, eng.tokenizer, None)
-    state.worker = Worker(llm, max(streams), lambda job, res: None, print)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=a.port, log_level="warning",
-                                           access_log=False, lifespan="off"))
-    loop_thread = threading.Thread(target=server.run, daemon=True)
-    loop_thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    clocks = {"loop": time.pthread_getcpuclockid(loop_thread.ident),
-              "worker": time.pthread_getcpuclockid(state.worker._thread.ident)}
+    server, state, clocks = start_server(llm, "stand-in", max(streams), a.port)
 
     def cpu() -> dict[str, float]:
         return {k: time.clock_gettime(c) for k, c in clocks.items()}
@@ -144,15 +128,35 @@ def main(argv: list[str] | None = None) -> None:
     llm.close()
 
 
-def real(a: argparse.Namespace) -> None:
-    """``--real``: the engine's decode timed alone, as the worker calls it, and inside the server."""
+def start_server(llm, model_id: str, n_par: int, port: int, merge_prompts: bool = True) -> tuple:
+    """``serve``'s app and a worker of ``n_par`` slots on ``llm``, uvicorn in a thread of this process.
+    Returns (the uvicorn server, its ServerState, the CPU clock ids of the event loop's and the
+    worker's threads)."""
     import uvicorn
 
-    import moecache
     from moecache.chat import resolve_chat_template
     from moecache.sampling import SamplingParams
     from moecache.server.app import ServerState, build_app
     from moecache.server.worker import Worker
+
+    eng = llm.engine
+    state = ServerState(model_id=model_id, api_key=None, n_parallel=n_par, defaults=SamplingParams())
+    state.llm, state.template = llm, resolve_chat_template(eng.gguf, eng.tokenizer, None)
+    state.worker = Worker(llm, n_par, lambda job, res: None, print, merge_prompts=merge_prompts)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    loop_thread = threading.Thread(target=server.run, daemon=True)
+    loop_thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    clocks = {"loop": time.pthread_getcpuclockid(loop_thread.ident),
+              "worker": time.pthread_getcpuclockid(state.worker._thread.ident)}
+    return server, state, clocks
+
+
+def real(a: argparse.Namespace) -> None:
+    """``--real``: the engine's decode timed alone, as the worker calls it, and inside the server."""
+    import moecache
 
     streams = [int(s) for s in a.streams.split(",")]
     n_par = a.parallel or max(streams)
@@ -221,17 +225,7 @@ def real(a: argparse.Namespace) -> None:
             calls.append(("prompt", time.perf_counter() - t0, sum(len(p) for p in parts)))
 
     eng.decode, eng.eval, eng.eval_seqs = timed_decode, timed_eval, timed_eval_seqs
-    state = ServerState(model_id=Path(a.model).name, api_key=None, n_parallel=n_par, defaults=SamplingParams())
-    state.llm, state.template = llm, resolve_chat_template(eng.gguf, eng.tokenizer, None)
-    state.worker = Worker(llm, n_par, lambda job, res: None, print, merge_prompts=not a.separate_prompts)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=a.port, log_level="warning",
-                                           access_log=False, lifespan="off"))
-    loop_thread = threading.Thread(target=server.run, daemon=True)
-    loop_thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    clocks = {"loop": time.pthread_getcpuclockid(loop_thread.ident),
-              "worker": time.pthread_getcpuclockid(state.worker._thread.ident)}
+    server, state, clocks = start_server(llm, Path(a.model).name, n_par, a.port, merge_prompts=not a.separate_prompts)
     pin = (lambda: os.sched_setaffinity(0, {a.client_cpus})) if a.client_cpus is not None else None
     print("| streams | rep | wall ms | in prompt calls ms | in decode calls ms | outside ms | decode calls "
           "| mean decode call ms | in decode ms per token | server ms per token | TPOT p50 ms | TPOT mean ms "

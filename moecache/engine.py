@@ -26,7 +26,7 @@ from moecache.kv_cache import ContextFullError, KVCache
 from moecache.devices import gpu_memory, make_backends
 from moecache.load_mode import pin_model
 from moecache.models import build_model, model_class
-from moecache.models.base import expert_weights
+from moecache.models.base import check_parts, expert_weights
 from moecache.moe.cache import CachedExperts
 from moecache.moe.executor import placed_experts
 from moecache.moe.policy import CachePolicy, PolicyConfig
@@ -511,15 +511,7 @@ class Engine:
             NonFiniteError: rows of the logits hold NaN or inf; its ``rows`` lists them and its
                 ``logits`` holds every part's (the other parts are in their caches).
         """
-        toks = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
-        if len(toks) != len(kvs) or not toks:
-            raise ValueError(f"eval_seqs: {len(toks)} parts for {len(kvs)} sequences")
-        if any(t.size == 0 for t in toks):
-            raise ValueError("eval_seqs: an empty part")
-        if len({id(k) for k in kvs}) != len(kvs):
-            raise ValueError("eval_seqs: a sequence's cache is given twice")
-        for t, k in zip(toks, kvs):
-            k.check_room(t.size)
+        toks = check_parts(parts, kvs, self.gguf.config.n_vocab, "eval_seqs")
         least = self.prompt_pass_min
         if least is not None and all(t.size < least for t in toks):
             return self._eval_each(toks, kvs)

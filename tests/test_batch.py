@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from faults import bad_row
 from moecache.engine import Engine, EngineConfig
 from moecache.kv_cache import ContextFullError
 
@@ -76,13 +77,7 @@ def test_a_non_finite_sequence_is_named_by_its_row(engine, monkeypatch):
     from moecache.errors import NonFiniteError
 
     kvs = engine.sequences(3)
-    real = engine.model.forward_seqs
-
-    def one_nan(tokens, caches):
-        lg = real(tokens, caches)
-        lg[1, 0] = np.nan
-        return lg
-    monkeypatch.setattr(engine.model, "forward_seqs", one_nan)
+    monkeypatch.setattr(engine.model, "forward_seqs", bad_row(engine.model.forward_seqs, 1))
     with pytest.raises(NonFiniteError) as e:
         engine.decode([1, 2, 3], kvs)
     assert e.value.rows == [1] and np.isfinite(e.value.logits[[0, 2]]).all()
@@ -162,8 +157,8 @@ def test_eval_seqs_keeps_short_parts_apart_when_experts_would_be_copied(engine, 
 
 def test_eval_seqs_refuses_bad_parts_before_any_change(engine, monkeypatch):
     """Engine.eval_seqs: a part that does not fit, counts that differ, an empty part, a cache given
-    twice: one clear error, nothing evaluated; non-finite rows are named (serve fails those
-    requests only) and the other rows kept."""
+    twice, an id outside the vocabulary (in a later pass): one clear error, nothing evaluated;
+    non-finite rows are named (serve fails those requests only) and the other rows kept."""
     from moecache.errors import NonFiniteError
 
     kvs = engine.sequences(4)
@@ -178,14 +173,12 @@ def test_eval_seqs_refuses_bad_parts_before_any_change(engine, monkeypatch):
         engine.eval_seqs([[1], [2]], [kvs[0], kvs[0]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.model.forward_parts([np.array([1]), np.array([-1])], kvs[:2])
+    monkeypatch.setattr(engine, "n_ubatch", 2)  # the bad id would be in the second pass
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.eval_seqs([[1, 2], [3, -1]], kvs[:2])
+    monkeypatch.undo()
     assert all(k.n_past == 0 for k in kvs)
-    real = engine.model.forward_parts
-
-    def one_nan(parts, caches):
-        lg = real(parts, caches)
-        lg[1, 0] = np.inf
-        return lg
-    monkeypatch.setattr(engine.model, "forward_parts", one_nan)
+    monkeypatch.setattr(engine.model, "forward_parts", bad_row(engine.model.forward_parts, 1, np.inf))
     with pytest.raises(NonFiniteError) as e:
         engine.eval_seqs([[1, 2], [3], [4, 5]], kvs[:3])
     assert e.value.rows == [1] and np.isfinite(e.value.logits[[0, 2]]).all()

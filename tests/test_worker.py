@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import moecache
+from faults import bad_row
 from moecache.sampling import SamplingParams
 from moecache.server.schemas import GenRequest
 from moecache.server.worker import Job, Worker
@@ -229,13 +230,7 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         out = run_jobs(w, [(p, gen(6)) for p in prompts])
         assert parts == [[9, 3, 4]]  # then C's last 10 alone, through Engine.eval
         assert [k for k, _ in out] == ["done"] * 3 and [r.text for _, r in out] == alone
-        real_parts = eng.model.forward_parts
-
-        def inf_in_b(ps, kvs):
-            lg = real_parts(ps, kvs)
-            lg[1, 0] = np.inf
-            return lg
-        monkeypatch.setattr(eng.model, "forward_parts", inf_in_b)
+        monkeypatch.setattr(eng.model, "forward_parts", bad_row(eng.model.forward_parts, 1, np.inf))  # B's row
         out = run_jobs(w, [(p, gen(6)) for p in prompts])
         assert out[1][0] == "error" and out[1][1].status == 500 and "non-finite" in out[1][1].message
         assert [out[0][1].text, out[2][1].text] == [alone[0], alone[2]]

@@ -106,6 +106,31 @@ def shared_cache(kvs: list[KVCache]) -> tuple[KVCache, np.ndarray, int] | None:
     return whole, np.array([k.offset for k in kvs], np.int64), kvs[0].n_ctx
 
 
+def check_parts(parts: list[Any], kvs: list[KVCache], n_vocab: int, what: str) -> list[np.ndarray]:
+    """Several sequences' tokens for one call (``what`` names it in the errors): ``parts`` as int64
+    (T_i,) arrays, after checking that there is one distinct cache per part, no part is empty, every
+    id is in [0, ``n_vocab``) and every part fits its cache.
+
+    Raises:
+        ValueError: a count mismatch, an empty part, a cache given twice or an id outside the
+            vocabulary. ContextFullError: a part does not fit its cache.
+    """
+    toks = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+    if len(toks) != len(kvs) or not toks:
+        raise ValueError(f"{what}: {len(toks)} parts for {len(kvs)} sequences")
+    if any(t.size == 0 for t in toks):
+        raise ValueError(f"{what}: an empty part")
+    if len({id(k) for k in kvs}) != len(kvs):
+        raise ValueError(f"{what}: a sequence's cache is given twice")
+    every = np.concatenate(toks)
+    if every.min() < 0 or every.max() >= n_vocab:
+        bad = every[(every < 0) | (every >= n_vocab)][0]
+        raise ValueError(f"token id {bad} outside the vocabulary [0, {n_vocab})")
+    for t, k in zip(toks, kvs):
+        k.check_room(t.size)
+    return toks
+
+
 def expert_weights(model: GGUFModel, act: str) -> dict[int, ExpertWeights]:
     """The routed experts of every MoE layer as host views of the file (no copy), keyed by layer:
     what an expert executor is built from (before or without the model object)."""
@@ -378,20 +403,8 @@ class DecoderLM:
                 vocabulary.
             ContextFullError: a part does not fit its cache (before any change).
         """
-        c = self.cfg
-        parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
-        if len(parts) != len(kvs) or not parts:
-            raise ValueError(f"forward_parts: {len(parts)} parts for {len(kvs)} sequences")
-        if any(p.size == 0 for p in parts):
-            raise ValueError("forward_parts: an empty part")
-        if len({id(k) for k in kvs}) != len(kvs):
-            raise ValueError("forward_parts: a sequence's cache is given twice")
+        parts = check_parts(parts, kvs, self.cfg.n_vocab, "forward_parts")
         tokens = np.concatenate(parts)
-        if tokens.min() < 0 or tokens.max() >= c.n_vocab:
-            bad = tokens[(tokens < 0) | (tokens >= c.n_vocab)][0]
-            raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
-        for p, k in zip(parts, kvs):
-            k.check_room(p.size)
         ends = np.cumsum([p.size for p in parts])
         seqs = tuple((int(e - p.size), int(e), k) for p, e, k in zip(parts, ends, kvs))
         pos = np.concatenate([np.arange(k.n_past, k.n_past + p.size) for p, k in zip(parts, kvs)])
