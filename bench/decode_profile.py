@@ -3,7 +3,8 @@ kernel class.
 
 Loads a model all on one GPU, evaluates a ``-d``-token prompt (the attention depth), then times
 ``-n`` single-token decode steps (CUDA-graph replays, or op by op with ``--modes eager``) under PyTorch's profiler
-(CUPTI sees every kernel of the process, CuPy's included). Prints, per kernel name: launches per
+(CUPTI sees every kernel of the process, CuPy's included); ``--batch B`` profiles decode steps of B
+sequences together instead (serve's slots; the rows are then per step). Prints, per kernel name: launches per
 token, µs per token, µs per launch, share of the GPU time; then the step's wall time per token next
 to the sum of kernel time (the difference is launch gaps, copies and host work).
 
@@ -16,6 +17,8 @@ Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
 
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 -d 0 -n 32 [--modes graph,eager] [--json out.json]
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 --prefill 512 -n 2 [--vram-budget 8192 --load-mode pin] [--prompt-q8]
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 python bench/decode_profile.py -m /tmp/q30.gguf -c 8192 \
+        --resolved --vram-budget 8192 --load-mode pin --routing qwen3-moe --batch 8 -n 32
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def main() -> None:
     ap.add_argument("-d", default="0", help="prompt tokens before the timed steps (attention depth); a comma list "
                     "profiles each depth in turn on the same engine")
     ap.add_argument("-n", type=int, default=32, help="decode steps profiled")
-    ap.add_argument("-ub", type=int, default=512)
+    ap.add_argument("-ub", type=int, default=None, help="physical batch (default 512; with --resolved, resolved)")
     ap.add_argument("--ctk", default="f16", help="KV cache type (f16, f32)")
     ap.add_argument("--modes", default="graph", help="comma list: graph (CUDA-graph replays), eager (op by op)")
     ap.add_argument("--by-name", action="store_true", help="one row per kernel name (formats apart)")
@@ -62,6 +65,13 @@ def main() -> None:
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
     ap.add_argument("--no-prompt-stacks", action="store_true", help="the expert cache's prompt groups instead "
                     "of its default prompt stacks (CachedExperts.prompt_stacks False)")
+    ap.add_argument("--resolved", action="store_true",
+                    help="load through moecache.load, the settings run and serve resolve (the layer plan, the "
+                         "elastic slots, -t; set OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 as they do), "
+                         "instead of an Engine with this script's placement; --prompt-q8 does not apply")
+    ap.add_argument("--batch", type=int, default=1, metavar="B",
+                    help="profile decode steps of B sequences together (Engine.sequences / Engine.decode, as "
+                         "serve's slots run; each a -d prompt first); the table is then per step")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
                          "print its top N functions by own time")
@@ -76,10 +86,19 @@ def main() -> None:
 
     torch.cuda.init()
     rng = np.random.default_rng(0)
-    cfg = EngineConfig(n_ctx=a.c, n_ubatch=a.ub, n_batch=max(a.ub, 2048), cache_type=a.ctk)
-    placement = PlacementOptions(n_gpu_layers=99, vram_budget=a.vram_budget << 20)
-    with Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode,
-                gpu_prompt_q8=a.prompt_q8) as eng:
+    if a.resolved:  # the settings run and serve resolve (the layer plan, the elastic slots, -t)
+        import moecache
+
+        kw = ({"vram_budget": a.vram_budget << 20} if a.vram_budget else {}) | ({"n_ubatch": a.ub} if a.ub else {})
+        held = moecache.load(a.model, log=print, n_ctx=a.c, cache_type=a.ctk, load_mode=a.load_mode, **kw)
+    else:
+        a.ub = a.ub or 512
+        cfg = EngineConfig(n_ctx=a.c, n_ubatch=a.ub, n_batch=max(a.ub, 2048), cache_type=a.ctk)
+        placement = PlacementOptions(n_gpu_layers=99, vram_budget=a.vram_budget << 20)
+        held = Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode,
+                      gpu_prompt_q8=a.prompt_q8)
+    with held:
+        eng = getattr(held, "engine", held)
         vocab = eng.gguf.config.n_vocab
         for cache in eng.caches:
             cache.prompt_stacks = not a.no_prompt_stacks
@@ -98,6 +117,9 @@ def main() -> None:
             if a.prefill:
                 results.append(profile_prompts(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
                 continue
+            if a.batch > 1:
+                results.append(profile_batch(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
+                continue
             for _ in range(4):  # capture the graph, settle clocks
                 eng.eval([int(rng.integers(0, vocab))])
             toks = rng.integers(0, vocab, a.n)
@@ -114,6 +136,34 @@ def main() -> None:
             results.append(report(a, torch, prof, depth, mode, wall, wall_plain))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
+
+
+def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str) -> dict:
+    """``-n`` decode steps of ``--batch`` B sequences together (serve's continuous batching: batched
+    CUDA graphs where they replay), each sequence a slot of ``-c`` with a ``depth``-token prompt
+    first and its own random token every step; the table per step."""
+    vocab = eng.gguf.config.n_vocab
+    seqs = eng.sequences(a.batch)
+    for s in seqs:
+        s.clear()
+        if depth:
+            eng.eval(rng.integers(0, vocab, depth), kv=s)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            eng.decode(rng.integers(0, vocab, a.batch), seqs)
+
+    steps(4)  # capture the batch's graph, settle clocks
+    with profile(activities=[activity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        steps(a.n)
+        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    steps(a.n)
+    wall_plain = time.perf_counter() - t0
+    for s in seqs:
+        s.clear()
+    return report(a, torch, prof, depth, f"{mode}, steps of {a.batch} sequences", wall, wall_plain, unit="step")
 
 
 def profile_prompts(a, torch, profile, activity, eng, rng, depth: int, mode: str) -> dict:
@@ -147,12 +197,14 @@ def profile_prompts(a, torch, profile, activity, eng, rng, depth: int, mode: str
         prof_host.disable()
         print(f"host profile of {a.n} prompts (cProfile; times inflated by its tracing):")
         pstats.Stats(prof_host).sort_stats("tottime").print_stats(a.host_profile)
-    return report(a, torch, prof, depth, f"prefill {a.prefill} (-ub {a.ub})", wall, wall_plain,
+    return report(a, torch, prof, depth, f"prefill {a.prefill} (-ub {eng.n_ubatch})", wall, wall_plain,
                   n=a.n * a.prefill)
 
 
-def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float, n: int | None = None) -> dict:
-    """Print and return the kernel table of one profiled run (``n`` tokens; default ``-n``)."""
+def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float, n: int | None = None,
+           unit: str = "token") -> dict:
+    """Print and return the kernel table of one profiled run (``n`` tokens, or steps with ``unit``
+    "step"; default ``-n``)."""
     per: dict[str, list[float]] = defaultdict(list)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -161,18 +213,19 @@ def report(a, torch, prof, depth: int, mode: str, wall: float, wall_plain: float
     total = sum(sum(v) for v in per.values())
     rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))
     n = n or a.n
-    print(f"\n{a.model.name}: {n} tokens at depth {depth}, -c {a.c}, {mode}")
-    print(f"wall {wall_plain / n * 1e6:.0f} µs/token ({n / wall_plain:.1f} t/s); under the profiler "
-          f"{wall / n * 1e6:.0f} µs/token; kernel time {total / n:.0f} µs/token; "
-          f"{sum(len(v) for v in per.values()) / n:.0f} kernels/token")
-    print(f"{'kernel':40s} {'per tok':>8s} {'µs/tok':>9s} {'µs each':>9s} {'share':>6s}")
+    u = unit
+    print(f"\n{a.model.name}: {n} {u}s at depth {depth}, -c {a.c}, {mode}")
+    print(f"wall {wall_plain / n * 1e6:.0f} µs/{u} ({n / wall_plain:.1f} {u}s/s); under the profiler "
+          f"{wall / n * 1e6:.0f} µs/{u}; kernel time {total / n:.0f} µs/{u}; "
+          f"{sum(len(v) for v in per.values()) / n:.0f} kernels/{u}")
+    print(f"{'kernel':40s} {'per ' + u:>8s} {'µs/' + u:>9s} {'µs each':>9s} {'share':>6s}")
     out = []
     for name, ts in rows:
         s = sum(ts)
         out.append({"kernel": name, "per_token": len(ts) / n, "us_per_token": s / n, "us_each": s / len(ts),
                     "share": s / total})
         print(f"{name[:40]:40s} {len(ts) / n:8.1f} {s / n:9.1f} {s / len(ts):9.2f} {100 * s / total:5.1f}%")
-    return {"model": a.model.name, "depth": depth, "n_ctx": a.c, "mode": mode,
+    return {"model": a.model.name, "depth": depth, "n_ctx": a.c, "mode": mode, "unit": u,  # *_per_token: per unit
             "wall_us_per_token": wall_plain / n * 1e6, "kernel_us_per_token": total / n, "kernels": out}
 
 
