@@ -9,8 +9,10 @@ time per output token (TPOT) is the gap between consecutive text events; aggrega
 ``usage``) over the wall time from the first request to the last answer. One warm-up request runs
 first, then ``--warmup-rounds`` rounds at the largest stream count (an expert cache starts empty: a
 measurement of its first tokens measures the warm-up, not the steady state). Each row also gives the
-expert cache's hit rate over that phase and the mean decode batch (tokens per decode pass), from the
-server's ``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
+expert cache's hit rate over that phase, the mean decode batch (tokens per decode pass), the mean
+decode pass in ms, and the seconds the worker spent inside the engine's decode passes and prompt
+evaluations (the rest of the wall time is HTTP, streaming, sampling and waits), from the server's
+``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
 same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream
 ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one round after
 the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before the
@@ -142,10 +144,12 @@ def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.
 
 
 def counters(port: int) -> dict[str, float]:
-    """The server's /metrics counters this script reads (summed over caches): decode steps and their
-    tokens, the expert caches' hits, misses and uploads; {} when /metrics does not answer."""
+    """The server's /metrics counters this script reads (summed over caches): decode steps, their
+    tokens and seconds, the seconds of the prompt evaluations, the expert caches' hits, misses and
+    uploads; {} when /metrics does not answer."""
     status, text = get_json(port, "/metrics")
     want = {"moecache:decode_steps_total": "steps", "moecache:decode_step_tokens_total": "step_tokens",
+            "moecache:decode_seconds_total": "decode_s", "moecache:prompt_eval_seconds_total": "prompt_s",
             "moecache:expert_cache_hits_total": "hits", "moecache:expert_cache_misses_total": "misses",
             "moecache:expert_cache_uploads_total": "uploads"}
     out: dict[str, float] = {}
@@ -159,11 +163,15 @@ def counters(port: int) -> dict[str, float]:
 
 
 def phase(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Hit rate, uploads and mean decode batch between two :func:`counters` reads."""
+    """Hit rate, uploads, mean decode batch, mean decode pass (ms) and the seconds inside the engine's
+    decode and prompt calls between two :func:`counters` reads (None where the server has no such
+    counter)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     pairs = d.get("hits", 0.0) + d.get("misses", 0.0)
     return {"hit_rate": d["hits"] / pairs if pairs else None, "uploads": d.get("uploads"),
-            "mean_batch": d["step_tokens"] / d["steps"] if d.get("steps") else None}
+            "mean_batch": d["step_tokens"] / d["steps"] if d.get("steps") else None,
+            "decode_ms_per_step": 1e3 * d["decode_s"] / d["steps"] if d.get("steps") and "decode_s" in d else None,
+            "decode_s": d.get("decode_s"), "prompt_eval_s": d.get("prompt_s")}
 
 
 def gpu_used_mib() -> float | None:
@@ -323,13 +331,15 @@ def main(argv: list[str] | None = None) -> None:
              + "\n",
              f"{a.warmup_rounds} warm-up round(s) of {max(streams)} streams first.\n",
              "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms "
-             "| hit rate | mean decode batch |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| hit rate | mean decode batch | decode pass ms | in decode s | in prompts s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         rel = r["aggregate_ts"] / one["aggregate_ts"] if one and one["aggregate_ts"] else float("nan")
         lines.append(f"| {r['streams']} | {r['ok']} | {r['failed']} | {r['tokens']} | {r['wall_s']:.1f} | "
                      f"{r['aggregate_ts']:.1f} | {rel:.2f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | "
-                     f"{_fmt(r.get('hit_rate'), '.3f')} | {_fmt(r.get('mean_batch'), '.2f')} |")
+                     f"{_fmt(r.get('hit_rate'), '.3f')} | {_fmt(r.get('mean_batch'), '.2f')} | "
+                     f"{_fmt(r.get('decode_ms_per_step'), '.2f')} | {_fmt(r.get('decode_s'), '.2f')} | "
+                     f"{_fmt(r.get('prompt_eval_s'), '.2f')} |")
     if tg and one:
         lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n} "
                       f"--n-gen-warmup {a.bench_warmup} -c {ctx}` "

@@ -130,7 +130,9 @@ def test_a_scheduler_failure_answers_everyone_and_refuses_new_work(llm, monkeypa
 
 def test_metrics_expose_each_caches_hit_and_miss_counters():
     """/metrics' expert-cache lines: per cache its hits, misses (counters, so a client can take the
-    hit rate of any interval from two reads) and uploads, from the cache's own CacheStats."""
+    hit rate of any interval from two reads) and uploads, from the cache's own CacheStats; and the
+    worker's decode passes, their tokens and the seconds inside the engine's decode and prompt
+    calls."""
     from types import SimpleNamespace
 
     from moecache.moe.cache import CacheStats
@@ -139,8 +141,10 @@ def test_metrics_expose_each_caches_hit_and_miss_counters():
     a, b = CacheStats(), CacheStats()
     a.hits, a.misses, a.uploads = 90, 10, 7
     b.hits, b.misses, b.uploads = 3, 1, 0
-    text = Metrics().render(0, 0, [SimpleNamespace(stats=a), SimpleNamespace(stats=b)])
+    text = Metrics().render(0, 0, [SimpleNamespace(stats=a), SimpleNamespace(stats=b)], (4, 10), (0.25, 1.5))
     got = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    assert got["moecache:decode_steps_total"] == 4 and got["moecache:decode_step_tokens_total"] == 10
+    assert got["moecache:decode_seconds_total"] == 0.25 and got["moecache:prompt_eval_seconds_total"] == 1.5
     assert got['moecache:expert_cache_hits_total{cache="0"}'] == 90
     assert got['moecache:expert_cache_misses_total{cache="0"}'] == 10
     assert got['moecache:expert_cache_hit_rate{cache="0"}'] == 0.9
@@ -230,6 +234,9 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         out = run_jobs(w, [(p, gen(6)) for p in prompts])
         assert parts == [[9, 3, 4]]  # then C's last 10 alone, through Engine.eval
         assert [k for k, _ in out] == ["done"] * 3 and [r.text for _, r in out] == alone
+        # the engine's time, each call once: the pass of three prompts counts once here, and in each
+        # of the three requests' own prompt time
+        assert w.decode_seconds > 0 and 0 < w.prompt_seconds < sum(r.timings.t_prompt for _, r in out)
         monkeypatch.setattr(eng.model, "forward_parts", bad_row(eng.model.forward_parts, 1, np.inf))  # B's row
         out = run_jobs(w, [(p, gen(6)) for p in prompts])
         assert out[1][0] == "error" and out[1][1].status == 500 and "non-finite" in out[1][1].message

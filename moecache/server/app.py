@@ -180,7 +180,7 @@ def build_app(state: ServerState) -> Starlette:
         ready()
         w = state.worker
         text = state.metrics.render(w.n_processing, w.n_waiting, state.llm.engine.caches,
-                                    (w.decode_steps, w.decode_tokens))
+                                    (w.decode_steps, w.decode_tokens), (w.decode_seconds, w.prompt_seconds))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:

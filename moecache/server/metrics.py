@@ -31,9 +31,12 @@ class Metrics:
         with self._lock:
             self.requests[outcome] += 1
 
-    def render(self, processing: int, waiting: int, caches: list[Any], decode: tuple[int, int] = (0, 0)) -> str:
+    def render(self, processing: int, waiting: int, caches: list[Any], decode: tuple[int, int] = (0, 0),
+               engine_s: tuple[float, float] = (0.0, 0.0)) -> str:
         """Prometheus text exposition format (version 0.0.4); ``decode``: the worker's (decode
-        steps, tokens they decoded)."""
+        steps, tokens they decoded); ``engine_s``: the worker's seconds inside the engine's (decode,
+        prompt) calls, each call once (``prompt_seconds_total`` instead sums every request's prompt
+        time, and a pass that serves several slots' prompts counts in each)."""
         rows: list[tuple[str, str, str, Any]] = [
             ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
             ("prompt_seconds_total", "counter", "Prompt processing time.", self.prompt_seconds),
@@ -48,6 +51,10 @@ class Metrics:
             ("decode_steps_total", "counter", "Decode forward passes (every generating slot in one).", decode[0]),
             ("decode_step_tokens_total", "counter", "Tokens those passes decoded (per pass: the batch size).",
              decode[1]),
+            ("decode_seconds_total", "counter", "Time inside the engine's decode passes.", engine_s[0]),
+            ("prompt_eval_seconds_total", "counter",
+             "Time inside the engine's prompt evaluations (a pass of several slots' prompts counted once).",
+             engine_s[1]),
         ]
         out = []
         for name, kind, help, value in rows:

@@ -187,6 +187,8 @@ class Worker:
         self._texts: list[tuple[Job, str]] = []  # text pieces sampled, not sent yet (see _send_texts)
         self.decode_steps = 0  # decode forward passes, and the tokens they decoded (batch size = ratio)
         self.decode_tokens = 0
+        self.decode_seconds = 0.0  # wall time in the engine's decode calls
+        self.prompt_seconds = 0.0  # wall time in the engine's prompt calls (each once, however many slots)
         self._thread = threading.Thread(target=self._run, name="moecache-engine", daemon=True)
         self._thread.start()
 
@@ -374,8 +376,12 @@ class Worker:
         eng = self.llm.engine
         part, r.left = r.left[:n], r.left[n:]
         t0 = time.perf_counter()
-        lg = eng.eval(part, logits=np.array([], np.int64) if r.left else "last", kv=r.kv)  # logits at the end only
-        r.t_prompt += time.perf_counter() - t0
+        try:
+            lg = eng.eval(part, logits=np.array([], np.int64) if r.left else "last", kv=r.kv)  # logits at the end only
+        finally:
+            dt = time.perf_counter() - t0
+            self.prompt_seconds += dt
+        r.t_prompt += dt
         if not r.left:
             self._prompt_done(r, lg[-1])
 
@@ -398,6 +404,8 @@ class Worker:
             if not hasattr(e, "rows"):
                 raise
             lg, bad = e.logits, e.rows
+        finally:
+            self.prompt_seconds += time.perf_counter() - t0
         dt = time.perf_counter() - t0
         for j, (r, _) in enumerate(chunks):
             r.t_prompt += dt
@@ -435,6 +443,7 @@ class Worker:
         dt = time.perf_counter() - t0
         self.decode_steps += 1
         self.decode_tokens += len(ready)
+        self.decode_seconds += dt
         for i, r in enumerate(ready):
             if i in bad:
                 continue
