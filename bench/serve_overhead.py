@@ -167,8 +167,10 @@ def real(a: argparse.Namespace) -> None:
     eng = llm.engine
     rng = np.random.default_rng(0)
     vocab = eng.gguf.config.n_vocab
+    passes = ("a prompt pass per slot" if a.separate_prompts
+              else "the slots' prompts in shared passes (Engine.shares_pass)")
     print(f"{a.model}: {kw}, -np {n_par}, {a.n} tokens a rep, {a.reps} reps after {a.warmup} warm-up steps, "
-          f"prompts {a.prompt_tokens or 'of 5-8'} tokens, {'one prompt pass per slot' if a.separate_prompts else 'slots prompts merged'}")
+          f"prompts {a.prompt_tokens or 'of 5-8'} tokens, {passes}")
 
     seqs = eng.sequences(n_par)
 
@@ -193,38 +195,24 @@ def real(a: argparse.Namespace) -> None:
               f"{' '.join(f'{x:.3f}' for x in v)} ms per token", flush=True)
 
     calls: list[tuple[str, float, int]] = []  # (kind, seconds, tokens) of every engine call the worker makes
-    decode, evaluate = eng.decode, eng.eval
+    inside = [False]  # an engine call made by another one (decode's or eval_seqs' own Engine.eval): not counted
 
-    in_decode = [False]  # Engine.decode of one sequence calls Engine.eval: not a prompt's call
+    def timed(kind: str, fn, size):
+        def call(*args, **kwargs):
+            if inside[0]:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            inside[0] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] = False
+                calls.append((kind, time.perf_counter() - t0, size(*args)))
+        return call
 
-    def timed_decode(tokens, kvs):
-        t0 = time.perf_counter()
-        in_decode[0] = True
-        try:
-            return decode(tokens, kvs)
-        finally:
-            in_decode[0] = False
-            calls.append(("decode", time.perf_counter() - t0, len(kvs)))
-
-    def timed_eval(tokens, *args, **kwargs):
-        if in_decode[0]:
-            return evaluate(tokens, *args, **kwargs)
-        t0 = time.perf_counter()
-        try:
-            return evaluate(tokens, *args, **kwargs)
-        finally:
-            calls.append(("prompt", time.perf_counter() - t0, len(tokens)))
-
-    evaluate_seqs = eng.eval_seqs
-
-    def timed_eval_seqs(parts, kvs):
-        t0 = time.perf_counter()
-        try:
-            return evaluate_seqs(parts, kvs)
-        finally:
-            calls.append(("prompt", time.perf_counter() - t0, sum(len(p) for p in parts)))
-
-    eng.decode, eng.eval, eng.eval_seqs = timed_decode, timed_eval, timed_eval_seqs
+    eng.decode, eng.eval, eng.eval_seqs = (timed("decode", eng.decode, lambda toks, kvs: len(kvs)),
+                                           timed("prompt", eng.eval, lambda toks, *_: len(toks)),
+                                           timed("prompt", eng.eval_seqs, lambda parts, kvs: sum(map(len, parts))))
     server, state, clocks = start_server(llm, Path(a.model).name, n_par, a.port, merge_prompts=not a.separate_prompts)
     pin = (lambda: os.sched_setaffinity(0, {a.client_cpus})) if a.client_cpus is not None else None
     print("| streams | rep | wall ms | in prompt calls ms | in decode calls ms | outside ms | decode calls "

@@ -486,6 +486,19 @@ class Engine:
                 mins.append(m)
         return min(mins) if mins else None
 
+    def shares_pass(self, sizes: list[int]) -> bool:
+        """Whether :meth:`eval_seqs` runs parts of these sizes (tokens) in shared passes: always,
+        unless experts are in host RAM behind a GPU (:attr:`prompt_pass_min` set) and every part is
+        shorter than it. Packed together such parts make either a pass of 32+ tokens, which copies
+        every expert it uses to the GPU (measured slower than a pass each: on the H200 machine at
+        8 GiB, Qwen3-30B-A3B shape, 8 prompts of 5-8 tokens took 564-900 ms a round in one pass
+        against 369-401 ms in 8 passes), or a shorter pass, not measured against a pass each. Once a
+        part reaches it the pass copies the experts anyway, and the other parts ride along (8
+        prompts of 256 tokens: 1192-1505 ms a round in shared passes against 3085-3781 one by one;
+        ``bench/serve_overhead.py --real``, bench/results/serve-h200.md)."""
+        least = self.prompt_pass_min
+        return least is None or any(n >= least for n in sizes)
+
     def eval_seqs(self, parts: list[list[int] | np.ndarray], kvs: list[KVCache]) -> np.ndarray:
         """Append ``parts[i]`` to ``kvs[i]`` (from :meth:`sequences`) for every i, several sequences'
         tokens in each forward pass (serve's prompt chunks of several slots): the parts are packed in
@@ -493,13 +506,8 @@ class Engine:
         goes on in the next one); a pass with one part runs as :meth:`eval` runs it, one with several
         as :meth:`DecoderLM.forward_parts`.
 
-        Except when every part is shorter than :attr:`prompt_pass_min`: then each part has a pass of
-        its own, computed with the experts where they are (the expert cache's hit and miss path).
-        Packed together they would cross it, and the pass would copy every expert it uses to the
-        GPU: on the H200 machine at 8 GiB (Qwen3-30B-A3B shape), 8 prompts of 5-8 tokens took
-        564-900 ms a round in one pass, against 369-401 ms in 8 passes; 8 prompts of 256 tokens,
-        each a prompt pass anyway, took 1192-1505 ms in passes of several, against 3085-3781 ms one
-        by one (``bench/serve_overhead.py --real``, bench/results/serve-h200.md).
+        Unless :meth:`shares_pass` says no (experts in host RAM, every part shorter than
+        :attr:`prompt_pass_min`): then each part has a pass of its own, as :meth:`eval` runs it.
 
         Returns:
             float32 (N, n_vocab): the logits of each part's last token.
@@ -512,8 +520,7 @@ class Engine:
                 ``logits`` holds every part's (the other parts are in their caches).
         """
         toks = check_parts(parts, kvs, self.gguf.config.n_vocab, "eval_seqs")
-        least = self.prompt_pass_min
-        if least is not None and all(t.size < least for t in toks):
+        if not self.shares_pass([t.size for t in toks]):
             return self._eval_each(toks, kvs)
         out = np.empty((len(toks), self.gguf.config.n_vocab), np.float32)
         passes: list[list[tuple[int, int, int]]] = [[]]  # per pass: (part, first token, end)

@@ -126,10 +126,11 @@ def test_prompt_chunks_of_several_sequences_in_one_pass_equal_each_alone(engine,
 
 def test_eval_seqs_keeps_short_parts_apart_when_experts_would_be_copied(engine, monkeypatch, rng):
     """With experts in host RAM behind a GPU (Engine.prompt_pass_min set; here faked at 8 on the
-    CPU engine, whose own is None), parts that are all shorter than it get a pass each (packed they
-    would cross it and copy every used expert); once one part reaches it, all go in one pass. The
-    logits are the same either way."""
+    CPU engine, whose own is None), parts that are all shorter than it get a pass each
+    (Engine.shares_pass); once one part reaches it, all go in one pass. The logits are the same
+    either way; in a pass each, a part whose logits are not finite is named and the others kept."""
     from moecache.engine import Engine
+    from moecache.errors import NonFiniteError
 
     assert engine.prompt_pass_min is None
     V = engine.gguf.config.n_vocab
@@ -142,6 +143,7 @@ def test_eval_seqs_keeps_short_parts_apart_when_experts_would_be_copied(engine, 
     for k in kvs:
         k.clear()
     monkeypatch.setattr(Engine, "prompt_pass_min", property(lambda self: 8))
+    assert not engine.shares_pass([3, 7]) and not engine.shares_pass([7, 7]) and engine.shares_pass([3, 8])
     merged = []
     real = engine.model.forward_parts
     monkeypatch.setattr(engine.model, "forward_parts", lambda ps, ks: merged.append(len(ps)) or real(ps, ks))
@@ -151,6 +153,23 @@ def test_eval_seqs_keeps_short_parts_apart_when_experts_would_be_copied(engine, 
         k.clear()
     np.testing.assert_allclose(engine.eval_seqs(long_, kvs), ref_long, rtol=0, atol=1e-4)
     assert merged == [2]
+    for k in kvs:
+        k.clear()
+    # a pass each: a part whose logits are not finite is named, the other kept
+    real_one, calls = engine.model.forward, []
+
+    def second_bad(tokens, kv, logits="last"):
+        calls.append(len(tokens))
+        lg = real_one(tokens, kv, logits)
+        if len(calls) == 2:
+            lg[-1, 0] = np.nan
+        return lg
+    monkeypatch.setattr(engine.model, "forward", second_bad)
+    with pytest.raises(NonFiniteError) as e:
+        engine.eval_seqs(short, kvs)
+    assert calls == [3, 7] and e.value.rows == [1]
+    np.testing.assert_allclose(e.value.logits[0], ref[0], rtol=0, atol=1e-4)
+    assert [k.n_past for k in kvs] == [3, 7]
     for k in kvs:
         k.clear()
 

@@ -6,13 +6,14 @@ a failure of the scheduler itself answering every client instead of hanging them
 from __future__ import annotations
 
 import asyncio
-import time
+import queue
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import moecache
+import moecache.server.worker as wk
 from faults import bad_row
 from moecache.sampling import SamplingParams
 from moecache.server.schemas import GenRequest
@@ -67,8 +68,6 @@ def test_max_tokens_zero_generates_nothing(llm):
 def test_one_failing_request_leaves_the_batch_alone(llm, monkeypatch):
     """A request whose sampling fails mid-batch (here: its logprobs) gets a 500; the others of the
     same decode steps finish with the text each gets alone."""
-    import moecache.server.worker as wk
-
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
     w = Worker(llm, 4, lambda j, r: None, print)
     try:
@@ -201,6 +200,26 @@ def test_emit_texts_one_call_per_loop_in_order_and_a_closed_loop_cancels():
     assert jc.cancelled.is_set() and not ja.cancelled.is_set()
 
 
+class Together(queue.Queue):
+    """A queue whose items (other than None, the worker's stop) appear ``n`` at a time: jobs that
+    are admitted together, whatever the threads' timing."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.held = n, []
+
+    def put(self, item, block=True, timeout=None):
+        if item is None:
+            return super().put(item, block, timeout)
+        self.held.append(item)
+        if len(self.held) == self.n:
+            with self.not_empty:
+                self.queue.extend(self.held)
+                self.unfinished_tasks += len(self.held)
+                self.held = []
+                self.not_empty.notify()
+
+
 def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monkeypatch):
     """Prompts admitted together are evaluated in passes of several slots' chunks (at most -ub
     tokens, here 16: 9 + 3 + 4 of 14 in the first step, the other 10 in the next while the first
@@ -213,14 +232,6 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         alone = [run_jobs(w, [(p, gen(6))])[0][1].text for p in prompts]
     finally:
         w.stop()
-    real_admit = Worker._admit
-
-    def admit_together(self):  # every job of a run_jobs call queued before an admission
-        t_end = time.monotonic() + 10.0
-        while self._q.qsize() not in (0, 3) and time.monotonic() < t_end:
-            time.sleep(0.001)
-        return real_admit(self)
-    monkeypatch.setattr(Worker, "_admit", admit_together)
     monkeypatch.setattr(eng, "n_ubatch", 16)
     parts: list[list[int]] = []
     real = eng.eval_seqs
@@ -229,7 +240,9 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         parts.append([len(p) for p in ps])
         return real(ps, kvs)
     monkeypatch.setattr(eng, "eval_seqs", spy)
-    w = Worker(llm, 3, lambda j, r: None, print)
+    with monkeypatch.context() as m:  # the worker's queue shows each run_jobs call's 3 jobs at once
+        m.setattr(wk.queue, "Queue", lambda: Together(3))
+        w = Worker(llm, 3, lambda j, r: None, print)
     try:
         out = run_jobs(w, [(p, gen(6)) for p in prompts])
         assert parts == [[9, 3, 4]]  # then C's last 10 alone, through Engine.eval
@@ -246,15 +259,22 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         w.stop()
 
 
-def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch):
-    """With one prompt pass per slot (``merge_prompts=False``), a prompt's first token goes to its
-    client as soon as it is sampled, not after the prompt chunk
+@pytest.mark.parametrize("mode", ["merge_prompts off", "short parts with experts in host RAM"])
+def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch, mode):
+    """Where slots' prompt chunks get a pass each (``merge_prompts=False``; or, the default at
+    8 GiB, experts in host RAM and every chunk below ``Engine.prompt_pass_min``, here faked at 32),
+    a prompt's first token goes to its client as soon as it is sampled, not after the prompt chunk
     another slot evaluates next in the same step: jobs A (slot 0) and B (slot 1) are admitted
     together; in the first step A's prompt is evaluated and its first token sampled, then B's
     prompt chunk, which is held until A's first text has reached A's loop (5 s at most)."""
     import threading
 
+    from moecache.engine import Engine
+
     eng = llm.engine
+    merge = mode != "merge_prompts off"
+    if merge:
+        monkeypatch.setattr(Engine, "prompt_pass_min", property(lambda self: 32))
     both_in = threading.Event()
     real_admit = Worker._admit
 
@@ -262,7 +282,7 @@ def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch)
         both_in.wait(timeout=10.0)  # both jobs queued before the first admission
         return real_admit(self)
     monkeypatch.setattr(Worker, "_admit", admit_both)
-    w = Worker(llm, 2, lambda j, r: None, print, merge_prompts=False)  # one prompt pass per slot
+    w = Worker(llm, 2, lambda j, r: None, print, merge_prompts=merge)
     loop = asyncio.new_event_loop()
     a_text = threading.Event()
     real_eval = eng.eval

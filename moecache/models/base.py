@@ -78,7 +78,8 @@ class ForwardPass:
         pos_inputs: ``id(backend)`` -> that backend's int32 (T,) positions (uploaded once per
             backend; a CUDA graph passes its own persistent buffers).
         rope: (backend id, n_rot, base, freq_scale) -> that RoPE's cos/sin tables of this pass.
-        seqs: several sequences in one pass (a batched decode step): per sequence, its tokens'
+        seqs: several sequences in one pass (a batched decode step, or several sequences' prompt
+            chunks: :meth:`DecoderLM.forward_parts`): per sequence, its tokens'
             rows ``(start, stop)`` and its :class:`KVCache`; empty = every token belongs to the
             one cache the blocks are given.
         shared: a batched step whose sequences are slices of one cache (:meth:`KVCache.slice`,
@@ -113,7 +114,8 @@ def check_parts(parts: list[Any], kvs: list[KVCache], n_vocab: int, what: str) -
 
     Raises:
         ValueError: a count mismatch, an empty part, a cache given twice or an id outside the
-            vocabulary. ContextFullError: a part does not fit its cache.
+            vocabulary.
+        ContextFullError: a part does not fit its cache.
     """
     toks = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
     if len(toks) != len(kvs) or not toks:
@@ -535,7 +537,7 @@ class DecoderLM:
                              kv_base=kb, n_ctx=n_ctx)
             return self._proj(L, "attn_output", o)
         outs = []
-        for a, b, cache in fp.seqs or ((0, t, kv),):  # a batched step: each sequence reads its own cache
+        for a, b, cache in fp.seqs or ((0, t, kv),):  # several sequences: each reads its own cache
             def rows(arr: Any) -> Any:
                 return arr if (a, b) == (0, t) else arr[a:b]
             qs = be.qk_rope_store(rows(q), rows(k), rows(v), qn, kn, c.norm_eps, rows(cos), rows(sin), rope.neox,

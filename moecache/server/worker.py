@@ -10,8 +10,9 @@ evaluates prompt chunks of the slots still reading their prompts (slots take tur
 prompt tokens per step, so several short prompts go in one step and a long one is cut; the chunks of
 several slots go to :meth:`moecache.engine.Engine.eval_seqs` together, which runs them in one
 forward pass, as llama-server puts every slot's tokens in one batch: the expert cache then copies
-the experts a prompt pass uses once for all of them, not once per slot; with experts in host RAM
-chunks that are all too short for a prompt pass still get a pass each), then runs
+the experts a prompt pass uses once for all of them, not once per slot; with experts in host RAM,
+chunks that are all too short for a prompt pass still get a pass each, :meth:`_prompt_chunk`,
+each first token sent as its pass ends: ``Engine.shares_pass``), then runs
 one decode step for every slot that is generating, all of them in one
 forward pass (:meth:`moecache.engine.Engine.decode`: one token per sequence, the matrix products
 and the routed experts shared, attention per sequence). A request joins or leaves between steps,
@@ -317,8 +318,9 @@ class Worker:
                     list(job.ids), before, lps, job.gen.logprobs or 0)
 
     def _step(self) -> None:
-        """Prompt chunks (at most ``-ub`` tokens in all, slots in turn), then one decode step of every
-        generating slot."""
+        """Prompt chunks (at most ``-ub`` tokens in all, slots in turn; several slots' in one pass
+        where ``Engine.shares_pass`` says so, else a pass each, each first token sent after its own
+        pass), then one decode step of every generating slot."""
         for r in self.runs:
             if r is not None and (r.job.cancelled.is_set() or self.stopping.is_set()):
                 self._guarded([r], lambda: self._finish(r, "cancelled"))
@@ -334,7 +336,7 @@ class Worker:
             budget -= n
             self._turn = (r.slot + 1) % self.n_parallel
             chunks.append((r, n))
-        if len(chunks) > 1 and self.merge_prompts:
+        if len(chunks) > 1 and self.merge_prompts and self.llm.engine.shares_pass([n for _, n in chunks]):
             self._guarded([r for r, _ in chunks], lambda: self._prompt_chunks(chunks))
         else:
             for r, n in chunks:
