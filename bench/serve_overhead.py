@@ -23,7 +23,10 @@ mean decode call, and per token of one stream: inside ``Engine.decode`` against 
 ``predicted_per_second`` and the clients' TPOT. ``--client-cpus K`` runs the clients on CPU K
 (``sched_setaffinity``); ``--prompt-tokens N`` sends N-token prompts (``serve_load.prompt_of``);
 ``--separate-prompts`` gives each slot's prompt chunk a pass of its own (the worker's
-``merge_prompts=False``).
+``merge_prompts=False``); ``--sync-stream`` makes the worker wait for the loop to stream a step's
+text before its next step (``Worker(sync_stream=True)``); ``--gil-load US`` also times slot 0
+alone while another thread runs US µs of pure Python once per token (the event loop's hold of the
+GIL, without the server).
 Set ``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000`` as ``serve`` does when it resolves the
 layer plan.
 
@@ -70,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0, help="--real: N-token prompts (0: short text)")
     ap.add_argument("--no-elastic-slots", action="store_true", help="--real: as run's --no-elastic-slots")
     ap.add_argument("--skip-alone", action="store_true", help="--real: no timing outside the server")
+    ap.add_argument("--gil-load", type=float, default=0.0, metavar="US",
+                    help="--real: also time the slot alone while another thread runs US µs of pure Python once "
+                         "per token (as the event loop streams a token): whether the GIL slows the engine's step")
+    ap.add_argument("--sync-stream", action="store_true",
+                    help="--real: the worker waits for the loop to stream a step's text before the next step "
+                         "(Worker sync_stream)")
     ap.add_argument("--separate-prompts", action="store_true",
                     help="--real: one prompt pass per slot (Worker merge_prompts=False)")
     a = ap.parse_args(argv)
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     llm.close()
 
 
-def start_server(llm, model_id: str, n_par: int, port: int, merge_prompts: bool = True) -> tuple:
+def start_server(llm, model_id: str, n_par: int, port: int, merge_prompts: bool = True,
+                 sync_stream: bool = False) -> tuple:
     """``serve``'s app and a worker of ``n_par`` slots on ``llm``, uvicorn in a thread of this process.
     Returns (the uvicorn server, its ServerState, the CPU clock ids of the event loop's and the
     worker's threads)."""
@@ -142,7 +152,8 @@ def start_server(llm, model_id: str, n_par: int, port: int, merge_prompts: bool 
     eng = llm.engine
     state = ServerState(model_id=model_id, api_key=None, n_parallel=n_par, defaults=SamplingParams())
     state.llm, state.template = llm, resolve_chat_template(eng.gguf, eng.tokenizer, None)
-    state.worker = Worker(llm, n_par, lambda job, res: None, print, merge_prompts=merge_prompts)
+    state.worker = Worker(llm, n_par, lambda job, res: None, print, merge_prompts=merge_prompts,
+                          sync_stream=sync_stream)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, lifespan="off"))
     loop_thread = threading.Thread(target=server.run, daemon=True)
@@ -189,10 +200,27 @@ def real(a: argparse.Namespace) -> None:
 
     alone = {} if a.skip_alone else {"bench": per_token_ms(lambda tok: eng.eval([tok]), eng.reset),
                                      "slot": per_token_ms(lambda tok: eng.decode([tok], [seqs[0]]), seqs[0].clear)}
+    if alone and a.gil_load > 0:
+        period = float(np.mean(alone["slot"])) / 1e3
+        stop = threading.Event()
+
+        def hold_gil() -> None:  # pure Python (it keeps the GIL), once per token's time
+            while not stop.is_set():
+                t_end = time.perf_counter() + a.gil_load / 1e6
+                while time.perf_counter() < t_end:
+                    pass
+                time.sleep(period)
+        holder = threading.Thread(target=hold_gil, daemon=True)
+        holder.start()
+        alone[f"slot 0, another thread holding the GIL {a.gil_load:.0f} us a token"] = per_token_ms(
+            lambda tok: eng.decode([tok], [seqs[0]]), seqs[0].clear)
+        stop.set()
+        holder.join()
     seqs[0].clear()
     for k, v in alone.items():
-        print(f"alone, {'Engine.eval on its own sequence (bench)' if k == 'bench' else 'Engine.decode of slot 0'}: "
-              f"{' '.join(f'{x:.3f}' for x in v)} ms per token", flush=True)
+        names = {"bench": "Engine.eval on its own sequence (bench)", "slot": "Engine.decode of slot 0"}
+        what = names[k] if k in names else f"Engine.decode of {k}"
+        print(f"alone, {what}: {' '.join(f'{x:.3f}' for x in v)} ms per token", flush=True)
 
     calls: list[tuple[str, float, int]] = []  # (kind, seconds, tokens) of every engine call the worker makes
     inside = [False]  # an engine call made by another one (decode's or eval_seqs' own Engine.eval): not counted
@@ -213,7 +241,8 @@ def real(a: argparse.Namespace) -> None:
     eng.decode, eng.eval, eng.eval_seqs = (timed("decode", eng.decode, lambda toks, kvs: len(kvs)),
                                            timed("prompt", eng.eval, lambda toks, *_: len(toks)),
                                            timed("prompt", eng.eval_seqs, lambda parts, kvs: sum(map(len, parts))))
-    server, state, clocks = start_server(llm, Path(a.model).name, n_par, a.port, merge_prompts=not a.separate_prompts)
+    server, state, clocks = start_server(llm, Path(a.model).name, n_par, a.port, merge_prompts=not a.separate_prompts,
+                                         sync_stream=a.sync_stream)
     pin = (lambda: os.sched_setaffinity(0, {a.client_cpus})) if a.client_cpus is not None else None
     print("| streams | rep | wall ms | in prompt calls ms | in decode calls ms | outside ms | decode calls "
           "| mean decode call ms | in decode ms per token | server ms per token | TPOT p50 ms | TPOT mean ms "

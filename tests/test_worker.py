@@ -259,6 +259,38 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         w.stop()
 
 
+def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm):
+    """``sync_stream`` (an experiment, off by default): emit_texts tells a step's end once the one
+    loop has run the streaming it woke (not for two loops, nor a closed one), and a worker that
+    waits for it gives every job the text it gets without."""
+    import threading
+
+    from moecache.server.worker import emit_texts
+
+    a, b = asyncio.new_event_loop(), asyncio.new_event_loop()
+    ja, jb = Job([1], gen(1), a), Job([1], gen(1), b)
+    ev = threading.Event()
+    assert emit_texts([(ja, "x")], ev) and not ev.is_set()
+    a.run_until_complete(asyncio.sleep(0.01))  # the loop's turns: delivery, then the streamed mark
+    assert ev.is_set() and ja.events.get_nowait() == ("text", "x")
+    assert not emit_texts([(ja, "y"), (jb, "z")], threading.Event())
+    b.close()
+    assert not emit_texts([(jb, "lost")], threading.Event()) and jb.cancelled.is_set()
+    a.close()
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    plain = Worker(llm, 2, lambda j, r: None, print)
+    try:
+        want = [r.text for _, r in run_jobs(plain, [(p, gen(8)) for p in prompts])]
+    finally:
+        plain.stop()
+    synced = Worker(llm, 2, lambda j, r: None, print, sync_stream=True)
+    try:
+        out = run_jobs(synced, [(p, gen(8)) for p in prompts])
+        assert [k for k, _ in out] == ["done"] * 2 and [r.text for _, r in out] == want
+    finally:
+        synced.stop()
+
+
 @pytest.mark.parametrize("mode", ["merge_prompts off", "short parts with experts in host RAM"])
 def test_first_token_is_sent_before_another_slots_prompt_chunk(llm, monkeypatch, mode):
     """Where slots' prompt chunks get a pass each (``merge_prompts=False``; or, the default at

@@ -36,6 +36,9 @@ from moecache.server.schemas import ApiError, GenRequest
 from moecache.server.stops import StopMatcher
 
 
+SYNC_STREAM_WAIT_S = 0.005  # the most a step waits for the loop to stream the last one's text (sync_stream)
+
+
 @dataclass
 class Result:
     """How a job ended. ``finish_reason``: "stop" (end of generation or a stop string),
@@ -108,25 +111,34 @@ class Job:
         self.cancelled.set()
 
 
-def _deliver(items: list[tuple[Job, str]]) -> None:
-    """In the loop: each job's text piece into its queue, in order."""
+def _deliver(items: list[tuple[Job, str]], streamed: threading.Event | None = None) -> None:
+    """In the loop: each job's text piece into its queue, in order; then, with ``streamed``, set it
+    once the loop has run what that woke (the streaming tasks' steps, queued before it: two turns
+    of the loop later)."""
     for job, piece in items:
         job.events.put_nowait(("text", piece))
+    if streamed is not None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, streamed.set)
 
 
-def emit_texts(items: list[tuple[Job, str]]) -> None:
+def emit_texts(items: list[tuple[Job, str]], streamed: threading.Event | None = None) -> bool:
     """Hand a step's text pieces to their loops, one wake-up per loop (from the worker thread):
     woken once per step rather than once per token, the loop's streaming contends less with the
-    worker for the GIL (``bench/serve_overhead.py``). A closed loop cancels its jobs."""
+    worker for the GIL (``bench/serve_overhead.py``). A closed loop cancels its jobs. With
+    ``streamed`` (one loop only), the loop sets it after streaming them. Returns whether it will."""
     by_loop: dict[int, list[tuple[Job, str]]] = {}
     for it in items:
         by_loop.setdefault(id(it[0].loop), []).append(it)
+    tell = streamed if len(by_loop) == 1 else None
     for group in by_loop.values():
         try:
-            group[0][0].loop.call_soon_threadsafe(_deliver, group)
+            group[0][0].loop.call_soon_threadsafe(_deliver, group, tell)
         except RuntimeError:  # the loop is closed: nobody is listening any more
+            tell = None
             for job, _ in group:
                 job.cancelled.set()
+    return tell is not None
 
 
 @dataclass
@@ -167,13 +179,20 @@ class Worker:
         merge_prompts: several slots' prompt chunks of a step go to ``Engine.eval_seqs`` together
             (False: each slot's to ``Engine.eval``, a pass each, as before the thirty-third session;
             for benchmarks).
+        sync_stream: after each step, wait until the event loop has streamed the step's text
+            before the next step begins (at most ``SYNC_STREAM_WAIT_S``), so that the loop's
+            Python does not run during the engine's step. Off by default: an experiment
+            (``bench/serve_overhead.py --real --sync-stream``) of whether the loop's hold of the GIL
+            during a step slows it (one stream's decode call measured 7.5% slower inside the
+            server than alone, run ``h200-s33b``); not measured yet.
     """
 
     def __init__(self, llm, n_parallel: int, on_done: Callable[[Job, Result], None], log: Callable[[str], None],
-                 merge_prompts: bool = True):
+                 merge_prompts: bool = True, sync_stream: bool = False):
         self.llm = llm
         self.n_parallel = n_parallel
         self.merge_prompts = merge_prompts
+        self.sync_stream = sync_stream
         self.on_done = on_done
         self.log = log
         self.stopping = threading.Event()
@@ -349,10 +368,16 @@ class Worker:
     def _send_texts(self) -> None:
         """Send the text pieces sampled since the last call: at the end of a step (every slot's token
         of its decode pass: a slot's text waits for the other slots' sampling, ~10 µs each when
-        greedy), after a prompt's first token, and before a job's end or error."""
+        greedy), after a prompt's first token, and before a job's end or error. With
+        ``sync_stream``, wait (up to ``SYNC_STREAM_WAIT_S``) until the loop has streamed them."""
         if self._texts:
             items, self._texts = self._texts, []
-            emit_texts(items)
+            if not self.sync_stream:
+                emit_texts(items)
+                return
+            streamed = threading.Event()
+            if emit_texts(items, streamed):
+                streamed.wait(SYNC_STREAM_WAIT_S)
 
     def _guarded(self, runs: list[_Run], work: Callable[[], None]) -> None:
         """Run ``work``; a failure ends ``runs`` with an error (the server goes on)."""
