@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--prefill", type=int, default=0, help="profile -n prompts of this many tokens instead")
     ap.add_argument("--vram-budget", type=int, default=0, help="MiB per GPU (0: none): experts in host RAM")
-    ap.add_argument("--load-mode", default="mmap", help="mmap or pin (host experts)")
+    ap.add_argument("--load-mode", default=None, help="mmap or pin (host experts; default mmap, or with "
+                    "--resolved as resolved)")
     ap.add_argument("--routing", default=None, help="replace the routers' choices by this routing process "
                     "(qwen3-moe, low-locality, uniform: as bench --routing; the routing draws count in the wall time)")
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
@@ -89,10 +90,12 @@ def main() -> None:
     if a.resolved:  # the settings run and serve resolve (the layer plan, the elastic slots, -t)
         import moecache
 
-        kw = ({"vram_budget": a.vram_budget << 20} if a.vram_budget else {}) | ({"n_ubatch": a.ub} if a.ub else {})
-        held = moecache.load(a.model, log=print, n_ctx=a.c, cache_type=a.ctk, load_mode=a.load_mode, **kw)
+        given = {"vram_budget": a.vram_budget << 20 if a.vram_budget else None, "n_ubatch": a.ub,
+                 "load_mode": a.load_mode, "routing": a.routing}  # routing at load, as run --routing has it
+        held = moecache.load(a.model, log=print, n_ctx=a.c, cache_type=a.ctk, no_moe_profile=True,
+                             **{k: v for k, v in given.items() if v is not None})
     else:
-        a.ub = a.ub or 512
+        a.ub, a.load_mode = a.ub or 512, a.load_mode or "mmap"
         cfg = EngineConfig(n_ctx=a.c, n_ubatch=a.ub, n_batch=max(a.ub, 2048), cache_type=a.ctk)
         placement = PlacementOptions(n_gpu_layers=99, vram_budget=a.vram_budget << 20)
         held = Engine(a.model, cfg, log=print, placement=placement, cuda_graph=True, load_mode=a.load_mode,
@@ -102,7 +105,7 @@ def main() -> None:
         vocab = eng.gguf.config.n_vocab
         for cache in eng.caches:
             cache.prompt_stacks = not a.no_prompt_stacks
-        if a.routing:
+        if a.routing and not a.resolved:
             from moecache.moe.routing_process import make_routing
 
             c = eng.gguf.config
@@ -112,13 +115,13 @@ def main() -> None:
         for depth, mode in [(int(d), m) for d in a.d.split(",") for m in a.modes.split(",")]:
             eng.model.decode_graph = graph if mode == "graph" else None
             eng.reset()
+            if a.batch > 1:  # each slot its own depth prompt
+                results.append(profile_batch(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
+                continue
             if depth:
                 eng.eval(rng.integers(0, vocab, depth))
             if a.prefill:
                 results.append(profile_prompts(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
-                continue
-            if a.batch > 1:
-                results.append(profile_batch(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
                 continue
             for _ in range(4):  # capture the graph, settle clocks
                 eng.eval([int(rng.integers(0, vocab))])
@@ -144,6 +147,9 @@ def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str) 
     first and its own random token every step; the table per step."""
     vocab = eng.gguf.config.n_vocab
     seqs = eng.sequences(a.batch)
+    if depth + 4 + 2 * a.n > seqs[0].n_ctx:
+        raise SystemExit(f"--batch {a.batch}: each slot holds {seqs[0].n_ctx} positions (-c {a.c} over {a.batch}), "
+                         f"fewer than the depth {depth} + 4 warm-up + 2 x {a.n} steps")
     for s in seqs:
         s.clear()
         if depth:

@@ -74,16 +74,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-elastic-slots", action="store_true", help="--real: as run's --no-elastic-slots")
     ap.add_argument("--skip-alone", action="store_true", help="--real: no timing outside the server")
     ap.add_argument("--gil-load", type=float, default=0.0, metavar="US",
-                    help="--real: also time the slot alone while another thread runs US µs of pure Python once "
-                         "per token (as the event loop streams a token): whether the GIL slows the engine's step")
+                    help="--real: also time the slot alone while another thread runs US µs of pure Python about "
+                         "once per token (as the event loop streams a token, but not in phase with the steps: a "
+                         "slowdown shows the GIL matters, no slowdown does not clear it)")
     ap.add_argument("--sync-stream", action="store_true",
                     help="--real: the worker waits for the loop to stream a step's text before the next step "
                          "(Worker sync_stream)")
     ap.add_argument("--separate-prompts", action="store_true",
                     help="--real: one prompt pass per slot (Worker merge_prompts=False)")
     a = ap.parse_args(argv)
+    real_only = {"-c": a.ctx_size, "-t": a.threads, "--vram-budget": a.vram_budget, "--routing": a.routing,
+                 "-np": a.parallel, "--client-cpus": a.client_cpus, "--prompt-tokens": a.prompt_tokens or None,
+                 "--no-elastic-slots": a.no_elastic_slots or None, "--skip-alone": a.skip_alone or None,
+                 "--gil-load": a.gil_load or None, "--sync-stream": a.sync_stream or None,
+                 "--separate-prompts": a.separate_prompts or None}
     if a.real:
+        if a.gil_load and a.skip_alone:
+            print("note: --gil-load not used: it times slot 0 alone, which --skip-alone skips", file=sys.stderr)
         return real(a)
+    ignored = [k for k, v in real_only.items() if v is not None]
+    if ignored:
+        print(f"note: {', '.join(ignored)} not used: options of --real only", file=sys.stderr)
 
     import moecache
 

@@ -259,10 +259,10 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         w.stop()
 
 
-def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm):
+def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm, monkeypatch):
     """``sync_stream`` (an experiment, off by default): emit_texts tells a step's end once the one
-    loop has run the streaming it woke (not for two loops, nor a closed one), and a worker that
-    waits for it gives every job the text it gets without."""
+    loop has run the streaming task it woke (not for two loops, nor a closed one), and a worker
+    that waits for it at each step's end gives every job the text it gets without."""
     import threading
 
     from moecache.server.worker import emit_texts
@@ -270,9 +270,16 @@ def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm):
     a, b = asyncio.new_event_loop(), asyncio.new_event_loop()
     ja, jb = Job([1], gen(1), a), Job([1], gen(1), b)
     ev = threading.Event()
+    seen = []
+
+    async def stream() -> None:  # the streaming task the delivery wakes: it runs before the mark
+        seen.append(await ja.events.get())
+        seen.append(ev.is_set())
+    task = a.create_task(stream())
+    a.run_until_complete(asyncio.sleep(0))  # the task waits on the queue
     assert emit_texts([(ja, "x")], ev) and not ev.is_set()
-    a.run_until_complete(asyncio.sleep(0.01))  # the loop's turns: delivery, then the streamed mark
-    assert ev.is_set() and ja.events.get_nowait() == ("text", "x")
+    a.run_until_complete(asyncio.sleep(0.01))  # the loop's turns: delivery, the task, then the mark
+    assert task.done() and seen == [("text", "x"), False] and ev.is_set()
     assert not emit_texts([(ja, "y"), (jb, "z")], threading.Event())
     b.close()
     assert not emit_texts([(jb, "lost")], threading.Event()) and jb.cancelled.is_set()
@@ -283,12 +290,22 @@ def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm):
         want = [r.text for _, r in run_jobs(plain, [(p, gen(8)) for p in prompts])]
     finally:
         plain.stop()
+    waits = []  # (told, the worker's wait_s) of every emit_texts call
+    real_emit = wk.emit_texts
+
+    def spy(items, streamed=None):
+        waits.append(streamed is not None)
+        return real_emit(items, streamed)
+    monkeypatch.setattr(wk, "emit_texts", spy)
     synced = Worker(llm, 2, lambda j, r: None, print, sync_stream=True)
     try:
         out = run_jobs(synced, [(p, gen(8)) for p in prompts])
         assert [k for k, _ in out] == ["done"] * 2 and [r.text for _, r in out] == want
     finally:
         synced.stop()
+    # the steps' ends waited (6 of the 7 decode steps: the last one's text goes out as each job
+    # ends), the first tokens and the ends did not
+    assert waits.count(True) >= 6 and waits.count(False) >= 2, waits
 
 
 @pytest.mark.parametrize("mode", ["merge_prompts off", "short parts with experts in host RAM"])

@@ -179,9 +179,10 @@ class Worker:
         merge_prompts: several slots' prompt chunks of a step go to ``Engine.eval_seqs`` together
             (False: each slot's to ``Engine.eval``, a pass each, as before the thirty-third session;
             for benchmarks).
-        sync_stream: after each step, wait until the event loop has streamed the step's text
-            before the next step begins (at most ``SYNC_STREAM_WAIT_S``), so that the loop's
-            Python does not run during the engine's step. Off by default: an experiment
+        sync_stream: at the end of each step, wait until the event loop has streamed the step's
+            text before the next step begins (at most ``SYNC_STREAM_WAIT_S``; one loop only), so
+            that the loop's Python does not run during the engine's step (a stream's first token,
+            read through ``asyncio.wait_for``, is written a turn later). Off by default: an experiment
             (``bench/serve_overhead.py --real --sync-stream``) of whether the loop's hold of the GIL
             during a step slows it (one stream's decode call measured 7.5% slower inside the
             server than alone, run ``h200-s33b``); not measured yet.
@@ -363,20 +364,18 @@ class Worker:
         ready = [r for r in self.runs if r is not None and r.next_tok is not None]
         if ready:
             self._guarded(ready, lambda: self._decode(ready))
-        self._send_texts()
+        self._send_texts(wait=self.sync_stream)
 
-    def _send_texts(self) -> None:
+    def _send_texts(self, wait: bool = False) -> None:
         """Send the text pieces sampled since the last call: at the end of a step (every slot's token
         of its decode pass: a slot's text waits for the other slots' sampling, ~10 µs each when
-        greedy), after a prompt's first token, and before a job's end or error. With
-        ``sync_stream``, wait (up to ``SYNC_STREAM_WAIT_S``) until the loop has streamed them."""
+        greedy), after a prompt's first token, and before a job's end or error. With ``wait`` (the
+        step's end under ``sync_stream``), wait up to ``SYNC_STREAM_WAIT_S`` until the loop has
+        streamed them."""
         if self._texts:
             items, self._texts = self._texts, []
-            if not self.sync_stream:
-                emit_texts(items)
-                return
-            streamed = threading.Event()
-            if emit_texts(items, streamed):
+            streamed = threading.Event() if wait else None
+            if emit_texts(items, streamed) and streamed is not None:
                 streamed.wait(SYNC_STREAM_WAIT_S)
 
     def _guarded(self, runs: list[_Run], work: Callable[[], None]) -> None:
