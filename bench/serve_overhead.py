@@ -17,16 +17,22 @@ of the worker's (the stand-in's logits copy included).
 and each rep's ``-n`` tokens are timed three ways: as ``moecache bench`` decodes (``Engine.eval`` of
 one token on the engine's own sequence), as the server's worker calls the engine with nothing
 around it (``Engine.decode`` of one slot of ``-np``), and through the server, where every
-``Engine.decode`` and prompt ``Engine.eval``/``Engine.eval_seqs`` call is timed in place. Per stream count it prints the
-server's wall time per round against the time inside the engine's calls (prompt and decode), the
-mean decode call, and per token of one stream: inside ``Engine.decode`` against the server's
-``predicted_per_second`` and the clients' TPOT. ``--client-cpus K`` runs the clients on CPU K
-(``sched_setaffinity``); ``--prompt-tokens N`` sends N-token prompts (``serve_load.prompt_of``);
-``--separate-prompts`` gives each slot's prompt chunk a pass of its own (the worker's
-``merge_prompts=False``); ``--sync-stream`` makes the worker wait for the loop to stream a step's
-text before its next step (``Worker(sync_stream=True)``); ``--gil-load US`` also times slot 0
-alone while another thread runs US µs of pure Python once per token (the event loop's hold of the
-GIL, without the server).
+``Engine.decode`` and prompt ``Engine.eval``/``Engine.eval_seqs`` call is timed in place. Per
+stream count it prints the server's wall time per round against the time inside the engine's calls
+(prompt and decode), the mean decode call, and per token of one stream: inside ``Engine.decode``
+against the server's ``predicted_per_second`` and the clients' TPOT. Unless ``--skip-alone``, slot
+0 is timed alone again after the server stops (a drift over the process's life would show there as
+well). Options:
+
+- ``--client-cpus K`` runs the clients on CPU K (``sched_setaffinity``);
+- ``--prompt-tokens N`` sends N-token prompts (``serve_load.prompt_of``);
+- ``--separate-prompts`` gives each slot's prompt chunk a pass of its own (the worker's
+  ``merge_prompts=False``);
+- ``--sync-stream`` makes the worker wait for the loop to stream a step's text before its next step
+  (``Worker(sync_stream=True)``);
+- ``--gil-load US`` also times slot 0 alone while another thread runs US µs of pure Python about
+  once per token (the event loop's hold of the GIL, without the server).
+
 Set ``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000`` as ``serve`` does when it resolves the
 layer plan.
 
@@ -249,6 +255,7 @@ def real(a: argparse.Namespace) -> None:
                 calls.append((kind, time.perf_counter() - t0, size(*args)))
         return call
 
+    decode, evaluate, evaluate_seqs = eng.decode, eng.eval, eng.eval_seqs
     eng.decode, eng.eval, eng.eval_seqs = (timed("decode", eng.decode, lambda toks, kvs: len(kvs)),
                                            timed("prompt", eng.eval, lambda toks, *_: len(toks)),
                                            timed("prompt", eng.eval_seqs, lambda parts, kvs: sum(map(len, parts))))
@@ -296,6 +303,12 @@ def real(a: argparse.Namespace) -> None:
                           f"B={b}: {len(v)} x {statistics.fmean(v):.2f}" for b, v in sorted(by_b.items())), flush=True)
     server.should_exit = True
     state.worker.stop()
+    if alone:  # the same call alone again: a drift over the process's life, not the server, would show here too
+        eng.decode, eng.eval, eng.eval_seqs = decode, evaluate, evaluate_seqs
+        seqs[0].clear()
+        after = per_token_ms(lambda tok: eng.decode([tok], [seqs[0]]), seqs[0].clear)
+        print(f"alone again after the server, Engine.decode of slot 0: {' '.join(f'{x:.3f}' for x in after)} ms "
+              f"per token", flush=True)
     llm.close()
 
 
