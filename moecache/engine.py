@@ -463,14 +463,7 @@ class Engine:
         step = DECODE_MAX_TOKENS
         parts = [self.model.forward_seqs(toks[i:i + step], list(kvs[i:i + step])) for i in range(0, len(kvs), step)]
         lg = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        bad = [i for i in range(lg.shape[0]) if not np.isfinite(lg[i]).all()]
-        if bad:
-            err = NonFiniteError(
-                f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) for {len(bad)} of the "
-                f"{len(kvs)} sequences decoded together: its weights hold NaN/inf values or overflow float32")
-            err.rows, err.logits = bad, lg
-            raise err
-        return lg
+        return self._named_rows(lg, "sequences decoded together")
 
     @property
     def prompt_pass_min(self) -> int | None:
@@ -507,7 +500,7 @@ class Engine:
         as :meth:`DecoderLM.forward_parts`.
 
         Unless :meth:`shares_pass` says no (experts in host RAM, every part shorter than
-        :attr:`prompt_pass_min`): then each part has a pass of its own, as :meth:`eval` runs it.
+        :attr:`prompt_pass_min`): then each part starts a pass of its own.
 
         Returns:
             float32 (N, n_vocab): the logits of each part's last token.
@@ -520,12 +513,13 @@ class Engine:
                 ``logits`` holds every part's (the other parts are in their caches).
         """
         toks = check_parts(parts, kvs, self.gguf.config.n_vocab, "eval_seqs")
-        if not self.shares_pass([t.size for t in toks]):
-            return self._eval_each(toks, kvs)
+        shared = self.shares_pass([t.size for t in toks])
         out = np.empty((len(toks), self.gguf.config.n_vocab), np.float32)
         passes: list[list[tuple[int, int, int]]] = [[]]  # per pass: (part, first token, end)
         room = self.n_ubatch
         for i, t in enumerate(toks):
+            if not shared and passes[-1]:  # each part starts a pass of its own
+                room = 0
             a = 0
             while a < t.size:
                 if room == 0:
@@ -544,27 +538,17 @@ class Engine:
             for row, (i, _, b) in enumerate(ps):
                 if b == toks[i].size:
                     out[i] = lg[row]
-        return self._named_rows(out)
+        return self._named_rows(out, "sequences' prompts evaluated together")
 
-    def _eval_each(self, toks: list[np.ndarray], kvs: list[KVCache]) -> np.ndarray:
-        """:meth:`eval_seqs` one part at a time (each part's last logits; a part whose logits are not
-        finite is named, the others go on)."""
-        out = np.empty((len(toks), self.gguf.config.n_vocab), np.float32)
-        for i, (t, k) in enumerate(zip(toks, kvs)):
-            try:
-                out[i] = self.eval(t, kv=k)[-1]
-            except NonFiniteError:
-                out[i] = np.nan
-        return self._named_rows(out)
-
-    def _named_rows(self, out: np.ndarray) -> np.ndarray:
-        """``out`` when every row is finite; else NonFiniteError with ``rows`` and ``logits``."""
+    def _named_rows(self, out: np.ndarray, what: str) -> np.ndarray:
+        """``out`` (float32 (N, n_vocab), a row per sequence) when every row is finite; else
+        NonFiniteError naming the bad rows (``rows``) and holding ``logits`` (serve fails only those
+        sequences' requests); ``what`` says what the N sequences were."""
         bad = [i for i in range(out.shape[0]) if not np.isfinite(out[i]).all()]
         if bad:
             err = NonFiniteError(
                 f"{self.gguf.path.name}: the model computed non-finite logits (NaN or inf) for {len(bad)} of the "
-                f"{out.shape[0]} sequences' prompts evaluated together: its weights hold NaN/inf values or overflow "
-                f"float32")
+                f"{out.shape[0]} {what}: its weights hold NaN/inf values or overflow float32")
             err.rows, err.logits = bad, out
             raise err
         return out
