@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=8)
     ap.add_argument("-n", type=int, default=300, help="timed passes")
     ap.add_argument("--warmup", type=int, default=300, help="untimed passes first (the cache fills)")
+    ap.add_argument("--batch", default="1", help="tokens per decode pass (serve's slots stepping together); "
+                    "a comma list times each")
+    ap.add_argument("--layer-plan", action="store_true", help="the slots follow a layer plan (--cache-plan layer)")
     a = ap.parse_args()
 
     from moecache.backends import NumpyBackend
@@ -52,17 +55,18 @@ def main() -> None:
         with open_gguf(path) as m:
             c = m.config
             ew = expert_weights(m, "silu")
-            for preset in a.routing.split(","):
-                cache = CachedExperts(ew, NumpyBackend(), a.slots, CachePolicy(c.n_layer, c.n_expert, a.slots, PolicyConfig()),
-                                      32, zero_copy=True, top_k=c.n_expert_used)
+            for preset, b in [(p, int(b)) for p in a.routing.split(",") for b in a.batch.split(",")]:
+                pol = CachePolicy(c.n_layer, c.n_expert, a.slots, PolicyConfig(layer_plan=a.layer_plan))
+                cache = CachedExperts(ew, NumpyBackend(), a.slots, pol, 32, zero_copy=True, top_k=c.n_expert_used)
                 src = make_routing(preset, c.n_layer, c.n_expert, c.n_expert_used, 0)
-                h = np.random.default_rng(0).standard_normal((1, c.n_embd)).astype(np.float32)
+                h = np.random.default_rng(0).standard_normal((b, c.n_embd)).astype(np.float32)
                 spent = [0.0]
 
                 def step(timed: bool) -> None:
-                    cache.begin_pass(1)
+                    cache.note_decode(b)
+                    cache.begin_pass(b)
                     for il in range(c.n_layer):
-                        cache(il, h, src.route(il, 1))
+                        cache(il, h, src.route(il, b))
                     t0 = time.perf_counter()
                     cache.launched()  # the previous pass's flush
                     if timed:
@@ -76,9 +80,10 @@ def main() -> None:
                     step(True)
                 cache.flush()
                 up, hits, misses = (x - y for x, y in zip((cache.stats.uploads, cache.stats.hits, cache.stats.misses), s0))
-                print(f"{preset}: flush {1e3 * spent[0] / a.n:.3f} ms per token | hit rate {hits / max(1, hits + misses):.3f} | "
-                      f"{up / a.n:.1f} uploads per token | {a.n_layer} layers x {a.n_expert} experts, top-{a.k}, "
-                      f"{a.slots} slots", flush=True)
+                print(f"{preset}, passes of {b}: flush {1e3 * spent[0] / a.n:.3f} ms per pass | hit rate "
+                      f"{hits / max(1, hits + misses):.3f} | {up / a.n:.1f} uploads per pass | {a.n_layer} layers x "
+                      f"{a.n_expert} experts, top-{a.k}, {a.slots} slots{', layer plan' if a.layer_plan else ''}",
+                      flush=True)
                 cache.close()
 
 

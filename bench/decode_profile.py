@@ -24,6 +24,7 @@ Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -70,13 +71,40 @@ def main() -> None:
                     help="load through moecache.load, the settings run and serve resolve (the layer plan, the "
                          "elastic slots, -t; set OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 as they do), "
                          "instead of an Engine with this script's placement; --prompt-q8 does not apply")
-    ap.add_argument("--batch", type=int, default=1, metavar="B",
+    ap.add_argument("--batch", default="1", metavar="B",
                     help="profile decode steps of B sequences together (Engine.sequences / Engine.decode, as "
-                         "serve's slots run; each a -d prompt first); the table is then per step")
+                         "serve's slots run; each a -d prompt first); the table is then per step, with the "
+                         "expert cache's hits and misses per step; a comma list (1,8) profiles each B in turn "
+                         "on the same engine (B 1 then also runs as a slot, through Engine.decode)")
+    ap.add_argument("--warmup", type=int, default=4, metavar="N",
+                    help="with --batch: decode steps before the profiled ones (the graph's capture, the cache's "
+                         "and the plan's settling; serve's slots have run many)")
+    ap.add_argument("--gaps", default="on", help="with --batch: a comma list of on/off: the expert cache's "
+                    "accounting in the gaps between the handoff's answers (CachedExperts.account_in_gaps), or "
+                    "after the last; each B is profiled once per value, in turn on the same engine")
+    ap.add_argument("--cpu-cost-scale", default="1", metavar="LIST",
+                    help="with --batch: a comma list of factors on the layer plan's CPU costs (PolicyConfig "
+                         "t_cpu_layer and t_fixed, as resolved): each B is profiled once per factor, the plan made "
+                         "again with those costs first (how the CPU's share of the misses moves a step's time)")
+    ap.add_argument("--host-times", action="store_true",
+                    help="with --batch: also time the host's phases of each step (the cache's pass hooks, the "
+                         "routing draw, the replay, the handoff's answers, the accounting) over -n more steps")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
                          "print its top N functions by own time")
     a = ap.parse_args()
+    try:
+        a.cpu_scales = [float(x) for x in a.cpu_cost_scale.split(",")]
+    except ValueError:
+        raise SystemExit(f"--cpu-cost-scale: a comma list of numbers, not {a.cpu_cost_scale!r}") from None
+    if set(a.gaps.split(",")) - {"on", "off"}:
+        raise SystemExit(f"--gaps: a comma list of on and off, not {a.gaps!r}")
+    try:
+        a.batches = [int(b) for b in a.batch.split(",")]
+        if not a.batches or min(a.batches) < 1:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--batch: a comma list of positive integers, not {a.batch!r}") from None
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -115,8 +143,21 @@ def main() -> None:
         for depth, mode in [(int(d), m) for d in a.d.split(",") for m in a.modes.split(",")]:
             eng.model.decode_graph = graph if mode == "graph" else None
             eng.reset()
-            if a.batch > 1:  # each slot its own depth prompt
-                results.append(profile_batch(a, torch, profile, ProfilerActivity, eng, rng, depth, mode))
+            if a.batches != [1]:  # each slot its own depth prompt
+                base = {id(c): c.policy.cfg for c in eng.caches}
+                for b in a.batches:
+                    for scale in a.cpu_scales:
+                        for cache in eng.caches:
+                            cfg = base[id(cache)]
+                            cache.policy.cfg = dataclasses.replace(cfg, t_cpu_layer=cfg.t_cpu_layer * scale,
+                                                                   t_fixed=cfg.t_fixed * scale)
+                            cache.policy.replan_soon()
+                        for gaps in a.gaps.split(","):
+                            for cache in eng.caches:
+                                cache.account_in_gaps = gaps == "on"
+                            results.append(profile_batch(a, torch, profile, ProfilerActivity, eng, rng, depth,
+                                                         f"{mode}, accounting in the gaps {gaps}, plan's CPU "
+                                                         f"costs x{scale:g}", b))
                 continue
             if depth:
                 eng.eval(rng.integers(0, vocab, depth))
@@ -141,15 +182,16 @@ def main() -> None:
         a.json.write_text(json.dumps(results, indent=1))
 
 
-def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str) -> dict:
-    """``-n`` decode steps of ``--batch`` B sequences together (serve's continuous batching: batched
+def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str, batch: int) -> dict:
+    """``-n`` decode steps of ``batch`` sequences together (serve's continuous batching: batched
     CUDA graphs where they replay), each sequence a slot of ``-c`` with a ``depth``-token prompt
-    first and its own random token every step; the table per step."""
+    first and its own random token every step, after ``--warmup`` steps; the table per step, and the
+    expert caches' counters per step over the steps timed without the profiler."""
     vocab = eng.gguf.config.n_vocab
-    seqs = eng.sequences(a.batch)
-    if depth + 4 + 2 * a.n > seqs[0].n_ctx:
-        raise SystemExit(f"--batch {a.batch}: each slot holds {seqs[0].n_ctx} positions (-c {a.c} over {a.batch}), "
-                         f"fewer than the depth {depth} + 4 warm-up + 2 x {a.n} steps")
+    seqs = eng.sequences(batch)
+    if depth + a.warmup + 2 * a.n > seqs[0].n_ctx:
+        raise SystemExit(f"--batch {batch}: each slot holds {seqs[0].n_ctx} positions (-c {a.c} over {batch}), "
+                         f"fewer than the depth {depth} + {a.warmup} warm-up + 2 x {a.n} steps")
     for s in seqs:
         s.clear()
         if depth:
@@ -157,19 +199,89 @@ def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str) 
 
     def steps(n: int) -> None:
         for _ in range(n):
-            eng.decode(rng.integers(0, vocab, a.batch), seqs)
+            eng.decode(rng.integers(0, vocab, batch), seqs)
 
-    steps(4)  # capture the batch's graph, settle clocks
+    steps(a.warmup)  # capture the batch's graph, settle clocks, the cache and the plan
     with profile(activities=[activity.CUDA]) as prof:
         t0 = time.perf_counter()
         steps(a.n)
         wall = time.perf_counter() - t0
+    for c in eng.caches:
+        c.flush()
+        c.reset_stats()
     t0 = time.perf_counter()
     steps(a.n)
     wall_plain = time.perf_counter() - t0
+    for c in eng.caches:
+        c.flush()  # account the last pass's routing
+    k = {f: sum(getattr(c.stats, f) for c in eng.caches) / a.n
+         for f in ("hits", "misses", "uploads", "cpu_misses", "cpu_wait_ns")} if eng.caches else None
+    phases = host_times(eng, steps, a.n) if a.host_times else None
+    if a.host_profile:
+        import cProfile
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        steps(a.n)
+        prof_host.disable()
+        print(f"host profile of {a.n} steps of {batch} (cProfile; times inflated by its tracing):")
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(a.host_profile)
     for s in seqs:
         s.clear()
-    return report(a, torch, prof, depth, f"{mode}, steps of {a.batch} sequences", wall, wall_plain, unit="step")
+    out = report(a, torch, prof, depth, f"{mode}, steps of {batch} sequences", wall, wall_plain, unit="step")
+    if k:
+        print(f"expert cache per step of {batch}: {k['hits']:.1f} hits, {k['misses']:.1f} misses "
+              f"({k['cpu_misses']:.1f} on the CPU, {k['misses'] - k['cpu_misses']:.1f} over the link), "
+              f"{k['uploads']:.1f} uploads, the GPU waited {k['cpu_wait_ns'] / 1e3:.0f} us for the CPU")
+        out["cache_per_step"] = k
+    if phases:
+        out["host_us_per_step"] = phases
+    return out
+
+
+def host_times(eng, steps, n: int) -> dict:
+    """Run ``steps(n)`` with the host's phases of a decode step timed (wrappers on this engine's
+    objects, removed after): the step (``Engine.decode``), the replay, the caches' pass hooks, the
+    routing draw, the handoff's answers and the accounting (``flush``). Prints and returns µs per step."""
+    import moecache.moe.cache as cache_mod
+    from moecache.backends import cuda_graph
+
+    spent: dict[str, float] = defaultdict(float)
+    undo = []
+
+    def wrap(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[label] += time.perf_counter() - t0
+        had = name in vars(owner)
+        setattr(owner, name, timed)
+        undo.append(lambda: setattr(owner, name, fn) if had else delattr(owner, name))
+
+    wrap(eng, "decode", "Engine.decode")
+    wrap(cuda_graph.DecodeGraph, "_replay", "DecodeGraph._replay")
+    wrap(cuda_graph._Routes, "draw", "  routes.draw (before the launch)")
+    wrap(cache_mod, "serve", "    handoff serve (CPU misses)")
+    for c in eng.caches:
+        wrap(c, "begin_pass", "  cache.begin_pass (before the launch)")
+        wrap(c, "launched", "  cache.launched (during the pass)")
+        wrap(c, "flush", "    flush (accounting, admissions)")
+        wrap(c, "end_pass", "  cache.end_pass (after the output)")
+    try:
+        steps(n)
+    finally:
+        for u in reversed(undo):
+            u()
+    out = {k: v / n * 1e6 for k, v in spent.items()}
+    print(f"host phases, µs per step ({n} steps):")
+    for k, v in out.items():
+        print(f"  {k:45s} {v:9.0f}")
+    return out
 
 
 def profile_prompts(a, torch, profile, activity, eng, rng, depth: int, mode: str) -> dict:

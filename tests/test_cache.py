@@ -1137,6 +1137,77 @@ def test_miss_split_replay_road_serves_only_layers_with_a_share(model_path):
         cache.close()
 
 
+def test_replayed_pass_accounts_the_last_pass_in_the_gaps_between_answers(model_path):
+    """With the handoff's answers to give, launched() runs the last pass's accounting a unit at a time
+    between them (the pass's hits and misses before the first wait, one upload after each answer,
+    the rest after the last): the same counters, admissions and slots as flush() run at once on a
+    twin cache fed the same routing."""
+    import threading
+    import time
+
+    from moecache.moe.handoff import HandoffBuffers
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        k = c.n_expert_used
+        pol = PolicyConfig(t_upload=1e-9, min_residency=0)  # every miss pays its upload
+        gapped = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, pol), 32,
+                               zero_copy=True, top_k=k, miss_split=True)
+        at_once = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, pol), 32,
+                                zero_copy=True, top_k=k)
+        buf = HandoffBuffers.allocate(c.n_layer, 16, c.n_embd, k)
+        gapped.handoff = _ThreadHandoff(buf)
+        layers = sorted(gapped.cached_layers)
+        assert len(layers) >= 2
+        gapped._split_layers = list(layers)
+        gapped.split.ncpu[:] = 1
+        gapped._ncpu_dirty = True
+        gapped.begin_pass(1)
+        assert gapped._serve == layers and gapped._replayed_split()
+        # the last pass's routing, as end_pass logs it: 2 tokens, every pair a miss (empty slot maps)
+        ids = np.full((c.n_layer, 2, k), -1, np.int32)
+        for il in layers:
+            for t in range(2):
+                ids[il, t] = rng.choice(c.n_expert, k, replace=False)
+        live = np.full((c.n_layer, c.n_expert), -1, np.int32)
+        for cache in (gapped, at_once):
+            cache._pending_routes.append((ids.copy(), live.copy(), 2))
+        seen = []  # (tokens accounted, uploads started) as the GPU saw them before each post
+        h = rng.standard_normal((1, c.n_embd)).astype(np.float32)
+
+        def gpu():
+            for il in layers:
+                time.sleep(0.05)  # the host's unit after the last answer has run
+                seen.append((gapped.stats.tokens, gapped.stats.uploads))
+                buf.h[:1], buf.ids[:1], buf.w[:1] = h, np.r_[ids[il, 0, :1], [-1] * (k - 1)], 1.0
+                buf.count[il], buf.n_tok[il], buf.wait_ns[il] = 1, 1, 0
+                buf.flag[il] = gapped.handoff.seq
+                while buf.done[il] < gapped.handoff.seq:
+                    pass
+
+        th = threading.Thread(target=gpu)
+        th.start()
+        gapped.launched()
+        th.join(10)
+        assert not th.is_alive()
+        at_once.flush()
+        # before the first post: the pass accounted, no upload yet; then one upload per answer
+        assert seen == [(2, i) for i in range(len(layers))]
+        assert gapped.stats.uploads > len(layers)  # the rest ran after the last answer
+        for f in ("tokens", "hits", "misses", "uploads", "uploaded_bytes"):
+            assert getattr(gapped.stats, f) == getattr(at_once.stats, f), f
+        assert gapped.pool.owner == at_once.pool.owner
+        np.testing.assert_array_equal(gapped.policy.resident, at_once.policy.resident)
+        np.testing.assert_array_equal(gapped.policy.usage, at_once.policy.usage)
+        gapped.end_pass()
+        gapped.close()
+        at_once.close()
+
+
 def test_pool_finds_a_victims_slot_also_after_a_direct_write():
     from moecache.moe.cache import _Pool
 

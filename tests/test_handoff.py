@@ -71,6 +71,53 @@ def test_serve_answers_every_request_in_order_over_passes():
         assert buf.done[2] < seq  # never answered
 
 
+def test_serve_runs_idle_work_before_the_first_wait_and_after_each_answer_until_done():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    layers = [0, 1, 3, 4]
+    buf = handoff.HandoffBuffers.allocate(5, 4, 8, 4)
+    count_of = lambda ids: int((ids >= 0).sum())  # noqa: E731
+    reqs = _requests(rng, layers)
+    for il in layers:
+        reqs[il][1][0, 0] = 1  # every layer has a pair for the CPU
+    calls = []  # the layers answered when each idle call came
+
+    def idle():
+        calls.append([il for il in layers if buf.done[il] >= 1])
+        return len(calls) < 3  # two calls with work, the third says none is left
+
+    got = {}
+    th = threading.Thread(target=_gpu_role, args=(buf, layers, 1, reqs, got, count_of))
+    th.start()
+    assert handoff.serve(buf, layers, 1, _compute, timeout_s=10, idle=idle) == 4
+    th.join(10)
+    assert calls == [[], [0], [0, 1]]  # none after it returned False
+    for il in layers:
+        h, ids, w = reqs[il]
+        ref = np.zeros_like(h)
+        _compute(il, h, ids, w, ref)
+        np.testing.assert_allclose(got[il], ref, rtol=1e-6)
+
+
+def test_serve_releases_the_gpu_when_idle_work_fails():
+    buf = handoff.HandoffBuffers.allocate(3, 1, 4, 2)
+    buf.flag[:] = 7
+    buf.count[:] = 1
+    buf.n_tok[:] = 1
+    n = [0]
+
+    def idle():
+        n[0] += 1
+        if n[0] == 2:
+            raise RuntimeError("boom")
+        return True
+
+    with pytest.raises(RuntimeError, match="boom"):
+        handoff.serve(buf, [0, 1, 2], 7, _compute, idle=idle)
+    assert list(buf.done) == [7, 7, 7]
+
+
 def test_serve_times_out_when_no_request_comes():
     buf = handoff.HandoffBuffers.allocate(2, 1, 4, 2)
     t0 = time.perf_counter()

@@ -76,7 +76,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -297,6 +297,9 @@ class CachedExperts:
         # opt-in (with prompt_stacks): one buffer used in two halves of the expert ids (_prompt_halves),
         # the next layer's half copied while this layer's other half computes
         self.prompt_stack_halves = False
+        # a replayed decode graph's accounting in the gaps between the handoff's answers (launched);
+        # False: after the last answer, as before session 34 (bench/decode_profile.py --gaps compares them)
+        self.account_in_gaps = True
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
@@ -745,12 +748,18 @@ class CachedExperts:
     def launched(self) -> None:
         """While a pass runs on the device: account the finished passes (:meth:`flush`), which feeds
         the policy and starts the admitted uploads while the device is busy. A replayed decode graph
-        with the miss split and a share on some layer first has those layers' handoffs answered (the
-        CPU's share of the misses: the GPU waits for each), and the accounting runs after them,
-        beside the rest of the pass (the layers after the last one served, the output head)."""
+        with the miss split and a share on some layer has those layers' handoffs answered (the CPU's
+        share of the misses: the GPU waits for each), and the accounting runs in their gaps, a unit
+        after each answer (:func:`moecache.moe.handoff.serve`'s ``idle``), its rest after the last
+        one, beside the rest of the pass (the layers after it, the output head). Run after the
+        answers instead, the accounting took 2.5 ms of a 22.7 ms step of 8 tokens at 8 GiB on the
+        H200 machine, the GPU idle meanwhile (``bench/decode_profile.py --host-times``)."""
+        work, end = self._flush_units(), object()
         if self._replayed_split() and self._serve:
-            serve(self.handoff.buf, self._serve, self._seq, self._split_compute)
-        self.flush()
+            serve(self.handoff.buf, self._serve, self._seq, self._split_compute,
+                  idle=(lambda: next(work, end) is not end) if self.account_in_gaps else None)
+        for _ in work:
+            pass
 
     def _replayed_split(self) -> bool:
         """Whether the pass in flight is a replayed graph whose layers hand misses to the host (no
@@ -768,6 +777,14 @@ class CachedExperts:
         used, the policy's observe/decide, the admitted uploads (none with ``admit`` False: at exit).
         Counters read after a run call this first (the last pass is otherwise accounted at the next
         launch)."""
+        for _ in self._flush_units(admit):
+            pass
+
+    def _flush_units(self, admit: bool = True) -> Iterator[None]:
+        """:meth:`flush` as a generator that yields after each short unit of its work (a pass's
+        accounting, a layer's decision, an upload started), so that :meth:`launched` can put the
+        units into the gaps of a pass's handoff; exhausted, it has done what ``flush`` does. The
+        passes to account are taken at the first unit."""
         pending, self._pending_routes = self._pending_routes, []
         for ids, live, t in pending:
             self.policy.new_tokens(t)
@@ -783,12 +800,17 @@ class CachedExperts:
             self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
             if self.policy.replan():
                 self._plan_paths()
+            yield
             if not admit:
                 continue
             flat, missed = lids.reshape(layers.size, -1), ~hit.reshape(layers.size, -1)
             for i in np.flatnonzero(self.policy.may_admit(layers, flat, missed)).tolist():
-                self._apply(self.policy.decide(int(layers[i]), flat[i][missed[i]]))
-            self._apply(self.policy.fill_plan())  # a layer plan's experts not missed yet (none without one)
+                for a in self.policy.decide(int(layers[i]), flat[i][missed[i]]):
+                    self._apply([a])
+                    yield
+            for a in self.policy.fill_plan():  # a layer plan's experts not missed yet (none without one)
+                self._apply([a])
+                yield
 
     def end_pass(self) -> None:
         """After a pass's output reached the host: bring its routing log to the host (processed by the

@@ -166,17 +166,25 @@ def wait_flag(flag: np.ndarray, i: int, want: int, timeout_s: float) -> bool:
 Compute = Callable[[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 
 
-def serve(buf: HandoffBuffers, layers: list[int], seq: int, compute: Compute, timeout_s: float = 30.0) -> int:
+def serve(buf: HandoffBuffers, layers: list[int], seq: int, compute: Compute, timeout_s: float = 30.0,
+          idle: Callable[[], bool] | None = None) -> int:
     """Answer one pass's requests: for each of ``layers`` in step order wait for ``flag[il] >= seq``,
     and when the request has pairs for the CPU, run ``compute`` on them into ``out`` (zeroed first)
     and set ``done[il] = seq`` (a release store, after ``out``'s).
 
+    ``idle``: short host work put into the pass's gaps: called once before the first wait and once
+    after each answer, until it returns False (no work left). After an answer the GPU still has the
+    layer's tail and the next layer's attention and router to run before it posts again (~0.1 ms a
+    layer at 8 tokens on the H200 machine, ``bench/decode_profile.py --host-times``), time this
+    thread otherwise spins through; a call longer than that delays the next answer.
+
     Returns the layers computed. Raises MoecacheError when a request does not come within
-    ``timeout_s`` (the GPU step failed or was never launched); any error releases the pass's
-    remaining waits on the GPU first (``done[:] = seq``).
+    ``timeout_s`` (the GPU step failed or was never launched); any error (``idle``'s too) releases
+    the pass's remaining waits on the GPU first (``done[:] = seq``).
     """
     n = 0
     try:
+        busy = idle is not None and idle()
         for il in layers:
             if not wait_flag(buf.flag, il, seq, timeout_s):
                 raise MoecacheError(f"the GPU step did not hand over layer {il}'s experts within {timeout_s:.0f} s "
@@ -189,6 +197,8 @@ def serve(buf: HandoffBuffers, layers: list[int], seq: int, compute: Compute, ti
             compute(il, buf.h[:t], buf.ids[:t], buf.w[:t], out)
             _release(buf.done, il, seq)  # after out's stores
             n += 1
+            if busy:
+                busy = idle()
     except BaseException:
         buf.done[...] = seq
         raise
