@@ -9,7 +9,10 @@ Qwen3-30B-A3B's MoE shape (48 layers, 128 experts, top-8) with tiny matrices, a 
 slots on the numpy backend (the zero-copy path's CPU twin), runs ``--warmup`` one-token passes, then
 times ``flush`` over ``-n`` passes (the layer calls themselves are not timed).
 
-    python bench/cache_host.py [--routing uniform,qwen3-moe] [--slots 1900] [-n 300]
+``--batch B`` times passes of B tokens (serve's decode steps of B slots), ``--layer-plan`` the
+slots under a layer plan.
+
+    python bench/cache_host.py [--routing uniform,qwen3-moe] [--slots 1900] [-n 300] [--batch 1,8] [--layer-plan]
 """
 
 from __future__ import annotations

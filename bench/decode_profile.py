@@ -4,7 +4,9 @@ kernel class.
 Loads a model all on one GPU, evaluates a ``-d``-token prompt (the attention depth), then times
 ``-n`` single-token decode steps (CUDA-graph replays, or op by op with ``--modes eager``) under PyTorch's profiler
 (CUPTI sees every kernel of the process, CuPy's included); ``--batch B`` profiles decode steps of B
-sequences together instead (serve's slots; the rows are then per step). Prints, per kernel name: launches per
+sequences together instead (serve's slots; the rows are then per step, with the expert cache's hits and
+misses per step; ``--host-times`` adds the host's phases of a step, ``--gaps`` and ``--cpu-cost-scale``
+compare the cache's accounting placement and the layer plan's CPU costs in one process). Prints, per kernel name: launches per
 token, µs per token, µs per launch, share of the GPU time; then the step's wall time per token next
 to the sum of kernel time (the difference is launch gaps, copies and host work).
 
@@ -18,7 +20,8 @@ Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 -d 0 -n 32 [--modes graph,eager] [--json out.json]
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 --prefill 512 -n 2 [--vram-budget 8192 --load-mode pin] [--prompt-q8]
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 python bench/decode_profile.py -m /tmp/q30.gguf -c 8192 \
-        --resolved --vram-budget 8192 --load-mode pin --routing qwen3-moe --batch 8 -n 32
+        --resolved --vram-budget 8192 --load-mode pin --routing qwen3-moe --batch 8,1 --warmup 96 -n 32 \
+        [--host-times] [--gaps on,off] [--cpu-cost-scale 1,1.5,2]
 """
 
 from __future__ import annotations
