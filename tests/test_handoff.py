@@ -46,18 +46,27 @@ def _compute(il, h, ids, w, out):
                 out[t] += w[t, j] * (il + ids[t, j]) * h[t]
 
 
-def test_serve_answers_every_request_in_order_over_passes():
+def _fresh_rng() -> np.random.Generator:
+    """A generator from a fresh seed, printed (a failure names its seed)."""
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print("seed", seed)
-    rng = np.random.default_rng(seed)
+    return np.random.default_rng(seed)
+
+
+def _count_of(ids: np.ndarray) -> int:
+    """The CPU's pairs in a request (handoff_post's count)."""
+    return int((ids >= 0).sum())
+
+
+def test_serve_answers_every_request_in_order_over_passes():
+    rng = _fresh_rng()
     layers = [0, 2, 3, 5]
     buf = handoff.HandoffBuffers.allocate(6, 4, 8, 4)
-    count_of = lambda ids: int((ids >= 0).sum())  # noqa: E731
     for seq in (1, 2, 3):
         reqs = _requests(rng, layers)
         reqs[2][1][...] = -1  # a layer with nothing for the CPU: no answer, no wait
         got = {}
-        th = threading.Thread(target=_gpu_role, args=(buf, layers, seq, reqs, got, count_of))
+        th = threading.Thread(target=_gpu_role, args=(buf, layers, seq, reqs, got, _count_of))
         th.start()
         n = handoff.serve(buf, layers, seq, _compute, timeout_s=10)
         th.join(10)
@@ -72,12 +81,9 @@ def test_serve_answers_every_request_in_order_over_passes():
 
 
 def test_serve_runs_idle_work_before_the_first_wait_and_after_each_answer_until_done():
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print("seed", seed)
-    rng = np.random.default_rng(seed)
+    rng = _fresh_rng()
     layers = [0, 1, 3, 4]
     buf = handoff.HandoffBuffers.allocate(5, 4, 8, 4)
-    count_of = lambda ids: int((ids >= 0).sum())  # noqa: E731
     reqs = _requests(rng, layers)
     for il in layers:
         reqs[il][1][0, 0] = 1  # every layer has a pair for the CPU
@@ -88,7 +94,7 @@ def test_serve_runs_idle_work_before_the_first_wait_and_after_each_answer_until_
         return len(calls) < 3  # two calls with work, the third says none is left
 
     got = {}
-    th = threading.Thread(target=_gpu_role, args=(buf, layers, 1, reqs, got, count_of))
+    th = threading.Thread(target=_gpu_role, args=(buf, layers, 1, reqs, got, _count_of))
     th.start()
     assert handoff.serve(buf, layers, 1, _compute, timeout_s=10, idle=idle) == 4
     th.join(10)
@@ -186,9 +192,7 @@ def test_numpy_moe_ffn_cached_skips_pairs_of_no_expert():
     from moecache.quants.formats import FORMATS
     from moecache.quants.random_blocks import random_rows
 
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print("seed", seed)
-    rng = np.random.default_rng(seed)
+    rng = _fresh_rng()
     fmt, n_exp, ff, d, k, t = FORMATS["Q4_K"], 6, 256, 256, 3, 4
     host = [np.stack([random_rows(fmt, rows, n_in, rng, std=0.05) for _ in range(n_exp)])
             for rows, n_in in ((ff, d), (ff, d), (d, ff))]
