@@ -246,7 +246,9 @@ def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str, 
 def host_times(eng, steps, n: int) -> dict:
     """Run ``steps(n)`` with the host's phases of a decode step timed (wrappers on this engine's
     objects, removed after): the step (``Engine.decode``), the replay, the caches' pass hooks, the
-    routing draw, the handoff's answers and the accounting (``flush``). Prints and returns µs per step."""
+    routing draw and the handoff's answers; ``launched`` less the answers is the accounting run
+    after the last answer (or all of it, with no answers to give), with the uploads it starts.
+    Prints and returns µs per step."""
     import moecache.moe.cache as cache_mod
     from moecache.backends import cuda_graph
 
@@ -273,7 +275,6 @@ def host_times(eng, steps, n: int) -> dict:
     for c in eng.caches:
         wrap(c, "begin_pass", "  cache.begin_pass (before the launch)")
         wrap(c, "launched", "  cache.launched (during the pass)")
-        wrap(c, "flush", "    flush (accounting, admissions)")
         wrap(c, "end_pass", "  cache.end_pass (after the output)")
     try:
         steps(n)
@@ -281,6 +282,9 @@ def host_times(eng, steps, n: int) -> dict:
         for u in reversed(undo):
             u()
     out = {k: v / n * 1e6 for k, v in spent.items()}
+    launched = out.get("  cache.launched (during the pass)")
+    if launched is not None:
+        out["    launched less the answers (accounting)"] = launched - out.get("    handoff serve (CPU misses)", 0.0)
     print(f"host phases, µs per step ({n} steps):")
     for k, v in out.items():
         print(f"  {k:45s} {v:9.0f}")

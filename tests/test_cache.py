@@ -1137,38 +1137,37 @@ def test_miss_split_replay_road_serves_only_layers_with_a_share(model_path):
         cache.close()
 
 
-def test_replayed_pass_accounts_the_last_pass_in_the_gaps_between_answers(model_path):
-    """With the handoff's answers to give, launched() runs the last pass's accounting a unit at a time
-    between them (the pass's hits and misses before the first wait, one upload after each answer,
-    the rest after the last): the same counters, admissions and slots as flush() run at once on a
-    twin cache fed the same routing."""
+def _gapped_pass(model_path, rng, n_passes: int = 1, fail_at: int | None = None, in_gaps: bool = True):
+    """A replayed pass with the miss split on the numpy twin, every cached layer handing one pair to
+    the CPU (a test thread in the GPU's role), and ``n_passes`` earlier passes' routing waiting to be
+    accounted (2 tokens each, every pair a miss). Returns (the cache, a twin cache flushed at once
+    with the same routing, the host's (tokens, uploads) as it began each answer, the cached layers,
+    the error launched() raised or None, the open model file to close last). ``fail_at``: that
+    answer raises KeyboardInterrupt."""
     import threading
-    import time
 
     from moecache.moe.handoff import HandoffBuffers
 
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print("seed", seed)
-    rng = np.random.default_rng(seed)
-    with open_gguf(model_path) as m:
-        c = m.config
-        ew = expert_weights(m, "silu")
-        k = c.n_expert_used
-        pol = PolicyConfig(t_upload=1e-9, min_residency=0)  # every miss pays its upload
-        gapped = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, pol), 32,
-                               zero_copy=True, top_k=k, miss_split=True)
-        at_once = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, pol), 32,
-                                zero_copy=True, top_k=k)
-        buf = HandoffBuffers.allocate(c.n_layer, 16, c.n_embd, k)
-        gapped.handoff = _ThreadHandoff(buf)
-        layers = sorted(gapped.cached_layers)
-        assert len(layers) >= 2
-        gapped._split_layers = list(layers)
-        gapped.split.ncpu[:] = 1
-        gapped._ncpu_dirty = True
-        gapped.begin_pass(1)
-        assert gapped._serve == layers and gapped._replayed_split()
-        # the last pass's routing, as end_pass logs it: 2 tokens, every pair a miss (empty slot maps)
+    m = open_gguf(model_path)
+    c = m.config
+    ew = expert_weights(m, "silu")
+    k = c.n_expert_used
+    pol = PolicyConfig(t_upload=1e-9, min_residency=0)  # every miss pays its upload
+    gapped = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, pol), 32,
+                           zero_copy=True, top_k=k, miss_split=True)
+    gapped.account_in_gaps = in_gaps
+    at_once = CachedExperts(ew, NumpyBackend(), 4, CachePolicy(c.n_layer, c.n_expert, 4, pol), 32,
+                            zero_copy=True, top_k=k)
+    buf = HandoffBuffers.allocate(c.n_layer, 16, c.n_embd, k)
+    gapped.handoff = _ThreadHandoff(buf)
+    layers = sorted(gapped.cached_layers)
+    assert len(layers) >= 4
+    gapped._split_layers = list(layers)
+    gapped.split.ncpu[:] = 1
+    gapped._ncpu_dirty = True
+    gapped.begin_pass(1)
+    assert gapped._serve == layers and gapped._replayed_split()
+    for _ in range(n_passes):  # the earlier passes' routing, as end_pass logs it: empty slot maps
         ids = np.full((c.n_layer, 2, k), -1, np.int32)
         for il in layers:
             for t in range(2):
@@ -1176,36 +1175,91 @@ def test_replayed_pass_accounts_the_last_pass_in_the_gaps_between_answers(model_
         live = np.full((c.n_layer, c.n_expert), -1, np.int32)
         for cache in (gapped, at_once):
             cache._pending_routes.append((ids.copy(), live.copy(), 2))
-        seen = []  # (tokens accounted, uploads started) as the GPU saw them before each post
-        h = rng.standard_normal((1, c.n_embd)).astype(np.float32)
+    seen = []
+    answer = gapped._split_compute
 
-        def gpu():
-            for il in layers:
-                time.sleep(0.05)  # the host's unit after the last answer has run
-                seen.append((gapped.stats.tokens, gapped.stats.uploads))
-                buf.h[:1], buf.ids[:1], buf.w[:1] = h, np.r_[ids[il, 0, :1], [-1] * (k - 1)], 1.0
-                buf.count[il], buf.n_tok[il], buf.wait_ns[il] = 1, 1, 0
-                buf.flag[il] = gapped.handoff.seq
-                while buf.done[il] < gapped.handoff.seq:
-                    pass
+    def compute(il, h, ids, w, out):  # the host, as it begins each answer
+        seen.append((gapped.stats.tokens, gapped.stats.uploads))
+        if len(seen) - 1 == fail_at:
+            raise KeyboardInterrupt
+        answer(il, h, ids, w, out)
 
-        th = threading.Thread(target=gpu)
-        th.start()
+    gapped._split_compute = compute
+    h = rng.standard_normal((1, c.n_embd)).astype(np.float32)
+
+    def gpu():
+        for il in layers:
+            buf.h[:1], buf.ids[:1], buf.w[:1] = h, np.r_[[int(rng.integers(c.n_expert))], [-1] * (k - 1)], 1.0
+            buf.count[il], buf.n_tok[il], buf.wait_ns[il] = 1, 1, 0
+            buf.flag[il] = gapped.handoff.seq
+            while buf.done[il] < gapped.handoff.seq:
+                pass
+
+    th = threading.Thread(target=gpu)
+    th.start()
+    err = None
+    try:
         gapped.launched()
-        th.join(10)
-        assert not th.is_alive()
-        at_once.flush()
-        # before the first post: the pass accounted, no upload yet; then one upload per answer
-        assert seen == [(2, i) for i in range(len(layers))]
-        assert gapped.stats.uploads > len(layers)  # the rest ran after the last answer
-        for f in ("tokens", "hits", "misses", "uploads", "uploaded_bytes"):
-            assert getattr(gapped.stats, f) == getattr(at_once.stats, f), f
-        assert gapped.pool.owner == at_once.pool.owner
-        np.testing.assert_array_equal(gapped.policy.resident, at_once.policy.resident)
-        np.testing.assert_array_equal(gapped.policy.usage, at_once.policy.usage)
-        gapped.end_pass()
-        gapped.close()
-        at_once.close()
+    except KeyboardInterrupt as e:
+        err = e
+    th.join(10)
+    assert not th.is_alive()
+    return gapped, at_once, seen, layers, err, m
+
+
+def _agree(cache):
+    """The policy's residents are the experts the slots hold (or copy into)."""
+    owned = {o for o in cache.pool.owner if o is not None}
+    assert owned == {tuple(map(int, x)) for x in np.argwhere(cache.policy.resident)}
+
+
+@pytest.mark.parametrize("in_gaps", [True, False])
+def test_replayed_pass_accounts_the_last_pass_in_the_gaps_between_answers(model_path, in_gaps):
+    """With the handoff's answers to give, launched() runs the last pass's accounting a unit at a time
+    between them (the pass's counters before the first wait, the plan after the first answer, one
+    upload after each later one, the rest after the last); with account_in_gaps False, all of it
+    after the last answer. Either way the same counters, admissions and slots as flush() run at once
+    on a twin cache fed the same routing."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    gapped, at_once, seen, layers, err, m = _gapped_pass(model_path, np.random.default_rng(seed), in_gaps=in_gaps)
+    assert err is None
+    at_once.flush()
+    if in_gaps:
+        assert seen == [(2, max(0, j - 1)) for j in range(len(layers))]
+        assert gapped.stats.uploads > len(layers) - 2  # the rest ran after the last answer
+    else:
+        assert seen == [(0, 0)] * len(layers)
+    for f in ("tokens", "hits", "misses", "uploads", "uploaded_bytes"):
+        assert getattr(gapped.stats, f) == getattr(at_once.stats, f), f
+    assert gapped.pool.owner == at_once.pool.owner
+    np.testing.assert_array_equal(gapped.policy.resident, at_once.policy.resident)
+    np.testing.assert_array_equal(gapped.policy.usage, at_once.policy.usage)
+    _agree(gapped)
+    gapped.end_pass()
+    gapped.close()
+    at_once.close()
+    m.close()
+
+
+def test_an_answer_that_fails_leaves_the_policy_and_the_slots_agreeing(model_path):
+    """Ctrl-C in the middle of the handoff's answers, while the accounting runs in their gaps: the
+    error propagates, the decision in progress is applied whole (the policy counts it resident at
+    once), the pass not begun stays pending, and the next flush accounts it."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    gapped, at_once, seen, layers, err, m = _gapped_pass(model_path, np.random.default_rng(seed), n_passes=2,
+                                                      fail_at=3)
+    assert isinstance(err, KeyboardInterrupt)
+    assert seen[-1] == (2, 2)  # stopped within the first pass's admissions
+    _agree(gapped)
+    assert len(gapped._pending_routes) == 1  # the second pass, not begun
+    gapped.flush()
+    _agree(gapped)
+    assert gapped.stats.tokens == 4 and not gapped._pending_routes
+    gapped.close()
+    at_once.close()
+    m.close()
 
 
 def test_pool_finds_a_victims_slot_also_after_a_direct_write():

@@ -528,8 +528,9 @@ class CupyBackend(ArrayOps):
         copy waits for the work already queued on the compute stream (a kernel may still read the
         slot's previous expert). Pageable sources go through pinned buffers from CuPy's pinned pool.
         ``done()`` of the result says when the slot may be read. Each copy is one ``cudaMemcpyAsync``
-        on raw pointers where both sides are C-contiguous (``ndarray.set``'s checks cost more host
-        time than the call: a decode step of 8 tokens starts ~23 of these copies, three arrays each)."""
+        on raw pointers where both sides are C-contiguous of one shape and dtype (``ndarray.set``'s
+        checks cost more host time than the call: a decode step of 8 tokens starts ~23 of these
+        copies, three arrays each); otherwise ``ndarray.set``, which raises on a shape mismatch."""
         rt = cp.cuda.runtime
         with cp.cuda.Device(self.device):
             cs = self._copies()
@@ -543,7 +544,7 @@ class CupyBackend(ArrayOps):
                     keep.append(mem)
                     src = buf
                 d = dst[slot]
-                if d.flags.c_contiguous and src.flags.c_contiguous and d.nbytes == src.nbytes:
+                if d.flags.c_contiguous and src.flags.c_contiguous and d.shape == src.shape and d.dtype == src.dtype:
                     rt.memcpyAsync(d.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice, cs.ptr)
                 else:
                     d.set(src, stream=cs)

@@ -271,6 +271,11 @@ class CachedExperts:
             default since the eighteenth session: ``bench/prompt_q8.py --ab cache`` (H200, 8 GiB,
             pin, qwen3-moe routing, pp512, empty slots) ran 1152 t/s against the groups' 989
             without it (``bench/results/prompt-q8-h200.md``).
+        account_in_gaps: a replayed decode graph whose layers hand misses to the CPU runs the last
+            pass's accounting a unit at a time in the gaps between the handoff's answers
+            (:meth:`launched`); False: all of it after the last answer, as before the thirty-fourth
+            session. True by default: 25.3 against 28.5 ms a decode step of 8 slots at 8 GiB on the
+            H200 machine (``bench/decode_profile.py --gaps on,off``, one run each in one process).
         group_prefetch: [started, used, dropped] copies of a next layer's first group.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
@@ -297,9 +302,7 @@ class CachedExperts:
         # opt-in (with prompt_stacks): one buffer used in two halves of the expert ids (_prompt_halves),
         # the next layer's half copied while this layer's other half computes
         self.prompt_stack_halves = False
-        # a replayed decode graph's accounting in the gaps between the handoff's answers (launched);
-        # False: after the last answer, as before session 34 (bench/decode_profile.py --gaps compares them)
-        self.account_in_gaps = True
+        self.account_in_gaps = True  # see the class docstring
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
@@ -750,14 +753,21 @@ class CachedExperts:
         the policy and starts the admitted uploads while the device is busy. A replayed decode graph
         with the miss split and a share on some layer has those layers' handoffs answered (the CPU's
         share of the misses: the GPU waits for each), and the accounting runs in their gaps, a unit
-        after each answer (:func:`moecache.moe.handoff.serve`'s ``idle``), its rest after the last
-        one, beside the rest of the pass (the layers after it, the output head). Run after the
-        answers instead, the accounting took 2.5 ms of a 22.7 ms step of 8 tokens at 8 GiB on the
-        H200 machine, the GPU idle meanwhile (``bench/decode_profile.py --host-times``)."""
+        after each answer (:func:`moecache.moe.handoff.serve`'s ``idle``; ``account_in_gaps``), its
+        rest after the last one, beside the rest of the pass (the layers after it, the output head).
+        Run after the answers instead, the accounting took 2.5 ms of a 22.7 ms step of 8 tokens at
+        8 GiB on the H200 machine, the GPU idle meanwhile (``bench/decode_profile.py --host-times``).
+        When answering fails (Ctrl-C included), the accounting stops at a consistent point (a
+        decision's admissions all applied, the passes not begun kept for the next call) before the
+        error propagates."""
         work, end = self._flush_units(), object()
         if self._replayed_split() and self._serve:
-            serve(self.handoff.buf, self._serve, self._seq, self._split_compute,
-                  idle=(lambda: next(work, end) is not end) if self.account_in_gaps else None)
+            try:
+                serve(self.handoff.buf, self._serve, self._seq, self._split_compute,
+                      idle=(lambda: next(work, end) is not end) if self.account_in_gaps else None)
+            except BaseException:
+                work.close()
+                raise
         for _ in work:
             pass
 
@@ -782,35 +792,53 @@ class CachedExperts:
 
     def _flush_units(self, admit: bool = True) -> Iterator[None]:
         """:meth:`flush` as a generator that yields after each short unit of its work (a pass's
-        accounting, a layer's decision, an upload started), so that :meth:`launched` can put the
-        units into the gaps of a pass's handoff; exhausted, it has done what ``flush`` does. The
-        passes to account are taken at the first unit."""
+        counters and usage; the layer plan made again when due, the one unit that can take longer;
+        an upload started), so that :meth:`launched` can put the units into the gaps of a pass's
+        handoff; exhausted, it has done what ``flush`` does. The passes to account are taken at the
+        first unit. Closed early (an error where the units run), it leaves the policy and the slots
+        agreeing: the admissions of the decision in progress are all applied (the policy counts
+        them resident at once), and the passes not begun go back to the pending list."""
         pending, self._pending_routes = self._pending_routes, []
-        for ids, live, t in pending:
-            self.policy.new_tokens(t)
-            self.stats.tokens += t
-            layers = self._cached_order[ids[self._cached_order, 0, 0] >= 0]  # the layers that pass routed
-            if not layers.size:
-                continue
-            lids = ids[layers, :t]
-            hit = np.take_along_axis(live[layers], lids.reshape(layers.size, -1), axis=1).reshape(lids.shape) >= 0
-            n_hit = int(hit.sum())
-            self.stats.hits += n_hit
-            self.stats.misses += hit.size - n_hit
-            self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
-            if self.policy.replan():
-                self._plan_paths()
-            yield
-            if not admit:
-                continue
-            flat, missed = lids.reshape(layers.size, -1), ~hit.reshape(layers.size, -1)
-            for i in np.flatnonzero(self.policy.may_admit(layers, flat, missed)).tolist():
-                for a in self.policy.decide(int(layers[i]), flat[i][missed[i]]):
-                    self._apply([a])
-                    yield
-            for a in self.policy.fill_plan():  # a layer plan's experts not missed yet (none without one)
+        begun = 0
+        try:
+            for ids, live, t in pending:
+                begun += 1
+                self.policy.new_tokens(t)
+                self.stats.tokens += t
+                layers = self._cached_order[ids[self._cached_order, 0, 0] >= 0]  # the layers that pass routed
+                if not layers.size:
+                    continue
+                lids = ids[layers, :t]
+                hit = np.take_along_axis(live[layers], lids.reshape(layers.size, -1), axis=1).reshape(lids.shape) >= 0
+                n_hit = int(hit.sum())
+                self.stats.hits += n_hit
+                self.stats.misses += hit.size - n_hit
+                self.policy.observe_all(layers, lids)  # every layer first: decide compares across layers
+                yield
+                if self.policy.replan():
+                    self._plan_paths()
+                yield
+                if not admit:
+                    continue
+                flat, missed = lids.reshape(layers.size, -1), ~hit.reshape(layers.size, -1)
+                for i in np.flatnonzero(self.policy.may_admit(layers, flat, missed)).tolist():
+                    yield from self._apply_units(self.policy.decide(int(layers[i]), flat[i][missed[i]]))
+                # a layer plan's experts not missed yet (none without one)
+                yield from self._apply_units(self.policy.fill_plan())
+        finally:
+            self._pending_routes[:0] = pending[begun:]
+
+    def _apply_units(self, adm: list[Admission]) -> Iterator[None]:
+        """:meth:`_apply` of one decision, yielding after each upload started; closed early, it
+        applies the rest of the decision first (the policy already counts all of it resident)."""
+        done = 0
+        try:
+            for a in adm:
+                done += 1
                 self._apply([a])
                 yield
+        finally:
+            self._apply(adm[done:])
 
     def end_pass(self) -> None:
         """After a pass's output reached the host: bring its routing log to the host (processed by the

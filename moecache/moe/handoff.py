@@ -176,7 +176,8 @@ def serve(buf: HandoffBuffers, layers: list[int], seq: int, compute: Compute, ti
     after each answer, until it returns False (no work left). After an answer the GPU still has the
     layer's tail and the next layer's attention and router to run before it posts again (~0.1 ms a
     layer at 8 tokens on the H200 machine, ``bench/decode_profile.py --host-times``), time this
-    thread otherwise spins through; a call longer than that delays the next answer.
+    thread otherwise spins through; a call longer than that delays the next answer. The caller
+    keeps each call short; the first comes before the GPU's first post, ~0.1 ms after the launch.
 
     Returns the layers computed. Raises MoecacheError when a request does not come within
     ``timeout_s`` (the GPU step failed or was never launched); any error (``idle``'s too) releases
