@@ -274,8 +274,8 @@ class CachedExperts:
         account_in_gaps: a replayed decode graph whose layers hand misses to the CPU runs the last
             pass's accounting a unit at a time in the gaps between the handoff's answers
             (:meth:`launched`); False: all of it after the last answer, as before the thirty-fourth
-            session. True by default: 25.3 against 28.5 ms a decode step of 8 slots at 8 GiB on the
-            H200 machine (``bench/decode_profile.py --gaps on,off``, one run each in one process).
+            session. True by default: a decode step of 8 slots at 8 GiB on the H200 machine took 2-11%
+            less time in two side-by-side runs (``bench/decode_profile.py --gaps on,off,on``).
         group_prefetch: [started, used, dropped] copies of a next layer's first group.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
