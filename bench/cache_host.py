@@ -2,8 +2,9 @@
 routing accounted, the policy's observe and decide, the uploads started), on the CPU twin.
 
 On a GPU, ``flush`` runs on the thread that launched the step, while the step runs
-(``CachedExperts.launched``); with ``--miss-split`` only after that thread has answered the step's
-handoffs, so its time adds to the token's. Its cost depends on the cache's shape (layers, experts,
+(``CachedExperts.launched``). Where the step hands misses to the CPU (the layer plan's shares, or
+``--miss-split``), that thread answers the handoffs first, and since the thirty-fourth session the
+accounting runs a unit at a time in the gaps between the answers, the rest after the last one. Its cost depends on the cache's shape (layers, experts,
 top-k, slots) and the routing, not on the experts' sizes: this script builds a synthetic model of
 Qwen3-30B-A3B's MoE shape (48 layers, 128 experts, top-8) with tiny matrices, a cache of ``--slots``
 slots on the numpy backend (the zero-copy path's CPU twin), runs ``--warmup`` one-token passes, then
@@ -30,12 +31,12 @@ import numpy as np  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--routing", default="uniform,low-locality,qwen3-moe")
-    ap.add_argument("--slots", type=int, default=1900)
-    ap.add_argument("--n-layer", type=int, default=48)
-    ap.add_argument("--n-expert", type=int, default=128)
-    ap.add_argument("-k", type=int, default=8)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--routing", default="uniform,low-locality,qwen3-moe", help="routing presets, a comma list (../shared/routing.md)")
+    ap.add_argument("--slots", type=int, default=1900, help="the cache's slots (1900: about an 8 GiB budget)")
+    ap.add_argument("--n-layer", type=int, default=48, help="MoE layers of the synthetic model")
+    ap.add_argument("--n-expert", type=int, default=128, help="experts per layer")
+    ap.add_argument("-k", type=int, default=8, help="experts per token (top-k)")
     ap.add_argument("-n", type=int, default=300, help="timed passes")
     ap.add_argument("--warmup", type=int, default=300, help="untimed passes first (the cache fills)")
     ap.add_argument("--batch", default="1", help="tokens per decode pass (serve's slots stepping together); "

@@ -50,7 +50,7 @@ def kernel_class(name: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("-m", "--model", type=Path, required=True)
     ap.add_argument("-c", type=int, default=4096, help="context size (KV cache positions)")
     ap.add_argument("-d", default="0", help="prompt tokens before the timed steps (attention depth); a comma list "
@@ -68,8 +68,8 @@ def main() -> None:
     ap.add_argument("--routing", default=None, help="replace the routers' choices by this routing process "
                     "(qwen3-moe, low-locality, uniform: as bench --routing; the routing draws count in the wall time)")
     ap.add_argument("--prompt-q8", action="store_true", help="the grouped 8-bit prompt MoE (Engine(gpu_prompt_q8=True))")
-    ap.add_argument("--no-prompt-stacks", action="store_true", help="the expert cache's prompt groups instead "
-                    "of its default prompt stacks (CachedExperts.prompt_stacks False)")
+    ap.add_argument("--prompt-stacks", action="store_true", help="the expert cache's opt-in prompt stacks "
+                    "(CachedExperts.prompt_stacks True) instead of its default prompt groups")
     ap.add_argument("--resolved", action="store_true",
                     help="load through moecache.load, the settings run and serve resolve (the layer plan, the "
                          "elastic slots, -t; set OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 as they do), "
@@ -91,10 +91,11 @@ def main() -> None:
                          "again with those costs first (how the CPU's share of the misses moves a step's time)")
     ap.add_argument("--host-times", action="store_true",
                     help="with --batch: also time the host's phases of each step (the cache's pass hooks, the "
-                         "routing draw, the replay, the handoff's answers, the accounting) over -n more steps")
+                         "routing draw, the replay, the handoff's answers, launched less the answers) over -n "
+                         "more steps")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
-                    help="with --prefill: also run the timed prompts under cProfile (host Python time) and "
-                         "print its top N functions by own time")
+                    help="with --prefill or --batch: also run the timed prompts (or -n more steps) under "
+                         "cProfile (host Python time) and print its top N functions by own time")
     a = ap.parse_args()
     try:
         a.cpu_scales = [float(x) for x in a.cpu_cost_scale.split(",")]
@@ -135,7 +136,7 @@ def main() -> None:
         eng = getattr(held, "engine", held)
         vocab = eng.gguf.config.n_vocab
         for cache in eng.caches:
-            cache.prompt_stacks = not a.no_prompt_stacks
+            cache.prompt_stacks = a.prompt_stacks
         if a.routing and not a.resolved:
             from moecache.moe.routing_process import make_routing
 
