@@ -456,10 +456,8 @@ class Engine:
             return self.eval(toks, kv=kvs[0])
         if toks.size != len(kvs):
             raise ValueError(f"decode: {toks.size} tokens for {len(kvs)} sequences")
-        if len({id(k) for k in kvs}) != len(kvs):
-            raise ValueError("decode: a sequence's cache is given twice")
-        for k in kvs:
-            k.check_room(1)
+        # every sequence checked before the first pass of DECODE_MAX_TOKENS runs
+        check_parts(toks.reshape(-1, 1), kvs, self.gguf.config.n_vocab, "decode")
         step = DECODE_MAX_TOKENS
         parts = [self.model.forward_seqs(toks[i:i + step], list(kvs[i:i + step])) for i in range(0, len(kvs), step)]
         lg = np.concatenate(parts) if len(parts) > 1 else parts[0]

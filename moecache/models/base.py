@@ -357,17 +357,10 @@ class DecoderLM:
             ValueError: a count mismatch, a cache given twice or an id outside the vocabulary.
             ContextFullError: a sequence is full (before any change).
         """
-        c = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size != len(kvs) or tokens.size == 0:
             raise ValueError(f"forward_seqs: {tokens.size} tokens for {len(kvs)} sequences")
-        if len({id(k) for k in kvs}) != len(kvs):
-            raise ValueError("forward_seqs: a sequence's cache is given twice")
-        if tokens.min() < 0 or tokens.max() >= c.n_vocab:
-            bad = tokens[(tokens < 0) | (tokens >= c.n_vocab)][0]
-            raise ValueError(f"token id {bad} outside the vocabulary [0, {c.n_vocab})")
-        for k in kvs:
-            k.check_room(1)
+        check_parts(tokens.reshape(-1, 1), kvs, self.cfg.n_vocab, "forward_seqs")  # a part of one token each
         self._note_decode(tokens.size)
         if self.decode_graph is not None:
             out = self.decode_graph.run_seqs(self, tokens, kvs)  # calls the pass hooks itself

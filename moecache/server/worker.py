@@ -431,8 +431,8 @@ class Worker:
                 raise
             lg, bad = e.logits, e.rows
         finally:
-            self.prompt_seconds += time.perf_counter() - t0
-        dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.prompt_seconds += dt
         for j, (r, _) in enumerate(chunks):
             r.t_prompt += dt
             if j in bad:
