@@ -5,8 +5,9 @@ Loads a model all on one GPU, evaluates a ``-d``-token prompt (the attention dep
 ``-n`` single-token decode steps (CUDA-graph replays, or op by op with ``--modes eager``) under PyTorch's profiler
 (CUPTI sees every kernel of the process, CuPy's included); ``--batch B`` profiles decode steps of B
 sequences together instead (serve's slots; the rows are then per step, with the expert cache's hits and
-misses per step; ``--host-times`` adds the host's phases of a step, ``--gaps`` and ``--cpu-cost-scale``
-compare the cache's accounting placement and the layer plan's CPU costs in one process). Prints, per kernel name: launches per
+misses per step; ``--host-times`` adds the host's phases of a step, ``--gaps``, ``--halves`` and
+``--cpu-cost-scale`` compare the cache's accounting placement, steps in two halves against one pass and
+the layer plan's CPU costs in one process). Prints, per kernel name: launches per
 token, µs per token, µs per launch, share of the GPU time; then the step's wall time per token next
 to the sum of kernel time (the difference is launch gaps, copies and host work).
 
@@ -21,7 +22,7 @@ Needs PyTorch (present on the lent GPU machines; not a dependency of moecache).
     python bench/decode_profile.py -m /tmp/q30.gguf -c 4096 --prefill 512 -n 2 [--vram-budget 8192 --load-mode pin] [--prompt-q8]
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 python bench/decode_profile.py -m /tmp/q30.gguf -c 8192 \
         --resolved --vram-budget 8192 --load-mode pin --routing qwen3-moe --batch 8,1 --warmup 96 -n 32 \
-        [--host-times] [--gaps on,off] [--cpu-cost-scale 1,1.5,2]
+        [--host-times] [--gaps on,off] [--halves on,off,on] [--cpu-cost-scale 1,1.5,2]
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
                     "profiles each depth in turn on the same engine")
     ap.add_argument("-n", type=int, default=32, help="decode steps profiled")
     ap.add_argument("-ub", type=int, default=None, help="physical batch (default 512; with --resolved, resolved)")
+    ap.add_argument("-t", type=int, default=None, help="CPU threads (with --resolved; default resolved)")
     ap.add_argument("--ctk", default="f16", help="KV cache type (f16, f32)")
     ap.add_argument("--modes", default="graph", help="comma list: graph (CUDA-graph replays), eager (op by op)")
     ap.add_argument("--by-name", action="store_true", help="one row per kernel name (formats apart)")
@@ -85,6 +87,10 @@ def main() -> None:
     ap.add_argument("--gaps", default="on", help="with --batch: a comma list of on/off: the expert cache's "
                     "accounting in the gaps between the handoff's answers (CachedExperts.account_in_gaps), or "
                     "after the last; each B is profiled once per value, in turn on the same engine")
+    ap.add_argument("--halves", default="off", help="with --batch: a comma list of on/off: batched steps with the "
+                    "CPU's share of the misses run in two halves (CachedExperts.decode_halves, opt-in; from 4 sequences), "
+                    "or in one pass; each B is profiled once per value, in turn on the same engine (the batch's "
+                    "graph captured again at each change)")
     ap.add_argument("--cpu-cost-scale", default="1", metavar="LIST",
                     help="with --batch: a comma list of factors on the layer plan's CPU costs (PolicyConfig "
                          "t_cpu_layer and t_fixed, as resolved): each B is profiled once per factor, the plan made "
@@ -101,8 +107,9 @@ def main() -> None:
         a.cpu_scales = [float(x) for x in a.cpu_cost_scale.split(",")]
     except ValueError:
         raise SystemExit(f"--cpu-cost-scale: a comma list of numbers, not {a.cpu_cost_scale!r}") from None
-    if set(a.gaps.split(",")) - {"on", "off"}:
-        raise SystemExit(f"--gaps: a comma list of on and off, not {a.gaps!r}")
+    for name in ("gaps", "halves"):
+        if set(getattr(a, name).split(",")) - {"on", "off"}:
+            raise SystemExit(f"--{name}: a comma list of on and off, not {getattr(a, name)!r}")
     try:
         a.batches = [int(b) for b in a.batch.split(",")]
         if not a.batches or min(a.batches) < 1:
@@ -122,7 +129,7 @@ def main() -> None:
     if a.resolved:  # the settings run and serve resolve (the layer plan, the elastic slots, -t)
         import moecache
 
-        given = {"vram_budget": a.vram_budget << 20 if a.vram_budget else None, "n_ubatch": a.ub,
+        given = {"vram_budget": a.vram_budget << 20 if a.vram_budget else None, "n_ubatch": a.ub, "n_threads": a.t,
                  "load_mode": a.load_mode, "routing": a.routing}  # routing at load, as run --routing has it
         held = moecache.load(a.model, log=print, n_ctx=a.c, cache_type=a.ctk, no_moe_profile=True,
                              **{k: v for k, v in given.items() if v is not None})
@@ -156,12 +163,14 @@ def main() -> None:
                             cache.policy.cfg = dataclasses.replace(cfg, t_cpu_layer=cfg.t_cpu_layer * scale,
                                                                    t_fixed=cfg.t_fixed * scale)
                             cache.policy.replan_soon()
-                        for gaps in a.gaps.split(","):
+                        for gaps, halves in [(g, h) for g in a.gaps.split(",") for h in a.halves.split(",")]:
                             for cache in eng.caches:
                                 cache.account_in_gaps = gaps == "on"
+                                cache.decode_halves = halves == "on"
                             results.append(profile_batch(a, torch, profile, ProfilerActivity, eng, rng, depth,
-                                                         f"{mode}, accounting in the gaps {gaps}, plan's CPU "
-                                                         f"costs x{scale:g}", b))
+                                                         f"{mode}, accounting in the gaps {gaps}, halves {halves} "
+                                                         f"({'two halves' if eng.model.halves_for(b) else 'one pass'}), "
+                                                         f"plan's CPU costs x{scale:g}", b))
                 continue
             if depth:
                 eng.eval(rng.integers(0, vocab, depth))
@@ -220,6 +229,8 @@ def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str, 
         c.flush()  # account the last pass's routing
     k = {f: sum(getattr(c.stats, f) for c in eng.caches) / a.n
          for f in ("hits", "misses", "uploads", "cpu_misses", "cpu_wait_ns")} if eng.caches else None
+    if k:  # the CPU kernel's time answering the handoff (CachedExperts.cpu_s, zeroed by reset_stats)
+        k["cpu_kernel_us"] = sum(float(c.cpu_s.sum()) for c in eng.caches) / a.n * 1e6
     phases = host_times(eng, steps, a.n) if a.host_times else None
     if a.host_profile:
         import cProfile
@@ -237,7 +248,8 @@ def profile_batch(a, torch, profile, activity, eng, rng, depth: int, mode: str, 
     if k:
         print(f"expert cache per step of {batch}: {k['hits']:.1f} hits, {k['misses']:.1f} misses "
               f"({k['cpu_misses']:.1f} on the CPU, {k['misses'] - k['cpu_misses']:.1f} over the link), "
-              f"{k['uploads']:.1f} uploads, the GPU waited {k['cpu_wait_ns'] / 1e3:.0f} us for the CPU")
+              f"{k['uploads']:.1f} uploads, the GPU waited {k['cpu_wait_ns'] / 1e3:.0f} us for the CPU, "
+              f"the CPU's kernel took {k['cpu_kernel_us']:.0f} us")
         out["cache_per_step"] = k
     if phases:
         out["host_us_per_step"] = phases

@@ -286,9 +286,9 @@ def test_zero_copy_generation_with_a_churning_cache_matches_cpu_at_every_step(mo
             begin(n)
             want["map"] = cache._map_dev.copy()
 
-        def spy_zero_copy(il, e, h, r, t):
+        def spy_zero_copy(il, e, h, r, t, part=None):
             want["hits"] += int((want["map"][il][r.ids] >= 0).sum())
-            return zero_copy(il, e, h, r, t)
+            return zero_copy(il, e, h, r, t, part)
 
         cache.begin_pass, cache._zero_copy = spy_begin, spy_zero_copy
         kv_ref, kv = ref_lm.new_kv_cache(160), lm.new_kv_cache(160)
@@ -1667,3 +1667,70 @@ def test_the_first_batched_decode_step_seeds_the_plans_tokens_per_pass(model_pat
         assert pol._decode_passes == 0
         eng.decode([4, 5, 6], kvs)
         assert pol._decode_passes == 1 and pol.miss_costs().tokens == 3.0
+
+
+@pytest.mark.parametrize("seed,routing", [(0, False), (1, False), (2, True)])
+def test_batched_steps_in_halves_give_the_one_pass_logits(model_path, seed, routing):
+    """A batched decode step of slices of one cache with the miss split (the inline handoff of the
+    CPU twin) runs in two halves (DecoderLM._body_halves: each half's post to its own handoff, the
+    wait for its CPU share queued before its next block): the logits equal the all-CPU model's, the
+    caches' counters equal those of the same steps run in one pass (decode_halves off), and each
+    half logs its routing at its own rows. With a routing process (``routing``: --routing) each layer's
+    choices are drawn once for the pass and each half takes its rows, as one pass would. A step of
+    fewer than HALVES_MIN_TOKENS runs in one pass; qwen2moe-like blocks (moe_out_last False) never
+    run in halves."""
+    from moecache.moe.cache import HALVES_MIN_TOKENS
+    from moecache.moe.executor import ExpertsByLayer
+
+    print("seed", seed, "routing process", routing)
+    rng = np.random.default_rng(300 + seed)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        n_slots = c.n_layer * c.n_expert // 3
+        ref_lm = build_model(m, NumpyBackend())
+        lms, caches = [], []
+        for halves in (True, False):
+            cache = CachedExperts(ew, NumpyBackend(), n_slots, CachePolicy(c.n_layer, c.n_expert, n_slots, NEVER),
+                                  32, zero_copy=True, top_k=c.n_expert_used, miss_split=True)
+            cache.decode_halves = halves
+            _fill(cache, ew, [(int(p) // c.n_expert, int(p) % c.n_expert)
+                              for p in np.random.default_rng(seed).choice(c.n_layer * c.n_expert, n_slots, replace=False)])
+            cache._map_dirty = True
+            cache.fix_split(int(rng.integers(1, c.n_expert_used + 1)) if halves else int(caches[0].split.ncpu[0]))
+            lms.append(build_model(m, NumpyBackend(), experts=ExpertsByLayer({il: cache for il in ew}),
+                                   pass_hooks=[cache]))
+            caches.append(cache)
+        if routing:  # the same process in each model: the same draws
+            from moecache.moe.routing_process import make_routing
+
+            for lm in (*lms, ref_lm):
+                lm.routing_override = make_routing("qwen3-moe", c.n_layer, c.n_expert, c.n_expert_used, seed=seed)
+        n = int(rng.integers(HALVES_MIN_TOKENS, 9))
+        kvs = [[w.slice(i * 32, 32) for i in range(n)] for w in (lm.new_kv_cache(32 * n) for lm in (*lms, ref_lm))]
+        assert lms[0].halves_for(n) and not lms[1].halves_for(n) and not lms[0].halves_for(HALVES_MIN_TOKENS - 1)
+        ids_logged = []
+        log = caches[0]._ids_log
+        posts_b = []  # the second half's posts: its rows
+        post_b = caches[0].handoff_b.post
+        caches[0].handoff_b.post = lambda il, h, *rest: posts_b.append(h.shape[0]) or post_b(il, h, *rest)
+        for step in range(4):
+            toks = rng.integers(0, c.n_vocab, n)
+            want = ref_lm.forward_seqs(toks, kvs[2])
+            for lm, kv in zip(lms, kvs):
+                got = lm.forward_seqs(toks, kv)
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"step {step}")
+            ids_logged.append(log[:, :n].copy())
+        for cache in caches:
+            cache.flush()
+        a, b = caches[0].stats, caches[1].stats
+        assert a.cpu_misses > 0 and (a.tokens, a.hits, a.misses, a.cpu_misses) == (b.tokens, b.hits, b.misses,
+                                                                                   b.cpu_misses)
+        assert (ids_logged[-1] >= 0).all()  # both halves' rows logged
+        np.testing.assert_array_equal(ids_logged[-1], caches[1]._ids_log[:, :n])
+
+        assert posts_b == [n - (n + 1) // 2] * (4 * len(ew)) and not caches[1].handoff_b.buf.flag.any()
+        lms[0].moe_out_last = False  # as qwen2moe's class says
+        assert not lms[0].halves_for(n)
+        for cache in caches:
+            cache.close()

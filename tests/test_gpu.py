@@ -1379,6 +1379,53 @@ def test_serves_pattern_with_the_layer_plan_and_elastic_slots_on_the_gpu(gpu, tm
         assert cache.stats.cpu_misses > 0 and cache.handoff.buf.err[0] == 0
 
 
+@pytest.mark.parametrize("mode", ["plan", "split"])
+def test_batched_decode_in_halves_on_the_gpu_matches_cpu(gpu, tmp_path, mode):
+    """Batched decode graphs of 4-6 slots with the CPU's share of the misses run in two halves
+    (DecoderLM._body_halves: each half posts to its own handoff, the host answers them in turn):
+    every step's logits equal the CPU engine's while the cache churns; the graphs were captured in
+    halves and the second half's handoff was answered; with decode_halves off the next steps
+    recapture in one pass and still agree. plan: --cache-plan layer with the link priced out;
+    split: --miss-split held at two misses per token on every layer."""
+    from moecache.moe.cache import HALVES_MIN_TOKENS
+    from moecache.moe.policy import PolicyConfig
+
+    seed = _seed()
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    cfg = PolicyConfig(**CHURN, layer_plan=True, t_link=1e-3) if mode == "plan" else PolicyConfig(**CHURN)
+    with _cache_pair(tmp_path, 23, "pin", cfg, n_ctx=6 * 40, miss_split=mode == "split") as (ref, eng):
+        cache = eng.caches[0]
+        graph = eng.model.decode_graph
+        assert cache.handoff_b is not None and graph is not None and graph.batched and not cache.decode_halves
+        cache.decode_halves = True  # (opt-in)
+        if mode == "split":
+            cache.split.ncpu[:] = 2
+            cache.split.late_ns = 10**15
+            cache._ncpu_dirty = True
+        seqs = [e.sequences(6) for e in (eng, ref)]
+        for i in range(6):
+            p = rng.integers(0, 200, int(rng.integers(2, 6)))
+            for e, q in zip((eng, ref), seqs):
+                e.eval(p, kv=q[i])
+        slots_of = [tuple(range(6)), (0, 1, 2, 3), (1, 2, 3, 4, 5), tuple(range(6)), (0, 2, 4, 5)] * 3
+        last = [tuple(range(6)), (0, 1, 2, 3), tuple(range(6))]  # one pass: a new capture per batch size
+        for j, slots in enumerate(slots_of + last):
+            if j == len(slots_of):
+                assert {b: c.halves for b, c in graph._batched.items()} == {6: True, 4: True, 5: True}
+                assert cache.handoff_b.buf.flag.max() > 0
+                cache.decode_halves = False
+            toks = rng.integers(0, 200, len(slots))
+            a, b = (e.decode(toks, [q[s] for s in slots]) for e, q in zip((eng, ref), seqs))
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"step {j} {slots}")
+        cache.flush()
+        assert not graph.batched_failed and graph.batched_replays == len(slots_of) + len(last)
+        assert {b: c.halves for b, c in graph._batched.items()} == {6: False, 4: False, 5: True}
+        assert HALVES_MIN_TOKENS <= 4 and cache.stats.cpu_misses > 0
+        assert cache.handoff.buf.err[0] == 0 and cache.handoff_b.buf.err[0] == 0
+        print(f"{mode}: cpu misses {cache.stats.cpu_misses}, hits {cache.stats.hits}, misses {cache.stats.misses}")
+
+
 def test_elastic_slot_arrays_give_memory_back_at_the_same_addresses(gpu):
     """CupyBackend.elastic_slot_arrays: lending gives the tail's memory to the driver (free memory
     grows by its bytes) and the head keeps its bytes; taking it back maps memory at the same

@@ -81,6 +81,7 @@ class _Captured:
     base: cp.ndarray | None = None  # batched steps: each token's first KV row, int32 (B,)
     n_ctx: int = 0  # batched steps: the rows of each sequence (the attention grids follow it)
     handoff: "_HandoffExperts | None" = None  # CPU-expert layers handed over inside the graph
+    halves: bool = False  # batched steps: captured in two halves (DecoderLM.halves_for)
 
 
 @dataclass
@@ -299,7 +300,8 @@ class DecodeGraph:
             return None
         b = len(kvs)
         cap = self._batched.get(b)
-        if cap is None or cap.kv is not shared[0] or cap.n_ctx != shared[2] or _stale_routes(cap, model):
+        if cap is None or cap.kv is not shared[0] or cap.n_ctx != shared[2] or _stale_routes(cap, model) \
+                or cap.halves != model.halves_for(b):
             cap = self._capture_seqs(model, tokens, kvs, shared)
             if cap is None:
                 return None
@@ -360,7 +362,7 @@ class DecodeGraph:
 
         cap = self._record(model, step, whole, tok, posb, b, batched=True)
         if cap is not None:
-            cap.base, cap.n_ctx = baseb, n_ctx
+            cap.base, cap.n_ctx, cap.halves = baseb, n_ctx, model.halves_for(b)
             cap.staged = np.zeros((3, b), np.int64)
             self._batched[b] = cap
         return cap

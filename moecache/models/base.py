@@ -68,6 +68,19 @@ class Pending:
     d: Any
 
 
+@dataclass(frozen=True)
+class Half:
+    """One half of a batched decode step run in two halves (:meth:`DecoderLM.halves_for`): its
+    ``index`` (0 or 1), its first row ``start`` in the pass of ``n`` tokens, and ``routed``, the
+    routing process's choices of the pass per layer (``--routing``: drawn once for all ``n`` rows,
+    shared by both halves)."""
+
+    index: int
+    start: int
+    n: int
+    routed: dict = field(default_factory=dict)
+
+
 @dataclass
 class ForwardPass:
     """What one forward pass shares between its layers, passed down to every block (the model keeps
@@ -87,6 +100,7 @@ class ForwardPass:
             rows of each sequence; attention then runs once for all of them, reading each
             token's own rows. None otherwise.
         base_inputs: ``id(backend)`` -> that backend's int32 (T,) copy of ``shared``'s rows.
+        part: the half of a pass run in halves this pass is (its rows only), else None.
     """
 
     pos: np.ndarray
@@ -95,6 +109,7 @@ class ForwardPass:
     seqs: tuple[tuple[int, int, KVCache], ...] = ()
     shared: tuple[KVCache, np.ndarray, int] | None = None
     base_inputs: dict[int, Any] = field(default_factory=dict)
+    part: Half | None = None
 
 
 def shared_cache(kvs: list[KVCache]) -> tuple[KVCache, np.ndarray, int] | None:
@@ -174,7 +189,9 @@ class DecoderLM:
 
     Class attributes an architecture sets: ``act`` (FFN activation), ``renorm_topk`` (divide the
     top-k weights by their sum), ``attn_softcap`` / ``final_softcap`` (apply the GGUF's
-    ``attn_logit_softcapping`` / ``final_logit_softcapping``; llama.cpp reads them per architecture).
+    ``attn_logit_softcapping`` / ``final_logit_softcapping``; llama.cpp reads them per architecture),
+    ``moe_out_last`` (its blocks return the routed experts' output as the :class:`Pending` sum's
+    ``d`` with no arithmetic on it: a batched step may then run in halves, :meth:`halves_for`).
     """
 
     arch: ClassVar[str] = ""
@@ -182,6 +199,7 @@ class DecoderLM:
     renorm_topk: ClassVar[bool] = True
     attn_softcap: ClassVar[bool] = False
     final_softcap: ClassVar[bool] = False
+    moe_out_last: ClassVar[bool] = True
 
     def __init__(self, model: GGUFModel, backend: ArrayBackend, experts: ExpertExecutor | None = None,
                  layer_backends: list[ArrayBackend] | None = None, output_backend: ArrayBackend | None = None,
@@ -422,6 +440,8 @@ class DecoderLM:
         uploaded once (a CUDA graph passes its own persistent buffers). ``seqs``: the tokens of
         several sequences (:attr:`ForwardPass.seqs`; ``kv`` is None then), ``shared`` and
         ``base_inputs`` as :class:`ForwardPass` has them."""
+        if shared is not None and self.halves_for(len(pos)):
+            return self._body_halves(tokens, pos, pos_inputs, shared, {} if base_inputs is None else base_inputs)
         fp = ForwardPass(pos, pos_inputs, seqs=seqs, shared=shared, base_inputs={} if base_inputs is None else base_inputs)
         self._use(self.layer_be[0])
         x = self.be.embed(self.token_embd, tokens)
@@ -439,6 +459,50 @@ class DecoderLM:
             self._use(self.output_be)
             x = self.be.adopt(x)
         return x
+
+    def halves_for(self, n_seqs: int) -> bool:
+        """Whether a batched decode step of ``n_seqs`` sequences (slices of one cache, one token
+        each) runs in two halves (:meth:`_body_halves`): when the routed experts' executor asks for
+        it (``halves(n)``: the expert cache with the miss split), the architecture's blocks allow it
+        (``moe_out_last``), every layer is on one backend and no route observer listens (each would
+        hear a layer twice). A captured graph records the answer it was captured with
+        (:mod:`moecache.backends.cuda_graph`)."""
+        ask = getattr(self.experts, "halves", None)
+        return (ask is not None and self.moe_out_last and not self.route_observers and ask(n_seqs)
+                and all(b is self.output_be for b in self.layer_be))
+
+    def _body_halves(self, tokens: Any, pos: np.ndarray, pos_inputs: dict[int, Any],
+                     shared: tuple[KVCache, np.ndarray, int], base_inputs: dict[int, Any]) -> Any:
+        """:meth:`body` of a batched step in two halves of its rows, interleaved block by block so
+        that the host computes one half's share of the misses while the GPU runs the other half:
+        per layer, half 0's block (attention, router, the post of its CPU pairs, its GPU pairs),
+        then half 1's; the wait for a half's CPU answer (the executor's ``settle``) is queued just
+        before that half's next block reads it. In lockstep (one pass of all rows) the CPU waited
+        for the layer's attention and the GPU for the CPU's answer, each idle a third of the step
+        (8 tokens, 8 GiB, H200: ``bench/decode_profile.py --host-times``, bench/results/serve-h200.md).
+        Each token's arithmetic is the same as in one pass; the routing process's draw of the
+        pass is shared by the halves (:class:`Half`)."""
+        t = len(pos)
+        m = (t + 1) // 2
+        whole, base, n_ctx = shared
+        routed: dict = {}
+        fps = [ForwardPass(pos[a:b], {k: v[a:b] for k, v in pos_inputs.items()}, shared=(whole, base[a:b], n_ctx),
+                           base_inputs={k: v[a:b] for k, v in base_inputs.items()}, part=Half(i, a, t, routed))
+               for i, (a, b) in enumerate(((0, m), (m, t)))]
+        self._use(self.layer_be[0])
+        x = self.be.embed(self.token_embd, tokens)
+        s = self.embed_scale()
+        if s is not None:
+            x = x * np.float32(s)
+        xs: list[Any] = [x[:m], x[m:]]
+        settle = self.experts.settle
+        for il in range(self.cfg.n_layer):
+            for i in (0, 1):
+                settle(i)  # the wait for this half's CPU answer of the layer before
+                xs[i] = self.block(il, xs[i], fps[i], None)
+        for i in (0, 1):
+            settle(i)
+        return self.be.xp.concatenate([self.settled(xs[0]), self.settled(xs[1])])
 
     def positions(self, fp: ForwardPass) -> Any:
         """The pass's positions on the current backend, int32 (T,) (uploaded once per backend)."""
@@ -574,12 +638,22 @@ class DecoderLM:
         architecture, as llama.cpp hard-codes it)."""
         return self.be.route(self.layers[il]["ffn_gate_inp"], x, self.cfg.n_expert_used, self.renorm_topk)
 
-    def moe(self, il: int, x: Any) -> Any:
+    def moe(self, il: int, x: Any, fp: ForwardPass | None = None) -> Any:
         """Routed experts of block ``il`` on the normed input x (T, n_embd) -> (T, n_embd): route,
-        tell the observers (host arrays), run the executor."""
+        tell the observers (host arrays), run the executor. ``fp``: the pass, when it is a half of
+        one (:meth:`_body_halves`: the routing process's rows of that half; the executor is told the
+        half, and the CPU's share of the output may be added later, by its ``settle``)."""
+        part = fp.part if fp is not None else None
         r = self.route(il, x)
         if self.routing_override is not None:  # --routing: the router ran (its cost is real); its choice is replaced
-            r = self.routing_override.route(il, x.shape[0])
+            if part is None:
+                r = self.routing_override.route(il, x.shape[0])
+            else:  # one draw of the whole pass per layer, each half its rows
+                whole = part.routed.get(il)
+                if whole is None:
+                    whole = part.routed[il] = self.routing_override.route(il, part.n)
+                a, b = part.start, part.start + x.shape[0]
+                r = Routing(whole.ids[a:b], whole.weights[a:b])
         for obs in self.route_observers:
             obs(il, r.host())
-        return self.experts(il, x, r)
+        return self.experts(il, x, r) if part is None else self.experts(il, x, r, part=part)

@@ -17,4 +17,4 @@ class Mixtral(DecoderLM):
         L = self.layers[il]
         x, xn = self.enter(x, L["attn_norm"])
         h, y = self.add_norm(x, self.attention(il, xn, fp, kv), L["ffn_norm"])
-        return Pending(h, self.moe(il, y) if "ffn_gate_inp" in L else self.dense_ffn(il, y))
+        return Pending(h, self.moe(il, y, fp) if "ffn_gate_inp" in L else self.dense_ffn(il, y))

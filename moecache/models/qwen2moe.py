@@ -14,12 +14,13 @@ from moecache.models.base import DecoderLM, Pending
 class Qwen2Moe(DecoderLM):
     arch = "qwen2moe"
     renorm_topk = False
+    moe_out_last = False  # the block adds the shared expert to the routed output (no halves)
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]
         x, xn = self.enter(x, L["attn_norm"])
         h, y = self.add_norm(x, self.attention(il, xn, fp, kv), L["ffn_norm"])
-        out = self.moe(il, y)
+        out = self.moe(il, y, fp)
         if "ffn_gate_shexp" in L:
             # ffn_gate_inp_shexp is one float row (n_embd,): a plain dot product, (T, 1), written with
             # operators numpy and CuPy share (no BLAS call: the GPU decode step is graph-captured)

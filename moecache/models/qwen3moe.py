@@ -18,4 +18,4 @@ class Qwen3Moe(DecoderLM):
         x, xn = self.enter(x, L["attn_norm"])
         a = self.attention(il, xn, fp, kv, qk_norm="head")
         h, y = self.add_norm(x, a, L["ffn_norm"])
-        return Pending(h, self.moe(il, y))
+        return Pending(h, self.moe(il, y, fp))

@@ -95,6 +95,7 @@ PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the
 # such buffers alternate with page-locked weights: H200, 8 GiB, qwen3-moe, the 12620-token prompt at -ub 512
 # 1144 t/s against 848 with one copy-then-compute group at a time, run h200-s16a/c)
 MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit (the fused decode kernels')
+HALVES_MIN_TOKENS = 4  # batched decode steps run in two halves from this many tokens (CachedExperts.halves)
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
 # prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
 # device gather from the slots and a mapped file's staged upload hold one such piece as a temporary)
@@ -303,6 +304,11 @@ class CachedExperts:
         # the next layer's half copied while this layer's other half computes
         self.prompt_stack_halves = False
         self.account_in_gaps = True  # see the class docstring
+        # opt-in: batched decode steps of HALVES_MIN_TOKENS or more run in two halves with the miss split
+        # (halves()). Off: no gain measured at 8 tokens, 8 GiB on the H200 machine (three machines: -7%, 0%,
+        # +8% a step; bench/results/serve-h200.md, thirty-fifth session): each half pays the CPU kernel's
+        # fixed cost per call (45-65 us, bench/cpu_call_cost.py), which eats the overlap it buys
+        self.decode_halves = False
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
@@ -397,6 +403,13 @@ class CachedExperts:
         self._seq = 0
         self._ncpu_dirty = False
         self._serve: list[int] = []  # of those, the ones whose share this pass can be non-zero
+        # steps in halves (halves()): the second half's handoff, each half's wait not yet queued
+        # (settle), whether the pass in flight runs in halves, and per token count whether its
+        # captured graph does (a replay posts as its capture did)
+        self.handoff_b = None
+        self._deferred: list[tuple[Any, int, Any] | None] = [None, None]
+        self._two = False
+        self._halves_by_t: dict[int, bool] = {}
         if miss_split and not self.zero_copy:
             if not policy.layer_plan:  # (a layer plan's own note says so below)
                 self.log(f"note: --miss-split ignored: it splits the zero-copy path's misses, which is off "
@@ -408,8 +421,10 @@ class CachedExperts:
                 from moecache.backends.handoff_cuda import CudaHandoff
 
                 self.handoff = CudaHandoff(backend, n_layer, MAX_ZERO_COPY_TOKENS, n_embd, top_k)
+                self.handoff_b = CudaHandoff(backend, n_layer, MAX_ZERO_COPY_TOKENS, n_embd, top_k)
             else:
                 self.handoff = InlineHandoff(n_layer, MAX_ZERO_COPY_TOKENS, n_embd, top_k, self._split_compute)
+                self.handoff_b = InlineHandoff(n_layer, MAX_ZERO_COPY_TOKENS, n_embd, top_k, self._split_compute)
             self._ncpu_dev = backend.asarray(self.split.ncpu.copy())
             # compile the CPU kernel now: a first share compiling while the GPU waits would read as late
             ids = np.full((1, top_k), -1, np.int32)
@@ -612,9 +627,12 @@ class CachedExperts:
         self._zc_calls = 0
         self._split_seen = False
         self._posted = []
+        self._deferred = [None, None]
+        self._two = self._halves_by_t.get(n_tokens, False)  # a replay's (an op-by-op pass sets its own)
         if self.handoff is not None and self._expect:
             self._seq += 1
             self.handoff.go(self._seq)
+            self.handoff_b.go(self._seq)
             if self._ncpu_dirty:
                 self.be.set_from_host(self._ncpu_dev, self.split.ncpu)
                 self._ncpu_dirty = False
@@ -763,13 +781,35 @@ class CachedExperts:
         work, end = self._flush_units(), object()
         if self._replayed_split() and self._serve:
             try:
-                serve(self.handoff.buf, self._serve, self._seq, self._split_compute,
+                serve(self._pass_bufs(), self._serve, self._seq, self._split_compute,
                       idle=(lambda: next(work, end) is not end) if self.account_in_gaps else None)
             except BaseException:
                 work.close()
                 raise
         for _ in work:
             pass
+
+    def _pass_bufs(self) -> list[Any]:
+        """The handoff buffers the pass in flight posts to: the second half's too when it runs in
+        halves."""
+        return [self.handoff.buf, self.handoff_b.buf] if self._two else [self.handoff.buf]
+
+    def halves(self, n_seqs: int) -> bool:
+        """Whether a batched decode step of ``n_seqs`` sequences runs in two halves
+        (:meth:`moecache.models.base.DecoderLM.halves_for`): with the miss split (the halves' gain is
+        the host computing one half's CPU share while the GPU runs the other half), ``decode_halves``
+        on, and from ``HALVES_MIN_TOKENS`` tokens up to the zero-copy path's limit."""
+        return (self.decode_halves and self.split is not None and n_seqs >= HALVES_MIN_TOKENS
+                and self.takes_zero_copy(n_seqs))
+
+    def settle(self, index: int) -> None:
+        """Queue half ``index``'s wait for the CPU's share of its last MoE layer, added in place into
+        that layer's output (:meth:`_zero_copy` left it owed); nothing when none is owed."""
+        d = self._deferred[index]
+        if d is not None:
+            self._deferred[index] = None
+            hf, il, out = d
+            hf.wait(il, out, add=True)
 
     def _replayed_split(self) -> bool:
         """Whether the pass in flight is a replayed graph whose layers hand misses to the host (no
@@ -853,10 +893,13 @@ class CachedExperts:
         if self.handoff is not None:
             layers = self._posted or (self._split_layers if self._replayed_split() else [])
             if layers:
-                b = self.handoff.buf
-                self.stats.cpu_misses += int(b.count[layers].sum())
-                self.stats.cpu_wait_ns += int(b.wait_ns[layers].sum())
-                if self.split.update(layers, b.count, b.n_miss, b.wait_ns):
+                bufs = self._pass_bufs()
+                count = sum(b.count.astype(np.int64) for b in bufs)
+                n_miss = sum(b.n_miss.astype(np.int64) for b in bufs)
+                wait_ns = np.maximum.reduce([b.wait_ns for b in bufs])  # a half late: the layer's share is late
+                self.stats.cpu_misses += int(count[layers].sum())
+                self.stats.cpu_wait_ns += int(sum(b.wait_ns[layers].sum() for b in bufs))
+                if self.split.update(layers, count, n_miss, wait_ns):
                     self._ncpu_dirty = True
         self._check_plan_paths()
         self._pending_routes.append((np.array(self.be.to_host(self._ids_log[:, :t])), self._map_live, t))
@@ -867,7 +910,8 @@ class CachedExperts:
             self.policy.set_budget(self._token_s)
             self._pass_start = None
         if layers:
-            check(self.handoff.buf)  # last: a GPU that gave up waiting made this pass's output wrong
+            for b in self._pass_bufs():  # last: a GPU that gave up waiting made this pass's output wrong
+                check(b)
 
     def abort_pass(self) -> None:
         """Instead of :meth:`end_pass` when an exception (Ctrl-C included) cut a pass short: the
@@ -879,11 +923,15 @@ class CachedExperts:
         self._pass_start = None
 
     # ---- execution --------------------------------------------------------------------------------
-    def __call__(self, il: int, h: Any, routing: Routing) -> Any:
+    def __call__(self, il: int, h: Any, routing: Routing, part: Any = None) -> Any:
+        """Layer ``il``'s routed experts on ``h`` float32 (T, n_embd) -> (T, n_embd) on the backend.
+        ``part``: the :class:`moecache.models.base.Half` of a batched step in halves these rows are
+        (the zero-copy path then logs them at the half's rows, posts to the half's handoff and
+        leaves the wait for the CPU's share to :meth:`settle`)."""
         e = self.layers[il]
         t = routing.ids.shape[0]
         if il in self.cached_layers and self.takes_zero_copy(t):
-            return self._zero_copy(il, e, h, routing, t)
+            return self._zero_copy(il, e, h, routing, t, part)
         r = routing.host()
         if il == self._first:
             self._pass_start = time.perf_counter()
@@ -934,15 +982,22 @@ class CachedExperts:
             self._pass_start = None
         return out
 
-    def _zero_copy(self, il: int, e: ExpertWeights, h: Any, routing: Routing, t: int) -> Any:
-        """A decode ubatch on the zero-copy path: no host sync (CUDA-graph capturable)."""
+    def _zero_copy(self, il: int, e: ExpertWeights, h: Any, routing: Routing, t: int, part: Any = None) -> Any:
+        """A decode ubatch (or a half of one: ``part``) on the zero-copy path: no host sync
+        (CUDA-graph capturable)."""
         pool = self.pool
-        scratch = self.scratch if self.scratch is not None and routing.ids.size <= self.scratch[0].shape[0] else None
+        # (a half's misses are read in place as its whole step's would be: the halves share one scratch)
+        scratch = self.scratch if self.scratch is not None and routing.ids.size <= self.scratch[0].shape[0] \
+            and part is None else None
         self._zc_calls += 1
-        hf = self.handoff
+        hf = self.handoff if part is None or part.index == 0 else self.handoff_b
         # the miss split runs inside captured graphs only (an op-by-op pass would queue launches while
         # the GPU waits for the host) and in the CPU twin, which answers inline
         split = hf is not None and (hf.inline or self.be.capturing())
+        if hf is not None:
+            self._two = part is not None
+            if not hf.inline and self.be.capturing():  # what a replay of this capture posts to
+                self._halves_by_t[t if part is None else part.n] = part is not None
         gpu_pairs = routing
         if split:  # the GPU's pairs: the CPU's ids -1
             gpu_pairs = Routing(hf.post(il, h, routing.ids, routing.weights, self._map_dev[il], self._ncpu_dev),
@@ -951,12 +1006,17 @@ class CachedExperts:
                                      self._map_dev[il], (e.gate, e.up, e.down), scratch)
         if split:
             self._split_seen = True
-            out = hf.wait(il, out, add=True)
+            if part is None:
+                out = hf.wait(il, out, add=True)
+            else:  # queued just before this half's next block (settle): the other half runs meanwhile
+                self._deferred[part.index] = (hf, il, out)
             if hf.inline:
-                self._posted.append(il)
+                if part is None or part.index == 0:
+                    self._posted.append(il)
             elif il not in self._split_layers:
                 self._split_layers.append(il)
-        self._ids_log[il, :t] = self.be.asarray(routing.ids)
+        a = 0 if part is None else part.start
+        self._ids_log[il, a:a + t] = self.be.asarray(routing.ids)
         return out
 
     def graph_capturable(self) -> str | None:

@@ -162,8 +162,35 @@ class ExpertsByLayer:
     def __init__(self, executors: dict[int, ExpertExecutor]):
         self.executors = executors
 
-    def __call__(self, il: int, h: Any, routing: Routing) -> Any:
-        return self.executors[il](il, h, routing)
+    def __call__(self, il: int, h: Any, routing: Routing, part: Any = None) -> Any:
+        ex = self.executors[il]
+        return ex(il, h, routing) if part is None or not hasattr(ex, "settle") else ex(il, h, routing, part=part)
+
+    def halves(self, n_seqs: int) -> bool:
+        """Whether a batched decode step of ``n_seqs`` sequences should run in two halves
+        (:meth:`moecache.models.base.DecoderLM.halves_for`): some layer's executor asks for it (its
+        ``halves``: the expert cache with the miss split). The other executors compute a half's
+        rows as they would any rows."""
+        seen = set()
+        for e in self.executors.values():  # (per batched step: no list built)
+            if id(e) not in seen:
+                seen.add(id(e))
+                ask = getattr(e, "halves", None)
+                if ask is not None and ask(n_seqs):
+                    return True
+        return False
+
+    def settle(self, index: int) -> None:
+        """Queue what half ``index`` of a step in halves still owes its last MoE output (the expert
+        cache's wait for the CPU's share: ``CachedExperts.settle``)."""
+        for e in self._distinct():
+            s = getattr(e, "settle", None)
+            if s is not None:
+                s(index)
+
+    def _distinct(self) -> list[Any]:
+        """The executors, each once (one expert cache serves many layers)."""
+        return list({id(e): e for e in self.executors.values()}.values())
 
     def drop_uploads(self) -> None:
         """Drop an upload of a next layer's experts still in flight (the host-expert layers' shared

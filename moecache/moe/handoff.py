@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from moecache.quants import _numba_setup  # noqa: F401  (configures numba before any @njit)
 
@@ -166,11 +166,15 @@ def wait_flag(flag: np.ndarray, i: int, want: int, timeout_s: float) -> bool:
 Compute = Callable[[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 
 
-def serve(buf: HandoffBuffers, layers: list[int], seq: int, compute: Compute, timeout_s: float = 30.0,
-          idle: Callable[[], bool] | None = None) -> int:
+def serve(buf: HandoffBuffers | Sequence[HandoffBuffers], layers: list[int], seq: int, compute: Compute,
+          timeout_s: float = 30.0, idle: Callable[[], bool] | None = None) -> int:
     """Answer one pass's requests: for each of ``layers`` in step order wait for ``flag[il] >= seq``,
     and when the request has pairs for the CPU, run ``compute`` on them into ``out`` (zeroed first)
     and set ``done[il] = seq`` (a release store, after ``out``'s).
+
+    ``buf``: one handoff's buffers, or several (a batched step run in halves, each half posting to
+    its own handoff: :meth:`moecache.models.base.DecoderLM.halves_for`); each layer's requests are
+    then answered buffer by buffer, in the order given, which is the order the GPU posts them in.
 
     ``idle``: short host work put into the pass's gaps: called once before the first wait and once
     after each answer, until it returns False (no work left). After an answer the GPU still has the
@@ -179,29 +183,32 @@ def serve(buf: HandoffBuffers, layers: list[int], seq: int, compute: Compute, ti
     thread otherwise spins through; a call longer than that delays the next answer. The caller
     keeps each call short; the first comes before the GPU's first post, ~0.1 ms after the launch.
 
-    Returns the layers computed. Raises MoecacheError when a request does not come within
+    Returns the requests computed. Raises MoecacheError when a request does not come within
     ``timeout_s`` (the GPU step failed or was never launched); any error (``idle``'s too) releases
-    the pass's remaining waits on the GPU first (``done[:] = seq``).
+    the pass's remaining waits on the GPU first (``done[:] = seq`` in every buffer).
     """
+    bufs = (buf,) if isinstance(buf, HandoffBuffers) else tuple(buf)
     n = 0
     try:
         busy = idle is not None and idle()
         for il in layers:
-            if not wait_flag(buf.flag, il, seq, timeout_s):
-                raise MoecacheError(f"the GPU step did not hand over layer {il}'s experts within {timeout_s:.0f} s "
-                                    f"(pass {seq}): the step failed on the GPU")
-            if buf.count[il] == 0:
-                continue
-            t = int(buf.n_tok[il])
-            out = buf.out[:t]
-            out[...] = 0.0
-            compute(il, buf.h[:t], buf.ids[:t], buf.w[:t], out)
-            _release(buf.done, il, seq)  # after out's stores
-            n += 1
-            if busy:
-                busy = idle()
+            for b in bufs:
+                if not wait_flag(b.flag, il, seq, timeout_s):
+                    raise MoecacheError(f"the GPU step did not hand over layer {il}'s experts within {timeout_s:.0f} s "
+                                        f"(pass {seq}): the step failed on the GPU")
+                if b.count[il] == 0:
+                    continue
+                t = int(b.n_tok[il])
+                out = b.out[:t]
+                out[...] = 0.0
+                compute(il, b.h[:t], b.ids[:t], b.w[:t], out)
+                _release(b.done, il, seq)  # after out's stores
+                n += 1
+                if busy:
+                    busy = idle()
     except BaseException:
-        buf.done[...] = seq
+        for b in bufs:
+            b.done[...] = seq
         raise
     return n
 
@@ -287,7 +294,10 @@ class InlineHandoff:
             self.compute(il, b.h[:t], b.ids[:t], b.w[:t], part)
             b.done[il] = self.seq
         b.wait_ns[il] = 0
-        return out + part if add else part
+        if add:  # in place, as the GPU's wait adds into ``out``: a caller may hold it already
+            out += part
+            return out
+        return part
 
 
 @dataclass
