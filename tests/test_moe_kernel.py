@@ -143,6 +143,24 @@ def test_moe_ffn_routed_matches_reference(n_tok, act_q8, rng):
     assert np.array_equal(cpu.moe_ffn_routed(Wg, Wu, Wd, tt, none, w, h), np.zeros_like(base))
 
 
+def test_moe_ffn_routed_act_q8_rounds_only_the_rows_with_pairs(rng):
+    """A handoff's request carries every token of the step, most with no pair for the CPU: the 8-bit
+    kernel rounds only the rows of tokens with a pair, and those rows give the same bits as the
+    same tokens computed alone (the others, NaN here, are never read). The tokens with pairs are the
+    last ones and fewer pairs than tokens, so a row set taken from the pair indices would miss them."""
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    n_tok = 8
+    (Wg, Wu, Wd, tt), _, h, _, base = _layer(types, n_tok, 256, rng)
+    ids = np.full((n_tok, 3), -1, np.int32)
+    ids[6, 0], ids[7, 1] = rng.choice(Wg.shape[0], 2, replace=False)
+    w = rng.random((n_tok, 3)).astype(np.float32)
+    h[:6] = np.nan  # rows without a pair
+    out = cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w, h, out=base.copy(), act_q8=True)
+    alone = cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids[6:], w[6:], h[6:], out=base[6:].copy(), act_q8=True)
+    assert np.array_equal(out[:6], base[:6]) and np.array_equal(out[6:], alone) and np.isfinite(alone).all()
+    assert not np.array_equal(alone, base[6:])
+
+
 def test_moe_ffn_routed_rejects_bad_routing(rng):
     (Wg, Wu, Wd, tt), _, h, _, _ = _layer(("Q4_K", "Q4_K", "Q4_K"), 2, 256, rng)
     ids = np.array([[0, 1, 2], [3, Wg.shape[0], 4]], np.int32)

@@ -36,7 +36,7 @@ from moecache.quants.blocks32 import (deq_bf16, deq_f16, deq_f32, deq_iq4_nl, de
 from moecache.quants.blocks256 import deq_iq4_xs, deq_q2_k, deq_q3_k, deq_q4_k, deq_q5_k, deq_q6_k
 from moecache.quants.dots import DOTS
 from moecache.quants.formats import BY_TYPE, FORMATS, BlockFormat, format_for
-from moecache.quants.int_dots import ROW_DOTS, finite_f32, prefetcher_for, quantize_row, quantize_rows
+from moecache.quants.int_dots import ROW_DOTS, finite_f32, prefetcher_for, quantize_row
 
 _KERNEL = dict(cache=True, nogil=True, fastmath=True)
 _INLINE = dict(inline="always", **_KERNEL)
@@ -589,7 +589,14 @@ def _moe_kernel(fg: int, fu: int, fd: int, q8: bool):
             XD = np.empty((n_tok, n_embd // 32), np.float32)
             XS = np.empty((n_tok, n_embd // 32), np.float32)
             XR = np.empty((n_tok, n_embd), np.float32)
-            quantize_rows(H, XQ, XD, XS, XR)
+            # only the rows of tokens with a pair here (the handoff's requests carry every token of
+            # the step, most with no pair for the CPU): the other rows are never read
+            used = np.zeros(n_tok, np.bool_)
+            for p in range(n_pairs):
+                used[rows[p]] = True
+            for t in range(n_tok):
+                if used[t]:
+                    quantize_row(H[t], XQ[t], XD[t], XS[t], XR[t])
             GQ = np.empty((n_pairs, n_ff), np.int8)
             GD = np.empty((n_pairs, n_ff // 32), np.float32)
             GS = np.empty((n_pairs, n_ff // 32), np.float32)

@@ -567,6 +567,34 @@ def finite_f32(typingctx, x):
     return types.boolean(x), codegen
 
 
+@intrinsic
+def abs_bits_f32(typingctx, x):
+    """The bits of ``|x|`` for a float32 ``x`` as a uint32 (the sign bit cleared): for finite values
+    ordered as ``|x|`` is, and 0x7F800000 or more exactly when ``x`` is infinite or NaN, so one
+    integer maximum gives a unit's largest magnitude and whether it is all finite (an integer max
+    reduction vectorizes without fastmath, a float one does not)."""
+    if x != types.float32:
+        raise errors.TypingError(f"abs_bits_f32: expected float32, got {x}")
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7FFFFFFF))
+
+    return types.uint32(x), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, u):
+    """The float32 whose bits are the uint32 ``u``."""
+    if u != types.uint32:
+        raise errors.TypingError(f"f32_from_bits: expected uint32, got {u}")
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(u), codegen
+
+
 @njit(cache=True, nogil=True, fastmath=False)
 def quantize_row(x, q, d, s, r):
     """Round one float32 row ``x`` (n,) to 8 bits per 32 values (the rule of
@@ -576,30 +604,34 @@ def quantize_row(x, q, d, s, r):
     an infinite or NaN value gets the scale, the sum and the rounded values NaN and the quants 0
     (its products NaN: nothing non-finite is lost), stored as constants: when a fastmath kernel in
     the process compiled first, this function's own float arithmetic on a NaN could not be trusted
-    (measured: ``0 * NaN`` came out 0, see :func:`finite_f32`)."""
+    (measured: ``0 * NaN`` came out 0, see :func:`finite_f32`). A unit's largest magnitude and
+    its finiteness come from one integer maximum of the values' bits (:func:`abs_bits_f32`): half
+    the time of a float compare per value (2.2 against 1.1 us a row of 2048 on the 2-core VM)."""
     for u in range(x.shape[0] // 32):
-        m = np.float32(0.0)
-        finite = True
+        o = u * 32
+        mb = np.uint32(0)
         for i in range(32):
-            a = abs(x[u * 32 + i])
-            finite &= finite_f32(x[u * 32 + i])
-            if a > m:
-                m = a
-        if not finite:
+            mb = max(mb, abs_bits_f32(x[o + i]))
+        if mb >= np.uint32(0x7F800000):  # an infinite or NaN value
             for i in range(32):
-                q[u * 32 + i] = 0
-                r[u * 32 + i] = np.float32(np.nan)
+                q[o + i] = 0
+                r[o + i] = np.float32(np.nan)
             d[u] = np.float32(np.nan)
             s[u] = np.float32(np.nan)
             continue
-        dd = m / np.float32(127.0)
-        t = 0
-        for i in range(32):
-            v = np.int32(np.rint(x[u * 32 + i] / dd)) if dd > 0 else np.int32(0)
-            v = min(127, max(-127, v))  # |x / d| <= 127 but for a subnormal d (whose division overflows)
-            q[u * 32 + i] = v
-            r[u * 32 + i] = np.float32(v) * dd
-            t += v
+        dd = f32_from_bits(mb) / np.float32(127.0)
+        t = np.int32(0)
+        if dd > 0:
+            for i in range(32):
+                v = np.int32(np.rint(x[o + i] / dd))
+                v = min(np.int32(127), max(np.int32(-127), v))  # |x / d| <= 127 but for a subnormal d
+                q[o + i] = v
+                r[o + i] = np.float32(v) * dd
+                t += v
+        else:
+            for i in range(32):
+                q[o + i] = 0
+                r[o + i] = np.float32(0.0) * dd
         d[u] = dd
         s[u] = np.float32(t) * dd
 
