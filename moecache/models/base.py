@@ -481,7 +481,9 @@ class DecoderLM:
         for the layer's attention and the GPU for the CPU's answer, each idle a third of the step
         (8 tokens, 8 GiB, H200: ``bench/decode_profile.py --host-times``, bench/results/serve-h200.md).
         Each token's arithmetic is the same as in one pass; the routing process's draw of the
-        pass is shared by the halves (:class:`Half`)."""
+        pass is shared by the halves (:class:`Half`). Opt-in (``CachedExperts.decode_halves``): on
+        the H200 machine it gained nothing at 8 tokens, each half paying the CPU kernel's fixed cost
+        per call (bench/results/serve-h200.md, thirty-fifth session)."""
         t = len(pos)
         m = (t + 1) // 2
         whole, base, n_ctx = shared

@@ -277,6 +277,15 @@ class CachedExperts:
             (:meth:`launched`); False: all of it after the last answer, as before the thirty-fourth
             session. True by default: a decode step of 8 slots at 8 GiB on the H200 machine took 2-11%
             less time in two side-by-side runs (``bench/decode_profile.py --gaps on,off,on``).
+        decode_halves: with the miss split, a batched decode step of ``HALVES_MIN_TOKENS`` tokens
+            or more runs as two halves interleaved block by block
+            (:meth:`moecache.models.base.DecoderLM._body_halves`), each half posting its CPU share
+            to its own handoff (``handoff``, ``handoff_b``), so that the host computes one half's
+            misses while the GPU runs the other half (:meth:`halves`, :meth:`settle`). False by
+            default: at 8 tokens, 8 GiB on the H200 machine, -7% to +11% a step in four
+            side-by-side runs (``bench/decode_profile.py --halves on,off,on,off``); each half pays the
+            CPU kernel's fixed cost per call (``bench/cpu_call_cost.py``). A captured graph keeps
+            the layout it was captured with; a change captures the batch size again.
         group_prefetch: [started, used, dropped] copies of a next layer's first group.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
             :class:`~moecache.moe.prefetch.LayerPrefetch` keeps the one in flight; one per half).
@@ -304,11 +313,7 @@ class CachedExperts:
         # the next layer's half copied while this layer's other half computes
         self.prompt_stack_halves = False
         self.account_in_gaps = True  # see the class docstring
-        # opt-in: batched decode steps of HALVES_MIN_TOKENS or more run in two halves with the miss split
-        # (halves()). Off: no gain measured at 8 tokens, 8 GiB on the H200 machine (three machines: -7%, 0%,
-        # +8% a step; bench/results/serve-h200.md, thirty-fifth session): each half pays the CPU kernel's
-        # fixed cost per call (45-65 us, bench/cpu_call_cost.py), which eats the overlap it buys
-        self.decode_halves = False
+        self.decode_halves = False  # see the class docstring (no gain measured: opt-in)
         self.vram_limit = vram_limit
         self._ahead = LayerPrefetch({})  # the next layer's copy into a stack buffer, tagged (buffer, experts copied)
         self._ahead_halves = (LayerPrefetch({}), LayerPrefetch({}))  # the same per half (_prompt_halves)
