@@ -7,8 +7,12 @@ page-locked when CuPy is there (as ``--load-mode pin`` holds them), and per (tok
 the median of ``-n`` calls of :func:`moecache.quants.cpu.moe_ffn_routed` (the handoff's answer, as
 ``CachedExperts._split_compute`` makes it) and of the compiled kernel called directly (without the
 Python wrapper's checks); pairs 0 is the call without work (Python and dispatch only). Each pair is
-a distinct expert, as the CPU's misses of one layer nearly always are at 8 tokens. The fixed cost
-is what a line through the pair counts gives at 0 pairs; its slope is the time per expert.
+a distinct expert, as the CPU's misses of one layer nearly always are at 8 tokens. The "fixed" cost
+printed is the intercept of a least-squares line through the pair counts >= 1 (of
+``moe_ffn_routed``'s medians), its slope the time per expert: an extrapolation, not a measured call
+(the 0-pair call returns before any parallel work, 2-10 µs), and a line through two points only is
+said to be one. Needs otherwise idle cores: a thread that loses its core for a time slice makes a
+case's median milliseconds, not microseconds (the minimum is printed beside it to show that).
 
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 python bench/cpu_call_cost.py [-n 300] [--threads 16,8,4]
 """
@@ -31,8 +35,8 @@ def main() -> None:
     ap.add_argument("--threads", default=None, help="comma list of Numba thread counts (default: all)")
     ap.add_argument("--tokens", default="8,4", help="comma list of token counts (rows of h)")
     ap.add_argument("--pairs", default="0,1,2,4,8", help="comma list of pair counts (distinct experts)")
-    ap.add_argument("--q8", action="store_true", help="activations rounded to 8 bits (act_q8: the kernels the "
-                    "engine's expert cache calls when the GPU's decode kernels round them so, the default)")
+    ap.add_argument("--q8", action="store_true", help="activations rounded to 8 bits (act_q8), as the engine's "
+                    "expert cache calls the kernel by default; without it, float32 activations")
     a = ap.parse_args()
     import numba
 
@@ -63,14 +67,15 @@ def main() -> None:
     print(f"threading layer {numba.threading_layer() if _warm(kern, cpu, g, u, d, most) else '?'}, "
           f"{most} threads at most, experts {where}, activations {'8-bit' if a.q8 else 'float32'}, {a.n} calls a case")
 
-    def med(f) -> float:
+    def med(f) -> tuple[float, float]:
+        """(median, minimum) of ``-n`` calls, µs."""
         f()
         ts = []
         for _ in range(a.n):
             t0 = time.perf_counter()
             f()
             ts.append(time.perf_counter() - t0)
-        return float(np.median(ts)) * 1e6
+        return float(np.median(ts)) * 1e6, float(np.min(ts)) * 1e6
 
     for nt in threads:
         numba.set_num_threads(nt)
@@ -83,18 +88,24 @@ def main() -> None:
                 w = np.full((T, k), 0.25, np.float32)
                 h = rng.standard_normal((T, n_embd)).astype(np.float32)
                 out = np.zeros((T, n_embd), np.float32)
-                full = med(lambda: cpu.moe_ffn_routed(g, u, d, types, ids, w, h, out, act_q8=a.q8))
-                direct = med(lambda: kern(g, u, d, False, cpu._NO_I32, cpu._NO_I32, cpu._NO_I32, cpu._NO_F32, ids, w,
-                                          h, cpu.ACT_SILU, out, cpu.STEP, nt))
+                (full, full_min) = med(lambda: cpu.moe_ffn_routed(g, u, d, types, ids, w, h, out, act_q8=a.q8))
+                (direct, direct_min) = med(lambda: kern(g, u, d, False, cpu._NO_I32, cpu._NO_I32, cpu._NO_I32,
+                                                        cpu._NO_F32, ids, w, h, cpu.ACT_SILU, out, cpu.STEP, nt))
                 rows.append((npairs, full, direct))
-                print(f"threads {nt:2d}, {T} tokens, {npairs} pairs: moe_ffn_routed {full:8.1f} us, "
-                      f"compiled call {direct:8.1f} us")
+                print(f"threads {nt:2d}, {T} tokens, {npairs} pairs: moe_ffn_routed {full:8.1f} us (min {full_min:.1f}), "
+                      f"compiled call {direct:8.1f} us (min {direct_min:.1f})")
             x = np.array([r[0] for r in rows if r[0] > 0], float)
             if x.size >= 2:
                 y = np.array([r[1] for r in rows if r[0] > 0])
                 slope, icpt = np.polyfit(x, y, 1)
+                said = []
+                if x.size == 2:
+                    said.append("a line through two points")
+                if slope <= 0 or icpt < 0:
+                    said.append("a slope or intercept below 0: noise (busy cores?)")
                 print(f"threads {nt:2d}, {T} tokens: fixed {icpt:.1f} us a call + {slope:.1f} us an expert "
-                      f"(moe_ffn_routed, fit over pairs >= 1)")
+                      f"(moe_ffn_routed's medians, least squares over pairs >= 1"
+                      f"{'; ' + ', '.join(said) if said else ''})")
 
 
 def _warm(kern, cpu, g, u, d, nt) -> bool:

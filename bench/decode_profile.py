@@ -51,7 +51,7 @@ def kernel_class(name: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", type=Path, required=True)
     ap.add_argument("-c", type=int, default=4096, help="context size (KV cache positions)")
     ap.add_argument("-d", default="0", help="prompt tokens before the timed steps (attention depth); a comma list "
@@ -110,6 +110,10 @@ def main() -> None:
     for name in ("gaps", "halves"):
         if set(getattr(a, name).split(",")) - {"on", "off"}:
             raise SystemExit(f"--{name}: a comma list of on and off, not {getattr(a, name)!r}")
+    if a.t is not None and not a.resolved:
+        raise SystemExit("-t: with --resolved only (the settings run and serve resolve)")
+    if a.batch == "1" and (a.gaps != "on" or a.halves != "off" or a.cpu_cost_scale != "1"):
+        raise SystemExit("--gaps, --halves and --cpu-cost-scale apply to --batch steps only")
     try:
         a.batches = [int(b) for b in a.batch.split(",")]
         if not a.batches or min(a.batches) < 1:

@@ -95,7 +95,7 @@ PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the
 # such buffers alternate with page-locked weights: H200, 8 GiB, qwen3-moe, the 12620-token prompt at -ub 512
 # 1144 t/s against 848 with one copy-then-compute group at a time, run h200-s16a/c)
 MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit (the fused decode kernels')
-HALVES_MIN_TOKENS = 4  # batched decode steps run in two halves from this many tokens (CachedExperts.halves)
+HALVES_MIN_TOKENS = 4  # with decode_halves, batched decode steps of this many tokens or more run in two halves
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
 # prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
 # device gather from the slots and a mapped file's staged upload hold one such piece as a temporary)
@@ -282,9 +282,10 @@ class CachedExperts:
             (:meth:`moecache.models.base.DecoderLM._body_halves`), each half posting its CPU share
             to its own handoff (``handoff``, ``handoff_b``), so that the host computes one half's
             misses while the GPU runs the other half (:meth:`halves`, :meth:`settle`). False by
-            default: at 8 tokens, 8 GiB on the H200 machine, -7% to +11% a step in four
-            side-by-side runs (``bench/decode_profile.py --halves on,off,on,off``); each half pays the
-            CPU kernel's fixed cost per call (``bench/cpu_call_cost.py``). A captured graph keeps
+            default: at 8 tokens, 8 GiB on the H200 machine, from 7% faster to 8% slower a step in
+            four side-by-side runs (``bench/decode_profile.py --halves on,off,on,off``): each half
+            pays the CPU kernel's fixed cost per call (``bench/cpu_call_cost.py``) and the GPU's
+            launches of a layer's products, attention and router. A captured graph keeps
             the layout it was captured with; a change captures the batch size again.
         group_prefetch: [started, used, dropped] copies of a next layer's first group.
         stack_prefetch: [started, used, dropped] copies of a next layer's experts (a
