@@ -10,7 +10,7 @@ Python wrapper's checks); pairs 0 is the call without work (Python and dispatch 
 a distinct expert, as the CPU's misses of one layer nearly always are at 8 tokens. The "fixed" cost
 printed is the intercept of a least-squares line through the pair counts >= 1 (of
 ``moe_ffn_routed``'s medians), its slope the time per expert: an extrapolation, not a measured call
-(the 0-pair call returns before any parallel work, 2-10 µs), and a line through two points only is
+(the 0-pair call returns before any parallel work: 2-15 µs on the H200 machine), and a line through two points only is
 said to be one. Needs otherwise idle cores: a thread that loses its core for a time slice makes a
 case's median milliseconds, not microseconds (the minimum is printed beside it to show that).
 

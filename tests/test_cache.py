@@ -1134,6 +1134,14 @@ def test_miss_split_replay_road_serves_only_layers_with_a_share(model_path):
         buf.err[0] = served + 1
         with pytest.raises(MoecacheError, match=f"layer {served}"):
             cache.end_pass()
+        # the second half's handoff is checked too (a step in halves; its record reset by the check)
+        cache.begin_pass(1)
+        buf.flag[:] = cache.handoff.seq
+        cache.launched()
+        cache.handoff_b.buf.err[0] = served + 1
+        with pytest.raises(MoecacheError, match=f"layer {served}"):
+            cache.end_pass()
+        assert cache.handoff_b.buf.err[0] == 0 and buf.err[0] == 0
         cache.close()
 
 
@@ -1714,7 +1722,16 @@ def test_batched_steps_in_halves_give_the_one_pass_logits(model_path, seed, rout
         posts_b = []  # the second half's posts: its rows
         post_b = caches[0].handoff_b.post
         caches[0].handoff_b.post = lambda il, h, *rest: posts_b.append(h.shape[0]) or post_b(il, h, *rest)
+        events = []  # (kind, half, layer) of the posts and waits, in the order they are queued
+
+        def spy(half, hf):
+            post, wait = hf.post, hf.wait
+            hf.post = lambda il, *a: events.append(("post", half, il)) or post(il, *a)
+            hf.wait = lambda il, *a, **k: events.append(("wait", half, il)) or wait(il, *a, **k)
+        spy(0, caches[0].handoff)
+        spy(1, caches[0].handoff_b)
         for step in range(4):
+            events.clear()
             toks = rng.integers(0, c.n_vocab, n)
             want = ref_lm.forward_seqs(toks, kvs[2])
             for lm, kv in zip(lms, kvs):
@@ -1730,6 +1747,13 @@ def test_batched_steps_in_halves_give_the_one_pass_logits(model_path, seed, rout
         np.testing.assert_array_equal(ids_logged[-1], caches[1]._ids_log[:, :n])
 
         assert posts_b == [n - (n + 1) // 2] * (4 * len(ew)) and not caches[1].handoff_b.buf.flag.any()
+        # a half's wait is queued after the other half's post of the layer, before its own next post
+        want, prev = [], None
+        for il in sorted(ew):
+            want += ([("wait", 0, prev)] if prev is not None else []) + [("post", 0, il)]
+            want += ([("wait", 1, prev)] if prev is not None else []) + [("post", 1, il)]
+            prev = il
+        assert events == want + [("wait", 0, prev), ("wait", 1, prev)]
         lms[0].moe_out_last = False  # as qwen2moe's class says
         assert not lms[0].halves_for(n)
         for cache in caches:

@@ -275,3 +275,87 @@ def test_inline_handoff_share_zero_layer_posts_counts_only():
     np.testing.assert_array_equal(gpu, [[0, -1, -1, 5]])  # the last two misses are the CPU's
     assert b.count[1] == 2 and b.n_miss[1] == 2 and b.flag[1] == 3 and (b.h[0] == 7.0).all()
     np.testing.assert_array_equal(hf.wait(1, np.zeros((1, 8), np.float32), add=True), 1.0)
+
+
+def _two_halves_gpu(bufs, layers, seq, reqs, got):
+    """The GPU's side of a step in two halves: per layer it posts half 0's request, then half 1's,
+    then waits for half 0's answer before half 0's next post (and half 1's before half 1's), as
+    DecoderLM._body_halves orders the kernels; ``reqs[(half, il)]`` are the requests, answers go
+    to ``got[(half, il)]``."""
+    owed = [None, None]
+
+    def wait(half):
+        if owed[half] is None:
+            return
+        il, t = owed[half]
+        t_end = time.monotonic() + 10
+        while bufs[half].done[il] < seq:
+            assert time.monotonic() < t_end, "no answer"
+        got[(half, il)] = bufs[half].out[:t].copy()
+        owed[half] = None
+
+    for il in layers:
+        for half in (0, 1):
+            wait(half)  # the layer before's answer of this half
+            h, ids, w = reqs[(half, il)]
+            b, t = bufs[half], h.shape[0]
+            b.h[:t], b.ids[:t], b.w[:t] = h, ids, w
+            b.count[il] = _count_of(ids)
+            b.n_tok[il] = t
+            b.flag[il] = seq
+            if b.count[il]:
+                owed[half] = (il, t)
+    for half in (0, 1):
+        wait(half)
+
+
+def test_serve_answers_two_halves_buffer_by_buffer():
+    """serve with two buffers (a step in halves): each layer's request of half 0, then half 1's,
+    answered with that half's rows while the other half's post is already there; a request with
+    nothing for the CPU is skipped; the answers equal each request's own computation."""
+    rng = _fresh_rng()
+    layers = [0, 1, 3]
+    bufs = [handoff.HandoffBuffers.allocate(4, 4, 8, 4) for _ in range(2)]
+    reqs = {(half, il): r for half in (0, 1) for il, r in _requests(rng, layers).items()}
+    reqs[(1, 1)][1][...] = -1  # half 1 has nothing for the CPU at layer 1
+    order = []
+
+    def compute(il, h, ids, w, out):
+        order.append((il, h.copy()))
+        _compute(il, h, ids, w, out)
+
+    got = {}
+    th = threading.Thread(target=_two_halves_gpu, args=(bufs, layers, 1, reqs, got))
+    th.start()
+    n = handoff.serve(bufs, layers, 1, compute, timeout_s=10)
+    th.join(10)
+    assert not th.is_alive()
+    want = [(half, il) for il in layers for half in (0, 1) if (half, il) != (1, 1)]
+    assert n == 5 and sorted(got) == sorted(want)
+    assert [il for il, _ in order] == [il for _, il in want]
+    for (half, il), (il2, h) in zip(want, order):
+        np.testing.assert_array_equal(h, reqs[(half, il)][0])  # that half's own rows
+    for key in want:
+        h, ids, w = reqs[key]
+        ref = np.zeros_like(h)
+        _compute(key[1], h, ids, w, ref)
+        np.testing.assert_allclose(got[key], ref, rtol=1e-6)
+    assert bufs[1].done[1] < 1  # never answered
+
+
+def test_serve_releases_every_buffer_when_compute_fails():
+    """An error answering one half releases both halves' waits on the GPU (done = seq in every
+    buffer), so neither sits out its timeout."""
+    bufs = [handoff.HandoffBuffers.allocate(3, 2, 8, 4) for _ in range(2)]
+    for b in bufs:
+        b.count[:] = 1
+        b.n_tok[:] = 1
+        b.ids[0, 0] = 0
+        b.flag[:] = 4
+
+    def bad(il, h, ids, w, out):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        handoff.serve(bufs, [0, 1, 2], 4, bad, timeout_s=5)
+    assert all((b.done == 4).all() for b in bufs)

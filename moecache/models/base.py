@@ -190,8 +190,10 @@ class DecoderLM:
     Class attributes an architecture sets: ``act`` (FFN activation), ``renorm_topk`` (divide the
     top-k weights by their sum), ``attn_softcap`` / ``final_softcap`` (apply the GGUF's
     ``attn_logit_softcapping`` / ``final_logit_softcapping``; llama.cpp reads them per architecture),
-    ``moe_out_last`` (its blocks return the routed experts' output as the :class:`Pending` sum's
-    ``d`` with no arithmetic on it: a batched step may then run in halves, :meth:`halves_for`).
+    ``moe_out_last`` (True: its blocks return the routed experts' output as the :class:`Pending`
+    sum's ``d`` with no arithmetic on it, so a batched step may run in halves, :meth:`halves_for`,
+    whose CPU share is added into that output later; False by default, as a block that computed
+    with the output before that would be wrong).
     """
 
     arch: ClassVar[str] = ""
@@ -199,7 +201,7 @@ class DecoderLM:
     renorm_topk: ClassVar[bool] = True
     attn_softcap: ClassVar[bool] = False
     final_softcap: ClassVar[bool] = False
-    moe_out_last: ClassVar[bool] = True
+    moe_out_last: ClassVar[bool] = False
 
     def __init__(self, model: GGUFModel, backend: ArrayBackend, experts: ExpertExecutor | None = None,
                  layer_backends: list[ArrayBackend] | None = None, output_backend: ArrayBackend | None = None,
@@ -480,8 +482,12 @@ class DecoderLM:
         before that half's next block reads it. In lockstep (one pass of all rows) the CPU waited
         for the layer's attention and the GPU for the CPU's answer, each idle a third of the step
         (8 tokens, 8 GiB, H200: ``bench/decode_profile.py --host-times``, bench/results/serve-h200.md).
-        Each token's arithmetic is the same as in one pass; the routing process's draw of the
-        pass is shared by the halves (:class:`Half`). Opt-in (``CachedExperts.decode_halves``): on
+        Each token goes through the same operations as in one pass, on fewer rows (the CPU twin's
+        logits differ by a few 1e-6: kernels that split their work by the rows' count); the
+        routing process's draw of the pass is shared by the halves (:class:`Half`). A pass that
+        runs op by op on the GPU (no capture) runs in halves too, without the CPU's share (the
+        split happens inside captured graphs only): twice the launches for nothing, where batch
+        graphs are off. Opt-in (``CachedExperts.decode_halves``): on
         the H200 machine it gained nothing at 8 tokens, each half paying the CPU kernel's fixed cost
         per call (bench/results/serve-h200.md, thirty-fifth session)."""
         t = len(pos)

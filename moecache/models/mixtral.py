@@ -12,6 +12,7 @@ from moecache.models.base import DecoderLM, Pending
 class Mixtral(DecoderLM):
     arch = "llama"
     renorm_topk = True
+    moe_out_last = True  # the block returns the MoE output untouched (batched steps may run in halves)
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]

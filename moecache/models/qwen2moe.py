@@ -14,7 +14,7 @@ from moecache.models.base import DecoderLM, Pending
 class Qwen2Moe(DecoderLM):
     arch = "qwen2moe"
     renorm_topk = False
-    moe_out_last = False  # the block adds the shared expert to the routed output (no halves)
+    # moe_out_last stays False: the block adds the shared expert to the routed output (no halves)
 
     def block(self, il, x, fp, kv):
         L = self.layers[il]

@@ -11,6 +11,7 @@ from moecache.models.base import DecoderLM, Pending
 
 class Qwen3Moe(DecoderLM):
     arch = "qwen3moe"
+    moe_out_last = True  # the block returns the MoE output untouched (batched steps may run in halves)
     renorm_topk = True  # norm_topk_prob
 
     def block(self, il, x, fp, kv):

@@ -81,6 +81,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from moecache.backends.contract import CacheBackend
+from moecache.errors import MoecacheError
 from moecache.backends.ops import ATTENTION_SCORE_BYTES, DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
 from moecache.moe.executor import CPUExperts, ExpertWeights
 from moecache.moe.handoff import InlineHandoff, SplitControl, check, serve
@@ -638,7 +639,8 @@ class CachedExperts:
         if self.handoff is not None and self._expect:
             self._seq += 1
             self.handoff.go(self._seq)
-            self.handoff_b.go(self._seq)
+            if self._two or self.decode_halves:  # (a pass that may post to the second half's handoff)
+                self.handoff_b.go(self._seq)
             if self._ncpu_dirty:
                 self.be.set_from_host(self._ncpu_dev, self.split.ncpu)
                 self._ncpu_dirty = False
@@ -915,9 +917,15 @@ class CachedExperts:
             self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
             self.policy.set_budget(self._token_s)
             self._pass_start = None
-        if layers:
-            for b in self._pass_bufs():  # last: a GPU that gave up waiting made this pass's output wrong
-                check(b)
+        if layers:  # last: a GPU that gave up waiting made this pass's output wrong (either half's)
+            errs = []
+            for hf in (self.handoff, self.handoff_b):
+                try:
+                    check(hf.buf)  # (resets the record)
+                except MoecacheError as e:
+                    errs.append(e)
+            if errs:
+                raise errs[0]
 
     def abort_pass(self) -> None:
         """Instead of :meth:`end_pass` when an exception (Ctrl-C included) cut a pass short: the
@@ -927,6 +935,7 @@ class CachedExperts:
             self._guard.stop()
         self._expect = 0
         self._pass_start = None
+        self._deferred = [None, None]  # (a half's output held for its wait: not kept past the pass)
 
     # ---- execution --------------------------------------------------------------------------------
     def __call__(self, il: int, h: Any, routing: Routing, part: Any = None) -> Any:

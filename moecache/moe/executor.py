@@ -182,15 +182,14 @@ class ExpertsByLayer:
 
     def settle(self, index: int) -> None:
         """Queue what half ``index`` of a step in halves still owes its last MoE output (the expert
-        cache's wait for the CPU's share: ``CachedExperts.settle``)."""
-        for e in self._distinct():
-            s = getattr(e, "settle", None)
-            if s is not None:
-                s(index)
-
-    def _distinct(self) -> list[Any]:
-        """The executors, each once (one expert cache serves many layers)."""
-        return list({id(e): e for e in self.executors.values()}.values())
+        cache's wait for the CPU's share: ``CachedExperts.settle``; each executor once)."""
+        seen = set()
+        for e in self.executors.values():
+            if id(e) not in seen:
+                seen.add(id(e))
+                s = getattr(e, "settle", None)
+                if s is not None:
+                    s(index)
 
     def drop_uploads(self) -> None:
         """Drop an upload of a next layer's experts still in flight (the host-expert layers' shared
