@@ -445,11 +445,7 @@ class DecoderLM:
         if shared is not None and self.halves_for(len(pos)):
             return self._body_halves(tokens, pos, pos_inputs, shared, {} if base_inputs is None else base_inputs)
         fp = ForwardPass(pos, pos_inputs, seqs=seqs, shared=shared, base_inputs={} if base_inputs is None else base_inputs)
-        self._use(self.layer_be[0])
-        x = self.be.embed(self.token_embd, tokens)
-        s = self.embed_scale()
-        if s is not None:
-            x = x * np.float32(s)
+        x = self._embed(tokens)
         for il in range(self.cfg.n_layer):
             if self.layer_be[il] is not self.be:
                 x = self.settled(x)
@@ -461,6 +457,14 @@ class DecoderLM:
             self._use(self.output_be)
             x = self.be.adopt(x)
         return x
+
+    def _embed(self, tokens: Any) -> Any:
+        """The token embeddings of ``tokens`` on layer 0's backend (made current), scaled where the
+        architecture scales them: float32 (T, n_embd)."""
+        self._use(self.layer_be[0])
+        x = self.be.embed(self.token_embd, tokens)
+        s = self.embed_scale()
+        return x * np.float32(s) if s is not None else x
 
     def halves_for(self, n_seqs: int) -> bool:
         """Whether a batched decode step of ``n_seqs`` sequences (slices of one cache, one token
@@ -497,11 +501,7 @@ class DecoderLM:
         fps = [ForwardPass(pos[a:b], {k: v[a:b] for k, v in pos_inputs.items()}, shared=(whole, base[a:b], n_ctx),
                            base_inputs={k: v[a:b] for k, v in base_inputs.items()}, part=Half(i, a, t, routed))
                for i, (a, b) in enumerate(((0, m), (m, t)))]
-        self._use(self.layer_be[0])
-        x = self.be.embed(self.token_embd, tokens)
-        s = self.embed_scale()
-        if s is not None:
-            x = x * np.float32(s)
+        x = self._embed(tokens)
         xs: list[Any] = [x[:m], x[m:]]
         settle = self.experts.settle
         for il in range(self.cfg.n_layer):

@@ -10,6 +10,7 @@ run both at once and sum them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -171,25 +172,27 @@ class ExpertsByLayer:
         (:meth:`moecache.models.base.DecoderLM.halves_for`): some layer's executor asks for it (its
         ``halves``: the expert cache with the miss split). The other executors compute a half's
         rows as they would any rows."""
-        seen = set()
-        for e in self.executors.values():  # (per batched step: no list built)
-            if id(e) not in seen:
-                seen.add(id(e))
-                ask = getattr(e, "halves", None)
-                if ask is not None and ask(n_seqs):
-                    return True
+        for e in self._each():
+            ask = getattr(e, "halves", None)
+            if ask is not None and ask(n_seqs):
+                return True
         return False
 
     def settle(self, index: int) -> None:
         """Queue what half ``index`` of a step in halves still owes its last MoE output (the expert
         cache's wait for the CPU's share: ``CachedExperts.settle``; each executor once)."""
+        for e in self._each():
+            s = getattr(e, "settle", None)
+            if s is not None:
+                s(index)
+
+    def _each(self) -> Iterator[ExpertExecutor]:
+        """The executors, each once (one expert cache serves many layers), without building a list."""
         seen = set()
         for e in self.executors.values():
             if id(e) not in seen:
                 seen.add(id(e))
-                s = getattr(e, "settle", None)
-                if s is not None:
-                    s(index)
+                yield e
 
     def drop_uploads(self) -> None:
         """Drop an upload of a next layer's experts still in flight (the host-expert layers' shared

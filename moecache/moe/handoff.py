@@ -244,12 +244,16 @@ def check_request(max_tok: int, n_embd: int, k: int, h_shape: tuple, ids_shape: 
                          f"({max_tok}, {n_embd}) / ({max_tok}, {k})")
 
 
-def check(buf: HandoffBuffers) -> None:
+def check(buf: HandoffBuffers | Sequence[HandoffBuffers]) -> None:
     """Raise MoecacheError when the GPU gave up waiting for an answer in the pass just finished
-    (its output is then wrong); resets the record."""
-    e = int(buf.err[0])
+    (its output is then wrong); resets the record. ``buf``: one handoff's buffers or several (a
+    step in halves, as :func:`serve` takes them): every record is reset, the first one set named."""
+    bufs = (buf,) if isinstance(buf, HandoffBuffers) else tuple(buf)
+    errs = [int(b.err[0]) for b in bufs]
+    for b in bufs:
+        b.err[0] = 0
+    e = next((e for e in errs if e), 0)
     if e:
-        buf.err[0] = 0
         raise MoecacheError(f"the GPU stopped waiting for the CPU's experts of layer {e - 1}: that step's "
                             f"output is wrong (the host did not answer in time)")
 
