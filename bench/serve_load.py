@@ -204,7 +204,13 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mib": proc.memory_info().rss / 2**20,
+        rss = 0
+        for p in [proc, *proc.children(recursive=True)]:  # the server and its engine's process
+            try:
+                rss += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mib": rss / 2**20,
                         "gpu_used_mib": gpu_used_mib(), **counts})
         time.sleep(5)
     for t in threads:

@@ -163,12 +163,13 @@ def start_server(llm, model_id: str, n_par: int, port: int, merge_prompts: bool 
 
     from moecache.chat import resolve_chat_template
     from moecache.sampling import SamplingParams
-    from moecache.server.app import ServerState, build_app
+    from moecache.server.app import ModelInfo, ServerState, build_app
     from moecache.server.worker import Worker
 
     eng = llm.engine
     state = ServerState(model_id=model_id, api_key=None, n_parallel=n_par, defaults=SamplingParams())
-    state.llm, state.template = llm, resolve_chat_template(eng.gguf, eng.tokenizer, None)
+    state.tokenizer, state.template = eng.tokenizer, resolve_chat_template(eng.gguf, eng.tokenizer, None)
+    state.info = ModelInfo.of(eng.gguf, eng.n_ctx)
     state.worker = Worker(llm, n_par, lambda job, res: None, print, merge_prompts=merge_prompts,
                           sync_stream=sync_stream)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",

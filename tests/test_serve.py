@@ -472,3 +472,98 @@ def test_concurrent_clients_are_decoded_together_with_the_same_text(server):
     steps = _metric(server, "moecache:decode_steps_total") - steps0
     tokens = _metric(server, "moecache:decode_step_tokens_total") - tokens0
     assert steps > 0 and tokens / steps > 1.5, (steps, tokens)
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine's process: the server's child started by multiprocessing's spawn (not its
+    resource tracker)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == server_pid and "spawn_main" in cmd and "resource_tracker" not in cmd:
+            found.append(int(d.name))
+    assert len(found) == 1, f"engine processes of {server_pid}: {found}"
+    return found[0]
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, not reaped yet
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_engine_process_ends_with_the_server_and_in_process_gives_the_same_text(tmp_path):
+    """The model runs in a child of the server (its pid is not the server's and it has the model's
+    threads); a server killed with SIGKILL, which cannot clean up, still takes it down (it reads the
+    closed pipe); and ``--no-engine-process`` (the engine in a thread of the server) serves the same
+    greedy text."""
+    from moecache.testing.synth import PRESETS, write_model
+
+    httpx = require_module("httpx")
+    model = tmp_path / "tiny.gguf"
+    write_model(model, PRESETS["tiny"], seed=3)
+    req = {"prompt": "the", "max_tokens": 8, "temperature": 0}
+    s = Server(model, "-c", "512", "-np", "2")
+    try:
+        text = httpx.post(s.url + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+        child = _engine_pid(s.proc.pid)
+        assert child != s.proc.pid
+        s.proc.kill()
+        s.proc.wait(10)
+        assert _gone(child, 20), "the engine's process outlived its server"
+    finally:
+        s.stop()
+    s = Server(model, "-c", "512", "-np", "2", "--no-engine-process")
+    try:
+        with pytest.raises(AssertionError, match="engine processes"):
+            _engine_pid(s.proc.pid)
+        out = httpx.post(s.url + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+        assert out == text and len(text) > 0
+    finally:
+        s.stop()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_dead_engine_process_fails_its_requests_and_the_server_stays_up(tmp_path):
+    """The engine's process killed mid-stream: the stream ends with a 500 error event, /health says
+    500, a new request is a 503 naming the cause, and SIGTERM still stops the server cleanly."""
+    from moecache.testing.synth import PRESETS, write_model
+
+    httpx = require_module("httpx")
+    model = tmp_path / "tiny.gguf"
+    write_model(model, PRESETS["tiny"], seed=3)
+    s = Server(model, "-c", "4096", "-np", "1")
+    try:
+        lines = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=60) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            os.kill(_engine_pid(s.proc.pid), signal.SIGKILL)
+            lines += [ln for ln in it if ln]
+        assert lines[0].startswith("data: ") and lines[-1] != "data: [DONE]"
+        err = json.loads(lines[-1].removeprefix("data: "))["error"]
+        assert err["code"] == 500 and "engine's process ended" in err["message"]
+        h = httpx.get(s.url + "/health", timeout=10)
+        assert h.status_code == 500 and "engine has stopped" in h.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "engine's process has ended" in r.json()["error"]["message"]
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(20) == 0
+        assert "server: stopped" in "".join(s.output)
+    finally:
+        s.stop()

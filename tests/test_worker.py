@@ -132,15 +132,14 @@ def test_metrics_expose_each_caches_hit_and_miss_counters():
     hit rate of any interval from two reads) and uploads, from the cache's own CacheStats; and the
     worker's decode passes, their tokens and the seconds inside the engine's decode and prompt
     calls."""
-    from types import SimpleNamespace
-
     from moecache.moe.cache import CacheStats
     from moecache.server.metrics import Metrics
+    from moecache.server.worker import WorkerStatus
 
     a, b = CacheStats(), CacheStats()
     a.hits, a.misses, a.uploads = 90, 10, 7
     b.hits, b.misses, b.uploads = 3, 1, 0
-    text = Metrics().render(0, 0, [SimpleNamespace(stats=a), SimpleNamespace(stats=b)], (4, 10), (0.25, 1.5))
+    text = Metrics().render(WorkerStatus(0, 0, [], (4, 10), (0.25, 1.5), [a, b]))
     got = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
     assert got["moecache:decode_steps_total"] == 4 and got["moecache:decode_step_tokens_total"] == 10
     assert got["moecache:decode_seconds_total"] == 0.25 and got["moecache:prompt_eval_seconds_total"] == 1.5

@@ -356,6 +356,10 @@ def serve(
                                                          "Jinja template (overrides the GGUF's).")] = None,
     timeout: Annotated[int, typer.Option("-to", "--timeout", min=1, max=86400, help="Seconds a request's body may "
                                          "take to arrive, else 408 (llama-server's read timeout).")] = 600,
+    engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="Run the model in a "
+                                                 "process of its own, so that the HTTP server's Python never holds "
+                                                 "up a decode step (the GIL); --no-engine-process: one process, "
+                                                 "the engine in a thread.")] = True,
     version: VersionOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""
@@ -375,7 +379,7 @@ def serve(
                              elastic_slots=elastic_slots)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose,
-                                   timeout=timeout),
+                                   timeout=timeout, engine_process=engine_process),
                       settings, sp)
     _user_errors(body)
 

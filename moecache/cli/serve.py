@@ -1,6 +1,7 @@
 """``moecache serve``: start the HTTP server at once (``/health`` says 503 while the model loads),
-load the model in a thread, then serve until SIGINT/SIGTERM (uvicorn's graceful shutdown; running
-generations are cancelled at their next token; exit 0)."""
+load the model in a thread (by default in a process of its own: the engine's process,
+:mod:`moecache.server.engine_process`), then serve until SIGINT/SIGTERM (uvicorn's graceful shutdown;
+running generations are cancelled at their next token; exit 0)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moecache.cli.common import UserError, load_engine, note, resolve_model
 
@@ -27,6 +29,7 @@ class ServeOptions:
     chat_template: str | None = None
     verbose: bool = False
     timeout: float = 600.0
+    engine_process: bool = True
 
 
 def serve_command(opts: ServeOptions, settings, sampling) -> None:
@@ -35,7 +38,6 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
 
     from moecache.cli.run import check_chat_template_name
     from moecache.server.app import ServerState, build_app
-    from moecache.server.worker import Worker
 
     try:
         sampling.validate()
@@ -60,36 +62,65 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
                         f"address that is not this machine's?)") from None
     server = make_server(config, state)
     failed: list[BaseException] = []
+    held = _Held()
+
+    def done(job, res) -> None:
+        state.metrics.done(res.timings.n_prompt, res.timings.t_prompt, res.n_tokens, res.predicted_s,
+                           res.finish_reason == "cancelled")
 
     def load() -> None:
-        from moecache.chat import resolve_chat_template
-
         try:
-            llm = load_engine(path, settings, "serve", opts.verbose)
-            try:
-                eng = llm.engine
-                tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, opts.chat_template)
-            except BaseException:
-                llm.close()
-                raise
-            note(f"chat template: {tmpl.name} ({tmpl.source})")
-
-            def done(job, res) -> None:
-                state.metrics.done(res.timings.n_prompt, res.timings.t_prompt, res.n_tokens, res.predicted_s,
-                                   res.finish_reason == "cancelled")
-            state.llm, state.template = llm, tmpl
-            state.worker = Worker(llm, opts.n_parallel, done, note)
-            w = state.worker
+            worker = (load_process if opts.engine_process else load_here)()
             if opts.n_parallel > 1:
-                note(f"note: -c {llm.engine.n_ctx} is split over -np {opts.n_parallel} slots: a request holds up to "
-                     f"{w.n_ctx_slot} positions (llama-server's split without a unified KV cache; -np 1 gives one "
-                     f"request all of it)")
-            note(f"server: ready: model {state.model_id}, {opts.n_parallel} slot(s) of {w.n_ctx_slot} positions "
-                 f"decoded together (-np, -c {llm.engine.n_ctx}), up to {opts.n_parallel} more waiting"
+                note(f"note: -c {state.info.n_ctx} is split over -np {opts.n_parallel} slots: a request holds up to "
+                     f"{worker.n_ctx_slot} positions (llama-server's split without a unified KV cache; -np 1 gives "
+                     f"one request all of it)")
+            state.worker = worker
+            note(f"server: ready: model {state.model_id}, {opts.n_parallel} slot(s) of {worker.n_ctx_slot} positions "
+                 f"decoded together (-np, -c {state.info.n_ctx}), up to {opts.n_parallel} more waiting"
                  f"{', API key required' if opts.api_key else ''}")
         except BaseException as e:
-            failed.append(e)
+            if not (opts.engine_process and server.should_exit):  # not the stop of a load in progress
+                failed.append(e)
             server.should_exit = True
+
+    def load_here():
+        """The model in this process, the worker in a thread."""
+        from moecache.chat import resolve_chat_template
+        from moecache.server.app import ModelInfo
+        from moecache.server.worker import Worker
+
+        llm = load_engine(path, settings, "serve", opts.verbose)
+        held.llm = llm
+        eng = llm.engine
+        tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, opts.chat_template)
+        note(f"chat template: {tmpl.name} ({tmpl.source})")
+        worker = Worker(llm, opts.n_parallel, done, note)
+        held.worker = worker
+        state.tokenizer, state.template, state.info = eng.tokenizer, tmpl, ModelInfo.of(eng.gguf, eng.n_ctx)
+        return worker
+
+    def load_process():
+        """The tokenizer and the chat template here (from the GGUF's metadata), the model and the
+        worker in the engine's process."""
+        from moecache.chat import resolve_chat_template
+        from moecache.gguf_file import open_gguf
+        from moecache.server.app import ModelInfo
+        from moecache.server.engine_process import EngineProcess
+        from moecache.tokenizer import Tokenizer
+
+        gguf = open_gguf(path)
+        try:
+            tok = Tokenizer.from_gguf(gguf)
+            tmpl = resolve_chat_template(gguf, tok, opts.chat_template)
+            note(f"chat template: {tmpl.name} ({tmpl.source})")
+            proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose)
+            held.proc = proc
+            proc.start()
+            state.tokenizer, state.template, state.info = tok, tmpl, ModelInfo.of(gguf, proc.n_ctx)
+        finally:
+            gguf.close()
+        return proc
 
     loader = threading.Thread(target=load, name="moecache-load", daemon=True)
     note(f"server: listening on http://{opts.host}:{opts.port} (loading the model; /health says 503 until ready)")
@@ -101,16 +132,33 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        if state.worker is not None:
-            state.worker.stop()
-        loader.join(timeout=1.0)
-        if state.llm is not None:
-            if state.worker is not None and state.worker.alive():
-                state.llm.drop_hot_set("a generation was still running at shutdown")
-            state.llm.close()
+        held.close(loader)
     if failed:
         raise failed[0]
     note("server: stopped")
+
+
+@dataclass
+class _Held:
+    """What the load made that the shutdown closes: the model and the worker's thread (in-process),
+    or the engine's process."""
+
+    llm: Any = None
+    worker: Any = None
+    proc: Any = None
+
+    def close(self, loader: threading.Thread) -> None:
+        """Stop the engine's process (it closes its own model; a load in progress is ended), or the
+        worker and then the model, whose hot set is saved unless a generation still ran."""
+        if self.proc is not None:
+            self.proc.stop()
+        if self.worker is not None:
+            self.worker.stop()
+        loader.join(timeout=1.0)
+        if self.llm is not None:
+            if self.worker is not None and self.worker.alive():
+                self.llm.drop_hot_set("a generation was still running at shutdown")
+            self.llm.close()
 
 
 def make_server(config, state):

@@ -4,7 +4,8 @@ Every route answers JSON; an error is ``{"error": {"message", "type", "code"}}``
 status, and nothing a request sends can end the server (each handler's exception becomes a 500).
 Prompts are rendered and tokenized in the request's thread (under a lock: a chat template's sandbox
 keeps state), so a prompt too long for the context is a 400 before it queues; the engine runs in
-:class:`moecache.server.worker.Worker`'s thread.
+:class:`moecache.server.worker.Worker`'s thread, in this process or in a process of its own
+(:class:`moecache.server.engine_process.EngineProcess`, the same interface).
 """
 
 from __future__ import annotations
@@ -26,14 +27,31 @@ from starlette.routing import Route
 from moecache.server.metrics import Metrics
 from moecache.server.schemas import (MAX_BODY_BYTES, ApiError, GenRequest, bad, get_bool, parse_gen, parse_json,
                                      parse_messages, parse_prompt, timings_object)
-from moecache.server.worker import Job, Result, Worker
+from moecache.server.worker import Job, Result
 
 POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the routes show of the loaded model: its file, its size in bytes, the context it was
+    trained for (``n_ctx_train``) and the server's ``-c`` (``n_ctx``, every slot's together)."""
+
+    path: str
+    n_bytes: int
+    n_ctx_train: int
+    n_ctx: int
+
+    @classmethod
+    def of(cls, gguf: Any, n_ctx: int) -> ModelInfo:
+        """From an opened GGUF (:class:`moecache.gguf_file.GGUFModel`) and the resolved ``-c``."""
+        return cls(str(gguf.path), gguf.n_bytes, gguf.config.context_length, n_ctx)
+
+
 @dataclass
 class ServerState:
-    """What the routes share. ``llm``/``worker``/``template`` are None while the model loads.
+    """What the routes share. ``worker``/``tokenizer``/``template``/``info`` are None while the model
+    loads (``worker`` is set last: the routes take it for ready).
 
     Attributes:
         model_id: the name /v1/models and responses give (``--alias`` or the file name).
@@ -51,9 +69,10 @@ class ServerState:
     defaults: Any
     max_tokens: int = -1
     body_timeout_s: float = 600.0
-    llm: Any = None
-    worker: Worker | None = None
+    worker: Any = None  # a Worker, or an EngineProcess
+    tokenizer: Any = None
     template: Any = None
+    info: ModelInfo | None = None
     metrics: Metrics = field(default_factory=Metrics)
     prep_lock: threading.Lock = field(default_factory=threading.Lock)
     started: float = field(default_factory=time.time)
@@ -150,37 +169,36 @@ def build_app(state: ServerState) -> Starlette:
 
     async def health(request: Request) -> Response:
         ready()
+        if not state.worker.alive():
+            raise ApiError(500, "the engine has stopped: restart the server")
         return _json({"status": "ok"})
 
     async def models(request: Request) -> Response:
         meta = {}
-        if state.llm is not None:
-            eng = state.llm.engine
-            meta = {"n_vocab": eng.tokenizer.n_vocab, "n_ctx_train": eng.gguf.config.context_length,
-                    "n_ctx": eng.n_ctx, "size": eng.gguf.n_bytes}
+        if state.worker is not None:
+            info = state.info
+            meta = {"n_vocab": state.tokenizer.n_vocab, "n_ctx_train": info.n_ctx_train, "n_ctx": info.n_ctx,
+                    "size": info.n_bytes}
         return _json({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
                                                   "owned_by": "moecache", "meta": meta}]})
 
     async def props(request: Request) -> Response:
         ready()
-        eng = state.llm.engine
         return _json({"default_generation_settings": {**asdict(state.defaults), "n_ctx": state.worker.n_ctx_slot,
                                                       "n_predict": state.max_tokens},
-                      "total_slots": state.n_parallel, "model_path": str(eng.gguf.path), "model_alias": state.model_id,
+                      "total_slots": state.n_parallel, "model_path": state.info.path, "model_alias": state.model_id,
                       "chat_template": state.template.name, "chat_template_source": state.template.source,
                       "build_info": "moecache",
                       "batching": "continuous: the slots' decode steps run as one forward pass"})
 
     async def slots(request: Request) -> Response:
         ready()
-        w = state.worker
-        return _json([{**slot, "queued": w.n_waiting} for slot in w.slots()])
+        st = await run_in_threadpool(state.worker.status)
+        return _json([{**slot, "queued": st.n_waiting} for slot in st.slots])
 
     async def metrics(request: Request) -> Response:
         ready()
-        w = state.worker
-        text = state.metrics.render(w.n_processing, w.n_waiting, state.llm.engine.caches,
-                                    (w.decode_steps, w.decode_tokens), (w.decode_seconds, w.prompt_seconds))
+        text = state.metrics.render(await run_in_threadpool(state.worker.status))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:
@@ -190,7 +208,7 @@ def build_app(state: ServerState) -> Starlette:
         if not isinstance(content, str):
             raise bad("'content' must be a string", "content")
         add_special = get_bool(d, "add_special", False)
-        tok = state.llm.engine.tokenizer
+        tok = state.tokenizer
         ids = await run_in_threadpool(tok.encode, content, None if add_special else False)
         if get_bool(d, "with_pieces", False):
             return _json({"tokens": [{"id": i, "piece": tok.token_bytes(i).decode("utf-8", "replace")} for i in ids]})
@@ -200,22 +218,22 @@ def build_app(state: ServerState) -> Starlette:
         ready()
         d = await read_json(request, state.body_timeout_s)
         ids = d.get("tokens")
-        n = state.llm.engine.tokenizer.n_vocab
+        n = state.tokenizer.n_vocab
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
                                                 for i in ids):
             raise bad(f"'tokens' must be a list of token ids in [0, {n})", "tokens")
-        return _json({"content": state.llm.engine.tokenizer.decode(ids)})
+        return _json({"content": state.tokenizer.decode(ids)})
 
     def prepare(prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
         """Prompt ids (rendered with the chat template for messages); 400 when they do not fit (a
         text far too long for a slot before it is tokenized: its bytes over the longest token's)."""
-        eng = state.llm.engine
+        tok, n_ctx = state.tokenizer, state.info.n_ctx
         n_slot = state.worker.n_ctx_slot
 
         def too_long(text: str) -> None:
-            floor = len(text.encode("utf-8")) // eng.tokenizer.max_token_bytes
+            floor = len(text.encode("utf-8")) // tok.max_token_bytes
             if floor >= 2 * n_slot:
-                raise bad(f"the prompt is at least {floor} tokens, a slot's context is {n_slot} (-c {eng.n_ctx} "
+                raise bad(f"the prompt is at least {floor} tokens, a slot's context is {n_slot} (-c {n_ctx} "
                           f"over -np {state.n_parallel})", "prompt")
         if isinstance(prompt, str):
             too_long(prompt)
@@ -226,11 +244,11 @@ def build_app(state: ServerState) -> Starlette:
                 except ValueError as e:
                     raise bad(f"the chat template failed on these messages: {str(e)[:300]}", "messages") from None
                 too_long(prompt)
-            ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad("the prompt is empty", "prompt")
         if len(ids) >= n_slot:
-            raise bad(f"the prompt is {len(ids)} tokens, a slot's context is {n_slot} (-c {eng.n_ctx} over "
+            raise bad(f"the prompt is {len(ids)} tokens, a slot's context is {n_slot} (-c {n_ctx} over "
                       f"-np {state.n_parallel}): nothing left to generate into", "prompt")
         return ids
 
@@ -255,11 +273,10 @@ def build_app(state: ServerState) -> Starlette:
     async def completion(request: Request, chat: bool) -> Response:
         ready()
         d = await read_json(request, state.body_timeout_s)
-        eng = state.llm.engine
         if chat:
             messages, prompt = parse_messages(d), None
         else:
-            messages, prompt = None, parse_prompt(d, eng.tokenizer.n_vocab)
+            messages, prompt = None, parse_prompt(d, state.tokenizer.n_vocab)
         gen = parse_gen(d, state.defaults, state.max_tokens, chat=chat)
         ids = await run_in_threadpool(prepare, prompt, messages)
         room = state.worker.n_ctx_slot - len(ids)
@@ -291,7 +308,7 @@ def build_app(state: ServerState) -> Starlette:
             raise ev[1]
         res: Result = ev[1]
         choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason,
-                                  "logprobs": logprobs_object(res.logprobs, chat, eng.tokenizer)}
+                                  "logprobs": logprobs_object(res.logprobs, chat, state.tokenizer)}
         if chat:
             choice["message"] = {"role": "assistant", "content": res.text}
         else:
@@ -335,7 +352,7 @@ def build_app(state: ServerState) -> Starlette:
             # the tokens' log-probabilities come whole with the last chunk (stop strings hold text
             # back, so text chunks and tokens do not line up)
             yield chunk(None, res.finish_reason, extra,
-                        logprobs=logprobs_object(res.logprobs, chat, state.llm.engine.tokenizer))
+                        logprobs=logprobs_object(res.logprobs, chat, state.tokenizer))
             yield b"data: [DONE]\n\n"
         finally:
             job.cancel()  # a client that left stops its generation at the next token

@@ -31,12 +31,13 @@ class Metrics:
         with self._lock:
             self.requests[outcome] += 1
 
-    def render(self, processing: int, waiting: int, caches: list[Any], decode: tuple[int, int] = (0, 0),
-               engine_s: tuple[float, float] = (0.0, 0.0)) -> str:
-        """Prometheus text exposition format (version 0.0.4); ``decode``: the worker's (decode
-        steps, tokens they decoded); ``engine_s``: the worker's seconds inside the engine's (decode,
-        prompt) calls, each call once (``prompt_seconds_total`` instead sums every request's prompt
-        time, and a pass that serves several slots' prompts counts in each)."""
+    def render(self, st: Any) -> str:
+        """Prometheus text exposition format (version 0.0.4) of these totals and a worker's
+        :class:`moecache.server.worker.WorkerStatus` ``st``: its requests in slots and waiting, its
+        decode steps and the tokens they decoded, its seconds inside the engine's (decode, prompt)
+        calls, each call once (``prompt_seconds_total`` instead sums every request's prompt time, and
+        a pass that serves several slots' prompts counts in each), and each expert cache's counters."""
+        processing, waiting, caches, decode, engine_s = st.n_processing, st.n_waiting, st.caches, st.decode, st.engine_s
         rows: list[tuple[str, str, str, Any]] = [
             ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
             ("prompt_seconds_total", "counter", "Prompt processing time.", self.prompt_seconds),
@@ -64,14 +65,14 @@ class Metrics:
         if caches:
             out += ["# HELP moecache:expert_cache_hit_rate Expert-cache hit rate since start, per GPU cache.",
                     "# TYPE moecache:expert_cache_hit_rate gauge"]
-            out += [f'moecache:expert_cache_hit_rate{{cache="{i}"}} {c.stats.hit_rate}' for i, c in enumerate(caches)]
+            out += [f'moecache:expert_cache_hit_rate{{cache="{i}"}} {c.hit_rate}' for i, c in enumerate(caches)]
             out += ["# HELP moecache:expert_cache_hits_total Routed (token, expert) pairs read from the cache's slots.",
                     "# TYPE moecache:expert_cache_hits_total counter"]
-            out += [f'moecache:expert_cache_hits_total{{cache="{i}"}} {c.stats.hits}' for i, c in enumerate(caches)]
+            out += [f'moecache:expert_cache_hits_total{{cache="{i}"}} {c.hits}' for i, c in enumerate(caches)]
             out += ["# HELP moecache:expert_cache_misses_total Routed (token, expert) pairs not in the cache.",
                     "# TYPE moecache:expert_cache_misses_total counter"]
-            out += [f'moecache:expert_cache_misses_total{{cache="{i}"}} {c.stats.misses}' for i, c in enumerate(caches)]
+            out += [f'moecache:expert_cache_misses_total{{cache="{i}"}} {c.misses}' for i, c in enumerate(caches)]
             out += ["# HELP moecache:expert_cache_uploads_total Experts uploaded into the cache.",
                     "# TYPE moecache:expert_cache_uploads_total counter"]
-            out += [f'moecache:expert_cache_uploads_total{{cache="{i}"}} {c.stats.uploads}' for i, c in enumerate(caches)]
+            out += [f'moecache:expert_cache_uploads_total{{cache="{i}"}} {c.uploads}' for i, c in enumerate(caches)]
         return "\n".join(out) + "\n"

@@ -35,6 +35,9 @@ class ApiError(Exception):
         self.type = type or self.TYPES.get(status, "invalid_request_error")
         self.param = param
 
+    def __reduce__(self):  # pickled whole (the engine's process sends it to the server's)
+        return (type(self), (self.status, self.message, self.type, self.param))
+
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
         return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param}}

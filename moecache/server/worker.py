@@ -90,12 +90,13 @@ class Job:
     ``("error", ApiError)``.
     """
 
-    def __init__(self, ids: list[int], gen: GenRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, ids: list[int], gen: GenRequest, loop: asyncio.AbstractEventLoop | None):
         self.ids = ids
         self.gen = gen
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.on_cancel: Callable[[], None] | None = None  # told once, at the first cancel (the engine's process)
         self.n_decoded = 0
         self.checked_at = time.monotonic()  # when the route last saw its client connected
 
@@ -108,7 +109,10 @@ class Job:
 
     def cancel(self) -> None:
         """Stop this job at its next token (or before it starts)."""
-        self.cancelled.set()
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                self.on_cancel()
 
 
 def _deliver(items: list[tuple[Job, str]], streamed: threading.Event | None = None) -> None:
@@ -139,6 +143,26 @@ def emit_texts(items: list[tuple[Job, str]], streamed: threading.Event | None = 
             for job, _ in group:
                 job.cancelled.set()
     return tell is not None
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What ``/slots`` and ``/metrics`` show of a worker, at one moment (picklable).
+
+    Attributes:
+        n_waiting: jobs admitted and not in a slot yet; n_processing: jobs in slots.
+        slots: llama-server's ``/slots`` rows (id, n_ctx, is_processing, n_decoded, n_prompt_tokens).
+        decode: (decode forward passes, the tokens they decoded).
+        engine_s: seconds inside the engine's (decode, prompt) calls, each call once.
+        caches: a copy of each GPU expert cache's :class:`moecache.moe.cache.CacheStats`.
+    """
+
+    n_waiting: int
+    n_processing: int
+    slots: list[dict[str, Any]]
+    decode: tuple[int, int]
+    engine_s: tuple[float, float]
+    caches: list[Any]
 
 
 @dataclass
@@ -186,14 +210,18 @@ class Worker:
             (``bench/serve_overhead.py --real --sync-stream``) of whether the loop's hold of the GIL
             during a step slows it (one stream's decode call measured 7.5% slower inside the
             server than alone, run ``h200-s33b``); not measured yet.
+        deliver: sends a step's text pieces (:func:`emit_texts`'s signature and return value; the
+            engine's process gives one that writes them to the server's process).
     """
 
     def __init__(self, llm, n_parallel: int, on_done: Callable[[Job, Result], None], log: Callable[[str], None],
-                 merge_prompts: bool = True, sync_stream: bool = False):
+                 merge_prompts: bool = True, sync_stream: bool = False,
+                 deliver: Callable[[list[tuple[Job, str]], threading.Event | None], bool] = emit_texts):
         self.llm = llm
         self.n_parallel = n_parallel
         self.merge_prompts = merge_prompts
         self.sync_stream = sync_stream
+        self.deliver = deliver
         self.on_done = on_done
         self.log = log
         self.stopping = threading.Event()
@@ -236,6 +264,12 @@ class Worker:
                         "n_decoded": r.job.n_decoded if r is not None else 0,
                         "n_prompt_tokens": len(r.job.ids) if r is not None else 0})
         return out
+
+    def status(self) -> WorkerStatus:
+        """A snapshot for ``/slots`` and ``/metrics`` (from any thread; counters read as they are)."""
+        return WorkerStatus(self.n_waiting, self.n_processing, self.slots(), (self.decode_steps, self.decode_tokens),
+                            (self.decode_seconds, self.prompt_seconds),
+                            [replace(c.stats) for c in self.llm.engine.caches])
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ApiError 503 when the server stops or the queue is full."""
@@ -375,7 +409,7 @@ class Worker:
         if self._texts:
             items, self._texts = self._texts, []
             streamed = threading.Event() if wait else None
-            if emit_texts(items, streamed) and streamed is not None:
+            if self.deliver(items, streamed) and streamed is not None:
                 streamed.wait(SYNC_STREAM_WAIT_S)
 
     def _guarded(self, runs: list[_Run], work: Callable[[], None]) -> None:
