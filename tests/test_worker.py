@@ -258,7 +258,7 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         w.stop()
 
 
-def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm, monkeypatch):
+def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm):
     """``sync_stream`` (an experiment, off by default): emit_texts tells a step's end once the one
     loop has run the streaming task it woke (not for two loops, nor a closed one), and a worker
     that waits for it at each step's end gives every job the text it gets without."""
@@ -290,13 +290,11 @@ def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm, monkeypatch):
     finally:
         plain.stop()
     waits = []  # (told, the worker's wait_s) of every emit_texts call
-    real_emit = wk.emit_texts
 
     def spy(items, streamed=None):
         waits.append(streamed is not None)
-        return real_emit(items, streamed)
-    monkeypatch.setattr(wk, "emit_texts", spy)
-    synced = Worker(llm, 2, lambda j, r: None, print, sync_stream=True)
+        return emit_texts(items, streamed)
+    synced = Worker(llm, 2, lambda j, r: None, print, sync_stream=True, deliver=spy)
     try:
         out = run_jobs(synced, [(p, gen(8)) for p in prompts])
         assert [k for k, _ in out] == ["done"] * 2 and [r.text for _, r in out] == want
