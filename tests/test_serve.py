@@ -507,11 +507,11 @@ def _gone(pid: int, within_s: float) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
-def test_the_engine_process_ends_with_the_server_and_in_process_gives_the_same_text(tmp_path):
-    """The model runs in a child of the server (its pid is not the server's and it has the model's
-    threads); a server killed with SIGKILL, which cannot clean up, still takes it down (it reads the
-    closed pipe); and ``--no-engine-process`` (the engine in a thread of the server) serves the same
-    greedy text."""
+def test_the_engine_process_ends_with_the_server_and_gives_the_same_text(tmp_path):
+    """``--engine-process``: the model runs in a child of the server, which serves the greedy text
+    of the default server (the engine in a thread of its own process, no such child); a server
+    killed with SIGKILL, which cannot clean up, still takes the child down (it reads the closed
+    pipe)."""
     from moecache.testing.synth import PRESETS, write_model
 
     httpx = require_module("httpx")
@@ -520,7 +520,26 @@ def test_the_engine_process_ends_with_the_server_and_in_process_gives_the_same_t
     req = {"prompt": "the", "max_tokens": 8, "temperature": 0}
     s = Server(model, "-c", "512", "-np", "2")
     try:
+        with pytest.raises(AssertionError, match="engine processes"):
+            _engine_pid(s.proc.pid)
         text = httpx.post(s.url + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+    finally:
+        s.stop()
+    s = Server(model, "-c", "512", "-np", "2", "--engine-process")
+    try:
+        out = httpx.post(s.url + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+        assert out == text and len(text) > 0
+        slots = httpx.get(s.url + "/slots", timeout=10).json()  # the child's worker's status, over the pipe
+        assert [x["id"] for x in slots] == [0, 1] and slots[0]["n_ctx"] == 256 and slots[0]["queued"] == 0
+        assert _metric(s, 'moecache:requests_total{outcome="ok"}') == 1
+        assert _metric(s, "moecache:decode_step_tokens_total") == 7  # 8 tokens: the first from the prompt pass
+        with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "max_tokens": 200}, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")  # then the client leaves: a cancel down the pipe
+        deadline = time.monotonic() + 20
+        while _metric(s, 'moecache:requests_total{outcome="cancelled"}') < 1:
+            assert time.monotonic() < deadline, "the cancel did not reach the engine's process"
+            time.sleep(0.05)
+        assert httpx.get(s.url + "/slots", timeout=10).json()[0]["is_processing"] is False
         child = _engine_pid(s.proc.pid)
         assert child != s.proc.pid
         s.proc.kill()
@@ -528,26 +547,18 @@ def test_the_engine_process_ends_with_the_server_and_in_process_gives_the_same_t
         assert _gone(child, 20), "the engine's process outlived its server"
     finally:
         s.stop()
-    s = Server(model, "-c", "512", "-np", "2", "--no-engine-process")
-    try:
-        with pytest.raises(AssertionError, match="engine processes"):
-            _engine_pid(s.proc.pid)
-        out = httpx.post(s.url + "/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
-        assert out == text and len(text) > 0
-    finally:
-        s.stop()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_a_dead_engine_process_fails_its_requests_and_the_server_stays_up(tmp_path):
-    """The engine's process killed mid-stream: the stream ends with a 500 error event, /health says
+    """``--engine-process`` killed mid-stream: the stream ends with a 500 error event, /health says
     500, a new request is a 503 naming the cause, and SIGTERM still stops the server cleanly."""
     from moecache.testing.synth import PRESETS, write_model
 
     httpx = require_module("httpx")
     model = tmp_path / "tiny.gguf"
     write_model(model, PRESETS["tiny"], seed=3)
-    s = Server(model, "-c", "4096", "-np", "1")
+    s = Server(model, "-c", "4096", "-np", "1", "--engine-process")
     try:
         lines = []
         with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=60) as r:

@@ -357,9 +357,10 @@ def serve(
     timeout: Annotated[int, typer.Option("-to", "--timeout", min=1, max=86400, help="Seconds a request's body may "
                                          "take to arrive, else 408 (llama-server's read timeout).")] = 600,
     engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="Run the model in a "
-                                                 "process of its own, so that the HTTP server's Python never holds "
-                                                 "up a decode step (the GIL); --no-engine-process: one process, "
-                                                 "the engine in a thread.")] = True,
+                                                 "process of its own, so that the HTTP server's Python and a decode "
+                                                 "step never wait for each other's GIL (an experiment: slower than "
+                                                 "the default on the H200 at -t 15, run h200-s36b); default: the "
+                                                 "engine in a thread of the server's process.")] = False,
     version: VersionOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""

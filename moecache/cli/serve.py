@@ -1,5 +1,5 @@
 """``moecache serve``: start the HTTP server at once (``/health`` says 503 while the model loads),
-load the model in a thread (by default in a process of its own: the engine's process,
+load the model in a thread (with ``--engine-process``, in a process of its own:
 :mod:`moecache.server.engine_process`), then serve until SIGINT/SIGTERM (uvicorn's graceful shutdown;
 running generations are cancelled at their next token; exit 0)."""
 
@@ -29,7 +29,7 @@ class ServeOptions:
     chat_template: str | None = None
     verbose: bool = False
     timeout: float = 600.0
-    engine_process: bool = True
+    engine_process: bool = False
 
 
 def serve_command(opts: ServeOptions, settings, sampling) -> None:
