@@ -359,8 +359,9 @@ def serve(
     engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="Run the model in a "
                                                  "process of its own, so that the HTTP server's Python and a decode "
                                                  "step never wait for each other's GIL (an experiment: slower than "
-                                                 "the default on the H200 at -t 15, run h200-s36b); default: the "
-                                                 "engine in a thread of the server's process.")] = False,
+                                                 "the default on the H200 before a fix, not measured there since: "
+                                                 "bench/results/serve-h200.md); default: the engine in a thread "
+                                                 "of the server's process.")] = False,
     version: VersionOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""

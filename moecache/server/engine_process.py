@@ -249,14 +249,29 @@ def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool) -
         except (OSError, ValueError):  # the server's process is gone: the reader below ends us
             pass
 
-    try:
-        llm = load_engine(Path(path), settings, "serve", verbose)
-    except BaseException as e:  # noqa: BLE001 - every failure is one line for the server to print
-        line, expected = _one_line(e)
-        if not expected:  # a bug: its traceback too, as the CLI would show it
-            traceback.print_exc()
-        send(("failed", line))
+    loaded: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            loaded["llm"] = load_engine(Path(path), settings, "serve", verbose)
+        except BaseException as e:  # noqa: BLE001 - every failure is one line for the server to print
+            line, expected = _one_line(e)
+            if not expected:  # a bug: its traceback too, as the CLI would show it
+                traceback.print_exc()
+            loaded["failed"] = line
+
+    # The load runs Numba's parallel kernels, and GNU OpenMP keeps a team of threads for each thread
+    # that opened a parallel region, for as long as that thread lives. Loaded on this (main) thread,
+    # its team would stay beside the worker thread's, and with more OpenMP threads than cores libgomp
+    # cuts the spinning of idle threads (moecache.threads.one_thread_if_active): every CPU expert call
+    # would wake sleeping threads. So the load gets a thread that ends, as in-process serve's does.
+    loader = threading.Thread(target=load, name="moecache-load")
+    loader.start()
+    loader.join()
+    if "llm" not in loaded:
+        send(("failed", loaded.get("failed", "the engine's process failed while loading")))
         return
+    llm = loaded["llm"]
     jobs: dict[int, _ChildJob] = {}
 
     def deliver(items: list[tuple[Job, str]], streamed: threading.Event | None = None) -> bool:
