@@ -578,3 +578,31 @@ def test_a_dead_engine_process_fails_its_requests_and_the_server_stays_up(tmp_pa
         assert "server: stopped" in "".join(s.output)
     finally:
         s.stop()
+
+
+def test_the_engine_process_loads_on_a_thread_that_ends(monkeypatch):
+    """The child loads the model on a thread of its own that ends before serving: the load runs
+    Numba's parallel kernels, and an OpenMP team opened on the child's main thread (which lives on,
+    reading the pipe) would stay beside the worker's, more OpenMP threads than cores, so libgomp
+    would let idle threads sleep and every CPU expert call wake them (measured on the 2-core VM,
+    ``bench/results/serve-engine-process-2core.md``). A load failure comes back as one line."""
+    import multiprocessing
+
+    import moecache.cli.common as common
+    from moecache.server.engine_process import child_main
+
+    seen = {}
+
+    def fake_load(*args, **kw):
+        seen["thread"] = threading.current_thread()
+        raise ValueError("no model here")
+    monkeypatch.setattr(common, "load_engine", fake_load)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the child ignores both
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        child_main(theirs, "x.gguf", None, 1, False)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert ours.recv() == ("failed", "no model here")
+    assert seen["thread"] is not threading.main_thread() and not seen["thread"].is_alive()
