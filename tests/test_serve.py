@@ -33,7 +33,7 @@ def free_port() -> int:
 class Server:
     """``moecache serve`` in a subprocess; ``url``, ``proc``, ``stop()``."""
 
-    def __init__(self, model: Path, *flags: str):
+    def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None):
         self.model = model
         self.key = KEY if "--api-key" in flags else None
         self.port = free_port()
@@ -41,7 +41,8 @@ class Server:
         self.log = open(os.devnull, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "moecache.cli.main", "serve", "-m", str(model),
                                       "--port", str(self.port), "-t", "2", *flags],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=None if env is None else {**os.environ, **env})
         self.output: list[str] = []
         self._reader = threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True)
         self._reader.start()
@@ -606,3 +607,90 @@ def test_the_engine_process_loads_on_a_thread_that_ends(monkeypatch):
             signal.signal(s, h)
     assert ours.recv() == ("failed", "no model here")
     assert seen["thread"] is not threading.main_thread() and not seen["thread"].is_alive()
+
+
+def _tagged(tag: str) -> list[int]:
+    """The processes whose environment carries ``MOECACHE_TEST_TAG=tag`` (a server and its children)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"MOECACHE_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return [p for p in found if not _gone(p, 0)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_engine_process_stops_cleanly_in_a_generation_and_in_its_load(tmp_path):
+    """``--engine-process``: a chat request (the template rendered on the HTTP side) streams; SIGTERM
+    in a generation ends the stream with its last chunk and [DONE] and the server exits 0, its
+    engine's process gone; SIGTERM while the model loads exits 0 within seconds (the child ignores
+    SIGTERM, so the server kills a load in progress), nothing left running; a load that fails in
+    the child is one ``error:`` line and exit 1."""
+    import uuid
+
+    from moecache.testing.synth import PRESETS, write_model
+
+    httpx = require_module("httpx")
+    model = tmp_path / "tiny.gguf"
+    write_model(model, PRESETS["tiny"], seed=3)
+    tag = uuid.uuid4().hex
+    s = Server(model, "-c", "4096", "-np", "1", "--engine-process", env={"MOECACHE_TEST_TAG": tag})
+    try:
+        chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                 "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
+        ends = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=60) as r:
+            it = r.iter_lines()
+            assert next(it).startswith("data: ")
+            s.proc.send_signal(signal.SIGTERM)
+            ends = [ln for ln in it if ln]
+        assert ends[-1] == "data: [DONE]" and '"finish_reason": "cancelled"' in ends[-2]
+        assert s.proc.wait(20) == 0 and "server: stopped" in "".join(s.output)
+        deadline = time.monotonic() + 10
+        while _tagged(tag):
+            assert time.monotonic() < deadline, f"left running: {_tagged(tag)}"
+            time.sleep(0.1)
+    finally:
+        s.stop()
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen([sys.executable, "-m", "moecache.cli.main", "serve", "-m", str(model), "--port",
+                          str(free_port()), "-t", "2", "--engine-process"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env={**os.environ, "MOECACHE_TEST_TAG": tag})
+    try:
+        out = []
+        for line in p.stdout:  # the server listens, and loads meanwhile
+            out.append(line)
+            if "server: listening" in line:
+                break
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rest, _ = p.communicate(timeout=20)
+        assert p.returncode == 0 and time.monotonic() - t0 < 10, "".join(out) + rest
+        assert "server: stopped" in rest and "Traceback" not in rest
+        assert not _tagged(tag)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "serve", "-m", str(model), "--port",
+                        str(free_port()), "-t", "2", "--engine-process", "-c", "100000000"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "-c 100000000" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_api_error_crosses_the_pipe_whole():
+    """An ApiError the engine's process raises (a 503 of a request cancelled before it started, a
+    400 naming its field) reaches the client with its status, type and field: pickled whole."""
+    import pickle
+
+    from moecache.server.schemas import ApiError
+
+    for e in (ApiError(503, "the request was cancelled before it started"), ApiError(400, "bad", param="prompt"),
+              ApiError(500, "x", type="server_error")):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is ApiError and back.body() == e.body() and back.status == e.status

@@ -109,13 +109,13 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         from moecache.server.engine_process import EngineProcess
         from moecache.tokenizer import Tokenizer
 
+        proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose)
+        held.proc = proc  # first: a shutdown from here on stops it (or keeps it from starting)
         gguf = open_gguf(path)
         try:
             tok = Tokenizer.from_gguf(gguf)
             tmpl = resolve_chat_template(gguf, tok, opts.chat_template)
             note(f"chat template: {tmpl.name} ({tmpl.source})")
-            proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose)
-            held.proc = proc
             proc.start()
             state.tokenizer, state.template, state.info = tok, tmpl, ModelInfo.of(gguf, proc.n_ctx)
         finally:
@@ -125,9 +125,10 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     loader = threading.Thread(target=load, name="moecache-load", daemon=True)
     note(f"server: listening on http://{opts.host}:{opts.port} (loading the model; /health says 503 until ready)")
     # uvicorn re-raises the signal it caught after its graceful shutdown, to the handler it found:
-    # ours is a no-op, so that the stop is clean (exit 0)
+    # ours only asks the server to stop (done by then), so that the stop is clean (exit 0); a signal
+    # before uvicorn has put its own handlers in place stops the server as soon as it runs
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *a: None)
+        signal.signal(sig, server.handle_exit)
     loader.start()
     try:
         server.run(sockets=[sock])
@@ -155,9 +156,9 @@ class _Held:
         if self.worker is not None:
             self.worker.stop()
         loader.join(timeout=1.0)
-        if self.llm is not None:
-            if self.worker is not None and self.worker.alive():
-                self.llm.drop_hot_set("a generation was still running at shutdown")
+        if self.worker is not None:
+            self.worker.close_model()
+        elif self.llm is not None:  # loaded, no worker made
             self.llm.close()
 
 

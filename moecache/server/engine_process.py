@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from moecache.server.worker import Job, Result, Worker, WorkerStatus, emit_texts
 
 STATUS_TIMEOUT_S = 10.0  # the most /slots and /metrics wait for the engine's process to answer
 STOP_TIMEOUT_S = 30.0  # the most stop() waits for the engine's process to end (it saves the hot set)
+POLL_S = 1.0  # how often the child, idle, checks that its worker's thread still runs
 
 
 class EngineProcessError(MoecacheError):
@@ -65,8 +67,9 @@ class EngineProcess:
         self.n_ctx_slot = 0
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # the jobs map, and the admission count
+        self._lock = threading.Lock()  # the jobs and queries maps, and the admission count
         self._send_lock = threading.Lock()
+        self._life = threading.Lock()  # start's and stop's moves on the child (a stop never misses it)
         self._queries: dict[int, list] = {}  # qid -> [Event, WorkerStatus | None]
         self._ended = threading.Event()  # the reader saw the pipe close (or "stopped")
         self._reader: threading.Thread | None = None
@@ -78,11 +81,13 @@ class EngineProcess:
     # ---- lifetime --------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the child and wait until its model is loaded. Raises EngineProcessError with the
-        child's one-line reason when it failed (or ended without one)."""
-        if self.stopping.is_set():
-            raise EngineProcessError("the server stopped before the model was loaded")
-        self._proc.start()
-        self._child_conn.close()  # the child's end lives in the child only: its exit closes the pipe here
+        child's one-line reason when it failed (or ended without one), or when :meth:`stop` came
+        first or meanwhile."""
+        with self._life:
+            if self.stopping.is_set():
+                raise EngineProcessError("the server stopped before the model was loaded")
+            self._proc.start()
+            self._child_conn.close()  # the child's end lives in the child only: its exit closes the pipe here
         try:
             msg = self._conn.recv()
         except (EOFError, OSError):
@@ -94,34 +99,49 @@ class EngineProcess:
             self._proc.join(STOP_TIMEOUT_S)
             self._ended.set()
             raise EngineProcessError(msg[1])
-        _, self.n_ctx, self.n_ctx_slot = msg
-        self._reader = threading.Thread(target=self._read, name="moecache-engine-pipe", daemon=True)
-        self._reader.start()
+        with self._life:
+            if self.stopping.is_set():  # stop() has killed it meanwhile
+                self._ended.set()
+                raise EngineProcessError("the server stopped before the model was loaded")
+            _, self.n_ctx, self.n_ctx_slot = msg
+            self._reader = threading.Thread(target=self._read, name="moecache-engine-pipe", daemon=True)
+            self._reader.start()
 
     def cancel_all(self) -> None:
-        """Stop taking jobs and cancel the running ones at their next step."""
+        """Stop taking jobs and cancel the running ones at their next step. Safe in a signal handler
+        (uvicorn's, on the event loop's thread, which may be inside a send): the message goes from a
+        thread of its own."""
         self.stopping.set()
-        self._post(("cancel_all",))
+        threading.Thread(target=self._post, args=(("cancel_all",),), name="moecache-cancel", daemon=True).start()
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Cancel every job and end the child (which stops its worker and closes the model); killed
-        after ``timeout`` seconds. Safe before :meth:`start` has returned (a load in progress is
-        ended) and more than once."""
-        self.stopping.set()
-        if self._proc.pid is None:  # never started
-            return
-        if self._reader is None:  # still loading: nothing to finish
-            self._proc.terminate()
-        else:
+        after ``timeout`` seconds, or at once while it loads (it ignores SIGTERM; there is nothing to
+        finish). Safe before and during :meth:`start` (the child is then never started, or killed) and
+        more than once."""
+        with self._life:
+            self.stopping.set()
+            if self._proc.pid is None:  # never started, and start() will not start it now
+                self._child_conn.close()
+                self._conn.close()
+                return
+            loading = self._reader is None
+            if loading:
+                self._proc.kill()
+        if not loading:
             self._post(("stop",))
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        if self._reader is not None:
+            self._reader.join(5)  # it reads the pipe's end (the child's exit closed it): then close ours
+        self._conn.close()
 
     def alive(self) -> bool:
-        """Whether the child still runs."""
-        return self._proc.is_alive()
+        """Whether the child still runs its engine (its process and the pipe's reader: the child ends
+        when its worker's thread does)."""
+        return self._proc.is_alive() and not self._ended.is_set()
 
     # ---- the Worker's interface ------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -149,11 +169,13 @@ class EngineProcess:
     def status(self) -> WorkerStatus:
         """The child's worker's :class:`WorkerStatus` (waits up to STATUS_TIMEOUT_S); ApiError 503
         when the child does not answer."""
-        qid = next(self._ids)
         q: list = [threading.Event(), None]
-        self._queries[qid] = q
+        with self._lock:
+            qid = next(self._ids)
+            self._queries[qid] = q
         if not self._post(("status", qid)) or not q[0].wait(STATUS_TIMEOUT_S) or q[1] is None:
-            self._queries.pop(qid, None)
+            with self._lock:
+                self._queries.pop(qid, None)
             raise ApiError(503, "the engine's process did not answer")
         return q[1]
 
@@ -169,46 +191,60 @@ class EngineProcess:
 
     def _read(self) -> None:
         """The child's messages, in order, until the pipe closes; then every job still waiting gets an
-        error (the child ended without answering it)."""
+        error (the child ended without answering it). A failure handling one message is printed and
+        the next one read (its job's client would wait forever otherwise); one reading the pipe
+        ends the reading as a closed pipe does."""
         try:
             while True:
                 msg = self._conn.recv()
-                if msg[0] == "texts":
-                    jobs = self._jobs
-                    emit_texts([(jobs[jid], piece) for jid, piece in msg[1] if jid in jobs])
-                elif msg[0] == "end":
-                    _, jid, kind, value = msg
-                    with self._lock:
-                        job = self._jobs.pop(jid, None)
-                    if job is None:
-                        continue
-                    if kind == "done":
-                        job.n_decoded = value.n_tokens
-                        try:
-                            self.on_done(job, value)
-                        except Exception:  # noqa: BLE001 - metrics must never break serving
-                            pass
-                    job.emit(kind, value)
-                elif msg[0] == "status":
-                    q = self._queries.pop(msg[1], None)
-                    if q is not None:
-                        q[1] = msg[2]
-                        q[0].set()
-                elif msg[0] == "stopped":
+                if msg[0] == "stopped":
                     break
+                try:
+                    self._handle(msg)
+                except Exception:  # noqa: BLE001 - a bug here must cost one message, not every client
+                    traceback.print_exc()
         except (EOFError, OSError):
             pass
+        except Exception:  # noqa: BLE001 - e.g. a message that does not unpickle: the pipe is not read again
+            traceback.print_exc()
         finally:
             self._ended.set()
             with self._lock:
                 left, self._jobs = list(self._jobs.values()), {}
+                queries, self._queries = list(self._queries.values()), {}
             if not self.stopping.is_set():
                 self._proc.join(1.0)  # its exit code
             why = (ApiError(503, "the server is shutting down") if self.stopping.is_set()
                    else ApiError(500, f"the engine's process ended (exit code {self._proc.exitcode})"))
             for job in left:
                 job.emit("error", why)
-            for q in list(self._queries.values()):
+            for q in queries:
+                q[0].set()
+
+    def _handle(self, msg: tuple) -> None:
+        """One message of the child (other than "stopped")."""
+        if msg[0] == "texts":
+            with self._lock:
+                items = [(self._jobs[jid], piece) for jid, piece in msg[1] if jid in self._jobs]
+            emit_texts(items)
+        elif msg[0] == "end":
+            _, jid, kind, value = msg
+            with self._lock:
+                job = self._jobs.pop(jid, None)
+            if job is None:
+                return
+            if kind == "done":
+                job.n_decoded = value.n_tokens
+                try:
+                    self.on_done(job, value)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    traceback.print_exc()
+            job.emit(kind, value)
+        elif msg[0] == "status":
+            with self._lock:
+                q = self._queries.pop(msg[1], None)
+            if q is not None:
+                q[1] = msg[2]
                 q[0].set()
 
 
@@ -231,12 +267,11 @@ class _ChildJob(Job):
 
 def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool) -> None:
     """The engine's process: load the model as ``serve`` does, run a Worker, answer the pipe (see
-    the module docstring) until ``("stop",)`` or the pipe closes; then stop the worker, close the
-    model (its hot set saved, as in-process) and say ``("stopped",)``."""
+    the module docstring) until ``("stop",)``, the pipe closes or the worker's thread ends; then
+    stop the worker, close the model (its hot set saved, as in-process) and say ``("stopped",)``."""
     import signal
-    import traceback
 
-    from moecache.cli.common import load_engine, note
+    from moecache.cli.common import note
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -249,30 +284,10 @@ def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool) -
         except (OSError, ValueError):  # the server's process is gone: the reader below ends us
             pass
 
-    loaded: dict[str, Any] = {}
-
-    def load() -> None:
-        try:
-            loaded["llm"] = load_engine(Path(path), settings, "serve", verbose)
-        except BaseException as e:  # noqa: BLE001 - every failure is one line for the server to print
-            line, expected = _one_line(e)
-            if not expected:  # a bug: its traceback too, as the CLI would show it
-                traceback.print_exc()
-            loaded["failed"] = line
-
-    # The load runs Numba's parallel kernels, and GNU OpenMP keeps a team of threads for each thread
-    # that opened a parallel region, for as long as that thread lives. Loaded on this (main) thread,
-    # its team would stay beside the worker thread's, and with more OpenMP threads than cores libgomp
-    # cuts the spinning of idle threads (moecache.threads.one_thread_if_active): every CPU expert call
-    # would wake sleeping threads. So the load gets a thread that ends, as in-process serve's does.
-    loader = threading.Thread(target=load, name="moecache-load")
-    loader.start()
-    loader.join()
-    if "llm" not in loaded:
-        send(("failed", loaded.get("failed", "the engine's process failed while loading")))
+    llm, failed = _load_on_a_thread(Path(path), settings, verbose)
+    if llm is None:
+        send(("failed", failed))
         return
-    llm = loaded["llm"]
-    jobs: dict[int, _ChildJob] = {}
 
     def deliver(items: list[tuple[Job, str]], streamed: threading.Event | None = None) -> bool:
         send(("texts", [(job.jid, piece) for job, piece in items]))
@@ -280,53 +295,91 @@ def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool) -
 
     try:
         worker = Worker(llm, n_parallel, lambda job, res: None, note, deliver=deliver)
-    except ValueError as e:
-        send(("failed", str(e)))
+    except BaseException as e:  # noqa: BLE001 - as the load's failures
+        send(("failed", _one_line(e, print_bug=True)))
         llm.close()
         return
     send(("ready", llm.engine.n_ctx, worker.n_ctx_slot))
     try:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            op = msg[0]
-            if op == "job":
-                _, jid, ids, gen = msg
-                job = _ChildJob(jid, ids, gen, send, jobs)
-                jobs[jid] = job
-                try:
-                    worker.submit(job)
-                except ApiError as e:
-                    job.emit("error", e)
-            elif op == "cancel":
-                job = jobs.get(msg[1])
-                if job is not None:
-                    job.cancel()
-            elif op == "cancel_all":
-                worker.cancel_all()
-            elif op == "status":
-                send(("status", msg[1], worker.status()))
-            elif op == "stop":
-                break
+        _answer(conn, worker, send)
     finally:
         worker.stop()
-        if worker.alive():
-            llm.drop_hot_set("a generation was still running at shutdown")
-        llm.close()
+        worker.close_model()
         send(("stopped",))
 
 
-def _one_line(e: BaseException) -> tuple[str, bool]:
-    """The ``error:`` line the CLI prints for ``e`` (``moecache.cli.main._user_errors``' rules), and
-    whether ``e`` is one of the errors those rules expect (else its traceback is worth printing)."""
+def _load_on_a_thread(path: Path, settings: Any, verbose: bool) -> tuple[Any, str]:
+    """``serve``'s load (:func:`moecache.cli.common.load_engine`) on a thread that ends before the
+    worker starts: (the LLM, "") or (None, the one line of its failure).
+
+    The load runs Numba's parallel kernels, and GNU OpenMP keeps a team of threads for each thread
+    that opened a parallel region, for as long as that thread lives. Loaded on the child's main
+    thread (which lives on, reading the pipe), that team would stay beside the worker thread's; with
+    more OpenMP threads than CPUs libgomp lets an idle thread spin only 1000 times before it sleeps
+    (its ``GOMP_SPINCOUNT`` documentation), so CPU expert calls would wake sleeping threads
+    (``bench/results/serve-engine-process-2core.md``). In-process ``serve`` loads on such a thread too."""
+    from moecache.cli import common
+
+    out: list = [None, "the engine's process failed while loading"]
+
+    def load() -> None:
+        try:
+            out[0] = common.load_engine(path, settings, "serve", verbose)
+        except BaseException as e:  # noqa: BLE001 - every failure is one line for the server to print
+            out[1] = _one_line(e, print_bug=True)
+    t = threading.Thread(target=load, name="moecache-load")
+    t.start()
+    t.join()
+    return out[0], ("" if out[0] is not None else out[1])
+
+
+def _answer(conn, worker: Worker, send: Callable[[tuple], None]) -> None:
+    """The child's side of the pipe (see the module docstring) until ``("stop",)``, the pipe closes,
+    or the worker's thread has ended (a failure of its own: it answered its jobs, and the server's
+    process then sees the pipe close)."""
+    jobs: dict[int, _ChildJob] = {}
+    while True:
+        try:
+            if not conn.poll(POLL_S):
+                if not worker.alive():
+                    return
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        op = msg[0]
+        if op == "job":
+            _, jid, ids, gen = msg
+            job = _ChildJob(jid, ids, gen, send, jobs)
+            jobs[jid] = job
+            try:
+                worker.submit(job)
+            except ApiError as e:
+                job.emit("error", e)
+        elif op == "cancel":
+            job = jobs.get(msg[1])
+            if job is not None:
+                job.cancel()
+        elif op == "cancel_all":
+            worker.cancel_all()
+        elif op == "status":
+            send(("status", msg[1], worker.status()))
+        elif op == "stop":
+            return
+
+
+def _one_line(e: BaseException, print_bug: bool = False) -> str:
+    """The ``error:`` line the CLI prints for ``e`` (``moecache.cli.main._user_errors``' rules); with
+    ``print_bug``, an error those rules do not expect (a bug) also prints its traceback, as the CLI
+    would show it."""
     from moecache.cli.common import UserError
 
     if isinstance(e, MemoryError):
         from moecache.cli.main import out_of_memory
 
-        return out_of_memory(e), True
+        return out_of_memory(e)
     if isinstance(e, (UserError, MoecacheError, ValueError, OSError)):
-        return str(e), True
-    return f"the engine's process failed while loading: {type(e).__name__}: {str(e)[:300]}", False
+        return str(e)
+    if print_bug:
+        traceback.print_exc()
+    return f"the engine's process failed while loading: {type(e).__name__}: {str(e)[:300]}"

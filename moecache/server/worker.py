@@ -105,7 +105,7 @@ class Job:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancelled.set()
+            self.cancel()
 
     def cancel(self) -> None:
         """Stop this job at its next token (or before it starts)."""
@@ -141,7 +141,7 @@ def emit_texts(items: list[tuple[Job, str]], streamed: threading.Event | None = 
         except RuntimeError:  # the loop is closed: nobody is listening any more
             tell = None
             for job, _ in group:
-                job.cancelled.set()
+                job.cancel()
     return tell is not None
 
 
@@ -299,6 +299,13 @@ class Worker:
     def alive(self) -> bool:
         """Whether the engine's thread is still running (a :meth:`stop` that timed out)."""
         return self._thread.is_alive()
+
+    def close_model(self) -> None:
+        """After :meth:`stop`: close the model; its hot set is dropped, not saved, when a generation
+        still ran (the stop timed out)."""
+        if self.alive():
+            self.llm.drop_hot_set("a generation was still running at shutdown")
+        self.llm.close()
 
     # ---- the engine's thread -----------------------------------------------------------------------
     def _run(self) -> None:
