@@ -92,16 +92,16 @@ class EngineProcess:
             msg = self._conn.recv()
         except (EOFError, OSError):
             self._proc.join(5)
-            self._ended.set()
+            self._gone()
             raise EngineProcessError(f"the engine's process ended while loading the model (exit code "
                                      f"{self._proc.exitcode})") from None
         if msg[0] != "ready":
             self._proc.join(STOP_TIMEOUT_S)
-            self._ended.set()
+            self._gone()
             raise EngineProcessError(msg[1])
         with self._life:
             if self.stopping.is_set():  # stop() has killed it meanwhile
-                self._ended.set()
+                self._gone()
                 raise EngineProcessError("the server stopped before the model was loaded")
             _, self.n_ctx, self.n_ctx_slot = msg
             self._reader = threading.Thread(target=self._read, name="moecache-engine-pipe", daemon=True)
@@ -125,17 +125,20 @@ class EngineProcess:
                 self._child_conn.close()
                 self._conn.close()
                 return
-            loading = self._reader is None
-            if loading:
+            if self._reader is None:  # loading: start() sees the pipe close, and closes our end
                 self._proc.kill()
-        if not loading:
-            self._post(("stop",))
+                return
+        self._post(("stop",))
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
-        if self._reader is not None:
-            self._reader.join(5)  # it reads the pipe's end (the child's exit closed it): then close ours
+        self._reader.join(5)  # it reads the pipe's end (the child's exit closed it): then close ours
+        self._conn.close()
+
+    def _gone(self) -> None:
+        """start()'s end without a child: the pipe closed, the engine ended."""
+        self._ended.set()
         self._conn.close()
 
     def alive(self) -> bool:
