@@ -552,8 +552,9 @@ def test_the_engine_process_ends_with_the_server_and_gives_the_same_text(tmp_pat
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_a_dead_engine_process_fails_its_requests_and_the_server_stays_up(tmp_path):
-    """``--engine-process`` killed mid-stream: the stream ends with a 500 error event, /health says
-    500, a new request is a 503 naming the cause, and SIGTERM still stops the server cleanly."""
+    """``--engine-process`` killed mid-stream: the stream ends with a 500 error event, the server's
+    log says so in one line, /health says 500, a new request and /slots are a 503 naming the cause,
+    /metrics still serves the HTTP side's counters, and SIGTERM still stops the server cleanly."""
     from moecache.testing.synth import PRESETS, write_model
 
     httpx = require_module("httpx")
@@ -574,6 +575,11 @@ def test_a_dead_engine_process_fails_its_requests_and_the_server_stays_up(tmp_pa
         assert h.status_code == 500 and "engine has stopped" in h.json()["error"]["message"]
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and "engine's process has ended" in r.json()["error"]["message"]
+        r = httpx.get(s.url + "/slots", timeout=10)
+        assert r.status_code == 503 and "engine's process has ended" in r.json()["error"]["message"]
+        assert _metric(s, 'moecache:requests_total{outcome="rejected"}') == 1  # the HTTP side's counters live on
+        assert any(ln.startswith("error: the engine's process ended (exit code -9) while serving: 1 request")
+                   for ln in s.output), "".join(s.output)
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(20) == 0
         assert "server: stopped" in "".join(s.output)

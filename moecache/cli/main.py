@@ -358,10 +358,10 @@ def serve(
                                          "take to arrive, else 408 (llama-server's read timeout).")] = 600,
     engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="Run the model in a "
                                                  "process of its own, so that the HTTP server's Python and a decode "
-                                                 "step never wait for each other's GIL (an experiment: slower than "
-                                                 "the default on the H200 before a fix, not measured there since: "
-                                                 "bench/results/serve-h200.md); default: the engine in a thread "
-                                                 "of the server's process.")] = False,
+                                                 "step never wait for each other's GIL. An experiment, not "
+                                                 "recommended yet: the default (the engine in a thread of the "
+                                                 "server's process) was as fast or faster in every run so far "
+                                                 "(bench/results/serve-h200.md).")] = False,
     version: VersionOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""

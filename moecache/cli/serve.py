@@ -109,7 +109,7 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         from moecache.server.engine_process import EngineProcess
         from moecache.tokenizer import Tokenizer
 
-        proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose)
+        proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose, log=note)
         held.proc = proc  # first: a shutdown from here on stops it (or keeps it from starting)
         gguf = open_gguf(path)
         try:
@@ -123,12 +123,13 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         return proc
 
     loader = threading.Thread(target=load, name="moecache-load", daemon=True)
-    note(f"server: listening on http://{opts.host}:{opts.port} (loading the model; /health says 503 until ready)")
     # uvicorn re-raises the signal it caught after its graceful shutdown, to the handler it found:
     # ours only asks the server to stop (done by then), so that the stop is clean (exit 0); a signal
-    # before uvicorn has put its own handlers in place stops the server as soon as it runs
+    # before uvicorn has put its own handlers in place (from the line below on) stops the server as
+    # soon as it runs
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
+    note(f"server: listening on http://{opts.host}:{opts.port} (loading the model; /health says 503 until ready)")
     loader.start()
     try:
         server.run(sockets=[sock])

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from moecache.server.metrics import Metrics
 from moecache.server.schemas import (MAX_BODY_BYTES, ApiError, GenRequest, bad, get_bool, parse_gen, parse_json,
                                      parse_messages, parse_prompt, timings_object)
-from moecache.server.worker import Job, Result
+from moecache.server.worker import Job, Result, WorkerStatus
 
 POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
@@ -198,7 +198,11 @@ def build_app(state: ServerState) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         ready()
-        text = state.metrics.render(await run_in_threadpool(state.worker.status))
+        try:
+            st = await run_in_threadpool(state.worker.status)
+        except ApiError:  # the engine's process has ended: the HTTP side's counters still count
+            st = WorkerStatus(0, 0, [], (0, 0), (0.0, 0.0), [])
+        text = state.metrics.render(st)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:

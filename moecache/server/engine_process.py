@@ -23,6 +23,7 @@ decides when it stops) and stops by itself when the pipe closes (the server's pr
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -51,17 +52,19 @@ class EngineProcess:
         n_parallel: ``-np``; as many more jobs may wait, :meth:`submit` refuses beyond (503).
         on_done: called with (job, Result) after each finished job, in this process (metrics).
         verbose: ``-v`` for the child's load.
+        log: one line when the child ends while serving (stderr by default).
 
     :meth:`start` loads the model (blocks until it is ready); until then, and after the child has
     ended, :meth:`submit` answers 503.
     """
 
     def __init__(self, path: Path, settings: Any, n_parallel: int, on_done: Callable[[Job, Result], None],
-                 verbose: bool = False):
+                 verbose: bool = False, log: Callable[[str], None] | None = None):
         import multiprocessing
 
         self.n_parallel = n_parallel
         self.on_done = on_done
+        self.log = log if log is not None else (lambda line: print(line, file=sys.stderr, flush=True))
         self.stopping = threading.Event()
         self.n_ctx = 0
         self.n_ctx_slot = 0
@@ -171,7 +174,10 @@ class EngineProcess:
 
     def status(self) -> WorkerStatus:
         """The child's worker's :class:`WorkerStatus` (waits up to STATUS_TIMEOUT_S); ApiError 503
-        when the child does not answer."""
+        when the child has ended or does not answer."""
+        if self._ended.is_set():
+            raise ApiError(503, f"the engine's process has ended (exit code {self._proc.exitcode}): restart the "
+                                f"server")
         q: list = [threading.Event(), None]
         with self._lock:
             qid = next(self._ids)
@@ -217,6 +223,8 @@ class EngineProcess:
                 queries, self._queries = list(self._queries.values()), {}
             if not self.stopping.is_set():
                 self._proc.join(1.0)  # its exit code
+                self.log(f"error: the engine's process ended (exit code {self._proc.exitcode}) while serving: "
+                         f"{len(left)} request(s) failed, new ones get 503 and /health 500; restart the server")
             why = (ApiError(503, "the server is shutting down") if self.stopping.is_set()
                    else ApiError(500, f"the engine's process ended (exit code {self._proc.exitcode})"))
             for job in left:
