@@ -218,10 +218,14 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
     return {**counts, "samples": samples}
 
 
+SERVE_ONLY_FLAGS = ("--engine-process", "--no-engine-process")  # server flags without a value that bench lacks
+
+
 def bench_tg(model: str, n: int, flags: list[str], warmup: int, ctx: int, cpus: set[int] | None = None) -> float | None:
-    """``moecache bench``'s tg t/s with the server's flags and its ``-c`` (the KV cache's VRAM: with
-    ``--vram-budget``, what is left to the expert cache; bench's own -c would be only p + n), on the
-    server's CPUs (``cpus``; None: this process's)."""
+    """``moecache bench``'s tg t/s with the server's flags (less :data:`SERVE_ONLY_FLAGS`) and its
+    ``-c`` (the KV cache's VRAM: with ``--vram-budget``, what is left to the expert cache; bench's own
+    -c would be only p + n), on the server's CPUs (``cpus``; None: this process's)."""
+    flags = [f for f in flags if f not in SERVE_ONLY_FLAGS]
     r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
                         "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), "-c", str(ctx), *flags],
                        capture_output=True, text=True, cwd=ROOT,
