@@ -1,4 +1,5 @@
-"""Faults injected into a forward pass for the tests of its error paths."""
+"""Faults injected into a forward pass for the tests of its error paths, and a stand-in for the
+engine's process stuck in its load."""
 
 from __future__ import annotations
 
@@ -15,3 +16,16 @@ def bad_row(forward: Callable[..., np.ndarray], row: int, value: float = np.nan)
         lg[row, 0] = value
         return lg
     return poisoned
+
+
+def engine_child_that_loads_forever(conn: Any, path: str, settings: Any, n_parallel: int, verbose: bool) -> None:
+    """A stand-in for the engine's process (``EngineProcess(target=...)``) stuck in its load: it
+    ignores SIGINT and SIGTERM as the real one does, touches ``path`` to say so, and never answers."""
+    import signal
+    import time
+    from pathlib import Path
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    Path(path).touch()
+    time.sleep(600)

@@ -700,3 +700,37 @@ def test_an_api_error_crosses_the_pipe_whole():
               ApiError(500, "x", type="server_error")):
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is ApiError and back.body() == e.body() and back.status == e.status
+
+
+def test_a_stop_during_the_load_kills_the_engine_process_at_once(tmp_path):
+    """``EngineProcess.stop`` while the child loads (it ignores SIGTERM there): the child is killed at
+    once, not after the 30 s stop timeout, and ``start`` ends with EngineProcessError; a stop before
+    ``start`` keeps the child from ever starting."""
+    from faults import engine_child_that_loads_forever
+    from moecache.server.engine_process import EngineProcess, EngineProcessError
+
+    flag = tmp_path / "loading"
+    p = EngineProcess(flag, None, 1, lambda job, res: None, target=engine_child_that_loads_forever)
+    ended: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            p.start()
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            ended.append(e)
+    t = threading.Thread(target=start)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not flag.exists():  # the child is in its "load", SIGTERM ignored
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    p.stop()
+    t.join(10)
+    assert time.monotonic() - t0 < 10 and not p.alive() and not t.is_alive()
+    assert len(ended) == 1 and isinstance(ended[0], EngineProcessError)
+    q = EngineProcess(tmp_path / "never", None, 1, lambda job, res: None, target=engine_child_that_loads_forever)
+    q.stop()
+    with pytest.raises(EngineProcessError, match="stopped before"):
+        q.start()
+    assert not (tmp_path / "never").exists()

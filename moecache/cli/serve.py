@@ -106,11 +106,9 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         from moecache.chat import resolve_chat_template
         from moecache.gguf_file import open_gguf
         from moecache.server.app import ModelInfo
-        from moecache.server.engine_process import EngineProcess
         from moecache.tokenizer import Tokenizer
 
-        proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose, log=note)
-        held.proc = proc  # first: a shutdown from here on stops it (or keeps it from starting)
+        proc = held.proc
         gguf = open_gguf(path)
         try:
             tok = Tokenizer.from_gguf(gguf)
@@ -122,6 +120,10 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
             gguf.close()
         return proc
 
+    if opts.engine_process:  # made here, before any signal is handled: no shutdown can miss it
+        from moecache.server.engine_process import EngineProcess
+
+        held.proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose, log=note)
     loader = threading.Thread(target=load, name="moecache-load", daemon=True)
     # uvicorn re-raises the signal it caught after its graceful shutdown, to the handler it found:
     # ours only asks the server to stop (done by then), so that the stop is clean (exit 0); a signal
@@ -134,6 +136,8 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     try:
         server.run(sockets=[sock])
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal while closing ends the process
+            signal.signal(sig, signal.SIG_DFL)
         held.close(loader)
     if failed:
         raise failed[0]

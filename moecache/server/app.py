@@ -200,8 +200,10 @@ def build_app(state: ServerState) -> Starlette:
         ready()
         try:
             st = await run_in_threadpool(state.worker.status)
-        except ApiError:  # the engine's process has ended: the HTTP side's counters still count
-            st = WorkerStatus(0, 0, [], (0, 0), (0.0, 0.0), [])
+        except ApiError:
+            if state.worker.alive():  # slow to answer: a 503, not counters that look reset
+                raise
+            st = WorkerStatus(0, 0, [], (0, 0), (0.0, 0.0), [])  # the engine has ended: the HTTP side's counters
         text = state.metrics.render(st)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

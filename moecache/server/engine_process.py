@@ -53,13 +53,15 @@ class EngineProcess:
         on_done: called with (job, Result) after each finished job, in this process (metrics).
         verbose: ``-v`` for the child's load.
         log: one line when the child ends while serving (stderr by default).
+        target: the child's function (default :func:`child_main`; a module-level function taking
+            the same arguments, for tests).
 
     :meth:`start` loads the model (blocks until it is ready); until then, and after the child has
     ended, :meth:`submit` answers 503.
     """
 
     def __init__(self, path: Path, settings: Any, n_parallel: int, on_done: Callable[[Job, Result], None],
-                 verbose: bool = False, log: Callable[[str], None] | None = None):
+                 verbose: bool = False, log: Callable[[str], None] | None = None, target: Callable | None = None):
         import multiprocessing
 
         self.n_parallel = n_parallel
@@ -78,7 +80,7 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         ctx = multiprocessing.get_context("spawn")
         self._conn, self._child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=child_main, args=(self._child_conn, str(path), settings, n_parallel, verbose),
+        self._proc = ctx.Process(target=target or child_main, args=(self._child_conn, str(path), settings, n_parallel, verbose),
                                  name="moecache-engine", daemon=True)
 
     # ---- lifetime --------------------------------------------------------------------------------------
@@ -126,7 +128,8 @@ class EngineProcess:
             self.stopping.set()
             if self._proc.pid is None:  # never started, and start() will not start it now
                 self._child_conn.close()
-                self._conn.close()
+                with self._send_lock:
+                    self._conn.close()
                 return
             if self._reader is None:  # loading: start() sees the pipe close, and closes our end
                 self._proc.kill()
@@ -137,12 +140,14 @@ class EngineProcess:
             self._proc.kill()
             self._proc.join(5)
         self._reader.join(5)  # it reads the pipe's end (the child's exit closed it): then close ours
-        self._conn.close()
+        with self._send_lock:  # no send in flight on a descriptor number being reused
+            self._conn.close()
 
     def _gone(self) -> None:
         """start()'s end without a child: the pipe closed, the engine ended."""
         self._ended.set()
-        self._conn.close()
+        with self._send_lock:
+            self._conn.close()
 
     def alive(self) -> bool:
         """Whether the child still runs its engine (its process and the pipe's reader: the child ends
@@ -349,11 +354,9 @@ def _answer(conn, worker: Worker, send: Callable[[tuple], None]) -> None:
     or the worker's thread has ended (a failure of its own: it answered its jobs, and the server's
     process then sees the pipe close)."""
     jobs: dict[int, _ChildJob] = {}
-    while True:
+    while worker.alive():
         try:
             if not conn.poll(POLL_S):
-                if not worker.alive():
-                    return
                 continue
             msg = conn.recv()
         except (EOFError, OSError):
