@@ -29,3 +29,13 @@ def engine_child_that_loads_forever(conn: Any, path: str, settings: Any, n_paral
         signal.signal(sig, signal.SIG_IGN)
     Path(path).touch()
     time.sleep(600)
+
+
+def engine_child_that_dies_when_asked(conn: Any, path: str, settings: Any, n_parallel: int, verbose: bool) -> None:
+    """A stand-in for the engine's process that says it is ready (256 positions, 64 a slot), drops
+    the first job it gets without an answer and ends with exit code 3, as a crash would."""
+    import os
+
+    conn.send(("ready", 256, 64))
+    conn.recv()
+    os._exit(3)

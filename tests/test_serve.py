@@ -734,3 +734,60 @@ def test_a_stop_during_the_load_kills_the_engine_process_at_once(tmp_path):
     with pytest.raises(EngineProcessError, match="stopped before"):
         q.start()
     assert not (tmp_path / "never").exists()
+
+
+def test_an_engine_process_that_dies_fails_its_job_and_says_it_has_ended():
+    """The server's side of a crash, without a model: the child ends (exit code 3) holding a job;
+    the job gets a 500 naming the exit code, one log line says so, ``alive()`` turns false (/health
+    500), and ``submit`` and ``status`` are 503s naming the cause."""
+    import asyncio
+
+    from faults import engine_child_that_dies_when_asked
+    from moecache.sampling import SamplingParams
+    from moecache.server.engine_process import EngineProcess
+    from moecache.server.schemas import ApiError, GenRequest
+    from moecache.server.worker import Job
+
+    logged: list[str] = []
+    p = EngineProcess(Path("unused.gguf"), None, 1, lambda job, res: None, log=logged.append,
+                      target=engine_child_that_dies_when_asked)
+    loop = asyncio.new_event_loop()
+    try:
+        p.start()
+        assert p.n_ctx == 256 and p.n_ctx_slot == 64 and p.alive()
+        gen = GenRequest(max_tokens=4, sampling=SamplingParams(temp=0.0), stop=(), stream=False, include_usage=False)
+        job = Job([1, 2], gen, loop)
+        p.submit(job)
+        kind, err = loop.run_until_complete(asyncio.wait_for(job.events.get(), 30))
+        assert kind == "error" and err.status == 500 and "exit code 3" in err.message
+        assert not p.alive()
+        assert len(logged) == 1 and logged[0].startswith("error: the engine's process ended (exit code 3)")
+        for call in (lambda: p.submit(Job([1], gen, loop)), p.status):
+            with pytest.raises(ApiError, match="has ended") as e:
+                call()
+            assert e.value.status == 503
+    finally:
+        p.stop()
+        loop.close()
+
+
+def test_the_child_stops_answering_when_its_worker_has_died():
+    """The child's pipe loop returns once its worker's thread is gone (the server's side then sees
+    the pipe close), however busy the pipe is."""
+    from moecache.server.engine_process import _answer
+
+    class Busy:  # a message always waiting
+        def poll(self, timeout):
+            return True
+
+        def recv(self):
+            return ("status", 0)
+
+    class Dead:
+        def alive(self):
+            return False
+
+        def status(self):
+            raise AssertionError("a dead worker was asked")
+
+    _answer(Busy(), Dead(), lambda msg: None)
