@@ -13,6 +13,20 @@ class UserError(Exception):
     """A problem with the user's input: printed as one ``error:`` line, exit 1."""
 
 
+def error_line(e: BaseException) -> str | None:
+    """The one ``error:`` line the commands print for ``e`` (exit 1): user and model errors, a
+    ValueError, a missing or unreadable file, an allocation that failed; None for anything else (a
+    bug: its traceback is shown)."""
+    from moecache.errors import MoecacheError
+
+    if isinstance(e, MemoryError):
+        return (f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'} "
+                f"(a smaller -c, -ub or -b needs less)")
+    if isinstance(e, (UserError, MoecacheError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)):
+        return str(e)
+    return None
+
+
 def note(message: str) -> None:
     """One line on stderr (resolved settings, fallbacks)."""
     typer.echo(message, err=True)

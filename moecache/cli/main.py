@@ -143,24 +143,17 @@ EscapeOpt = Annotated[bool, typer.Option("--escape/--no-escape", "-e", help="Pro
 
 
 def _user_errors(fn, *args) -> None:
-    """Run a command body; user and model errors become one `error:` line and exit 1."""
-    from moecache.cli.common import UserError
-    from moecache.errors import MoecacheError
+    """Run a command body; user and model errors become one `error:` line and exit 1
+    (:func:`moecache.cli.common.error_line`); anything else propagates with its traceback."""
+    from moecache.cli.common import error_line
 
     try:
         fn(*args)
-    except (UserError, MoecacheError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        fail(str(e))
-    except ValueError as e:
-        fail(str(e))
-    except MemoryError as e:
-        fail(out_of_memory(e))
-
-
-def out_of_memory(e: MemoryError) -> str:
-    """The ``error:`` line of an allocation that failed (numpy's or CuPy's MemoryError)."""
-    return (f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'} "
-            f"(a smaller -c, -ub or -b needs less)")
+    except Exception as e:
+        line = error_line(e)
+        if line is None:
+            raise
+        fail(line)
 
 
 def _settings(*, ctx_size, batch_size, ubatch_size, threads, ngl, moe_profile: Path | None = None, **same):

@@ -84,17 +84,22 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
                 failed.append(e)
             server.should_exit = True
 
+    def template(gguf, tok):
+        from moecache.chat import resolve_chat_template
+
+        tmpl = resolve_chat_template(gguf, tok, opts.chat_template)
+        note(f"chat template: {tmpl.name} ({tmpl.source})")
+        return tmpl
+
     def load_here():
         """The model in this process, the worker in a thread."""
-        from moecache.chat import resolve_chat_template
         from moecache.server.app import ModelInfo
         from moecache.server.worker import Worker
 
         llm = load_engine(path, settings, "serve", opts.verbose)
         held.llm = llm
         eng = llm.engine
-        tmpl = resolve_chat_template(eng.gguf, eng.tokenizer, opts.chat_template)
-        note(f"chat template: {tmpl.name} ({tmpl.source})")
+        tmpl = template(eng.gguf, eng.tokenizer)
         worker = Worker(llm, opts.n_parallel, done, note)
         held.worker = worker
         state.tokenizer, state.template, state.info = eng.tokenizer, tmpl, ModelInfo.of(eng.gguf, eng.n_ctx)
@@ -103,7 +108,6 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     def load_process():
         """The tokenizer and the chat template here (from the GGUF's metadata), the model and the
         worker in the engine's process."""
-        from moecache.chat import resolve_chat_template
         from moecache.gguf_file import open_gguf
         from moecache.server.app import ModelInfo
         from moecache.tokenizer import Tokenizer
@@ -112,8 +116,7 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         gguf = open_gguf(path)
         try:
             tok = Tokenizer.from_gguf(gguf)
-            tmpl = resolve_chat_template(gguf, tok, opts.chat_template)
-            note(f"chat template: {tmpl.name} ({tmpl.source})")
+            tmpl = template(gguf, tok)
             proc.start()
             state.tokenizer, state.template, state.info = tok, tmpl, ModelInfo.of(gguf, proc.n_ctx)
         finally:

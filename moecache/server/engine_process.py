@@ -383,17 +383,14 @@ def _answer(conn, worker: Worker, send: Callable[[tuple], None]) -> None:
 
 
 def _one_line(e: BaseException, print_bug: bool = False) -> str:
-    """The ``error:`` line the CLI prints for ``e`` (``moecache.cli.main._user_errors``' rules); with
-    ``print_bug``, an error those rules do not expect (a bug) also prints its traceback, as the CLI
-    would show it."""
-    from moecache.cli.common import UserError
+    """The ``error:`` line the CLI prints for ``e`` (:func:`moecache.cli.common.error_line`); an error
+    the CLI would show with its traceback (a bug) gets a line naming it, and with ``print_bug`` its
+    traceback too."""
+    from moecache.cli.common import error_line
 
-    if isinstance(e, MemoryError):
-        from moecache.cli.main import out_of_memory
-
-        return out_of_memory(e)
-    if isinstance(e, (UserError, MoecacheError, ValueError, OSError)):
-        return str(e)
+    line = error_line(e)
+    if line is not None:
+        return line
     if print_bug:
         traceback.print_exc()
     return f"the engine's process failed while loading: {type(e).__name__}: {str(e)[:300]}"
