@@ -12,7 +12,11 @@ measurement of its first tokens measures the warm-up, not the steady state). Eac
 expert cache's hit rate over that phase, the mean decode batch (tokens per decode pass), the mean
 decode pass in ms, and the seconds the worker spent inside the engine's decode passes and prompt
 evaluations (the rest of the wall time is HTTP, streaming, sampling and waits), from the server's
-``/metrics`` before and after it. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
+``/metrics`` before and after it; and from its histograms the p50/p99 of the decode passes and of the
+worker's own time between two passes of a batch (``moecache:decode_pass_seconds``,
+``moecache:decode_between_passes_seconds``; estimated within buckets of 0.1-0.5 ms below 1 ms and 1 ms up to 10 ms, as
+Prometheus's ``histogram_quantile`` does): a TPOT p99 above both is spent outside the worker
+(the event loop, the clients); and the threads of the server's process tree after the phase. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
 same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream
 ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one round after
 the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before the
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import shlex
 import socket
@@ -37,8 +42,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moecache.server.metrics import Histogram  # noqa: E402
 
 
 def free_port() -> int:
@@ -143,35 +152,83 @@ def concurrent(port: int, n_streams: int, n: int, temperature: float | None = 0.
             "tpot_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan")}
 
 
-def counters(port: int) -> dict[str, float]:
+def counters(port: int) -> dict[str, Any]:
     """The server's /metrics counters this script reads (summed over caches): decode steps, their
     tokens and seconds, the seconds of the prompt evaluations, the expert caches' hits, misses and
-    uploads; {} when /metrics does not answer."""
+    uploads; under "hist" its histograms (:func:`histograms`); {} when /metrics does not answer."""
     status, text = get_json(port, "/metrics")
     want = {"moecache:decode_steps_total": "steps", "moecache:decode_step_tokens_total": "step_tokens",
             "moecache:decode_seconds_total": "decode_s", "moecache:prompt_eval_seconds_total": "prompt_s",
             "moecache:expert_cache_hits_total": "hits", "moecache:expert_cache_misses_total": "misses",
             "moecache:expert_cache_uploads_total": "uploads"}
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     if status != 200:
         return out
     for line in text.splitlines():
         name = line.split("{")[0].split(" ")[0]
         if name in want:
             out[want[name]] = out.get(want[name], 0.0) + float(line.split()[-1])
+    out["hist"] = histograms(text)
     return out
 
 
-def phase(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Hit rate, uploads, mean decode batch, mean decode pass (ms) and the seconds inside the engine's
-    decode and prompt calls between two :func:`counters` reads (None where the server has no such
-    counter)."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+def histograms(text: str) -> dict[str, Histogram]:
+    """The histograms of a Prometheus text exposition (``NAME_bucket{le="..."}``, ``NAME_sum``), by
+    NAME, as :class:`moecache.server.metrics.Histogram` (per-bucket counts from the cumulative ones)."""
+    cum: dict[str, list[tuple[float, float]]] = {}
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, value = line.rsplit(" ", 1)
+        if "_bucket{" in key and 'le="' in key:
+            name = key.split("_bucket{")[0]
+            le = key.split('le="')[1].split('"')[0]
+            cum.setdefault(name, []).append((math.inf if le == "+Inf" else float(le), float(value)))
+        elif key.endswith("_sum"):
+            sums[key[:-4]] = float(value)
+    out = {}
+    for name, rows in cum.items():
+        rows.sort()
+        counts = [int(c - (rows[i - 1][1] if i else 0)) for i, (_, c) in enumerate(rows)]
+        out[name] = Histogram(tuple(b for b, _ in rows[:-1]), counts, sums.get(name, 0.0))
+    return out
+
+
+HISTOGRAMS = {"moecache:decode_pass_seconds": "decode_pass", "moecache:decode_between_passes_seconds": "between"}
+
+
+def phase(before: dict[str, Any], after: dict[str, Any]) -> dict:
+    """Hit rate, uploads, mean decode batch, mean decode pass (ms), the seconds inside the engine's
+    decode and prompt calls, and the p50/p99 (ms) of the decode passes and of the worker's time
+    between two passes of a batch, between two :func:`counters` reads (None where the server has no
+    such counter)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "hist"}
     pairs = d.get("hits", 0.0) + d.get("misses", 0.0)
-    return {"hit_rate": d["hits"] / pairs if pairs else None, "uploads": d.get("uploads"),
-            "mean_batch": d["step_tokens"] / d["steps"] if d.get("steps") else None,
-            "decode_ms_per_step": 1e3 * d["decode_s"] / d["steps"] if d.get("steps") and "decode_s" in d else None,
-            "decode_s": d.get("decode_s"), "prompt_eval_s": d.get("prompt_s")}
+    row = {"hit_rate": d["hits"] / pairs if pairs else None, "uploads": d.get("uploads"),
+           "mean_batch": d["step_tokens"] / d["steps"] if d.get("steps") else None,
+           "decode_ms_per_step": 1e3 * d["decode_s"] / d["steps"] if d.get("steps") and "decode_s" in d else None,
+           "decode_s": d.get("decode_s"), "prompt_eval_s": d.get("prompt_s")}
+    for name, short in HISTOGRAMS.items():
+        h = after.get("hist", {}).get(name)
+        if h is not None and name in before.get("hist", {}):
+            h = h.minus(before["hist"][name])
+        for q in (50, 99):
+            v = h.quantile(q / 100) if h is not None else math.nan
+            row[f"{short}_p{q}_ms"] = None if math.isnan(v) else v * 1e3
+    return row
+
+
+def server_threads(pid: int) -> int | None:
+    """Threads of the server's process tree (the server and its engine's process) now: OpenMP teams
+    show here (each thread that ran a parallel region keeps one while it lives)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return sum(q.num_threads() for q in [p, *p.children(recursive=True)])
+    except psutil.Error:
+        return None
 
 
 def gpu_used_mib() -> float | None:
@@ -317,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
             row = concurrent(port, n_streams, a.n, temp, a.rounds, a.prompt_tokens)
             row.update(server_flags=" ".join(extra), switch_interval=a.switch_interval, client_cpus=a.client_cpus,
                        prompt_tokens=a.prompt_tokens)
-            row.update(phase(c0, counters(port)))
+            row.update(phase(c0, counters(port)), server_threads=server_threads(srv.pid))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
         soaked = soak(port, srv.pid, a.soak_s, a.soak_clients, a.n) if a.soak_s else None
@@ -341,14 +398,19 @@ def main(argv: list[str] | None = None) -> None:
              + "\n",
              f"{a.warmup_rounds} warm-up round(s) of {max(streams)} streams first.\n",
              "| streams | ok | failed | tokens | wall s | aggregate t/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms "
-             "| hit rate | mean decode batch | decode pass ms | in decode s | in prompts s |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| hit rate | mean decode batch | decode pass ms | decode pass p50 / p99 ms | between passes p50 / p99 ms "
+             "| in decode s | in prompts s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: |"]
     for r in rows:
         rel = r["aggregate_ts"] / one["aggregate_ts"] if one and one["aggregate_ts"] else float("nan")
         lines.append(f"| {r['streams']} | {r['ok']} | {r['failed']} | {r['tokens']} | {r['wall_s']:.1f} | "
                      f"{r['aggregate_ts']:.1f} | {rel:.2f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | "
                      f"{_fmt(r.get('hit_rate'), '.3f')} | {_fmt(r.get('mean_batch'), '.2f')} | "
-                     f"{_fmt(r.get('decode_ms_per_step'), '.2f')} | {_fmt(r.get('decode_s'), '.2f')} | "
+                     f"{_fmt(r.get('decode_ms_per_step'), '.2f')} | "
+                     f"{_fmt(r.get('decode_pass_p50_ms'), '.2f')} / {_fmt(r.get('decode_pass_p99_ms'), '.2f')} | "
+                     f"{_fmt(r.get('between_p50_ms'), '.2f')} / {_fmt(r.get('between_p99_ms'), '.2f')} | "
+                     f"{_fmt(r.get('decode_s'), '.2f')} | "
                      f"{_fmt(r.get('prompt_eval_s'), '.2f')} |")
     if tg and one:
         lines += ["", f"single stream through the server {one['aggregate_ts']:.1f} t/s / `moecache bench -p 0 -n {a.n} "

@@ -152,6 +152,37 @@ def test_metrics_expose_each_caches_hit_and_miss_counters():
     assert "# TYPE moecache:expert_cache_misses_total counter" in text
 
 
+def test_step_histograms_count_each_decode_pass_and_each_gap_of_a_batch(llm, monkeypatch):
+    """``decode_pass`` observes every decode call (count = decode_steps, sum = decode_seconds);
+    ``between_passes`` observes the gap before each pass that continues a slot of the last one: a
+    lone request of n tokens takes its first from the prompt, then n - 1 passes with n - 2 gaps
+    between them; the gaps are the worker's own time, not the engine's (a decode call made 20 ms
+    longer moves only ``decode_pass``)."""
+    import time
+
+    w = Worker(llm, 2, lambda j, r: None, print)
+    try:
+        out = run_jobs(w, [([1, 2, 3], gen(6))])
+        assert out[0][0] == "done"
+        st = w.status()
+        assert st.decode == (5, 5)
+        assert st.decode_pass.count == 5 and st.decode_pass.total == pytest.approx(st.engine_s[0])
+        assert st.between_passes.count == 4
+        orig = llm.engine.decode
+
+        def slow(*a, **k):
+            time.sleep(0.02)
+            return orig(*a, **k)
+        monkeypatch.setattr(llm.engine, "decode", slow)
+        out = run_jobs(w, [([4, 5], gen(4))])  # 3 more passes, 2 more gaps
+        d = w.status().decode_pass.minus(st.decode_pass)
+        g = w.status().between_passes.minus(st.between_passes)
+        assert d.count == 3 and d.quantile(0.0) >= 0.02
+        assert g.count == 2 and g.total < 0.5 * d.total  # (the engine's 60+ ms are not in the gaps)
+    finally:
+        w.stop()
+
+
 def test_streamed_text_joins_to_the_result_and_precedes_done(llm):
     """Text pieces leave the worker once per step (``emit_texts``, before the next decode pass):
     each job's streamed pieces, in order, join to its result's text, and nothing comes after

@@ -2,8 +2,87 @@
 
 from __future__ import annotations
 
+import bisect
+import math
 import threading
+from dataclasses import dataclass, field
 from typing import Any
+
+# upper bounds (seconds) of the step-time histograms: 0.1-0.5 ms for the worker's own time between two decode
+# passes, 1 ms apart up to 10 ms (one H200 decode token of the 30B-A3B model at 8 GiB takes ~6 ms), coarser
+# up to 5 s (prompt chunks, CUDA graph captures)
+STEP_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.010, 0.012, 0.015, 0.020,
+                  0.025, 0.030, 0.040, 0.050, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class Histogram:
+    """Observations (seconds) counted per bucket, as a Prometheus histogram counts them.
+
+    Attributes:
+        bounds: the buckets' upper bounds, increasing (a value ``v`` falls in the first bucket with
+            ``v <= bound``, Prometheus's ``le``).
+        counts: observations per bucket, not cumulative: ``len(bounds) + 1`` of them, the last for
+            values above every bound (``+Inf``).
+        total: the observations' sum.
+
+    Written by one thread (the worker's); :meth:`copy` from another reads the counters as they are.
+    """
+
+    bounds: tuple[float, ...] = STEP_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        if len(self.counts) != len(self.bounds) + 1 or list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"a histogram needs increasing bounds and one count more than bounds, got "
+                             f"{len(self.bounds)} bounds and {len(self.counts)} counts")
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.total += v
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+    def minus(self, earlier: Histogram) -> Histogram:
+        """The observations made since ``earlier`` (a copy of this histogram taken before)."""
+        if earlier.bounds != self.bounds:
+            raise ValueError("histograms with different buckets")
+        return Histogram(self.bounds, [a - b for a, b in zip(self.counts, earlier.counts)], self.total - earlier.total)
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile (0 <= q <= 1) as Prometheus's ``histogram_quantile`` estimates it: linear
+        within the bucket that holds rank ``q * count`` (the first bucket from 0); the highest bound when
+        that rank is in the ``+Inf`` bucket; NaN without observations."""
+        n = self.count
+        if n == 0:
+            return math.nan
+        rank = q * n
+        below = 0
+        for i, c in enumerate(self.counts):
+            if below + c >= rank and c > 0:
+                if i == len(self.bounds):
+                    return self.bounds[-1]
+                lo = self.bounds[i - 1] if i else 0.0
+                return lo + (self.bounds[i] - lo) * (rank - below) / c
+            below += c
+        return self.bounds[-1]
+
+    def lines(self, name: str, help: str) -> list[str]:
+        """Prometheus text lines: ``name_bucket`` (cumulative, ``le``), ``name_sum``, ``name_count``."""
+        out = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
+        cum = 0
+        for b, c in zip((*(repr(float(x)) for x in self.bounds), "+Inf"), self.counts):
+            cum += c
+            out.append(f'{name}_bucket{{le="{b}"}} {cum}')
+        return out + [f"{name}_sum {self.total}", f"{name}_count {cum}"]
 
 
 class Metrics:
@@ -36,7 +115,8 @@ class Metrics:
         :class:`moecache.server.worker.WorkerStatus` ``st``: its requests in slots and waiting, its
         decode steps and the tokens they decoded, its seconds inside the engine's (decode, prompt)
         calls, each call once (``prompt_seconds_total`` instead sums every request's prompt time, and
-        a pass that serves several slots' prompts counts in each), and each expert cache's counters."""
+        a pass that serves several slots' prompts counts in each), the histograms of its decode passes
+        and of its time between two passes of a batch, and each expert cache's counters."""
         processing, waiting, caches, decode, engine_s = st.n_processing, st.n_waiting, st.caches, st.decode, st.engine_s
         rows: list[tuple[str, str, str, Any]] = [
             ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
@@ -62,6 +142,11 @@ class Metrics:
             out += [f"# HELP moecache:{name} {help}", f"# TYPE moecache:{name} {kind}", f"moecache:{name} {value}"]
         out += ["# HELP moecache:requests_total Requests by outcome.", "# TYPE moecache:requests_total counter"]
         out += [f'moecache:requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
+        out += st.decode_pass.lines("moecache:decode_pass_seconds", "Time of each decode pass inside the engine.")
+        out += st.between_passes.lines(
+            "moecache:decode_between_passes_seconds",
+            "The worker's time from a decode pass's end to the next pass of a slot in it (sampling, streaming, "
+            "admitting requests, other slots' prompt chunks).")
         if caches:
             out += ["# HELP moecache:expert_cache_hit_rate Expert-cache hit rate since start, per GPU cache.",
                     "# TYPE moecache:expert_cache_hit_rate gauge"]

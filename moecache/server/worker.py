@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from moecache.server.metrics import Histogram
 from moecache.server.schemas import ApiError, GenRequest
 from moecache.server.stops import StopMatcher
 
@@ -155,6 +156,10 @@ class WorkerStatus:
         decode: (decode forward passes, the tokens they decoded).
         engine_s: seconds inside the engine's (decode, prompt) calls, each call once.
         caches: a copy of each GPU expert cache's :class:`moecache.moe.cache.CacheStats`.
+        decode_pass: each decode pass's seconds inside the engine.
+        between_passes: the worker's seconds from a decode pass's end to the start of the next pass
+            that continues a slot of it (sampling, streaming, admitting, other slots' prompt chunks):
+            with ``decode_pass``, where a stream's time per output token went.
     """
 
     n_waiting: int
@@ -163,6 +168,8 @@ class WorkerStatus:
     decode: tuple[int, int]
     engine_s: tuple[float, float]
     caches: list[Any]
+    decode_pass: Histogram = field(default_factory=Histogram)
+    between_passes: Histogram = field(default_factory=Histogram)
 
 
 @dataclass
@@ -188,6 +195,7 @@ class _Run:
     t_gen: float = 0.0  # perf_counter when the prompt was in (the generation's wall time starts)
     t_eval: float = 0.0  # the decode forward passes it took part in
     n_eval: int = 0
+    last_pass: int = -1  # the number of the last decode pass it took part in (Worker.decode_steps then)
 
 
 class Worker:
@@ -238,6 +246,9 @@ class Worker:
         self.decode_tokens = 0
         self.decode_seconds = 0.0  # wall time in the engine's decode calls
         self.prompt_seconds = 0.0  # wall time in the engine's prompt calls (each once, however many slots)
+        self.decode_pass = Histogram()  # each decode call's wall time
+        self.between_passes = Histogram()  # from a decode call's end to the next call that continues a slot of it
+        self._pass_end = 0.0  # perf_counter at the last decode call's end
         self._thread = threading.Thread(target=self._run, name="moecache-engine", daemon=True)
         self._thread.start()
 
@@ -269,7 +280,8 @@ class Worker:
         """A snapshot for ``/slots`` and ``/metrics`` (from any thread; counters read as they are)."""
         return WorkerStatus(self.n_waiting, self.n_processing, self.slots(), (self.decode_steps, self.decode_tokens),
                             (self.decode_seconds, self.prompt_seconds),
-                            [replace(c.stats) for c in self.llm.engine.caches])
+                            [replace(c.stats) for c in self.llm.engine.caches], self.decode_pass.copy(),
+                            self.between_passes.copy())
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ApiError 503 when the server stops or the queue is full."""
@@ -498,6 +510,8 @@ class Worker:
         from moecache.errors import NonFiniteError
 
         t0 = time.perf_counter()
+        if any(r.last_pass == self.decode_steps for r in ready):  # a slot of the last pass goes on
+            self.between_passes.observe(t0 - self._pass_end)
         bad: list[int] = []
         try:
             lg = self.llm.engine.decode([r.next_tok for r in ready], [r.kv for r in ready])
@@ -507,13 +521,16 @@ class Worker:
             lg, bad = e.logits, e.rows
             for i in bad:
                 self._fail(ready[i], ApiError(500, f"generation failed: {str(e)[:300]}"))
-        dt = time.perf_counter() - t0
+        self._pass_end = time.perf_counter()
+        dt = self._pass_end - t0
         self.decode_steps += 1
         self.decode_tokens += len(ready)
         self.decode_seconds += dt
+        self.decode_pass.observe(dt)
         for i, r in enumerate(ready):
             if i in bad:
                 continue
+            r.last_pass = self.decode_steps
             r.t_eval += dt
             r.n_eval += 1
             r.next_tok = None
