@@ -5,8 +5,9 @@ and twice per layer when the step runs in two halves (``CachedExperts.decode_hal
 Random experts of a Qwen3-30B-A3B layer (Q4_K gate and up, Q6_K down; n_embd 2048, n_ff 768),
 page-locked when CuPy is there (as ``--load-mode pin`` holds them), and per (tokens, pairs, threads)
 the median of ``-n`` calls of :func:`moecache.quants.cpu.moe_ffn_routed` (the handoff's answer, as
-``CachedExperts._split_compute`` makes it) and of the compiled kernel called directly (without the
-Python wrapper's checks); pairs 0 is the call without work (Python and dispatch only). Each pair is
+``CachedExperts._split_compute`` made it until the thirty-seventh session), of the layer's prepared
+call (:class:`moecache.quants.cpu.RoutedExperts`, the engine's call since: the weights checked once)
+and of the compiled kernel called directly (without any Python checks); pairs 0 is the call without work (Python and dispatch only). Each pair is
 a distinct expert, as the CPU's misses of one layer nearly always are at 8 tokens. The "fixed" cost
 printed is the intercept of a least-squares line through the pair counts >= 1 (of
 ``moe_ffn_routed``'s medians), its slope the time per expert: an extrapolation, not a measured call
@@ -62,6 +63,7 @@ def main() -> None:
     g, u, d = experts
     types = tuple(f.ggml_type for f in fm)
     kern = cpu._moe_kernel(*types, a.q8)
+    prepared = cpu.RoutedExperts(g, u, d, types, cpu.ACT_SILU, a.q8)  # the engine's call since the 37th session
     most = numba.get_num_threads()
     threads = [int(x) for x in a.threads.split(",")] if a.threads else [most]
     print(f"threading layer {numba.threading_layer() if _warm(kern, cpu, g, u, d, most) else '?'}, "
@@ -91,9 +93,10 @@ def main() -> None:
                 (full, full_min) = med(lambda: cpu.moe_ffn_routed(g, u, d, types, ids, w, h, out, act_q8=a.q8))
                 (direct, direct_min) = med(lambda: kern(g, u, d, False, cpu._NO_I32, cpu._NO_I32, cpu._NO_I32,
                                                         cpu._NO_F32, ids, w, h, cpu.ACT_SILU, out, cpu.STEP, nt))
+                (prep, prep_min) = med(lambda: prepared(ids, w, h, out))
                 rows.append((npairs, full, direct))
                 print(f"threads {nt:2d}, {T} tokens, {npairs} pairs: moe_ffn_routed {full:8.1f} us (min {full_min:.1f}), "
-                      f"compiled call {direct:8.1f} us (min {direct_min:.1f})")
+                      f"prepared {prep:8.1f} us (min {prep_min:.1f}), compiled call {direct:8.1f} us (min {direct_min:.1f})")
             x = np.array([r[0] for r in rows if r[0] > 0], float)
             if x.size >= 2:
                 y = np.array([r[1] for r in rows if r[0] > 0])

@@ -561,3 +561,66 @@ def test_moe_prompt_groups_executed_in_numpy_give_every_pairs_sum(rng, skew, max
         moe_prompt_groups(ids, 3, max_tok)
     with pytest.raises(ValueError, match="max_tok"):
         moe_prompt_groups(ids, n_exp, 0)
+
+
+@pytest.mark.parametrize("act_q8,act", [(False, cpu.ACT_SILU), (True, cpu.ACT_SILU), (True, cpu.ACT_GELU)])
+def test_routed_experts_prepared_call_matches_reference(act_q8, act, rng):
+    """``cpu.RoutedExperts`` (a layer's weights checked once, the kernel called straight away): within
+    the float64 reference's tolerance and bit-equal to ``moe_ffn_routed``, on its fast road (int32 /
+    float32 C-contiguous arrays) and on the full call's road (int64 ids, a strided h), which converts."""
+    from test_act_q8 import rule
+
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    n_tok = 5
+    (Wg, Wu, Wd, tt), refs, h, _, base = _layer(types, n_tok, 256, rng)
+    n_expert, top_k = Wg.shape[0], 3
+    ids = np.stack([rng.choice(n_expert, top_k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[1, :] = -1  # a token without a pair for the CPU
+    w = rng.random((n_tok, top_k)).astype(np.float32)
+    call = cpu.RoutedExperts(Wg, Wu, Wd, tt, act, act_q8)
+    out = base.copy()
+    assert call(ids, w, h, out) is out
+    want = cpu.moe_ffn_routed(Wg, Wu, Wd, tt, ids, w, h, out=base.copy(), act=act, act_q8=act_q8)
+    assert np.array_equal(out, want)
+    keep = sorted((int(ids[t, j]), t, float(w[t, j])) for t in range(n_tok) for j in range(top_k) if ids[t, j] >= 0)
+    eids = np.array(sorted({p[0] for p in keep}), np.int32)
+    offs = np.concatenate([[0], np.cumsum([sum(p[0] == e for p in keep) for e in eids])]).astype(np.int32)
+    delta = _reference(*refs, eids, offs, np.array([p[1] for p in keep], np.int32),
+                       np.array([p[2] for p in keep], np.float32), h, act, rounded=rule if act_q8 else None)
+    err = np.linalg.norm(out.astype(np.float64) - base - delta) / np.linalg.norm(delta)
+    assert err < (5e-3 if act_q8 else 1e-5)
+    wide = np.zeros((n_tok, 2 * h.shape[1]), np.float32)
+    wide[:, ::2] = h  # a strided view: the full call's road
+    out2 = call(ids.astype(np.int64), w, wide[:, ::2], base.copy())
+    assert np.array_equal(out2, want)
+
+
+def test_routed_experts_prepared_call_rejects_what_the_full_call_rejects(rng):
+    (Wg, Wu, Wd, tt), _, h, _, _ = _layer(("Q4_K", "Q4_K", "Q4_K"), 2, 256, rng)
+    call = cpu.RoutedExperts(Wg, Wu, Wd, tt)
+    w = np.ones((2, 3), np.float32)
+    out = np.zeros_like(h)
+    with pytest.raises(ValueError, match=f"expert id {Wg.shape[0]} out of range"):  # on the fast road
+        call(np.array([[0, 1, 2], [3, Wg.shape[0], 4]], np.int32), w, h, out)
+    with pytest.raises(ValueError, match="must be .n_tokens, k."):
+        call(np.zeros((1, 3), np.int32), w[:1], h, out)
+    with pytest.raises(ValueError, match="h must be"):
+        call(np.zeros((2, 3), np.int32), w, h[:, :32], out[:, :32])
+    with pytest.raises(ValueError, match="act must be"):
+        cpu.RoutedExperts(Wg, Wu, Wd, tt, act=7)
+    with pytest.raises(ValueError, match="expert tensor shapes disagree"):
+        cpu.RoutedExperts(Wg, Wu[:1], Wd, tt)
+
+
+def test_routed_calls_are_made_again_for_new_weights_or_rounding(rng):
+    from moecache.moe.executor import ExpertWeights, RoutedCalls
+
+    (Wg, Wu, Wd, tt), _, _, _, _ = _layer(("Q4_K", "Q4_K", "Q4_K"), 1, 256, rng)
+    calls = RoutedCalls()
+    e = ExpertWeights(Wg, Wu, Wd, tt, "gelu")
+    a = calls.get(3, e, False)
+    assert calls.get(3, e, False) is a and a.act == cpu.ACT_GELU and not a.act_q8
+    assert calls.get(3, e, True).act_q8
+    e2 = ExpertWeights(Wg.copy(), Wu, Wd, tt)
+    b = calls.get(3, e2, True)
+    assert np.shares_memory(b.gate, e2.gate) and b.act == cpu.ACT_SILU

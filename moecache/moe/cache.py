@@ -82,13 +82,12 @@ import numpy as np
 
 from moecache.backends.contract import CacheBackend
 from moecache.backends.ops import ATTENTION_SCORE_BYTES, DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_SCRATCH_BYTES
-from moecache.moe.executor import CPUExperts, ExpertWeights
+from moecache.moe.executor import CPUExperts, ExpertWeights, RoutedCalls
 from moecache.moe.handoff import InlineHandoff, SplitControl, check, serve
 from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT, LayerPrefetch
 from moecache.moe.routing import Routing
 from moecache.placement import USABLE_FRACTION
-from moecache.quants import cpu
 
 
 PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time (two
@@ -303,6 +302,7 @@ class CachedExperts:
         if prompt_group_bytes < 1:
             raise ValueError(f"prompt_group_bytes must be >= 1, got {prompt_group_bytes}")
         self.layers = layers
+        self._calls = RoutedCalls()  # the CPU's calls for the layers' misses, prepared once
         self.be = backend
         self.policy = policy
         self.prompt_group_bytes = prompt_group_bytes
@@ -827,7 +827,7 @@ class CachedExperts:
     def _split_compute(self, il: int, h: np.ndarray, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         """The CPU's share of layer ``il``'s misses (the handoff's answer) into ``out``, timed into ``cpu_s``."""
         e = self.layers[il]
-        self._timed_cpu(il, e, ids, w, h, cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU, out)
+        self._timed_cpu(il, e, ids, w, h, out)
 
     def flush(self, admit: bool = True) -> None:
         """Account the routing of finished zero-copy passes: hits and misses against the map each pass
@@ -961,8 +961,7 @@ class CachedExperts:
         cpu_part = None
         if n_hit < hit.size:  # misses: CPU, in the worker thread, while the backend computes hits
             hh = be.to_host(h)
-            act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-            cpu_part = self._workers.submit(self._timed_cpu, il, e, np.where(hit, -1, r.ids), r.weights, hh, act)
+            cpu_part = self._workers.submit(self._timed_cpu, il, e, np.where(hit, -1, r.ids), r.weights, hh)
         out = None
         if n_hit:
             pool = self.pool
@@ -1048,9 +1047,13 @@ class CachedExperts:
         self.wait_s[:] = 0.0
         self._pass_start = None
 
-    def _timed_cpu(self, il, e, ids, weights, hh, act, out=None):
+    def _timed_cpu(self, il, e, ids, weights, hh, out=None):
+        """Layer ``il``'s pairs ``ids`` (-1: not the CPU's) of host rows ``hh`` on the CPU, added into
+        ``out`` (zeros when None), timed into ``cpu_s``."""
         t0 = time.perf_counter()
-        out = cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, ids, weights, hh, out, act, self.act_q8)
+        if out is None:
+            out = np.zeros((hh.shape[0], e.down.shape[1]), np.float32)
+        out = self._calls.get(il, e, self.act_q8)(ids, weights, hh, out)
         self.cpu_s[il] += time.perf_counter() - t0
         return out
 

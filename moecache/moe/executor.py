@@ -38,6 +38,23 @@ class ExpertWeights:
     act: str = "silu"
 
 
+class RoutedCalls:
+    """The layers' CPU expert calls prepared once (:class:`moecache.quants.cpu.RoutedExperts`: the
+    weights' checks and the kernel's lookup out of the per-call road), made at a layer's first call
+    and made again when the layer's :class:`ExpertWeights` or ``act_q8`` changes."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, tuple[ExpertWeights, cpu.RoutedExperts]] = {}
+
+    def get(self, il: int, e: ExpertWeights, act_q8: bool) -> cpu.RoutedExperts:
+        c = self._calls.get(il)
+        if c is None or c[0] is not e or c[1].act_q8 != bool(act_q8):
+            c = (e, cpu.RoutedExperts(e.gate, e.up, e.down, e.types, cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU,
+                                      act_q8))
+            self._calls[il] = c
+        return c[1]
+
+
 class ExpertExecutor(Protocol):
     """Computes ``sum_k w[t,k] * expert_{ids[t,k]}(h[t])`` for every token t of one layer."""
 
@@ -80,6 +97,7 @@ class CPUExperts:
         # offloaded ubatches: the next host-expert layer's experts copied while this one computes
         # (shared by the layers of a placement); None = each layer copies its own used experts
         self.prefetch = prefetch
+        self.calls = RoutedCalls()
 
     def __call__(self, il: int, h: Any, routing: Routing) -> Any:
         e = self.layers[il]
@@ -100,11 +118,8 @@ class CPUExperts:
         Args:
             h: float32 (T, n_embd); routing: host arrays; out: float32 (T, n_embd), added to.
         Returns ``out``."""
-        e = self.layers[il]
         r = routing.host()
-        act = cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU
-        return cpu.moe_ffn_routed(e.gate, e.up, e.down, e.types, r.ids, r.weights, h, out=out, act=act,
-                                  act_q8=self.act_q8)
+        return self.calls.get(il, self.layers[il], self.act_q8)(r.ids, r.weights, h, out)
 
     def _offload(self, il: int, e: ExpertWeights, h: Any, r: Routing) -> Any:
         ob = self.offload_backend

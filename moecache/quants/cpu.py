@@ -831,3 +831,53 @@ def moe_ffn_routed(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.nda
         raise ValueError(f"moe_ffn_routed: expert id {int(ids.reshape(-1)[bad - 1])} out of range "
                          f"[0, {gate_exps.shape[0]})")
     return out
+
+
+class RoutedExperts:
+    """One MoE layer's experts prepared for :func:`moe_ffn_routed` calls made again and again (a
+    decode step's handoff answers one call per handed-over layer): the weights' shapes and formats
+    are checked and the compiled kernel found once, here, so a call checks only its own arrays.
+
+    A call ``(ids, weights, h, out)`` gives :func:`moe_ffn_routed`'s result, bit for bit: with
+    ``ids`` int32 and ``weights`` float32 (T, k), ``h`` and ``out`` float32 (T, n_embd), all
+    C-contiguous numpy arrays (the handoff's buffers and the engine's arrays are), the kernel is
+    called at once (~1 µs of dispatch against ~7 µs for the full call's checks and conversions on
+    the development VM, ``bench/cpu_call_cost.py``); any other arrays take
+    :func:`moe_ffn_routed` itself (its conversions and its ValueErrors). An expert id >= n_expert
+    raises ValueError as there.
+
+    Args:
+        gate_exps, up_exps, down_exps, types, act, act_q8: as :func:`moe_ffn_routed`.
+
+    Raises ValueError / UnsupportedQuantError as :func:`moe_ffn_routed` does for the weights.
+    """
+
+    def __init__(self, gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.ndarray,
+                 types: tuple[int, int, int], act: int = ACT_SILU, act_q8: bool = False):
+        g, u, d = (readonly(np.ascontiguousarray(a)) for a in (gate_exps, up_exps, down_exps))
+        fg, fu, fd = _expert_formats(tuple(int(t) for t in types), g.shape, u.shape, d.shape,
+                                     (g.dtype, u.dtype, d.dtype))
+        _check_act(act)
+        self.gate, self.up, self.down = g, u, d
+        self.types = (fg.ggml_type, fu.ggml_type, fd.ggml_type)
+        self.act = act
+        self.act_q8 = bool(act_q8)
+        self.n_embd = d.shape[1]
+        self.kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type, self.act_q8)
+
+    def __call__(self, ids: np.ndarray, weights: np.ndarray, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out += `` the layer's routed experts of ``h`` (see the class); returns ``out``."""
+        if not (type(ids) is np.ndarray and type(weights) is np.ndarray and type(h) is np.ndarray
+                and type(out) is np.ndarray and ids.dtype == np.int32 and weights.dtype == np.float32
+                and h.dtype == np.float32 and out.dtype == np.float32 and ids.ndim == 2 and h.ndim == 2
+                and weights.shape == ids.shape and h.shape[0] == ids.shape[0] and h.shape[1] == self.n_embd
+                and out.shape == h.shape and ids.flags.c_contiguous and weights.flags.c_contiguous
+                and h.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
+            return moe_ffn_routed(self.gate, self.up, self.down, self.types, ids, weights, h, out, self.act,
+                                  self.act_q8)
+        bad = self.kernel(self.gate, self.up, self.down, False, _NO_I32, _NO_I32, _NO_I32, _NO_F32, ids, weights, h,
+                          self.act, out, STEP, numba.get_num_threads())
+        if bad:
+            raise ValueError(f"moe_ffn_routed: expert id {int(ids.reshape(-1)[bad - 1])} out of range "
+                             f"[0, {self.gate.shape[0]})")
+        return out
