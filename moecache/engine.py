@@ -33,6 +33,7 @@ from moecache.moe.policy import CachePolicy, PolicyConfig
 from moecache.placement import CPU, Placement, PlacementOptions, model_sizes, plan
 from moecache.sampling import Sampler
 from moecache.settings import LOAD_MODES
+from moecache.threads import bind_numba_threads
 from moecache.tokenizer import Tokenizer
 
 Log = Callable[[str], None]
@@ -233,7 +234,9 @@ class Engine:
         if n_threads > numba.config.NUMBA_NUM_THREADS:
             self.log(f"note: -t {n_threads} capped to {numba.config.NUMBA_NUM_THREADS}, the Numba thread pool's size")
             n_threads = numba.config.NUMBA_NUM_THREADS
-        numba.set_num_threads(n_threads)  # process-wide: the Numba pool is shared by every engine
+        # Numba's thread count is the calling thread's own: set here for the load, and again by every
+        # entry point below for the thread that calls it (moecache.threads.bind_numba_threads)
+        numba.set_num_threads(n_threads)
         self.n_threads = n_threads
         t0 = time.perf_counter()
         self.gguf: GGUFModel = path if isinstance(path, GGUFModel) else open_gguf(path)
@@ -381,6 +384,7 @@ class Engine:
     def warmup(self) -> None:
         """One token through the model and back out of the cache: loads the compiled kernels so the
         first prompt's timing is the model's, not the loader's (llama.cpp warms up the same way)."""
+        bind_numba_threads(self.n_threads)
         tok = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
         self._check_logits(self.model.forward(np.array([tok]), self.kv), 0, warmup=True)
         self.kv.clear()
@@ -450,6 +454,7 @@ class Engine:
                 ``logits`` holds the whole step's (the other sequences' rows are good and their
                 tokens are in their caches).
         """
+        bind_numba_threads(self.n_threads)
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         graph = self.model.decode_graph
         if len(kvs) == 1 and toks.size == 1 and not (graph is not None and graph.takes_seqs(self.model, kvs)):
@@ -510,6 +515,7 @@ class Engine:
             NonFiniteError: rows of the logits hold NaN or inf; its ``rows`` lists them and its
                 ``logits`` holds every part's (the other parts are in their caches).
         """
+        bind_numba_threads(self.n_threads)
         toks = check_parts(parts, kvs, self.gguf.config.n_vocab, "eval_seqs")
         shared = self.shares_pass([t.size for t in toks])
         out = np.empty((len(toks), self.gguf.config.n_vocab), np.float32)
@@ -566,6 +572,7 @@ class Engine:
             ValueError: empty input or an id outside the vocabulary.
             NonFiniteError: a forward pass's last logits row holds NaN or inf.
         """
+        bind_numba_threads(self.n_threads)
         kv = self.kv if kv is None else kv
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if toks.size == 0:

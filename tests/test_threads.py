@@ -312,3 +312,104 @@ def test_bench_command_settles_before_loading(monkeypatch, tmp_path):
     r = CliRunner().invoke(app, ["bench", "-m", str(path), "-p", "0", "-n", "1", "-r", "1", "-t", "1,2", "-o", "jsonl"])
     assert r.exit_code == 0, r.output
     assert order == [("settle", 2, 1), ("load",), ("load",)]
+
+
+def _other_thread(fn):
+    """Run ``fn`` on a new thread (Numba's thread count there starts at NUMBA_NUM_THREADS); its result."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["e"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box.get("v")
+
+
+def _need_two_numba_threads():
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:  # a failure, not a skip: this machine cannot tell -t 1 from "all"
+        pytest.fail(f"these tests need NUMBA_NUM_THREADS >= 2 (CI has 2 cores), got {numba.config.NUMBA_NUM_THREADS}")
+
+
+def test_engine_runs_on_its_threads_from_a_thread_that_did_not_load_it(tmp_path, monkeypatch):
+    """``-t`` holds on whatever thread calls the engine: serve loads on one thread and decodes on
+    another, and Numba's thread count is per thread (a new thread runs on all CPUs). Every forward
+    pass of eval, decode and eval_seqs made on a fresh thread runs at the engine's 1 thread
+    (before the thirty-seventh session these ran on NUMBA_NUM_THREADS)."""
+    import numba
+
+    import moecache
+    from moecache.testing.synth import PRESETS, write_model
+
+    _need_two_numba_threads()
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=3)
+    with moecache.load(path, n_ctx=256, n_threads=1, no_moe_profile=True) as m:
+        eng = m.engine
+        seen: list[tuple[str, int]] = []
+        for name in ("forward", "forward_seqs", "forward_parts"):
+            orig = getattr(eng.model, name)
+
+            def spy(*a, _orig=orig, _name=name, **k):
+                seen.append((_name, numba.get_num_threads()))
+                return _orig(*a, **k)
+            monkeypatch.setattr(eng.model, name, spy)
+        assert _other_thread(numba.get_num_threads) == numba.config.NUMBA_NUM_THREADS  # the default there
+        kvs = eng.sequences(2)
+        _other_thread(lambda: eng.eval([1, 2, 3], kv=kvs[0]))
+        _other_thread(lambda: eng.decode([4, 5], kvs))
+        _other_thread(lambda: eng.eval_seqs([[6, 7], [8]], kvs))
+        assert {n for n, _ in seen} == {"forward", "forward_seqs", "forward_parts"}, seen
+        assert all(t == 1 for _, t in seen), seen
+
+
+def test_cache_misses_run_on_the_callers_threads(tmp_path, monkeypatch):
+    """The expert cache's op-by-op misses run on its own worker thread: at the calling thread's
+    Numba thread count, not that thread's default (all CPUs)."""
+    import numba
+    import numpy as np
+
+    from moecache.backends import NumpyBackend
+    from moecache.gguf_file import open_gguf
+    from moecache.models.base import expert_weights
+    from moecache.moe.cache import CachedExperts
+    from moecache.moe.policy import CachePolicy, PolicyConfig
+    from moecache.moe.routing import topk_routing
+    from moecache.quants import cpu
+    from moecache.testing.synth import PRESETS, write_model
+
+    _need_two_numba_threads()
+    path = tmp_path / "tiny.gguf"
+    write_model(path, PRESETS["tiny"], seed=4)
+    seen: list[int] = []
+    orig = cpu.RoutedExperts.__call__
+
+    def spy(self, *a):
+        seen.append(numba.get_num_threads())
+        return orig(self, *a)
+    monkeypatch.setattr(cpu.RoutedExperts, "__call__", spy)
+    with open_gguf(path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = CachedExperts(ew, NumpyBackend(), 1, CachePolicy(c.n_layer, c.n_expert, 1, PolicyConfig(t_upload=1.0)), 32)
+        rng = np.random.default_rng(0)
+        il = next(iter(ew))
+        h = rng.standard_normal((2, c.n_embd)).astype(np.float32)
+        r = topk_routing(rng.dirichlet(np.ones(c.n_expert), 2).astype(np.float32), c.n_expert_used, True)
+        saved = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            cache(il, h, r)  # no slot filled: every pair is a miss, computed on the cache's thread
+        finally:
+            numba.set_num_threads(saved)
+            cache.close()
+    assert seen == [1]

@@ -78,6 +78,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import numba
 import numpy as np
 
 from moecache.backends.contract import CacheBackend
@@ -88,6 +89,7 @@ from moecache.moe.policy import Admission, CachePolicy
 from moecache.moe.prefetch import MIN_PAIRS_PER_EXPERT, LayerPrefetch
 from moecache.moe.routing import Routing
 from moecache.placement import USABLE_FRACTION
+from moecache.threads import bind_numba_threads
 
 
 PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the device this much at a time (two
@@ -961,7 +963,9 @@ class CachedExperts:
         cpu_part = None
         if n_hit < hit.size:  # misses: CPU, in the worker thread, while the backend computes hits
             hh = be.to_host(h)
-            cpu_part = self._workers.submit(self._timed_cpu, il, e, np.where(hit, -1, r.ids), r.weights, hh)
+            # on the calling thread's Numba thread count (the pool's thread has its own: all CPUs)
+            cpu_part = self._workers.submit(self._timed_cpu, il, e, np.where(hit, -1, r.ids), r.weights, hh, None,
+                                            numba.get_num_threads())
         out = None
         if n_hit:
             pool = self.pool
@@ -1047,9 +1051,12 @@ class CachedExperts:
         self.wait_s[:] = 0.0
         self._pass_start = None
 
-    def _timed_cpu(self, il, e, ids, weights, hh, out=None):
+    def _timed_cpu(self, il, e, ids, weights, hh, out=None, n_threads: int | None = None):
         """Layer ``il``'s pairs ``ids`` (-1: not the CPU's) of host rows ``hh`` on the CPU, added into
-        ``out`` (zeros when None), timed into ``cpu_s``."""
+        ``out`` (zeros when None), timed into ``cpu_s``; on ``n_threads`` Numba threads when given
+        (:func:`moecache.threads.bind_numba_threads`)."""
+        if n_threads is not None:
+            bind_numba_threads(n_threads)
         t0 = time.perf_counter()
         if out is None:
             out = np.zeros((hh.shape[0], e.down.shape[1]), np.float32)
