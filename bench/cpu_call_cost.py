@@ -7,13 +7,14 @@ page-locked when CuPy is there (as ``--load-mode pin`` holds them), and per (tok
 the median of ``-n`` calls of :func:`moecache.quants.cpu.moe_ffn_routed` (the handoff's answer, as
 ``CachedExperts._split_compute`` made it until the thirty-seventh session), of the layer's prepared
 call (:class:`moecache.quants.cpu.RoutedExperts`, the engine's call since: the weights checked once)
-and of the compiled kernel called directly (without any Python checks); pairs 0 is the call without work (Python and dispatch only). Each pair is
-a distinct expert, as the CPU's misses of one layer nearly always are at 8 tokens. The "fixed" cost
-printed is the intercept of a least-squares line through the pair counts >= 1 (of
-``moe_ffn_routed``'s medians), its slope the time per expert: an extrapolation, not a measured call
-(the 0-pair call returns before any parallel work: 2-15 µs on the H200 machine), and a line through two points only is
-said to be one. Needs otherwise idle cores: a thread that loses its core for a time slice makes a
-case's median milliseconds, not microseconds (the minimum is printed beside it to show that).
+and of the compiled kernel called directly (without any Python checks); pairs 0 is the call without
+work (Python and dispatch only). Each pair is a distinct expert, as the CPU's misses of one layer
+nearly always are at 8 tokens. The "fixed" cost printed is the intercept of a least-squares line
+through the pair counts >= 1 (of ``moe_ffn_routed``'s medians), its slope the time per expert: an
+extrapolation, not a measured call (the 0-pair call returns before any parallel work: 2-15 µs on the
+H200 machine), and a line through two points only is said to be one. Needs otherwise idle cores: a
+thread that loses its core for a time slice makes a case's median milliseconds, not microseconds
+(the minimum is printed beside it to show that).
 
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=30000000 python bench/cpu_call_cost.py [-n 300] [--threads 16,8,4]
 """
@@ -96,7 +97,8 @@ def main() -> None:
                 (prep, prep_min) = med(lambda: prepared(ids, w, h, out))
                 rows.append((npairs, full, direct))
                 print(f"threads {nt:2d}, {T} tokens, {npairs} pairs: moe_ffn_routed {full:8.1f} us (min {full_min:.1f}), "
-                      f"prepared {prep:8.1f} us (min {prep_min:.1f}), compiled call {direct:8.1f} us (min {direct_min:.1f})")
+                      f"prepared {prep:8.1f} us (min {prep_min:.1f}), "
+                      f"compiled call {direct:8.1f} us (min {direct_min:.1f})")
             x = np.array([r[0] for r in rows if r[0] > 0], float)
             if x.size >= 2:
                 y = np.array([r[1] for r in rows if r[0] > 0])

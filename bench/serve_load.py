@@ -5,23 +5,24 @@ time).
 The server runs in a subprocess (``moecache serve -m MODEL -np MAX(streams)`` plus the flags after
 ``--``); the clients are threads with the standard library's HTTP client, each streaming a
 completion (``ignore_eos``, greedy unless ``--sampler default``, ``-n`` tokens). Per stream, the
-time per output token (TPOT) is the gap between consecutive text events; aggregate t/s is all generated tokens (each response's
-``usage``) over the wall time from the first request to the last answer. One warm-up request runs
-first, then ``--warmup-rounds`` rounds at the largest stream count (an expert cache starts empty: a
-measurement of its first tokens measures the warm-up, not the steady state). Each row also gives the
-expert cache's hit rate over that phase, the mean decode batch (tokens per decode pass), the mean
-decode pass in ms, and the seconds the worker spent inside the engine's decode passes and prompt
-evaluations (the rest of the wall time is HTTP, streaming, sampling and waits), from the server's
-``/metrics`` before and after it; and from its histograms the p50/p99 of the decode passes and of the
-worker's own time between two passes of a batch (``moecache:decode_pass_seconds``,
-``moecache:decode_between_passes_seconds``; estimated within buckets of 0.1-0.5 ms below 1 ms and 1 ms up to 10 ms, as
-Prometheus's ``histogram_quantile`` does): a TPOT p99 above both is spent outside the worker
-(the event loop, the clients); and the threads of the server's process tree after the phase. ``--bench`` also runs ``moecache bench -p 0 -n N`` with the
-same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the single-stream
-ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one round after
-the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before the
-fifteenth session bench ran at its own -c, p + n: at 8 GiB its expert cache then had the ~730 MiB
-that the server's -c 8192 KV cache takes.)
+time per output token (TPOT) is the gap between consecutive text events; aggregate t/s is all
+generated tokens (each response's ``usage``) over the wall time from the first request to the last
+answer. One warm-up request runs first, then ``--warmup-rounds`` rounds at the largest stream count
+(an expert cache starts empty: a measurement of its first tokens measures the warm-up, not the
+steady state). Each row also gives the expert cache's hit rate over that phase, the mean decode
+batch (tokens per decode pass), the mean decode pass in ms, and the seconds the worker spent inside
+the engine's decode passes and prompt evaluations (the rest of the wall time is HTTP, streaming,
+sampling and waits), from the server's ``/metrics`` before and after it; and from its histograms the
+p50/p99 of the decode passes and of the worker's own time between two passes of a batch
+(``moecache:decode_pass_seconds``, ``moecache:decode_between_passes_seconds``; estimated within
+buckets of 0.1-0.5 ms below 1 ms and 1 ms up to 10 ms, as Prometheus's ``histogram_quantile`` does):
+a TPOT p99 above both is spent outside the worker (the event loop, the clients); and the threads of
+the server's process tree after the phase. ``--bench`` also runs ``moecache bench -p 0 -n N`` with
+the same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the
+single-stream ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one
+round after the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before
+the fifteenth session bench ran at its own -c, p + n: at 8 GiB its expert cache then had the ~730
+MiB that the server's -c 8192 KV cache takes.)
 
     python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
         --bench --out bench/results/serve-h200 -- --vram-budget 8GiB --routing qwen3-moe -t 15

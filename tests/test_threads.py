@@ -400,7 +400,8 @@ def test_cache_misses_run_on_the_callers_threads(tmp_path, monkeypatch):
     with open_gguf(path) as m:
         c = m.config
         ew = expert_weights(m, "silu")
-        cache = CachedExperts(ew, NumpyBackend(), 1, CachePolicy(c.n_layer, c.n_expert, 1, PolicyConfig(t_upload=1.0)), 32)
+        policy = CachePolicy(c.n_layer, c.n_expert, 1, PolicyConfig(t_upload=1.0))
+        cache = CachedExperts(ew, NumpyBackend(), 1, policy, 32)
         rng = np.random.default_rng(0)
         il = next(iter(ew))
         h = rng.standard_normal((2, c.n_embd)).astype(np.float32)

@@ -11,8 +11,8 @@ from typing import Any
 # upper bounds (seconds) of the step-time histograms: 0.1-0.5 ms for the worker's own time between two decode
 # passes, 1 ms apart up to 10 ms (one H200 decode token of the 30B-A3B model at 8 GiB takes ~6 ms), coarser
 # up to 5 s (prompt chunks, CUDA graph captures)
-STEP_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.010, 0.012, 0.015, 0.020,
-                  0.025, 0.030, 0.040, 0.050, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+STEP_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.010,
+                  0.012, 0.015, 0.020, 0.025, 0.030, 0.040, 0.050, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 @dataclass
