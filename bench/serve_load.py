@@ -277,13 +277,29 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
 
 
 SERVE_ONLY_FLAGS = ("--engine-process", "--no-engine-process")  # server flags without a value that bench lacks
+SERVE_ONLY_VALUE_FLAGS = ("--prompt-steps",)  # server flags with a value that bench lacks
+
+
+def bench_flags(flags: list[str]) -> list[str]:
+    """The server's flags less those ``moecache bench`` does not take (:data:`SERVE_ONLY_FLAGS`, and
+    :data:`SERVE_ONLY_VALUE_FLAGS` with their values, ``--flag V`` or ``--flag=V``)."""
+    out: list[str] = []
+    skip = False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in SERVE_ONLY_VALUE_FLAGS:
+            skip = True
+        elif f not in SERVE_ONLY_FLAGS and f.split("=", 1)[0] not in SERVE_ONLY_VALUE_FLAGS:
+            out.append(f)
+    return out
 
 
 def bench_tg(model: str, n: int, flags: list[str], warmup: int, ctx: int, cpus: set[int] | None = None) -> float | None:
-    """``moecache bench``'s tg t/s with the server's flags (less :data:`SERVE_ONLY_FLAGS`) and its
+    """``moecache bench``'s tg t/s with the server's flags (less the server-only ones, :func:`bench_flags`) and its
     ``-c`` (the KV cache's VRAM: with ``--vram-budget``, what is left to the expert cache; bench's own
     -c would be only p + n), on the server's CPUs (``cpus``; None: this process's)."""
-    flags = [f for f in flags if f not in SERVE_ONLY_FLAGS]
+    flags = bench_flags(flags)
     r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
                         "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), "-c", str(ctx), *flags],
                        capture_output=True, text=True, cwd=ROOT,
