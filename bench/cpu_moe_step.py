@@ -4,8 +4,8 @@ Loads a model with every layer on the GPU and every routed expert in host RAM (t
 ``cpu-moe-tg64`` case of bench/vs_llamacpp.py), runs ``-n`` single-token decode steps and splits
 each step's wall time, per MoE layer, into: waiting for the routing (the GPU runs the layer's
 attention and router, then the ids and weights come to the host), the hidden state's copy to the
-host, the Numba kernel (:func:`moecache.quants.cpu.moe_ffn_routed`, and of it the compiled call
-alone), the result's copy back, and the rest
+host, the CPU call (a layer's :class:`moecache.quants.cpu.RoutedExperts`, and of it the compiled
+call alone), the result's copy back, and the rest
 (Python and kernel launches of the dense ops, sampling). Host clocks only: every piece ends in a
 host synchronisation already, so timing it adds nothing. OpenMP threads wait actively, as the
 ``moecache`` command sets them up for ``--cpu-moe`` (``OMP_WAIT_POLICY=PASSIVE`` or a
@@ -66,7 +66,7 @@ def main() -> None:
         numba.set_num_threads(a.t)
     acc: dict[str, float] = defaultdict(float)
     calls = [0]
-    kern = [0.0]  # seconds in the compiled MoE kernel (inside moe_ffn_routed's time)
+    kern = [0.0]  # seconds in the compiled MoE kernel (inside the CPU call's time)
     seen: list = []  # (a CPUExperts, a layer) the steps called
 
     def timed_call(self, il, h, routing):  # CPUExperts.__call__ with clocks (same steps)
@@ -91,19 +91,26 @@ def main() -> None:
         seen[:] = [(self, il)]
         t0 = time.perf_counter()
         r = _orig(self, il, h, routing, out)
-        acc["moe_ffn_routed (Python + compiled)"] += time.perf_counter() - t0
+        acc["the CPU call (Python + compiled)"] += time.perf_counter() - t0
         calls[0] += 1
         return r
 
-    def timed_kernel_factory(*key, _orig=cpu._moe_kernel):  # the compiled call alone
-        kernel = _orig(*key)
-
+    def timed_kernel(kernel):  # the compiled call alone
         def timed(*args):
             t0 = time.perf_counter()
             res = kernel(*args)
             kern[0] += time.perf_counter() - t0
             return res
+        timed.timed = True
         return timed
+
+    def timed_kernel_factory(*key, _orig=cpu._moe_kernel):  # moe_ffn_routed's kernel (a call's fallback)
+        return timed_kernel(_orig(*key))
+
+    def timed_routed_call(self, *args, _orig=cpu.RoutedExperts.__call__):  # a layer's prepared call: its
+        if not getattr(self.kernel, "timed", False):  # kernel, found when it was made, timed from now on
+            self.kernel = timed_kernel(self.kernel)
+        return _orig(self, *args)
 
     def timed_cut(self, stream):  # graph segments: the whole host part of a cut
         t0 = time.perf_counter()
@@ -129,6 +136,7 @@ def main() -> None:
         timed_compute_host.__wrapped_orig__ = ex.CPUExperts.compute_host
         ex.CPUExperts.compute_host = timed_compute_host
         cpu._moe_kernel = timed_kernel_factory
+        cpu.RoutedExperts.__call__ = timed_routed_call
         if cuda_graph is not None:
             cuda_graph._Cut.run = timed_cut
             cuda_graph._HandoffExperts.serve = timed_serve
@@ -163,7 +171,7 @@ def main() -> None:
           f"threads, load mode {a.load_mode}, {mode}")
     for k in ("cut: sync + copies (graph)", "handoff: spins + answers (graph)"):
         if k in acc:  # the kernel's time is inside the cut's or the handoff's
-            acc[k] -= acc["moe_ffn_routed (Python + compiled)"]
+            acc[k] -= acc["the CPU call (Python + compiled)"]
     print(f"wall {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} t/s)")
     rest = wall - sum(acc.values())
     rows = [*acc.items(), ("  of it the compiled kernel", kern[0]), ("rest (dense ops, launches, sampling)", rest)]
@@ -173,7 +181,7 @@ def main() -> None:
         print(f"  {k:40s} {v / n * 1e3:7.2f} ms/token {v / calls[0] * 1e6:8.1f} µs/layer {100 * v / wall:5.1f}%")
     if b2b is not None:
         print(f"back to back on layer {seen[0][1]}'s experts (64 calls, random routing, no GPU between them): "
-              f"moe_ffn_routed {b2b[0] * 1e6:.1f} µs/call, of it the compiled kernel {b2b[1] * 1e6:.1f}")
+              f"the CPU call {b2b[0] * 1e6:.1f} µs/call, of it the compiled kernel {b2b[1] * 1e6:.1f}")
 
 
 if __name__ == "__main__":

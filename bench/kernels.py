@@ -173,7 +173,7 @@ def main() -> None:
                      f"{100 * r['frac_ram_1tok']:.0f}% | {r['gbps_8tok']:.1f} | {r['ms_1tok']:.2f} | {r['ms_8tok']:.2f} |")
     if moe:
         sizes = ", ".join(dict.fromkeys(f"{m['mib_per_matrix']:.2f} MiB of {m['format']}" for m in moe))
-        lines += ["", "Grouped MoE kernel (`moe_ffn_routed`, the engine's call), one Qwen3-30B-A3B-shaped layer: 128 experts, "
+        lines += ["", "Grouped MoE kernel (`moe_ffn_routed`, the kernel of the engine's CPU call), one Qwen3-30B-A3B-shaped layer: 128 experts, "
                   f"top-8, n_embd 2048, expert ff 768 ({sizes} per matrix); random routing; activations "
                   "float32, or rounded to 8 bits with integer dots (`act_q8`):", "",
                   "| experts | tokens | experts per token | activations | distinct experts | ms | expert GB/s | % of RAM read |",

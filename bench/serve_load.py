@@ -14,15 +14,16 @@ batch (tokens per decode pass), the mean decode pass in ms, and the seconds the 
 the engine's decode passes and prompt evaluations (the rest of the wall time is HTTP, streaming,
 sampling and waits), from the server's ``/metrics`` before and after it; and from its histograms the
 p50/p99 of the decode passes and of the worker's own time between two passes of a batch
-(``moecache:decode_pass_seconds``, ``moecache:decode_between_passes_seconds``; estimated within
-buckets of 0.1-0.5 ms below 1 ms and 1 ms up to 10 ms, as Prometheus's ``histogram_quantile`` does):
-a TPOT p99 above both is spent outside the worker (the event loop, the clients); and the threads of
-the server's process tree after the phase. ``--bench`` also runs ``moecache bench -p 0 -n N`` with
-the same flags, the server's ``-c`` and ``--n-gen-warmup`` (``--bench-warmup``), for the
-single-stream ratio (server t/s / bench tg t/s). ``--rounds R`` runs each stream count R times, one
-round after the other (the wall times summed, the TPOT percentiles over every round's gaps). (Before
-the fifteenth session bench ran at its own -c, p + n: at 8 GiB its expert cache then had the ~730
-MiB that the server's -c 8192 KV cache takes.)
+(``moecache:decode_pass_seconds``, ``moecache:decode_between_passes_seconds``; estimated as
+Prometheus's ``histogram_quantile`` does, linear inside buckets of 0.1-0.5 ms below 1 ms, 1 ms up to
+16 ms and 2 ms up to 30 ms): at one stream a gap between tokens is a pass plus the worker's time
+after it, so a TPOT p99 above the two p99s' sum by more than a bucket was spent outside the worker
+(the event loop, the clients); and the threads of the server's process tree after the phase.
+``--bench`` also runs ``moecache bench -p 0 -n N`` with the same flags, the server's ``-c`` and
+``--n-gen-warmup`` (``--bench-warmup``), for the single-stream ratio (server t/s / bench tg t/s).
+``--rounds R`` runs each stream count R times, one round after the other (the wall times summed, the
+TPOT percentiles over every round's gaps). (Before the fifteenth session bench ran at its own -c, p
++ n: at 8 GiB its expert cache then had the ~730 MiB that the server's -c 8192 KV cache takes.)
 
     python bench/serve_load.py -m /tmp/q30.gguf --streams 1,2,4,8 -n 128 --soak-s 600 --soak-clients 8 \\
         --bench --out bench/results/serve-h200 -- --vram-budget 8GiB --routing qwen3-moe -t 15

@@ -92,10 +92,11 @@ def bind_numba_threads(n: int) -> None:
     """Make ``n`` the calling thread's Numba thread count (the threads its parallel kernels run on).
 
     Numba keeps that count per thread: ``numba.set_num_threads`` sets it for the calling thread
-    only, and a thread that never set it runs on ``NUMBA_NUM_THREADS`` (all CPUs). So an engine
+    only, and a thread that never set it runs on ``NUMBA_NUM_THREADS`` (all CPUs). An engine
     loaded on one thread and used from another (``serve`` loads on a thread, its engine thread
-    decodes; a library user's own threads) ran its CPU kernels on every CPU, whatever ``-t`` said,
-    until the thirty-seventh session; the engine's entry points now call this. Costs one
+    decodes; a library user's own threads) would run its CPU kernels on every CPU, whatever ``-t``
+    says; the engine's entry points call this. The count stays set on the calling thread
+    afterwards (its own Numba work then runs at the engine's ``-t`` too). Costs one
     ``numba.get_num_threads`` call (~0.7 µs on the development VM) when the count is right."""
     import numba
 

@@ -70,6 +70,10 @@ def test_histogram_minus_is_the_observations_since():
     assert d.quantile(0.5) == pytest.approx(0.006 + 0.001 * (1.5 / 2))
     with pytest.raises(ValueError):
         Histogram((0.1, 0.05))
+    with pytest.raises(ValueError, match="went down"):  # not an earlier copy (a restarted server's)
+        before.minus(h)
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        h.quantile(-0.1)
 
 
 def test_metrics_exposition_parses_with_prometheus_client():

@@ -624,3 +624,34 @@ def test_routed_calls_are_made_again_for_new_weights_or_rounding(rng):
     e2 = ExpertWeights(Wg.copy(), Wu, Wd, tt)
     b = calls.get(3, e2, True)
     assert np.shares_memory(b.gate, e2.gate) and b.act == cpu.ACT_SILU
+
+
+def test_routed_experts_fast_road_skips_the_full_call_and_other_arrays_take_it(rng, monkeypatch):
+    """The handoff's arrays (row slices of its page-locked buffers: int32 ids, float32 h and out) take
+    the fast road, which never calls ``moe_ffn_routed``; int64 ids or a read-only ``out`` take the
+    full call."""
+    from moecache.moe.handoff import HandoffBuffers
+
+    (Wg, Wu, Wd, tt), _, _, _, _ = _layer(("Q4_K", "Q4_K", "Q4_K"), 1, 256, rng)
+    call = cpu.RoutedExperts(Wg, Wu, Wd, tt)
+    full: list[int] = []
+    real = cpu.moe_ffn_routed
+    monkeypatch.setattr(cpu, "moe_ffn_routed", lambda *a, **k: (full.append(1), real(*a, **k))[1])
+    buf = HandoffBuffers.allocate(4, 8, Wd.shape[1], 3)
+    t = 5
+    buf.h[:t] = rng.standard_normal((t, Wd.shape[1])).astype(np.float32)
+    buf.ids[:t] = rng.integers(-1, Wg.shape[0], (t, 3)).astype(np.int32)
+    buf.w[:t] = rng.random((t, 3)).astype(np.float32)
+    out = buf.out[:t]
+    out[...] = 0.0
+    call(buf.ids[:t], buf.w[:t], buf.h[:t], out)
+    assert full == []
+    want = real(Wg, Wu, Wd, tt, buf.ids[:t], buf.w[:t], buf.h[:t])
+    assert np.array_equal(out, want)
+    call(buf.ids[:t].astype(np.int64), buf.w[:t], buf.h[:t], np.zeros_like(want))
+    assert full == [1]
+    frozen = np.zeros_like(want)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):  # the full call's own error
+        call(buf.ids[:t], buf.w[:t], buf.h[:t], frozen)
+    assert full == [1, 1]

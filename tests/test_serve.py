@@ -535,6 +535,8 @@ def test_the_engine_process_ends_with_the_server_and_gives_the_same_text(tmp_pat
         assert [x["id"] for x in slots] == [0, 1] and slots[0]["n_ctx"] == 256 and slots[0]["queued"] == 0
         assert _metric(s, 'moecache:requests_total{outcome="ok"}') == 1
         assert _metric(s, "moecache:decode_step_tokens_total") == 7  # 8 tokens: the first from the prompt pass
+        assert _metric(s, "moecache:decode_pass_seconds_count") == 7  # the histograms cross the pipe too
+        assert _metric(s, "moecache:decode_between_passes_seconds_count") == 6
         with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "max_tokens": 200}, timeout=60) as r:
             assert next(r.iter_lines()).startswith("data: ")  # then the client leaves: a cancel down the pipe
         deadline = time.monotonic() + 20

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # upper bounds (seconds) of the step-time histograms: 0.1-0.5 ms for the worker's own time between two decode
-# passes, 1 ms apart up to 10 ms (one H200 decode token of the 30B-A3B model at 8 GiB takes ~6 ms), coarser
-# up to 5 s (prompt chunks, CUDA graph captures)
-STEP_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.010,
-                  0.012, 0.015, 0.020, 0.025, 0.030, 0.040, 0.050, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+# passes, 1 ms apart up to 16 ms (one H200 decode token of the 30B-A3B model at 8 GiB takes ~6 ms), 2 ms apart
+# up to 30 ms (an 8-token step ~22 ms; one stream's TPOT p99 19-25 ms), coarser up to 5 s (prompt chunks,
+# CUDA graph captures)
+STEP_BUCKETS_S = (0.0001, 0.0002, 0.0005, *(i / 1000 for i in range(1, 17)), *(i / 1000 for i in range(18, 31, 2)),
+                  0.035, 0.040, 0.050, 0.060, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 @dataclass
@@ -52,15 +53,21 @@ class Histogram:
         return Histogram(self.bounds, list(self.counts), self.total)
 
     def minus(self, earlier: Histogram) -> Histogram:
-        """The observations made since ``earlier`` (a copy of this histogram taken before)."""
+        """The observations made since ``earlier`` (a copy of this histogram taken before). ValueError
+        when the buckets differ or a count went down (not an earlier copy: a restarted server's)."""
         if earlier.bounds != self.bounds:
             raise ValueError("histograms with different buckets")
-        return Histogram(self.bounds, [a - b for a, b in zip(self.counts, earlier.counts)], self.total - earlier.total)
+        counts = [a - b for a, b in zip(self.counts, earlier.counts)]
+        if min(counts) < 0:
+            raise ValueError("a histogram's count went down: not an earlier copy of this one")
+        return Histogram(self.bounds, counts, self.total - earlier.total)
 
     def quantile(self, q: float) -> float:
         """The ``q``-quantile (0 <= q <= 1) as Prometheus's ``histogram_quantile`` estimates it: linear
         within the bucket that holds rank ``q * count`` (the first bucket from 0); the highest bound when
-        that rank is in the ``+Inf`` bucket; NaN without observations."""
+        that rank is in the ``+Inf`` bucket; NaN without observations. ValueError for q outside [0, 1]."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"a quantile is in [0, 1], got {q}")
         n = self.count
         if n == 0:
             return math.nan
@@ -75,9 +82,10 @@ class Histogram:
             below += c
         return self.bounds[-1]
 
-    def lines(self, name: str, help: str) -> list[str]:
-        """Prometheus text lines: ``name_bucket`` (cumulative, ``le``), ``name_sum``, ``name_count``."""
-        out = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
+    def lines(self, name: str, text: str) -> list[str]:
+        """Prometheus text lines: ``# HELP name text``, ``name_bucket`` (cumulative, ``le``),
+        ``name_sum``, ``name_count``."""
+        out = [f"# HELP {name} {text}", f"# TYPE {name} histogram"]
         cum = 0
         for b, c in zip((*(repr(float(x)) for x in self.bounds), "+Inf"), self.counts):
             cum += c
