@@ -110,9 +110,10 @@ def get_json(port: int, path: str) -> tuple[int, str]:
 
 
 def prompt_of(k: int, i: int, n_tokens: int) -> str | list[int]:
-    """Round ``k``'s stream ``i``'s prompt: a short text (5-8 tokens: no prompt pass of 32+ tokens, so
-    the elastic slots are never lent), or with ``n_tokens`` that many token ids (ids 100-4099, in
-    every vocabulary of 4100+ tokens; a different sequence per stream and round)."""
+    """Round ``k``'s stream ``i``'s prompt: a short text (14 tokens with the synthetic 30B model, 8
+    with code-moe-tiny: no prompt pass of 32+ tokens, so the elastic slots are never lent), or with
+    ``n_tokens`` that many token ids (ids 100-4099, in every vocabulary of 4100+ tokens; a different
+    sequence per stream and round)."""
     if not n_tokens:
         return f"request {k}.{i}: hello"
     return [100 + (i * 7919 + k * 104729 + j * 31) % 4000 for j in range(n_tokens)]
@@ -278,29 +279,13 @@ def soak(port: int, pid: int, seconds: float, clients: int, n: int) -> dict:
 
 
 SERVE_ONLY_FLAGS = ("--engine-process", "--no-engine-process")  # server flags without a value that bench lacks
-SERVE_ONLY_VALUE_FLAGS = ("--prompt-steps",)  # server flags with a value that bench lacks
-
-
-def bench_flags(flags: list[str]) -> list[str]:
-    """The server's flags less those ``moecache bench`` does not take (:data:`SERVE_ONLY_FLAGS`, and
-    :data:`SERVE_ONLY_VALUE_FLAGS` with their values, ``--flag V`` or ``--flag=V``)."""
-    out: list[str] = []
-    skip = False
-    for f in flags:
-        if skip:
-            skip = False
-        elif f in SERVE_ONLY_VALUE_FLAGS:
-            skip = True
-        elif f not in SERVE_ONLY_FLAGS and f.split("=", 1)[0] not in SERVE_ONLY_VALUE_FLAGS:
-            out.append(f)
-    return out
 
 
 def bench_tg(model: str, n: int, flags: list[str], warmup: int, ctx: int, cpus: set[int] | None = None) -> float | None:
-    """``moecache bench``'s tg t/s with the server's flags (less the server-only ones, :func:`bench_flags`) and its
+    """``moecache bench``'s tg t/s with the server's flags (less :data:`SERVE_ONLY_FLAGS`) and its
     ``-c`` (the KV cache's VRAM: with ``--vram-budget``, what is left to the expert cache; bench's own
     -c would be only p + n), on the server's CPUs (``cpus``; None: this process's)."""
-    flags = bench_flags(flags)
+    flags = [f for f in flags if f not in SERVE_ONLY_FLAGS]
     r = subprocess.run([sys.executable, "-m", "moecache.cli.main", "bench", "-m", model, "-p", "0", "-n", str(n),
                         "-r", "3", "-o", "jsonl", "--n-gen-warmup", str(warmup), "-c", str(ctx), *flags],
                        capture_output=True, text=True, cwd=ROOT,
@@ -332,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --bench, a second bench run with these flags added (one string), e.g. "
                          "'--cache-plan expert --no-elastic-slots' (serve's defaults before the thirty-second session)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
-                    help="each request's prompt as this many token ids (default: a 5-8 token text; prompts of "
+                    help="each request's prompt as this many token ids (default: a short text, 14 tokens with "
+                         "the synthetic 30B model and 8 with code-moe-tiny; prompts of "
                          "32+ tokens are prompt passes, which lend the elastic slots)")
     ap.add_argument("--rounds", type=int, default=1, help="measured rounds of each stream count, one after the other")
     ap.add_argument("--switch-interval", type=float, default=None,

@@ -487,7 +487,7 @@ class Engine:
         unless experts are in host RAM behind a GPU (:attr:`prompt_pass_min` set) and every part is
         shorter than it. Packed together such parts make either a pass of 32+ tokens, which copies
         every expert it uses to the GPU (measured slower than a pass each: on the H200 machine at
-        8 GiB, Qwen3-30B-A3B shape, 8 prompts of 5-8 tokens took 564-900 ms a round in one pass
+        8 GiB, Qwen3-30B-A3B shape, 8 prompts of 14 tokens took 564-900 ms a round in one pass
         against 369-401 ms in 8 passes), or a shorter pass, not measured against a pass each. Once a
         part reaches it the pass copies the experts anyway, and the other parts ride along (8
         prompts of 256 tokens: 1192-1505 ms a round in shared passes against 3085-3781 one by one;

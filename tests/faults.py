@@ -18,8 +18,7 @@ def bad_row(forward: Callable[..., np.ndarray], row: int, value: float = np.nan)
     return poisoned
 
 
-def engine_child_that_loads_forever(conn: Any, path: str, settings: Any, n_parallel: int, verbose: bool,
-                                    prompt_steps: int = 0) -> None:
+def engine_child_that_loads_forever(conn: Any, path: str, settings: Any, n_parallel: int, verbose: bool) -> None:
     """A stand-in for the engine's process (``EngineProcess(target=...)``) stuck in its load: it
     ignores SIGINT and SIGTERM as the real one does, touches ``path`` to say so, and never answers."""
     import signal
@@ -32,8 +31,7 @@ def engine_child_that_loads_forever(conn: Any, path: str, settings: Any, n_paral
     time.sleep(600)
 
 
-def engine_child_that_dies_when_asked(conn: Any, path: str, settings: Any, n_parallel: int, verbose: bool,
-                                      prompt_steps: int = 0) -> None:
+def engine_child_that_dies_when_asked(conn: Any, path: str, settings: Any, n_parallel: int, verbose: bool) -> None:
     """A stand-in for the engine's process that says it is ready (256 positions, 64 a slot), drops
     the first job it gets without an answer and ends with exit code 3, as a crash would."""
     import os

@@ -1,6 +1,6 @@
 """The server's step-time histograms (``moecache.server.metrics.Histogram``): counts against numpy,
 the exposition parsed by the Prometheus project's own parser (``prometheus_client``), and
-``bench/serve_load.py``'s reading of them (and the flags it hands ``moecache bench``)."""
+``bench/serve_load.py``'s reading of them."""
 
 from __future__ import annotations
 
@@ -124,10 +124,3 @@ def test_serve_load_reads_the_histograms_back():
     assert row["decode_pass_p50_ms"] == pytest.approx(6.5)  # the four new ones, all in (6, 7] ms
     assert 6.0 < row["decode_pass_p99_ms"] <= 7.0
     assert row["between_p50_ms"] is None  # nothing observed there
-
-
-def test_serve_load_gives_bench_only_the_flags_it_takes():
-    sl = load_bench("serve_load")
-    assert sl.bench_flags(["-t", "15", "--engine-process", "--prompt-steps", "8", "--vram-budget", "8GiB",
-                           "--prompt-steps=4", "--no-engine-process", "-c", "8"]) == \
-        ["-t", "15", "--vram-budget", "8GiB", "-c", "8"]

@@ -289,49 +289,6 @@ def test_prompts_of_several_slots_go_in_one_pass_with_their_lone_text(llm, monke
         w.stop()
 
 
-def test_stepped_prompts_ride_in_the_decode_passes_with_the_prompt_pass_text(llm, monkeypatch):
-    """With ``prompt_steps`` 8, prompts of at most 8 tokens go one token a decode pass, beside the
-    other slots' tokens, and never through a prompt call; a longer one keeps its prompt passes. Each
-    job's greedy text equals its text with prompt passes, its first token's log-probability within
-    float rounding of that one's (the prompt's last token computed in a decode pass), and its
-    ``timings`` count the prompt's passes as prompt time, not as generation."""
-    eng = llm.engine
-    prompts = [[5, 6, 7], list(range(30, 38)), list(range(50, 62))]
-    w = Worker(llm, 3, lambda j, r: None, print)
-    try:
-        ref = [run_jobs(w, [(p, gen(6, logprobs=0))])[0][1] for p in prompts]
-    finally:
-        w.stop()
-    prompted: list[int] = []  # the prompt tokens each of the worker's prompt calls took
-    real_one, real_many = Worker._prompt_chunk, Worker._prompt_chunks
-    monkeypatch.setattr(Worker, "_prompt_chunk", lambda self, r, n: (prompted.append(n), real_one(self, r, n))[1])
-    monkeypatch.setattr(Worker, "_prompt_chunks",
-                        lambda self, ch: (prompted.extend(n for _, n in ch), real_many(self, ch))[1])
-    decoded: list[int] = []  # tokens of each decode pass
-    real_decode = eng.decode
-    monkeypatch.setattr(eng, "decode", lambda toks, kvs: (decoded.append(len(toks)), real_decode(toks, kvs))[1])
-    with monkeypatch.context() as m:  # the worker's queue shows the 3 jobs at once
-        m.setattr(wk.queue, "Queue", lambda: Together(3))
-        w = Worker(llm, 3, lambda j, r: None, print, prompt_steps=8)
-    try:
-        out = run_jobs(w, [(p, gen(6, logprobs=0)) for p in prompts])
-    finally:
-        w.stop()
-    assert [k for k, _ in out] == ["done"] * 3
-    assert [r.text for _, r in out] == [r.text for r in ref]
-    for (_, r), a in zip(out, ref):
-        assert r.logprobs[0].token == a.logprobs[0].token
-        assert abs(r.logprobs[0].logprob - a.logprobs[0].logprob) < 1e-4
-        assert r.timings.n_eval == a.timings.n_eval == 5 and r.timings.t_prompt > 0
-    assert prompted == [12]  # the long prompt only, in one call
-    # the first pass: the two short prompts' first tokens and the long prompt's first generated one (its
-    # prompt call came first in that step)
-    assert decoded[0] == 3
-    assert sum(decoded) == 3 + 8 + 3 * 5  # each short prompt's tokens, then every job's 5 decoded tokens
-    with pytest.raises(ValueError):
-        Worker(llm, 1, lambda j, r: None, print, prompt_steps=-1)
-
-
 def test_sync_stream_waits_for_the_loop_and_keeps_the_text(llm):
     """``sync_stream`` (an experiment, off by default): emit_texts tells a step's end once the one
     loop has run the streaming task it woke (not for two loops, nor a closed one), and a worker

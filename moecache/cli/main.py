@@ -355,11 +355,6 @@ def serve(
                                                  "recommended yet: the default (the engine in a thread of the "
                                                  "server's process) was as fast or faster in every run so far "
                                                  "(bench/results/serve-h200.md).")] = False,
-    prompt_steps: Annotated[int, typer.Option("--prompt-steps", min=0, max=INT32_MAX, help="A request whose "
-                                              "prompt has at most this many tokens feeds them one a decode pass, "
-                                              "beside the other slots' tokens, instead of a prompt pass of its "
-                                              "own (0: never). An experiment: not measured on a GPU yet "
-                                              "(bench/results/serve-h200.md).")] = 0,
     version: VersionOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server like llama-server (/v1/chat/completions, /v1/completions, ...)."""
@@ -379,7 +374,7 @@ def serve(
                              elastic_slots=elastic_slots)
         serve_command(ServeOptions(model=model, host=host, port=port, n_parallel=n_parallel, api_key=api_key,
                                    alias=alias, n_predict=n_predict, chat_template=chat_template, verbose=verbose,
-                                   timeout=timeout, engine_process=engine_process, prompt_steps=prompt_steps),
+                                   timeout=timeout, engine_process=engine_process),
                       settings, sp)
     _user_errors(body)
 

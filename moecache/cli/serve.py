@@ -30,7 +30,6 @@ class ServeOptions:
     verbose: bool = False
     timeout: float = 600.0
     engine_process: bool = False
-    prompt_steps: int = 0
 
 
 def serve_command(opts: ServeOptions, settings, sampling) -> None:
@@ -101,7 +100,7 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
         held.llm = llm
         eng = llm.engine
         tmpl = template(eng.gguf, eng.tokenizer)
-        worker = Worker(llm, opts.n_parallel, done, note, prompt_steps=opts.prompt_steps)
+        worker = Worker(llm, opts.n_parallel, done, note)
         held.worker = worker
         state.tokenizer, state.template, state.info = eng.tokenizer, tmpl, ModelInfo.of(eng.gguf, eng.n_ctx)
         return worker
@@ -127,8 +126,7 @@ def serve_command(opts: ServeOptions, settings, sampling) -> None:
     if opts.engine_process:  # made here, before any signal is handled: no shutdown can miss it
         from moecache.server.engine_process import EngineProcess
 
-        held.proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose, log=note,
-                                  prompt_steps=opts.prompt_steps)
+        held.proc = EngineProcess(path, settings, opts.n_parallel, done, opts.verbose, log=note)
     loader = threading.Thread(target=load, name="moecache-load", daemon=True)
     # uvicorn re-raises the signal it caught after its graceful shutdown, to the handler it found:
     # ours only asks the server to stop (done by then), so that the stop is clean (exit 0); a signal

@@ -55,15 +55,13 @@ class EngineProcess:
         log: one line when the child ends while serving (stderr by default).
         target: the child's function (default :func:`child_main`; a module-level function taking
             the same arguments, for tests).
-        prompt_steps: the child's Worker's ``prompt_steps`` (``--prompt-steps``).
 
     :meth:`start` loads the model (blocks until it is ready); until then, and after the child has
     ended, :meth:`submit` answers 503.
     """
 
     def __init__(self, path: Path, settings: Any, n_parallel: int, on_done: Callable[[Job, Result], None],
-                 verbose: bool = False, log: Callable[[str], None] | None = None, target: Callable | None = None,
-                 prompt_steps: int = 0):
+                 verbose: bool = False, log: Callable[[str], None] | None = None, target: Callable | None = None):
         import multiprocessing
 
         self.n_parallel = n_parallel
@@ -82,8 +80,7 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         ctx = multiprocessing.get_context("spawn")
         self._conn, self._child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=target or child_main,
-                                 args=(self._child_conn, str(path), settings, n_parallel, verbose, prompt_steps),
+        self._proc = ctx.Process(target=target or child_main, args=(self._child_conn, str(path), settings, n_parallel, verbose),
                                  name="moecache-engine", daemon=True)
 
     # ---- lifetime --------------------------------------------------------------------------------------
@@ -284,7 +281,7 @@ class _ChildJob(Job):
         self._send(("end", self.jid, kind, value))
 
 
-def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool, prompt_steps: int = 0) -> None:
+def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool) -> None:
     """The engine's process: load the model as ``serve`` does, run a Worker, answer the pipe (see
     the module docstring) until ``("stop",)``, the pipe closes or the worker's thread ends; then
     stop the worker, close the model (its hot set saved, as in-process) and say ``("stopped",)``."""
@@ -313,7 +310,7 @@ def child_main(conn, path: str, settings: Any, n_parallel: int, verbose: bool, p
         return False
 
     try:
-        worker = Worker(llm, n_parallel, lambda job, res: None, note, deliver=deliver, prompt_steps=prompt_steps)
+        worker = Worker(llm, n_parallel, lambda job, res: None, note, deliver=deliver)
     except BaseException as e:  # noqa: BLE001 - as the load's failures
         send(("failed", _one_line(e, print_bug=True)))
         llm.close()

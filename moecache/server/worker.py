@@ -16,9 +16,7 @@ each first token sent as its pass ends: ``Engine.shares_pass``), then runs
 one decode step for every slot that is generating, all of them in one
 forward pass (:meth:`moecache.engine.Engine.decode`: one token per sequence, the matrix products
 and the routed experts shared, attention per sequence). A request joins or leaves between steps,
-and a long prompt costs the others one chunk per step, not the whole prompt. With ``prompt_steps``
-(``serve --prompt-steps N``), a prompt of at most N tokens takes no chunk: its tokens go one a
-decode step, beside the other slots' tokens. A job's
+and a long prompt costs the others one chunk per step, not the whole prompt. A job's
 ``cancelled`` flag (the client left, the server stops) is checked before it starts and at every
 step; a cancelled job frees its slot at once.
 """
@@ -198,7 +196,6 @@ class _Run:
     t_eval: float = 0.0  # the decode forward passes it took part in
     n_eval: int = 0
     last_pass: int = -1  # the number of the last decode pass it took part in (Worker.decode_steps then)
-    stepped: bool = False  # its prompt goes one token a decode pass (Worker's prompt_steps), not in prompt passes
 
 
 class Worker:
@@ -223,25 +220,12 @@ class Worker:
             server than alone, run ``h200-s33b``); not measured yet.
         deliver: sends a step's text pieces (:func:`emit_texts`'s signature and return value; the
             engine's process gives one that writes them to the server's process).
-        prompt_steps: a request whose prompt has at most this many tokens feeds them one a decode
-            pass, beside the other slots' tokens in their batched pass, instead of a prompt pass of
-            its own (0: never). With experts in host RAM, a short prompt's own pass runs op by op
-            (no CUDA graph): 47-73 ms for 5-8 tokens at 8 GiB on the H200 machine, where a
-            graph-captured decode pass of one token took ~6-7 ms and of eight ~22 ms (``h200-s36b``),
-            and each slot's short prompt is a pass of its own (``Engine.shares_pass``), stalling the
-            others. The first token's logits are those of the prompt's last token, computed in a
-            decode pass (equal to the prompt pass's within float rounding). Off by default: not
-            measured on the H200 yet.
     """
 
     def __init__(self, llm, n_parallel: int, on_done: Callable[[Job, Result], None], log: Callable[[str], None],
                  merge_prompts: bool = True, sync_stream: bool = False,
-                 deliver: Callable[[list[tuple[Job, str]], threading.Event | None], bool] = emit_texts,
-                 prompt_steps: int = 0):
-        if prompt_steps < 0:
-            raise ValueError(f"prompt_steps must be >= 0, got {prompt_steps}")
+                 deliver: Callable[[list[tuple[Job, str]], threading.Event | None], bool] = emit_texts):
         self.llm = llm
-        self.prompt_steps = prompt_steps
         self.n_parallel = n_parallel
         self.merge_prompts = merge_prompts
         self.sync_stream = sync_stream
@@ -404,8 +388,7 @@ class Worker:
         before = [(c.stats.hits, c.stats.misses, c.stats.uploads) for c in eng.caches]
         lps = [] if job.gen.logprobs is not None else None
         return _Run(job, slot, kv, sampler, eng.tokenizer.streamer(skip_special=True), StopMatcher(job.gen.stop),
-                    list(job.ids), before, lps, job.gen.logprobs or 0,
-                    stepped=0 < len(job.ids) <= self.prompt_steps)
+                    list(job.ids), before, lps, job.gen.logprobs or 0)
 
     def _step(self) -> None:
         """Prompt chunks (at most ``-ub`` tokens in all, slots in turn; several slots' in one pass
@@ -415,7 +398,7 @@ class Worker:
             if r is not None and (r.job.cancelled.is_set() or self.stopping.is_set()):
                 self._guarded([r], lambda: self._finish(r, "cancelled"))
         # prompt chunks, slots in turn, until this step's -ub tokens are used (at least one chunk)
-        prompting = sorted((r for r in self.runs if r is not None and r.left and not r.stepped),
+        prompting = sorted((r for r in self.runs if r is not None and r.left),
                            key=lambda x: (x.slot - self._turn) % self.n_parallel)
         budget = self.llm.engine.n_ubatch
         chunks: list[tuple[_Run, int]] = []
@@ -431,7 +414,7 @@ class Worker:
         else:
             for r, n in chunks:
                 self._guarded([r], lambda: self._prompt_chunk(r, n))
-        ready = [r for r in self.runs if r is not None and (r.next_tok is not None or (r.stepped and r.left))]
+        ready = [r for r in self.runs if r is not None and r.next_tok is not None]
         if ready:
             self._guarded(ready, lambda: self._decode(ready))
         self._send_texts(wait=self.sync_stream)
@@ -522,9 +505,8 @@ class Worker:
         self._send_texts()  # the first token goes out now, not after the other slots' prompt chunks
 
     def _decode(self, ready: list[_Run]) -> None:
-        """One forward pass for every generating slot (and each stepped prompt's next token: the
-        prompt's last one gives the run its first token); a sequence whose logits are not finite
-        fails alone, and each slot's sampling and streaming is guarded on its own."""
+        """One forward pass for every generating slot; a sequence whose logits are not finite fails
+        alone, and each slot's sampling and streaming is guarded on its own."""
         from moecache.errors import NonFiniteError
 
         t0 = time.perf_counter()
@@ -532,8 +514,7 @@ class Worker:
             self.between_passes.observe(t0 - self._pass_end)
         bad: list[int] = []
         try:
-            lg = self.llm.engine.decode([r.next_tok if r.next_tok is not None else r.left[0] for r in ready],
-                                        [r.kv for r in ready])
+            lg = self.llm.engine.decode([r.next_tok for r in ready], [r.kv for r in ready])
         except NonFiniteError as e:
             if not hasattr(e, "rows"):
                 raise
@@ -550,12 +531,6 @@ class Worker:
             if i in bad:
                 continue
             r.last_pass = self.decode_steps
-            if r.next_tok is None:  # a stepped prompt's token
-                r.left = r.left[1:]
-                r.t_prompt += dt
-                if not r.left:
-                    self._guarded([r], lambda: self._prompt_done(r, lg[i]))
-                continue
             r.t_eval += dt
             r.n_eval += 1
             r.next_tok = None
