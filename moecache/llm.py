@@ -349,7 +349,7 @@ def model_line(eng, res: Resolved) -> str:
         gpus = ", ".join(f"{d}: {gpu_name(d)}" for d in pl.devices)
         where = f"cuda [{gpus}] + {eng.n_threads} CPU threads | {pl.summary()}"
     else:
-        where = f"cpu, {eng.n_threads} threads"
+        where = f"cpu, {eng.n_threads} thread{'' if eng.n_threads == 1 else 's'}"
     return (f"model: {eng.gguf.path.name} ({c.arch}, {c.n_layer} layers, {eng.gguf.n_bytes / 2**20:.0f} MiB) | "
             f"backend: {where} | n_ctx {eng.n_ctx} ({ctx_src}) | n_ubatch {eng.n_ubatch} | "
             f"load mode {eng.load_mode} | loaded in {eng.load_seconds:.2f} s")
