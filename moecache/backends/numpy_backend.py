@@ -263,7 +263,7 @@ class NumpyBackend(ArrayOps):
         if self._f16(h.shape[0]):
             return self._moe_ffn_f16(gate, up, down, types, routing.groups(ids >= 0 if some else None), h, act)
         return cpu.moe_ffn_routed(gate, up, down, types, ids, routing.host().weights, h,
-                                  act=cpu.ACT_SILU if act == "silu" else cpu.ACT_GELU)
+                                  act=cpu.act_code(act))
 
     def _moe_ffn_f16(self, gate, up, down, types, groups, h: np.ndarray, act: str) -> np.ndarray:
         """The GPU's prompt MoE with float16 operands (CupyBackend._moe_prompt): per used expert, h

@@ -49,8 +49,7 @@ class RoutedCalls:
     def get(self, il: int, e: ExpertWeights, act_q8: bool) -> cpu.RoutedExperts:
         c = self._calls.get(il)
         if c is None or c[0] is not e or c[1].act_q8 != bool(act_q8):
-            c = (e, cpu.RoutedExperts(e.gate, e.up, e.down, e.types, cpu.ACT_SILU if e.act == "silu" else cpu.ACT_GELU,
-                                      act_q8))
+            c = (e, cpu.RoutedExperts(e.gate, e.up, e.down, e.types, cpu.act_code(e.act), act_q8))
             self._calls[il] = c
         return c[1]
 

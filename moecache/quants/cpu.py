@@ -825,12 +825,22 @@ def moe_ffn_routed(gate_exps: np.ndarray, up_exps: np.ndarray, down_exps: np.nda
                          f"n_tokens {H.shape[0]}")
     _check_act(act)
     kernel = _moe_kernel(fg.ggml_type, fu.ggml_type, fd.ggml_type, bool(act_q8))
-    bad = kernel(gate_exps, up_exps, down_exps, False, _NO_I32, _NO_I32, _NO_I32, _NO_F32, ids, idw, H, act, out, STEP,
-                 numba.get_num_threads())
+    return _run_routed(kernel, gate_exps, up_exps, down_exps, ids, idw, H, act, out)
+
+
+def _run_routed(kernel, g, u, d, ids, idw, H, act, out):
+    """The compiled routed call on checked arrays (:func:`moe_ffn_routed`'s and
+    :class:`RoutedExperts`' last step): ``out``, or ValueError naming an expert id >= n_expert."""
+    bad = kernel(g, u, d, False, _NO_I32, _NO_I32, _NO_I32, _NO_F32, ids, idw, H, act, out, STEP, numba.get_num_threads())
     if bad:
-        raise ValueError(f"moe_ffn_routed: expert id {int(ids.reshape(-1)[bad - 1])} out of range "
-                         f"[0, {gate_exps.shape[0]})")
+        raise ValueError(f"moe_ffn_routed: expert id {int(ids.reshape(-1)[bad - 1])} out of range [0, {g.shape[0]})")
     return out
+
+
+def act_code(name: str) -> int:
+    """A GGUF model's gated activation by name (``ExpertWeights.act``: "silu" or "gelu") as the
+    kernels' ``act``."""
+    return ACT_SILU if name == "silu" else ACT_GELU
 
 
 class RoutedExperts:
@@ -875,9 +885,4 @@ class RoutedExperts:
                 and h.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
             return moe_ffn_routed(self.gate, self.up, self.down, self.types, ids, weights, h, out, self.act,
                                   self.act_q8)
-        bad = self.kernel(self.gate, self.up, self.down, False, _NO_I32, _NO_I32, _NO_I32, _NO_F32, ids, weights, h,
-                          self.act, out, STEP, numba.get_num_threads())
-        if bad:
-            raise ValueError(f"moe_ffn_routed: expert id {int(ids.reshape(-1)[bad - 1])} out of range "
-                             f"[0, {self.gate.shape[0]})")
-        return out
+        return _run_routed(self.kernel, self.gate, self.up, self.down, ids, weights, h, self.act, out)
