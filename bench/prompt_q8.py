@@ -38,6 +38,14 @@ restarted at the same seed for the same prompt in every arm, so the arms' last l
 
 With ``--ab cache`` each arm also counts the pool's device allocations during its timed prompts,
 those of this (the main) thread: CuPy's hooks are per thread.
+
+``--ab keep`` compares, as ``--ab cache`` does (each arm from empty slots, its warm-up prompt then
+``-r`` prompts in a row), the groups with the next layer's first group ahead without and with
+``CachedExperts.prompt_keep`` (on by default: each prompt leaves experts it copied in the slots that
+are empty, so the prompts after the warm-up read those from their slots), twice in turn (off, on,
+off, on: a drift shows as a difference between the two runs of one arm):
+
+    python bench/prompt_q8.py -m /tmp/q30.gguf --ab keep --vram-budget 8GiB --load-mode pin --routing qwen3-moe -r 3
 """
 
 from __future__ import annotations
@@ -67,18 +75,20 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5, help="timed prompts per path")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--load-mode", default="mmap")
-    ap.add_argument("--ab", choices=("q8", "prefetch", "cache"), default="q8",
+    ap.add_argument("--ab", choices=("q8", "prefetch", "cache", "keep"), default="q8",
                     help="q8: float16 GEMMs vs the grouped 8-bit kernels; prefetch: --cpu-moe op offload "
                          "without and with the next layer's experts copied during the current one; cache: the "
                          "expert cache's prompt groups vs its prompt stacks with two and with one buffer (from "
-                         "empty slots, a new prompt each repetition)")
+                         "empty slots, a new prompt each repetition); keep: the cache's prompt groups without and "
+                         "with prompt_keep (as cache: from empty slots, a new prompt each repetition)")
     ap.add_argument("--routing", default=None, help="replace the routers' choices (qwen3-moe, low-locality, uniform)")
     ap.add_argument("--fresh", action="store_true", help="a different prompt for each repetition (as `moecache bench` "
-                    "draws them; default: the warm-up's prompt again, except with --ab cache)")
+                    "draws them; default: the warm-up's prompt again, except with --ab cache or keep)")
     a = ap.parse_args()
     prefetch = a.ab == "prefetch"
-    if a.ab == "cache" and a.vram_budget is None:
-        raise SystemExit("--ab cache needs --vram-budget (the expert cache exists only when the model does not fit)")
+    cache_ab = a.ab in ("cache", "keep")  # arms of the expert cache's prompt paths, each from empty slots
+    if cache_ab and a.vram_budget is None:
+        raise SystemExit(f"--ab {a.ab} needs --vram-budget (the expert cache exists only when the model does not fit)")
     if prefetch and (a.load_mode != "pin" or a.vram_budget is not None):
         raise SystemExit("--ab prefetch needs --load-mode pin (an asynchronous copy needs page-locked weights) and "
                          "no --vram-budget (every expert in host RAM, --cpu-moe)")
@@ -100,8 +110,8 @@ def main() -> None:
             eng.model.routing_override = make_routing(a.routing, c.n_layer, c.n_expert, c.n_expert_used, seed=0)
             if hasattr(eng.model.routing_override, "draw_passes_ahead"):
                 eng.model.routing_override.draw_passes_ahead = True  # as moecache.llm sets it on a GPU
-        if a.ab == "cache" and not eng.caches:
-            raise SystemExit("--ab cache: the model fits at this budget, there is no expert cache")
+        if cache_ab and not eng.caches:
+            raise SystemExit(f"--ab {a.ab}: the model fits at this budget, there is no expert cache")
         bes = {id(b): b for b in eng.model.layer_be if hasattr(b, "prompt_q8")}
         print(f"{len(bes)} GPU backend(s); prompt {a.p} tokens, -ub {a.ub}")
         host = [e for e in eng.model.experts.executors.values() if getattr(e, "prefetch", None) is not None]
@@ -120,6 +130,8 @@ def main() -> None:
                     ("stacks, empty slots", False, 1, True, True),
                     ("stacks, 1 buffer, empty slots", False, 1, 2, True),
                     ("stacks, 1 buffer in halves, empty slots", False, 1, 3, True)]
+        elif a.ab == "keep":  # the fourth field 5: the groups with prompt_group_ahead and prompt_keep
+            arms = [("groups, no keeps", False, 1, 4, True), ("groups, keeps", False, 1, 5, True)] * 2
         else:
             arms = [("float16 GEMMs", False, 1, False, False), ("grouped 8-bit", True, 1, False, False)]
             if eng.caches:  # the expert cache's prompt groups: 3x the bytes a group
@@ -132,10 +144,11 @@ def main() -> None:
                 b.prompt_q8 = arm[1]
             for c in eng.caches:
                 c.prompt_group_bytes = base_group[id(c)] * arm[2]
-                if a.ab == "cache":
+                if cache_ab:
+                    c.prompt_keep = arm[3] == 5
                     c.prompt_stacks = arm[3] in (True, 2, 3)
                     c.prompt_stack_halves = arm[3] == 3
-                    c.prompt_group_ahead = arm[3] == 4
+                    c.prompt_group_ahead = arm[3] in (4, 5)
                     if not c.prompt_group_ahead:
                         c.drop_group_buffers()  # the arm before's kept buffers: not this arm's memory
                     if c.prompt_stack_buffers != (1 if arm[3] in (2, 3) else 2):
@@ -143,7 +156,7 @@ def main() -> None:
                         c.prompt_stack_buffers = 1 if arm[3] in (2, 3) else 2
             for e in host:
                 e.prefetch = shared if arm[3] is True else None
-            toks = prompts[i if a.ab == "cache" or a.fresh else 0]
+            toks = prompts[i if cache_ab or a.fresh else 0]
             restart = getattr(eng.model.routing_override, "restart", None)  # a trace file replays as it is
             if restart is not None:
                 restart(i)
@@ -182,16 +195,21 @@ def main() -> None:
             _, logits[arm[0]] = prompt(arm, 0)
             held[arm[0]] = pool.total_bytes() - before
 
-        if a.ab == "cache":  # each arm's own cache / pool state: its warm-up and repetitions in a row
+        if cache_ab:  # each arm's own cache / pool state: its warm-up and repetitions in a row
             for arm in arms:
                 warm_up(arm)
+                moved0 = sum(c.offload.offloaded_bytes for c in eng.caches)
+                keeps0 = sum(c.prompt_keeps for c in eng.caches)
                 with allocs:
                     n0, b0 = allocs.n, allocs.bytes
                     for i in range(1, a.r + 1):
                         t, logits[arm[0]] = prompt(arm, i)  # the last prompt's logits are compared
                         ts[arm[0]].append(t)
                 print(f"{arm[0]}: {allocs.n - n0} device allocations by CuPy's pool in the timed prompts "
-                      f"({(allocs.bytes - b0) >> 20} MiB)")
+                      f"({(allocs.bytes - b0) >> 20} MiB); experts copied from the host per timed prompt "
+                      f"{(sum(c.offload.offloaded_bytes for c in eng.caches) - moved0) / a.r / 1e9:.2f} GB; "
+                      f"experts kept in slots in the timed prompts {sum(c.prompt_keeps for c in eng.caches) - keeps0}, "
+                      f"in all {sum(c.prompt_keeps for c in eng.caches)}")
                 free, total = cp.cuda.runtime.memGetInfo()
                 print(f"{arm[0]}: {sum(c.prompt_slot_reads for c in eng.caches)} experts read from slots so far; "
                       f"next-layer copies (started, used, dropped) {[c.stack_prefetch for c in eng.caches]}, "
@@ -210,7 +228,7 @@ def main() -> None:
             print(f"prefetch: {shared.started} uploads begun, {shared.used} used, {shared.dropped} dropped, "
                   f"{shared.bytes / 2**30:.1f} GiB")
         ref = logits[arms[0][0]]
-        for name, *_ in arms:
+        for name in dict.fromkeys(arm[0] for arm in arms):
             v = ts[name]
             d = logits[name] - ref
             print(f"{name:30s} pp{a.p}: median {statistics.median(v):8.1f} t/s (min {min(v):.1f}, max {max(v):.1f}; "

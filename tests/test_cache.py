@@ -136,11 +136,15 @@ def test_generation_with_a_churning_cache_matches_cpu_at_every_step(model_path):
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path, zero_copy):
+@pytest.mark.parametrize("keep", [True, False])
+def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path, zero_copy, keep):
     """After a prompt ubatch (op offload: it admits nothing), the first decode pass fills the empty
     slots with the experts the prompt used most (by the policy's usage after the prompt) and waits
     for their copies: that decode pass reads them as hits (hybrid and zero-copy paths), and its
-    output still equals the all-CPU output. A later prompt with every slot full changes nothing."""
+    output still equals the all-CPU output. A later prompt with every slot full changes nothing.
+    With ``prompt_keep`` the prompt itself left each layer's share of the empty slots (a third of
+    them each, three layers) holding that layer's experts of most routed pairs, no upload made;
+    the decode pass then holds the same experts as without it, copying only those not kept."""
     rng = np.random.default_rng(11)
     with open_gguf(model_path) as m:
         c = m.config
@@ -148,27 +152,45 @@ def test_first_decode_after_a_prompt_fills_the_empty_slots(model_path, zero_copy
         n_slots = c.n_layer * c.n_expert // 4
         make = _zero_copy_cache if zero_copy else _cache
         cache = make(ew, c.n_layer, c.n_expert, n_slots, NEVER)  # decode itself admits nothing
+        cache.prompt_keep = keep
         assert cache.zero_copy == zero_copy
         ref_lm = build_model(m, NumpyBackend())
         lm = build_model(m, NumpyBackend(), experts=cache, pass_hooks=[cache])
         kv_ref, kv = ref_lm.new_kv_cache(128), lm.new_kv_cache(128)
         prompt = rng.integers(0, c.n_vocab, 40)
         np.testing.assert_allclose(lm.forward(prompt, kv), ref_lm.forward(prompt, kv_ref), rtol=1e-4, atol=1e-5)
-        assert cache.stats.uploads == 0 and (cache.slot_of < 0).all()  # the prompt admitted nothing
+        assert cache.stats.uploads == 0  # the prompt admitted nothing
+        kept = set()
+        if keep:
+            pairs = cache.policy.counts  # the routed pairs per expert of this one prompt
+            for il in range(c.n_layer):
+                kept |= {(il, int(x)) for x in np.argsort(-pairs[il], kind="stable")[:n_slots // c.n_layer]}
+            assert {(il, e) for il, e in zip(*np.nonzero(cache.slot_of >= 0))} == kept
+            assert cache.prompt_keeps == n_slots and cache.policy.n_resident == n_slots
+            for il, x in kept:  # the slots hold the experts' bytes
+                sl = cache.slot_of[il, x]
+                assert np.array_equal(cache.pool.down[sl], ew[il].down[x])
+        else:
+            assert (cache.slot_of < 0).all() and cache.prompt_keeps == 0
         usage = cache.policy.usage.copy()
         want = set(divmod(int(f), c.n_expert) for f in np.argsort(-usage, axis=None, kind="stable")[:n_slots]
                    if usage.flat[f] > 0)
+        assert len(want) == n_slots
         tok = np.array([int(prompt[-1])])
         np.testing.assert_allclose(lm.forward(tok, kv), ref_lm.forward(tok, kv_ref), rtol=1e-4, atol=1e-5)
         loaded = {(il, e) for il, e in zip(*np.nonzero(cache.slot_of >= 0))}
-        assert cache.prompt_fills == len(want) == len(loaded) and loaded == want
+        assert loaded == want and cache.prompt_fills == len(want - kept) and cache.stats.uploads == len(want - kept)
+        assert cache.policy.n_resident == n_slots and not cache._kept.any()
+        for il, x in want:
+            assert cache.pool.owner[cache.slot_of[il, x]] == (il, x)
         cache.flush()  # the zero-copy path accounts a pass at the next launch
         assert cache.stats.hits > 0  # the decode pass read the filled slots
         uploads = cache.stats.uploads
         more = rng.integers(0, c.n_vocab, 40)
         lm.forward(more, kv)
         lm.forward(np.array([int(more[-1])]), kv)
-        assert cache.stats.uploads == uploads and cache.prompt_fills == len(want)  # no empty slot: no fill
+        assert cache.stats.uploads == uploads and cache.prompt_fills == len(want - kept)  # no empty slot: no fill
+        assert cache.prompt_keeps == len(kept) and not cache._kept.any()  # ... and no keep
         cache.close()
 
 
@@ -514,6 +536,7 @@ def test_prompt_group_ahead_skips_unused_and_newly_resident_experts(model_path):
         cache = CachedExperts(ew, NumpyBackend(), 8, CachePolicy(c.n_layer, c.n_expert, 8, NEVER), 32,
                               prompt_group_bytes=3 * per)
         cache.prompt_group_ahead = True
+        cache.prompt_keep = False  # the slots as the test sets them (keeps: the tests below)
         t, k = 40, c.n_expert_used
         h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
         ids0 = np.stack([rng.choice(c.n_expert, k, replace=False) for _ in range(t)]).astype(np.int32)
@@ -560,6 +583,110 @@ def test_prompt_group_ahead_skips_unused_and_newly_resident_experts(model_path):
         cache.prompt_group_ahead = False
         cache._prompt_groups(0, ew[0], h, Routing(ids0, w), np.unique(ids0))
         assert cache._gbufs is None and cache.group_prefetch == [s0 + 2, u0, d0 + 3]
+        cache.close()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_prompt_keeps_leave_copied_experts_in_the_empty_slots(model_path, monkeypatch, pinned):
+    """prompt_keep (on by default): a prompt ubatch's groups leave, in each cached layer, its share of
+    the empty slots (the empty slots divided by the layers left: 1, 1, 2, 2 of the 6 empty here) holding
+    the layer's used, non-resident experts of most routed pairs, copied from the group buffer on
+    the device (the twin's buffers read 0xFF until their copy finishes, so a copy from a buffer not
+    yet filled, or refilled for a later group, would show in the slots' bytes); residents set
+    before stay where they are; no upload is counted. The next prompt reads the kept experts from
+    their slots and copies none of them from the host, and both prompts' logits equal the all-CPU
+    model's."""
+    rng = np.random.default_rng(17)
+    with open_gguf(model_path) as m:
+        c, ew, per, cache = _group_cache(m, monkeypatch)
+        assert cache.prompt_keep
+        if not pinned:
+            monkeypatch.setattr(cache.be, "zero_copy_ok", lambda arrays: "host experts are not in page-locked memory")
+        resident = [(0, 5), (2, 7)]
+        _fill(cache, ew, resident)
+        for il, x in resident:
+            cache.policy.keep(il, np.array([x]))
+        layers, starts, uploads = [], [], []
+        _spy(monkeypatch, cache, "_prompt_groups", layers)
+        _spy(monkeypatch, cache.be, "upload_experts", uploads)
+        _spy_starts(monkeypatch, cache, starts)
+        _prompt_group_sizes(m, cache, rng, monkeypatch)
+        assert len(layers) == c.n_layer
+        kept, free = set(), 6
+        for i, (il, e_, h, r, used) in enumerate(layers):
+            n = free // (c.n_layer - i)  # this layer's share of the slots still empty
+            free -= n
+            pairs = np.bincount(np.asarray(r.ids).reshape(-1), minlength=c.n_expert)
+            cand = [int(x) for x in used if (il, int(x)) not in resident]
+            kept |= {(il, x) for x in sorted(cand, key=lambda x: (-pairs[x], x))[:n]}
+        assert c.n_layer == 4 and [sum(1 for k in kept if k[0] == il) for il in range(4)] == [1, 1, 2, 2]
+        assert {(il, x) for il, x in zip(*np.nonzero(cache.slot_of >= 0))} == kept | set(resident)
+        assert cache.prompt_keeps == 6 and cache.policy.n_resident == 8 and cache.stats.uploads == 0
+        for il, x in resident:
+            assert cache.slot_of[il, x] == resident.index((il, x))  # not moved, not evicted
+        for il, x in kept:
+            sl = cache.slot_of[il, x]
+            assert cache.pool.owner[sl] == (il, x)
+            for pool_arr, w in zip((cache.pool.gate, cache.pool.up, cache.pool.down), (ew[il].gate, ew[il].up, ew[il].down)):
+                assert np.array_equal(pool_arr[sl], w[x])
+        # the next prompt: the kept experts are read from their slots, never copied again
+        layers.clear(), starts.clear(), uploads.clear()
+        reads = cache.prompt_slot_reads
+        _prompt_group_sizes(m, cache, rng, monkeypatch)
+        assert cache.prompt_keeps == 6  # no empty slot left: no keep
+        used2 = {(il, int(x)) for il, _, _, _, used in layers for x in used}
+        assert cache.prompt_slot_reads - reads == len(used2 & (kept | set(resident))) > 0
+        brought = ([(next(i for i in ew if ws[0] is ew[i].gate), ids) for ws, ids, _, _ in starts] if pinned
+                   else [(next(i for i in ew if w is ew[i].gate), ids) for w, ids in uploads[::3]])
+        assert brought and not {(il, int(x)) for il, ids in brought for x in ids} & kept
+        cache.close()
+
+
+def test_prompt_keeps_are_chosen_again_by_the_first_decode_pass(model_path, monkeypatch):
+    """fill_after_prompt with kept experts: they count as empty slots for the policy's choice; the
+    chosen ones stay in place (not copied again), the chosen others are loaded, and kept experts
+    not chosen give up their slots only as the loads need them, least used first (a choice of fewer
+    experts than slots, as a layer plan may make, leaves the rest of them resident)."""
+    from moecache.moe.routing import Routing
+
+    rng = np.random.default_rng(23)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = _cache(ew, c.n_layer, c.n_expert, 6, NEVER)
+        t, k = 40, c.n_expert_used
+        h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+        ids = np.stack([rng.choice(c.n_expert, k, replace=False) for _ in range(t)]).astype(np.int32)
+        w = rng.dirichlet(np.ones(k), t).astype(np.float32)
+        for il in range(c.n_layer):
+            cache(il, h, Routing(ids, w))  # keeps: 2 a layer
+        kept = {(il, int(x)) for il, x in zip(*np.nonzero(cache.slot_of >= 0))}
+        assert len(kept) == 6 and cache._kept.sum() == 6
+        usage = cache.policy.usage
+        usage[...] = 0.0
+        ranked = sorted(kept)
+        for i, key in enumerate(ranked):
+            usage[key] = 1.0 + i  # the kept experts' usage: ranked[0] least used
+        new = [(il, x) for il in range(c.n_layer) for x in range(c.n_expert) if (il, x) not in kept][:3]
+        choice = [ranked[5], new[0], new[1]]  # one kept expert chosen, two new ones; three slots unused
+        real = cache.policy.preload
+
+        def preload(u):
+            out = real(np.where(np.isin(np.arange(u.size).reshape(u.shape),
+                                        [il * c.n_expert + x for il, x in choice]), 1.0, 0.0))
+            cache.policy.usage[...] = u
+            return out
+        monkeypatch.setattr(cache.policy, "preload", preload)
+        before = {key: int(cache.slot_of[key]) for key in kept}
+        assert cache.fill_after_prompt() == 2
+        cache._settle(1e18)
+        now = {(il, int(x)) for il, x in zip(*np.nonzero(cache.slot_of >= 0))}
+        # loads need 2 slots, none free: the two least used kept experts not chosen (ranked[0], ranked[1]) go
+        assert now == set(choice) | set(ranked[2:5])
+        assert all(cache.slot_of[key] == before[key] for key in ranked[2:])
+        assert cache.policy.n_resident == 6 and cache.stats.uploads == 2
+        assert all(cache.pool.owner[cache.slot_of[key]] == key for key in now)
+        assert not cache._kept.any()
         cache.close()
 
 

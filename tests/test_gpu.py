@@ -1513,6 +1513,53 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
         assert cache.prompt_slot_reads > 0
 
 
+@pytest.mark.parametrize("load_mode", ["pin", "mmap"])
+def test_prompt_keeps_on_the_gpu_match_cpu(gpu, tmp_path, load_mode):
+    """prompt_keep (on by default) on the GPU: from empty slots, a 40-token prompt leaves experts it
+    copied in the slots (copied on the device from the group buffers after each group's call; pin:
+    the groups' copies on the copy stream, held up by a 300 ms spin kernel, so only the compute
+    stream's waits keep the order); each kept slot then holds its expert's bytes; a second prompt
+    right after it reads them from their slots; both prompts and the decode steps after them (the
+    first of which chooses the slots again by usage) give the CPU's logits."""
+    import cupy as cp
+
+    from moecache.moe.policy import PolicyConfig
+
+    rng = np.random.default_rng(29)
+    with _cache_pair(tmp_path, 23, load_mode, PolicyConfig(**CHURN)) as (ref, eng):
+        cache = eng.caches[0]
+        assert cache.prompt_keep
+        cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
+        cache.preload(np.zeros_like(cache.policy.usage))  # every slot empty
+        be = cache.be
+        spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
+                            '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
+        for rep in range(2):
+            ref.reset()
+            eng.reset()
+            with cp.cuda.Device(be.device), be._copies():
+                spin((1,), (1,), (np.int64(600_000_000),))  # ~300 ms at ~2 GHz
+            reads = cache.prompt_slot_reads
+            toks = rng.integers(0, 200, 40)
+            b = ref.eval(toks)
+            np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+            if rep == 0:
+                kept = [(int(il), int(x)) for il, x in zip(*np.nonzero(cache._kept))]
+                assert cache.prompt_keeps == len(kept) > 0 and reads == cache.prompt_slot_reads == 0
+                for il, x in kept:
+                    sl = int(cache.slot_of[il, x])
+                    e = cache.layers[il]
+                    for pool_arr, w in zip((cache.pool.gate, cache.pool.up, cache.pool.down), (e.gate, e.up, e.down)):
+                        assert np.array_equal(cp.asnumpy(pool_arr[sl]), w[x])
+            else:
+                assert cache.prompt_slot_reads > reads  # the second prompt read the kept experts' slots
+        for i in range(3):
+            t = [int(rng.integers(0, 200))]
+            b = ref.eval(t)
+            np.testing.assert_allclose(eng.eval(t), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+        assert not cache._kept.any()  # the first decode pass chose the slots again
+
+
 def test_routing_process_in_the_decode_graph_matches_op_by_op(gpu, tmp_path):
     """--routing with graph decode: the process is drawn per replay in the op-by-op order, so graph and
     op-by-op decoding give the same logits at every step (on the zero-copy path a hit and a miss run

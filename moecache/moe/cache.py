@@ -98,6 +98,9 @@ PROMPT_GROUP_BYTES = 128 << 20  # a prompt ubatch brings its used experts to the
 MAX_ZERO_COPY_TOKENS = DECODE_MAX_TOKENS  # the zero-copy path's ubatch limit (the fused decode kernels')
 HALVES_MIN_TOKENS = 4  # with decode_halves, batched decode steps of this many tokens or more run in two halves
 PRELOAD_BATCH = 64  # experts a preload copies at a time (each through its own page-locked buffer)
+# prompt keeps (CachedExperts.prompt_keep): experts copied from a group buffer into their slots this many at a
+# time (the device gather's temporary: 8 experts of Qwen3-30B-A3B's gate, up or down, 7 MiB)
+KEEP_COPY_EXPERTS = 8
 # prompt stacks (CachedExperts.prompt_stacks): a layer's stack is filled this many experts at a time (the
 # device gather from the slots and a mapped file's staged upload hold one such piece as a temporary)
 STACK_FILL_EXPERTS = 32
@@ -273,6 +276,19 @@ class CachedExperts:
             default since the eighteenth session: ``bench/prompt_q8.py --ab cache`` (H200, 8 GiB,
             pin, qwen3-moe routing, pp512, empty slots) ran 1152 t/s against the groups' 989
             without it (``bench/results/prompt-q8-h200.md``).
+        prompt_keep: a prompt ubatch's groups leave experts they copied in the pool's empty slots
+            (:meth:`_keep_choice`): each cached layer takes its share of the slots still empty when
+            the pass reaches it (the empty slots divided by the cached layers left), filled with the
+            used, non-resident experts of most routed pairs in this ubatch, copied on the device from
+            the group buffer after the group's call (no extra copy from the host, no upload credit);
+            from the next layer call on they are read in their slots. Only empty slots: a resident
+            expert is never evicted for a keep (a warm cache, decode's hot set, stays as it is). The
+            first decode pass after the prompt (:meth:`fill_after_prompt`) chooses the slots'
+            experts by the policy's usage as it would from empty slots, keeping the kept experts it
+            chooses in place and evicting others only for the slots its choice needs. True by
+            default: without it, prompts into empty slots (``bench -p N -r R`` with no decode, a
+            server's first requests) copied every used expert from the host each time.
+        prompt_keeps: experts prompt ubatches left in empty slots (``prompt_keep``).
         account_in_gaps: a replayed decode graph whose layers hand misses to the CPU runs the last
             pass's accounting a unit at a time in the gaps between the handoff's answers
             (:meth:`launched`); False: all of it after the last answer, as before the thirty-fourth
@@ -323,6 +339,9 @@ class CachedExperts:
         # the next cached layer's first prompt group copied while this layer's groups compute
         # (_prompt_groups), before that layer's routing is known: its first non-resident experts by id
         self.prompt_group_ahead = True
+        self.prompt_keep = True  # see the class docstring
+        self.prompt_keeps = 0
+        self._free_slots: list[int] | None = None  # this pass's empty slots for keeps (made at its first keep)
         self._group_ahead = LayerPrefetch({})  # that copy, tagged (buffer, experts copied)
         self._gbufs: list[tuple[Any, ...]] | None = None  # the two group buffers kept across layers (group ahead)
         self._copy_ok = True  # False once a copy ahead could not start (weights not page-locked)
@@ -377,6 +396,7 @@ class CachedExperts:
         n_expert = max(e.gate.shape[0] for e in layers.values()) if layers else 0
         n_layer = max(layers) + 1 if layers else 0
         self.slot_of = np.full((n_layer, n_expert), -1, np.int32)
+        self._kept = np.zeros((n_layer, n_expert), bool)  # resident by a prompt's keep (fill_after_prompt may replace)
         self._pending: list[tuple[Any, int, int, int]] = []  # (copy, layer, expert, slot)
         self._retired: list[Any] = []  # copies of evicted experts still in flight
         self._pass_start: float | None = None  # decode pass timing (the adaptive upload budget)
@@ -500,6 +520,7 @@ class CachedExperts:
                 vl, ve = a.victim
                 slot = pool.slot_held_by((vl, ve))
                 self.slot_of[vl, ve] = -1  # unmapped before its slot is overwritten
+                self._kept[vl, ve] = False
                 self._map_dirty = True
                 # a victim whose own copy is still in flight: keep that copy (and its pinned source
                 # buffers) alive until it completes; the new copy is queued after it on the stream
@@ -532,6 +553,7 @@ class CachedExperts:
                 self.pool.set_owner(slot, None)
         self._map_dirty = True
         self.policy.clear_residents()
+        self._kept[...] = False
         mine = np.zeros_like(self.policy.usage)
         rows = sorted(il for il in self.cached_layers if il < usage.shape[0])
         mine[rows] = usage[rows, :mine.shape[1]]
@@ -571,16 +593,46 @@ class CachedExperts:
 
         The wait (the copies of every empty slot, once) is paid by the first decode pass after the
         prompt: in ``serve`` by every slot of that step; when other slots decode between a long
-        prompt's chunks, the fill follows its first chunk."""
+        prompt's chunks, the fill follows its first chunk.
+
+        Experts a prompt kept in empty slots (``prompt_keep``) count as empty slots for the choice:
+        those it chooses stay where they are (not copied again), the others stay too unless their
+        slots are needed for the chosen ones (least used evicted first); so the slots hold what a
+        fill from empty slots would put there, plus kept experts in slots it would leave empty."""
         self._prompt_seen = False
-        if self.pool is None or self.policy.n_resident >= self.policy.n_slots:
+        if self.pool is None:
+            return 0
+        pol = self.policy
+        kept = self._kept & pol.resident
+        self._kept[...] = False
+        if not kept.any() and pol.n_resident >= pol.n_slots:
             return 0
         t_end = time.perf_counter() + timeout_s
-        adm = self.policy.preload(self.policy.usage.copy())
+        if kept.any():
+            pol.forget(kept)
+        adm = pol.preload(pol.usage.copy())
+        chosen = np.zeros_like(kept)
+        for a in adm:
+            chosen[a.layer, a.expert] = True
+        loads = [a for a in adm if not kept[a.layer, a.expert]]
+        spare = kept & ~chosen  # kept, not chosen: they stay while there are slots for them
+        n_free = sum(o is None for o in self.pool.owner)
+        if spare.any():
+            flat = np.flatnonzero(spare)
+            flat = flat[np.argsort(pol.usage.reshape(-1)[flat], kind="stable")]  # least used first
+            n_out = max(0, len(loads) - n_free)
+            for f in flat[:n_out].tolist():
+                key = divmod(f, kept.shape[1])
+                self.pool.set_owner(self.pool.slot_held_by(key), None)
+                self.slot_of[key] = -1
+            self._map_dirty = True
+            stay = flat[n_out:]
+            for il in np.unique(stay // kept.shape[1]).tolist():
+                pol.keep(il, (stay[stay // kept.shape[1] == il] % kept.shape[1]))
         self._plan_paths()
-        self._load(adm, t_end)
-        self.prompt_fills += len(adm)
-        return len(adm)
+        self._load(loads, t_end)
+        self.prompt_fills += len(loads)
+        return len(loads)
 
     # ---- pass hooks (the zero-copy path) ----------------------------------------------------------
     def note_decode(self, n_seqs: int) -> None:
@@ -946,6 +998,7 @@ class CachedExperts:
             self._pass_start = time.perf_counter()
             self.policy.new_tokens(t)
             self.stats.tokens += t
+            self._free_slots = None  # a new pass: its keeps take the slots empty now
         self.poll()
         if il not in self.cached_layers:
             return self.offload(il, h, r)
@@ -1335,6 +1388,9 @@ class CachedExperts:
         res = slots >= 0
         up = used[~res]
         per = self._expert_bytes(e)
+        keep_x, keep_s = self._keep_choice(il, up, r.ids)
+        keep_at = np.full(self.slot_of.shape[1], -1, np.int64)  # expert -> the empty slot it is kept in
+        keep_at[keep_x] = keep_s
         # buffers of one size for every layer and ubatch: CuPy's pool serves each from the last one's
         # blocks (sizes that change per layer leave free blocks behind that the pool keeps)
         size = self._group_size(e)
@@ -1394,12 +1450,62 @@ class CachedExperts:
                     out = y
                 else:
                     out += y
+                if keep_x.size:  # after the call, before a later copy into this buffer is queued
+                    sel = keep_at[ids] >= 0
+                    if sel.any():
+                        self._keep_copy(parts, pos[sel], keep_at[ids[sel]])
             if self.prompt_group_ahead and pinned and not bufs:  # no group here: after the residents' call
                 self._start_group_ahead(il, r.ids.size, b0)
+            if keep_x.size:
+                self._publish_keeps(il, keep_x, keep_s)
         finally:
             if flight is not None:  # an exception: the buffers go back to the pool only after the copy
                 be.finish_upload(flight)
         return out  # (a group is skipped only when none of its experts is used: every used one is computed)
+
+    def _keep_choice(self, il: int, up: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The experts layer ``il``'s prompt groups leave in empty slots (``prompt_keep``) and their
+        slots: (int64 experts, int64 slots), both empty when none. ``up``: the layer's used,
+        non-resident experts; ``ids``: the ubatch's routed ids (int (T, k)). The layer takes the
+        empty slots of this pass (those empty at its first keep, and room in the policy) divided by
+        the cached layers from ``il`` on (rounded down), the experts of most pairs first (ties: the
+        lower id)."""
+        none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        if not self.prompt_keep or not up.size or self.pool is None:
+            return none
+        if self._free_slots is None:
+            room = self.policy.n_slots - self.policy.n_resident
+            self._free_slots = [s for s, o in enumerate(self.pool.owner) if o is None][:room] if room > 0 else []
+        left = self._cached_order.size - int(np.searchsorted(self._cached_order, il))
+        n = min(int(up.size), len(self._free_slots) // max(left, 1))
+        if n <= 0:
+            return none
+        flat = ids.reshape(-1)
+        pairs = np.bincount(flat[flat >= 0], minlength=self.slot_of.shape[1])
+        pick = up[np.argsort(-pairs[up], kind="stable")[:n]].astype(np.int64)
+        slots = np.array(self._free_slots[:n], np.int64)
+        del self._free_slots[:n]
+        return pick, slots
+
+    def _keep_copy(self, parts: tuple[Any, ...], pos: np.ndarray, slots: np.ndarray) -> None:
+        """Copy the experts at positions ``pos`` of a prompt group's arrays ``parts`` (gate, up, down)
+        into the pool's ``slots``, on the device (the compute stream), :data:`KEEP_COPY_EXPERTS` at a
+        time."""
+        pool = self.pool
+        for dst, src in zip((pool.gate, pool.up, pool.down), parts):
+            for i in range(0, slots.size, KEEP_COPY_EXPERTS):
+                self.be.gather_into(dst, slots[i:i + KEEP_COPY_EXPERTS], src, pos[i:i + KEEP_COPY_EXPERTS])
+
+    def _publish_keeps(self, il: int, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Layer ``il``'s kept ``experts`` are in ``slots`` from now (their copies are queued on the
+        compute stream, before anything that reads them): the map, the pool, the policy."""
+        for x, sl in zip(experts.tolist(), slots.tolist()):
+            self.pool.set_owner(sl, (il, x))
+            self.slot_of[il, x] = sl
+        self.policy.keep(il, experts)
+        self._kept[il, experts] = True
+        self.prompt_keeps += int(experts.size)
+        self._map_dirty = True
 
     def _group_size(self, e: ExpertWeights) -> int:
         """Experts per prompt group of layer experts ``e``: ``prompt_group_bytes`` of them, at least

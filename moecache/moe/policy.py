@@ -432,6 +432,29 @@ class CachePolicy:
         self._vc = None if flat < 0 else divmod(flat, self.usage.shape[1])
         return self._vc
 
+    def keep(self, layer: int, experts: np.ndarray) -> None:
+        """Count ``experts`` (int ids) of ``layer`` resident from now, in slots that were empty: a
+        prompt's copies left in the pool (:attr:`moecache.moe.cache.CachedExperts.prompt_keep`), or
+        kept experts that stay after :meth:`forget`. No upload and no credit; ``min_residency``
+        protects them as it protects an admission. Raises ValueError when more experts would be
+        resident than there are slots."""
+        new = np.unique(np.asarray(experts, np.int64))
+        new = new[~self.resident[layer, new]]
+        if self.n_resident + new.size > self.n_slots:
+            raise ValueError(f"keep: {self.n_resident} + {new.size} residents do not fit in {self.n_slots} slots")
+        self.resident[layer, new] = True
+        self.admitted_at[layer, new] = self.clock[layer]
+        self.n_resident += int(new.size)
+        self._vc = False
+
+    def forget(self, mask: np.ndarray) -> None:
+        """Count the experts of ``mask`` (bool (n_layer, n_expert)) not resident from now (their slots
+        are about to be chosen again, :meth:`moecache.moe.cache.CachedExperts.fill_after_prompt`)."""
+        gone = mask & self.resident
+        self.resident[gone] = False
+        self.n_resident -= int(gone.sum())
+        self._vc = False
+
     def clear_residents(self) -> None:
         """Forget every resident expert (their slots are being emptied: a preload replaces what the
         warm-up token admitted)."""
