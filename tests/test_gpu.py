@@ -1230,6 +1230,7 @@ def test_expert_cache_on_the_gpu_matches_cpu_while_churning(gpu, tmp_path, load_
         cache.prompt_stacks = False  # the groups, the default (the stacks: test_prompt_stacks_on_the_gpu_match_cpu)
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         cache.prompt_group_ahead = ahead
+        cache.prompt_keep = False  # the fill after the prompt from empty slots (keeps: test_prompt_keeps_on_the_gpu_match_cpu)
         assert (cache.scratch is not None) == stage
         assert len(eng.caches) == 1 and eng.placement.cache_slots[0][1] > 0
         assert cache.zero_copy == (load_mode == "pin")
