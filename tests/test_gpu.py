@@ -1462,6 +1462,17 @@ def test_elastic_slot_arrays_give_memory_back_at_the_same_addresses(gpu):
     del a, b, el
 
 
+def _hold_copy_stream(be) -> None:
+    """Queue a spin kernel of ~300 ms (at ~2 GHz) on backend ``be``'s copy stream: copies queued
+    after it land late, so only the compute stream's waits keep a test's reads right."""
+    import cupy as cp
+
+    spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
+                        '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
+    with cp.cuda.Device(be.device), be._copies():
+        spin((1,), (1,), (np.int64(600_000_000),))
+
+
 @pytest.mark.parametrize("load_mode", ["pin", "mmap"])
 @pytest.mark.parametrize("stacks", [2, 1, 0, "halves"])
 def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
@@ -1475,8 +1486,6 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
     computes. Two 40-token prompts and decode steps give the CPU's logits. The copy stream is held
     up by a 300 ms spin kernel before each prompt, so only the compute stream's wait for the copy
     keeps them right."""
-    import cupy as cp
-
     from moecache.moe.policy import PolicyConfig
 
     rng = np.random.default_rng(7)
@@ -1489,13 +1498,10 @@ def test_prompt_stacks_on_the_gpu_match_cpu(gpu, tmp_path, load_mode, stacks):
         cache.prompt_stack_halves = halves
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         be = cache.be
-        spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
-                            '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
         for rep in range(2):
             ref.reset()
             eng.reset()
-            with cp.cuda.Device(be.device), be._copies():
-                spin((1,), (1,), (np.int64(600_000_000),))  # ~300 ms at ~2 GHz
+            _hold_copy_stream(be)
             toks = rng.integers(0, 200, 40)
             b = ref.eval(toks)
             np.testing.assert_allclose(eng.eval(toks), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
@@ -1533,13 +1539,10 @@ def test_prompt_keeps_on_the_gpu_match_cpu(gpu, tmp_path, load_mode):
         cache.prompt_group_bytes = 3 * cache._expert_bytes(next(iter(cache.layers.values())))
         cache.preload(np.zeros_like(cache.policy.usage))  # every slot empty
         be = cache.be
-        spin = cp.RawKernel('extern "C" __global__ void spin(long long n) '
-                            '{ long long t0 = clock64(); while (clock64() - t0 < n) {} }', "spin")
         for rep in range(2):
             ref.reset()
             eng.reset()
-            with cp.cuda.Device(be.device), be._copies():
-                spin((1,), (1,), (np.int64(600_000_000),))  # ~300 ms at ~2 GHz
+            _hold_copy_stream(be)
             reads = cache.prompt_slot_reads
             toks = rng.integers(0, 200, 40)
             b = ref.eval(toks)
