@@ -642,6 +642,72 @@ def test_prompt_keeps_leave_copied_experts_in_the_empty_slots(model_path, monkey
         cache.close()
 
 
+def _slots_agree(cache):
+    """The pool, the map, the policy and the kept mask agree: every owned slot's expert owns no other
+    slot, is resident in the policy and mapped to that slot (or its copy is in flight); the policy
+    counts exactly the owned slots; every kept expert is resident."""
+    owned = [(s, o) for s, o in enumerate(cache.pool.owner) if o is not None and o != ("lent",)]
+    keys = [o for _, o in owned]
+    assert len(set(keys)) == len(keys)
+    flight = {(p[1], p[2]): p[3] for p in cache._pending}
+    for s, key in owned:
+        assert cache.policy.resident[key]
+        assert cache.slot_of[key] == s or flight.get(key) == s
+    assert cache.policy.n_resident == int(cache.policy.resident.sum()) == len(owned)
+    assert not (cache._kept & ~cache.policy.resident).any()
+    mapped = np.argwhere(cache.slot_of >= 0)
+    assert all(cache.pool.owner[cache.slot_of[il, x]] == (il, x) for il, x in mapped)
+
+
+def test_prompt_keeps_skip_experts_whose_admission_is_in_flight(model_path):
+    """An expert decode admitted into an empty slot whose copy has not landed yet (mapped -1, the
+    policy holding it) is not kept into a second slot by a prompt that uses it; the pool, the map and
+    the policy agree after the prompt, after the copy lands, and after a second prompt past decode
+    admissions into slots the first one left empty; the prompts' output is the CPU kernel's."""
+    from moecache.moe.routing import Routing
+    from moecache.quants import cpu
+
+    rng = np.random.default_rng(31)
+    with open_gguf(model_path) as m:
+        c = m.config
+        ew = expert_weights(m, "silu")
+        cache = _cache(ew, c.n_layer, c.n_expert, 40, NEVER)
+        t, k = 40, c.n_expert_used
+        h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+        ids = np.stack([rng.choice(6, k, replace=False) for _ in range(t)]).astype(np.int32)  # experts 0-5
+        w = rng.dirichlet(np.ones(k), t).astype(np.float32)
+        r = Routing(ids, w)
+        hot = int(np.argmax(np.bincount(ids.reshape(-1), minlength=c.n_expert)))
+        cache.policy.keep(0, np.array([hot]))  # (the policy's side of an admission)
+        cache._apply([Admission(0, hot, None)])  # its copy in flight: lands at the second poll
+        for il in range(c.n_layer):
+            got = cache(il, h, r)
+            e = ew[il]
+            eids, offs, rows, wts = r.groups()
+            np.testing.assert_allclose(got, cpu.moe_ffn(e.gate, e.up, e.down, e.types, eids, offs, rows, wts, h),
+                                       rtol=1e-4, atol=1e-5)
+            if il == 0:
+                assert sum(o == (0, hot) for o in cache.pool.owner) == 1 and not cache._kept[0, hot]
+                _slots_agree(cache)
+        assert cache.prompt_keeps == 6 * c.n_layer - 1  # every used expert (40 slots), the admitted one apart
+        cache._settle(1e18)
+        _slots_agree(cache)
+        assert cache.slot_of[0, hot] >= 0
+        # decode admissions into slots the prompt left empty, then a prompt using other experts
+        free = [s for s, o in enumerate(cache.pool.owner) if o is None]
+        adm = [(il, 6) for il in range(min(len(free), c.n_layer))]
+        for il, x in adm:
+            cache.policy.keep(il, np.array([x]))
+        cache._apply([Admission(il, x, None) for il, x in adm])
+        ids2 = np.stack([rng.choice(np.arange(6, 12), k, replace=False) for _ in range(t)]).astype(np.int32)
+        for il in range(c.n_layer):
+            cache(il, h, Routing(ids2, w))
+            _slots_agree(cache)
+        cache._settle(1e18)
+        _slots_agree(cache)
+        cache.close()
+
+
 def test_prompt_keeps_are_chosen_again_by_the_first_decode_pass(model_path, monkeypatch):
     """fill_after_prompt with kept experts: they count as empty slots for the policy's choice; the
     chosen ones stay in place (not copied again), the chosen others are loaded, and kept experts

@@ -1465,17 +1465,22 @@ class CachedExperts:
 
     def _keep_choice(self, il: int, up: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts layer ``il``'s prompt groups leave in empty slots (``prompt_keep``) and their
-        slots: (int64 experts, int64 slots), both empty when none. ``up``: the layer's used,
-        non-resident experts; ``ids``: the ubatch's routed ids (int (T, k)). The layer takes the
+        slots: (int64 experts, int64 slots), both empty when none. ``up``: the layer's used experts
+        not in a slot (of those, the ones the policy holds already, admitted with their copy in
+        flight, are not kept: their slot is taken); ``ids``: the ubatch's routed ids (int (T, k)). The layer takes the
         empty slots of this pass (those empty at its first keep, and room in the policy) divided by
         the cached layers from ``il`` on (rounded down), the experts of most pairs first (ties: the
         lower id)."""
         none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if not self.prompt_keep or not up.size or self.pool is None:
             return none
+        up = up[~self.policy.resident[il, up]]  # an admission whose copy is in flight has its slot already
+        owner = self.pool.owner
         if self._free_slots is None:
             room = self.policy.n_slots - self.policy.n_resident
-            self._free_slots = [s for s, o in enumerate(self.pool.owner) if o is None][:room] if room > 0 else []
+            self._free_slots = [s for s, o in enumerate(owner) if o is None][:room] if room > 0 else []
+        else:  # (empty when listed: taken since only by a keep of this pass, unless a pass was cut short)
+            self._free_slots = [s for s in self._free_slots if owner[s] is None]
         left = self._cached_order.size - int(np.searchsorted(self._cached_order, il))
         n = min(int(up.size), len(self._free_slots) // max(left, 1))
         if n <= 0:
@@ -1498,7 +1503,13 @@ class CachedExperts:
 
     def _publish_keeps(self, il: int, experts: np.ndarray, slots: np.ndarray) -> None:
         """Layer ``il``'s kept ``experts`` are in ``slots`` from now (their copies are queued on the
-        compute stream, before anything that reads them): the map, the pool, the policy."""
+        compute stream, before anything that reads them): the map, the pool, the policy. Raises
+        RuntimeError when a slot is no longer empty or an expert became resident meanwhile (its
+        bytes would be in two slots)."""
+        owner, resident = self.pool.owner, self.policy.resident
+        if any(owner[sl] is not None for sl in slots.tolist()) or resident[il, experts].any():
+            raise RuntimeError(f"prompt keep of layer {il}: a slot was taken or an expert made resident "
+                               f"while its copy was queued")
         for x, sl in zip(experts.tolist(), slots.tolist()):
             self.pool.set_owner(sl, (il, x))
             self.slot_of[il, x] = sl
