@@ -642,6 +642,15 @@ def test_prompt_keeps_leave_copied_experts_in_the_empty_slots(model_path, monkey
         cache.close()
 
 
+def _ubatch(c, rng, experts, t=40):
+    """A prompt ubatch of ``t`` tokens for one layer of config ``c``: (h float32 (t, n_embd), ids int32
+    (t, k) each token's k distinct experts drawn from ``experts``, w float32 (t, k) weights summing to 1)."""
+    k = c.n_expert_used
+    h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(np.int32)
+    return h, ids, rng.dirichlet(np.ones(k), t).astype(np.float32)
+
+
 def _slots_agree(cache):
     """The pool, the map, the policy and the kept mask agree: every owned slot's expert owns no other
     slot, is resident in the policy and mapped to that slot (or its copy is in flight); the policy
@@ -672,10 +681,7 @@ def test_prompt_keeps_skip_experts_whose_admission_is_in_flight(model_path):
         c = m.config
         ew = expert_weights(m, "silu")
         cache = _cache(ew, c.n_layer, c.n_expert, 40, NEVER)
-        t, k = 40, c.n_expert_used
-        h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
-        ids = np.stack([rng.choice(6, k, replace=False) for _ in range(t)]).astype(np.int32)  # experts 0-5
-        w = rng.dirichlet(np.ones(k), t).astype(np.float32)
+        h, ids, w = _ubatch(c, rng, np.arange(6))  # experts 0-5
         r = Routing(ids, w)
         hot = int(np.argmax(np.bincount(ids.reshape(-1), minlength=c.n_expert)))
         cache.policy.keep(0, np.array([hot]))  # (the policy's side of an admission)
@@ -699,7 +705,7 @@ def test_prompt_keeps_skip_experts_whose_admission_is_in_flight(model_path):
         for il, x in adm:
             cache.policy.keep(il, np.array([x]))
         cache._apply([Admission(il, x, None) for il, x in adm])
-        ids2 = np.stack([rng.choice(np.arange(6, 12), k, replace=False) for _ in range(t)]).astype(np.int32)
+        _, ids2, _ = _ubatch(c, rng, np.arange(6, 12))
         for il in range(c.n_layer):
             cache(il, h, Routing(ids2, w))
             _slots_agree(cache)
@@ -720,10 +726,7 @@ def test_prompt_keeps_are_chosen_again_by_the_first_decode_pass(model_path, monk
         c = m.config
         ew = expert_weights(m, "silu")
         cache = _cache(ew, c.n_layer, c.n_expert, 6, NEVER)
-        t, k = 40, c.n_expert_used
-        h = rng.standard_normal((t, c.n_embd)).astype(np.float32)
-        ids = np.stack([rng.choice(c.n_expert, k, replace=False) for _ in range(t)]).astype(np.int32)
-        w = rng.dirichlet(np.ones(k), t).astype(np.float32)
+        h, ids, w = _ubatch(c, rng, np.arange(c.n_expert))
         for il in range(c.n_layer):
             cache(il, h, Routing(ids, w))  # keeps: 2 a layer
         kept = {(il, int(x)) for il, x in zip(*np.nonzero(cache.slot_of >= 0))}
