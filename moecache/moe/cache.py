@@ -1467,10 +1467,10 @@ class CachedExperts:
         """The experts layer ``il``'s prompt groups leave in empty slots (``prompt_keep``) and their
         slots: (int64 experts, int64 slots), both empty when none. ``up``: the layer's used experts
         not in a slot (of those, the ones the policy holds already, admitted with their copy in
-        flight, are not kept: their slot is taken); ``ids``: the ubatch's routed ids (int (T, k)). The layer takes the
-        empty slots of this pass (those empty at its first keep, and room in the policy) divided by
-        the cached layers from ``il`` on (rounded down), the experts of most pairs first (ties: the
-        lower id)."""
+        flight, are not kept: their slot is taken); ``ids``: the ubatch's routed ids (int (T, k)).
+        The layer takes the empty slots of this pass (those empty at its first keep, and room in
+        the policy) divided by the cached layers from ``il`` on (rounded down), the experts of most
+        pairs first (ties: the lower id)."""
         none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if not self.prompt_keep or not up.size or self.pool is None:
             return none
@@ -1479,7 +1479,7 @@ class CachedExperts:
         if self._free_slots is None:
             room = self.policy.n_slots - self.policy.n_resident
             self._free_slots = [s for s, o in enumerate(owner) if o is None][:room] if room > 0 else []
-        else:  # (empty when listed: taken since only by a keep of this pass, unless a pass was cut short)
+        else:  # listed at the pass's first keep: checked again (a pass cut short leaves its list)
             self._free_slots = [s for s in self._free_slots if owner[s] is None]
         left = self._cached_order.size - int(np.searchsorted(self._cached_order, il))
         n = min(int(up.size), len(self._free_slots) // max(left, 1))
