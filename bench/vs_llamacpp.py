@@ -351,7 +351,9 @@ def render(rows: list[dict], run: str, header: str) -> str:
         lpk = "-" if not ll else f"{ll['vram_peak_mib']}" + (f" ({ll['n_cpu_moe']})" if ll.get("n_cpu_moe") is not None else "")
         upk = "-" if not us else str(us["vram_peak_mib"]) + (
             f" ({us['n_cpu_moe']}, static)" if us.get("our_placement") == "static"
-            else f" (layer plan, {us.get('plan_cpu_layers')} CPU layers)" if us.get("our_placement") == "layer plan"
+            else f" (layer plan, {us['plan_cpu_layers']} CPU layers)"
+            if us.get("our_placement") == "layer plan" and us.get("plan_cpu_layers") is not None
+            else " (layer plan)" if us.get("our_placement") == "layer plan"  # (prompts only: no decode plan made)
             else "")
         hr = "-" if not us or us.get("hit_rate") is None else f"{100 * us['hit_rate']:.1f}%"
         budget = (ll or us or {}).get("vram_budget_mib") or "-"

@@ -188,6 +188,15 @@ def test_experts_in_vram_per_gib_of_budget():
     for plan, want in (("layer", "layer plan"), ("expert", "per-expert")):
         got = V.row_of({"avg_ts": 55.0, "moe_cache": -1, "cache_plan": plan}, "r", c, "moecache", 6737, None, 256, 1850)
         assert got["our_placement"] == want and got["cache_plan"] == plan
+    # the plan's CPU layers where a decode made one; a prompt-only run says only which plan (h200-s38p
+    # printed "None CPU layers")
+    planned = V.row_of({"avg_ts": 55.0, "moe_cache": -1, "cache_plan": "layer", "plan_cpu_layers": 29}, "r", c,
+                       "moecache", 8017, None, 256, 2396)
+    prompt_only = V.row_of({"avg_ts": 1309.0, "moe_cache": -1, "cache_plan": "layer"}, "r", c, "moecache", 7527,
+                           None, 0, 2396)
+    assert "| 8017 (layer plan, 29 CPU layers) |" in V.render([rows[0], planned], "r", "# h")
+    md4 = V.render([rows[0], prompt_only], "r", "# h")
+    assert "| 7527 (layer plan) |" in md4 and "None" not in md4
     assert "| 5684 (36, static) | 8192 | - | 304 / 192 |" in V.render([rows[0], st_row], "r", "# h")
     x2 = V.CASES["x2-8g-tg128-uniform"]  # 8 GiB per GPU, two GPUs: per GiB of the 16 GiB in all
     md2 = V.render([V.row_of({"avg_ts": 1.0}, "r", x2, "llama.cpp", 8000, 10, 0, 4096),
