@@ -616,8 +616,8 @@ class CachedExperts:
             chosen[a.layer, a.expert] = True
         loads = [a for a in adm if not kept[a.layer, a.expert]]
         spare = kept & ~chosen  # kept, not chosen: they stay while there are slots for them
-        n_free = sum(o is None for o in self.pool.owner)
         if spare.any():
+            n_free = sum(o is None for o in self.pool.owner)
             flat = np.flatnonzero(spare)
             flat = flat[np.argsort(pol.usage.reshape(-1)[flat], kind="stable")]  # least used first
             n_out = max(0, len(loads) - n_free)
@@ -1389,8 +1389,9 @@ class CachedExperts:
         up = used[~res]
         per = self._expert_bytes(e)
         keep_x, keep_s = self._keep_choice(il, up, r.ids)
-        keep_at = np.full(self.slot_of.shape[1], -1, np.int64)  # expert -> the empty slot it is kept in
-        keep_at[keep_x] = keep_s
+        if keep_x.size:
+            keep_at = np.full(self.slot_of.shape[1], -1, np.int64)  # expert -> the empty slot it is kept in
+            keep_at[keep_x] = keep_s
         # buffers of one size for every layer and ubatch: CuPy's pool serves each from the last one's
         # blocks (sizes that change per layer leave free blocks behind that the pool keeps)
         size = self._group_size(e)
@@ -1474,13 +1475,15 @@ class CachedExperts:
         none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if not self.prompt_keep or not up.size or self.pool is None:
             return none
-        up = up[~self.policy.resident[il, up]]  # an admission whose copy is in flight has its slot already
         owner = self.pool.owner
         if self._free_slots is None:
             room = self.policy.n_slots - self.policy.n_resident
             self._free_slots = [s for s, o in enumerate(owner) if o is None][:room] if room > 0 else []
-        else:  # listed at the pass's first keep: checked again (a pass cut short leaves its list)
+        elif self._free_slots:  # listed at the pass's first keep: checked again (a pass cut short leaves its list)
             self._free_slots = [s for s in self._free_slots if owner[s] is None]
+        if not self._free_slots:  # (a full cache: the usual prompt pass of a warm server)
+            return none
+        up = up[~self.policy.resident[il, up]]  # an admission whose copy is in flight has its slot already
         left = self._cached_order.size - int(np.searchsorted(self._cached_order, il))
         n = min(int(up.size), len(self._free_slots) // max(left, 1))
         if n <= 0:
