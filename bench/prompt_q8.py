@@ -160,6 +160,9 @@ def main() -> None:
             restart = getattr(eng.model.routing_override, "restart", None)  # a trace file replays as it is
             if restart is not None:
                 restart(i)
+            prime = getattr(eng.model.routing_override, "draw_ahead", None)
+            if prime is not None:  # the first ubatch's routing drawn before the clock, as `moecache bench` does
+                prime(min(a.p, eng.n_ubatch))
             eng.reset()
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()

@@ -90,8 +90,12 @@ def timed_prompt(eng, n_prompt: int, rng: np.random.Generator, vocab: int):
     and returns its wall time in s, the GPU synchronized (CuPy)."""
     import cupy as cp
 
+    prime = getattr(getattr(eng.model, "routing_override", None), "draw_ahead", None)
+
     def prompt() -> float:
         eng.reset()
+        if prime is not None:  # the first ubatch's routing drawn before the clock, as `moecache bench` does
+            prime(min(n_prompt, eng.n_ubatch))
         t = time.perf_counter()
         eng.eval(rng.integers(0, vocab, n_prompt))
         cp.cuda.runtime.deviceSynchronize()
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-mode", default="pin")
     ap.add_argument("-t", "--threads", type=int, default=15)
     ap.add_argument("--trace", type=Path, help="keep the Chrome trace here")
+    ap.add_argument("--no-keep", action="store_true",
+                    help="the expert cache's prompt keeps off (CachedExperts.prompt_keep): prompts fill no slot")
     a = ap.parse_args(argv)
 
     import torch  # noqa: F401 - its profiler (CUPTI) records the CuPy kernels too
@@ -124,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                         routing=None if a.routing in ("", "none") else a.routing, load_mode=a.load_mode, n_threads=a.threads)
     with open_llm(a.model, settings, command="bench", log=lambda m: print(m, file=sys.stderr, flush=True)) as llm:
         eng = llm.engine
+        for c in getattr(eng, "caches", []) if a.no_keep else ():
+            c.prompt_keep = False
         rng = np.random.default_rng(0)
         vocab = eng.gguf.config.n_vocab
         proc = eng.model.routing_override

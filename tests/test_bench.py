@@ -182,6 +182,57 @@ def test_depth_ts_is_the_depth_prefills_own_speed(monkeypatch):
     assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 0), 3, 0) is None
 
 
+def test_run_test_draws_the_prompts_first_ubatch_of_a_routing_process_before_the_clock(monkeypatch):
+    """--routing: run_test has the routing process draw each timed prompt's first ubatch (min(prompt,
+    -ub) tokens) before it starts the clock, so the samples exclude the emulation's host draw; a real
+    RoutingProcess whose draw costs clock time shows it: the samples hold only the evaluation, and the
+    draws counted equal the prompts (warm-up included). Without a prompt (tg) it draws nothing."""
+    from types import SimpleNamespace
+
+    from moecache import benchmark
+    from moecache.moe.routing_process import PRESETS, RoutingProcess
+
+    clock = [0]
+    monkeypatch.setattr(benchmark.time, "perf_counter_ns", lambda: clock[0])
+    proc = RoutingProcess(PRESETS["qwen3-moe"], 2, 16, 2, seed=1)
+    draws = []
+    real_draw = proc._draw
+
+    def costly_draw(n):
+        draws.append(n)
+        clock[0] += 7_000_000  # 7 ms a draw: outside the samples only if drawn before the clock
+        return real_draw(n)
+
+    proc._draw = costly_draw
+
+    class Eng:
+        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=50))
+        caches: list = []
+        n_ubatch = 8
+        model = SimpleNamespace(routing_override=proc)
+
+        def reset(self):
+            pass
+
+        def eval(self, toks):
+            for i in range(0, len(toks), self.n_ubatch):
+                n = min(self.n_ubatch, len(toks) - i)
+                proc.route(0, n)  # the forward pass's routing of its first layer
+                proc.route(1, n)
+                clock[0] += 1000 * n
+
+    samples, _ = benchmark.run_test(Eng(), benchmark.BenchTest(5, 0, 0), 3, True, np.random.default_rng(0))
+    assert samples == [5000] * 3 and draws == [5] * 4  # warm-up's draw in the pass; each timed one before
+    draws.clear()
+    samples, _ = benchmark.run_test(Eng(), benchmark.BenchTest(20, 0, 0), 2, False, np.random.default_rng(0))
+    # 8 + 8 + 4 tokens: the first ubatch's draw before the clock; the later ones in their passes (no
+    # worker drawing ahead here), so inside the samples
+    assert draws == [8, 8, 4] * 2 and samples == [20000 + 2 * 7_000_000] * 2
+    draws.clear()
+    benchmark.run_test(Eng(), benchmark.BenchTest(0, 3, 0), 2, False, np.random.default_rng(0))
+    assert draws == [1] * 6  # tg: every one-token pass draws in its pass; nothing drawn before the clock
+
+
 def test_prompt_timeline_summary_of_a_made_trace():
     """bench/prompt_timeline.py's report on a hand-made Chrome trace: busy time is the union of the
     device spans over every stream (an overlapped copy counts once), idle is the rest of the span,

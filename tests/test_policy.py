@@ -371,6 +371,32 @@ def test_drawing_ahead_and_whole_passes_give_the_layer_by_layer_choices():
         assert np.array_equal(np.stack([r.weights for r in rs]), w_b), step
 
 
+def test_a_prompt_pass_drawn_ahead_on_request_gives_the_same_choices():
+    """draw_ahead(n) (bench: a prompt's first ubatch drawn before the clock): the next pass of n
+    tokens takes it, with the choices a process that never drew ahead gets; one of another size
+    pending (a worker's, after a short last ubatch) is dropped and the generator rewound; a pass of
+    n already pending is kept, not drawn twice; a pass of another size drops what was drawn."""
+    n_layer, k = 4, 2
+    a = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 32, k, seed=11)  # never draws ahead
+    b = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 32, k, seed=11)
+    b.draw_passes_ahead = True  # multi-token passes start the next one on a worker
+    # (size asked ahead, size of the pass that follows): 12 after a pending 5 (dropped), 12 after a
+    # pending 12 (kept), 7 then a pass of 3 (dropped by the pass)
+    plan = [(None, 5), (12, 12), (12, 12), (7, 3), (None, 1), (9, 9)]
+    for step, (ahead, n) in enumerate(plan):
+        if ahead is not None:
+            pending = b._ahead
+            b.draw_ahead(ahead)
+            assert b._ahead is not None and b._ahead[0] == ahead and b._ahead[1].done()
+            if pending is not None and pending[0] == ahead:
+                assert b._ahead is pending  # kept, its worker's draw waited for
+        ref = np.stack([a.route(il, n).ids for il in range(n_layer)])
+        got = np.stack([b.route(il, n).ids for il in range(n_layer)])
+        assert np.array_equal(ref, got), step
+    with pytest.raises(ValueError, match="n_tokens"):
+        b.draw_ahead(0)
+
+
 def test_passes_drawn_ahead_on_a_worker_give_the_same_choices():
     """draw_passes_ahead (GPU runs): a multi-token pass starts drawing the next pass of its size on a
     worker thread. Prompt ubatches of one size, then a shorter last one, decode steps (graph-style,

@@ -125,12 +125,25 @@ class RoutingProcess:
         self._left = set()
         return self._cur_ids, self._cur_w
 
-    def draw_ahead(self) -> None:
-        """Draw the next decode pass now (a CUDA-graph decode calls this while the device runs the
-        current one, so the draw leaves the critical path). The next single-token pass takes it;
-        a multi-token pass or :meth:`new_prompt` drops it and rewinds the process to before it, so
-        every pass gets the choices it would get without drawing ahead."""
-        self._begin_ahead(1, background=False)
+    def draw_ahead(self, n_tokens: int = 1) -> None:
+        """Draw the next pass of ``n_tokens`` now, on this thread (a CUDA-graph decode calls this for
+        one token while the device runs the current pass; ``moecache bench`` for a prompt's first
+        ubatch before it starts the clock, as llama-bench's prompts pay no routing emulation). The
+        next pass of that size takes it; a pass of another size or :meth:`new_prompt` drops it and
+        rewinds the process to before it, so every pass gets the choices it would get without
+        drawing ahead. A pass of ``n_tokens`` already drawn ahead is kept (one at most), its draw
+        waited for when a worker makes it; one of another size is dropped first.
+
+        Raises:
+            ValueError: ``n_tokens`` < 1.
+        """
+        if n_tokens < 1:
+            raise ValueError(f"draw_ahead: n_tokens must be >= 1, got {n_tokens}")
+        if self._ahead is not None and self._ahead[0] != n_tokens:
+            self._drop_ahead()
+        if self._ahead is not None:
+            wait_for([self._ahead[1]])  # a worker's draw: done before this returns (its error: when taken)
+        self._begin_ahead(n_tokens, background=False)
 
     def _begin_ahead(self, n_tokens: int, background: bool) -> None:
         """Start drawing the next pass of ``n_tokens`` (on a worker thread if ``background``; the
