@@ -168,7 +168,9 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     in ns and the expert caches' counters over the timed parts only (depth prefills and warm-up
     excluded); ``totals["depth_ns"]`` sums the depth prefills' times (ns), which are outside the
     samples, as in llama-bench; ``totals["graph_steps"]`` counts the timed one-token steps replayed
-    as a CUDA graph (the rest ran op by op; None without a decode graph)."""
+    as a CUDA graph (the rest ran op by op; None without a decode graph). With a ``--routing``
+    process each timed prompt's first ubatch (``min(n_prompt, eng.n_ubatch)`` tokens) is drawn
+    before the clock starts (:meth:`~moecache.moe.routing_process.RoutingProcess.draw_ahead`)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)
