@@ -176,7 +176,8 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)
     # --routing's process: its host draw of a pass emulates a router whose real cost is the GPU's
     # router kernel (it still runs): the timed prompt's first ubatch takes a pass drawn before the
-    # clock starts (the later ones are drawn on a worker while the pass before computes)
+    # clock starts (with every layer on a GPU the later ones are drawn on a worker while the pass
+    # before computes; otherwise, and when the worker is slower than the pass, they stay on the clock)
     n_ubatch = getattr(eng, "n_ubatch", None)
     prime = getattr(getattr(getattr(eng, "model", None), "routing_override", None), "draw_ahead", None) if n_ubatch else None
     totals = {"hits": 0, "misses": 0, "uploads": 0, "cpu_misses": 0, "cpu_wait_ns": 0, "tokens": 0, "depth_ns": 0,

@@ -229,8 +229,53 @@ def test_run_test_draws_the_prompts_first_ubatch_of_a_routing_process_before_the
     # worker drawing ahead here), so inside the samples
     assert draws == [8, 8, 4] * 2 and samples == [20000 + 2 * 7_000_000] * 2
     draws.clear()
-    benchmark.run_test(Eng(), benchmark.BenchTest(0, 3, 0), 2, False, np.random.default_rng(0))
-    assert draws == [1] * 6  # tg: every one-token pass draws in its pass; nothing drawn before the clock
+    samples, _ = benchmark.run_test(Eng(), benchmark.BenchTest(0, 3, 0), 2, False, np.random.default_rng(0))
+    # tg: every one-token pass draws in its pass, on the clock; nothing drawn before it
+    assert draws == [1] * 6 and samples == [3 * 7_000_000 + 3000] * 2
+    draws.clear()
+    samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(5, 0, 16), 2, False, np.random.default_rng(0))
+    # pp5 @ d16: the depth prefill's two passes draw in them (outside the samples, in depth_ns); the
+    # prompt's pass is drawn after the depth, before the clock
+    assert draws == [8, 8, 5] * 2 and samples == [5000] * 2
+    assert tot["depth_ns"] == 2 * (16000 + 2 * 7_000_000)
+
+
+def test_run_test_priming_keeps_the_routing_of_a_process_drawing_ahead_on_a_worker():
+    """The GPU runs' setting (draw_passes_ahead: each multi-token pass starts the next one of its size
+    on a worker): with run_test drawing each prompt's first ubatch before the clock, every pass still
+    gets the choices of a process that draws each pass when asked (prompts of 8 + 8 + 4 tokens, so
+    the worker's pending 4-token pass is dropped by each priming of 8, and one of 8 is kept)."""
+    from types import SimpleNamespace
+
+    from moecache import benchmark
+    from moecache.moe.routing_process import PRESETS, RoutingProcess
+
+    n_layer = 3
+    proc = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 16, 2, seed=4)
+    proc.draw_passes_ahead = True
+    ref = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 16, 2, seed=4)
+    got, want = [], []
+
+    class Eng:
+        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=50))
+        caches: list = []
+        n_ubatch = 8
+        model = SimpleNamespace(routing_override=proc)
+
+        def reset(self):
+            pass
+
+        def eval(self, toks):
+            for i in range(0, len(toks), self.n_ubatch):
+                n = min(self.n_ubatch, len(toks) - i)
+                got.append(np.stack([proc.route(il, n).ids for il in range(n_layer)]))
+                want.append(np.stack([ref.route(il, n).ids for il in range(n_layer)]))
+
+    benchmark.run_test(Eng(), benchmark.BenchTest(20, 0, 0), 3, True, np.random.default_rng(0))
+    benchmark.run_test(Eng(), benchmark.BenchTest(16, 0, 0), 2, False, np.random.default_rng(0))
+    assert len(got) == 4 * 3 + 2 * 2
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g, w), i
 
 
 def test_prompt_timeline_summary_of_a_made_trace():
