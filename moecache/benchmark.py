@@ -43,7 +43,7 @@ OUR_FIELDS = ("moe_cache", "moe_cache_mib_granted", "vram_budget", "moe_cache_wi
               "elastic_slots", "cache_plan", "plan_cpu_layers", "plan_shares",
               "hit_rate", "uploads_per_token", "misses_per_token", "cpu_misses_per_token",
               "cpu_wait_us_per_token", "n_gen_warmup", "vram_used_mib", "depth_ts", "host_expert_layers",
-              "graph_steps")
+              "graph_steps", "routing_primed")
 
 
 MAX_LIST_VALUES = 1000  # values one bench flag may list (a range is expanded)
@@ -170,7 +170,8 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     samples, as in llama-bench; ``totals["graph_steps"]`` counts the timed one-token steps replayed
     as a CUDA graph (the rest ran op by op; None without a decode graph). With a ``--routing``
     process each timed prompt's first ubatch (``min(n_prompt, eng.n_ubatch)`` tokens) is drawn
-    before the clock starts (:meth:`~moecache.moe.routing_process.RoutingProcess.draw_ahead`)."""
+    before the clock starts (:meth:`~moecache.moe.routing_process.RoutingProcess.draw_ahead`),
+    counted in ``totals["routing_primed"]`` (None without such a process)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)
@@ -181,7 +182,8 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     n_ubatch = getattr(eng, "n_ubatch", None)
     prime = getattr(getattr(getattr(eng, "model", None), "routing_override", None), "draw_ahead", None) if n_ubatch else None
     totals = {"hits": 0, "misses": 0, "uploads": 0, "cpu_misses": 0, "cpu_wait_ns": 0, "tokens": 0, "depth_ns": 0,
-              "graph_steps": 0 if graph is not None else None}
+              "graph_steps": 0 if graph is not None else None,
+              "routing_primed": 0 if prime is not None else None}
 
     def once() -> int:
         eng.reset()
@@ -193,6 +195,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             c.reset_stats()
         if test.n_prompt and prime is not None:  # the prompt's first ubatch routed before the clock starts
             prime(min(test.n_prompt, n_ubatch))
+            totals["routing_primed"] += 1
         r0 = graph.replays if graph is not None else 0
         t0 = time.perf_counter_ns()
         if test.n_prompt:
@@ -351,6 +354,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     # timed one-token steps replayed as a CUDA graph, of n_gen x reps (the rest ran op by
                     # op); None without a decode graph
                     "graph_steps": tot["graph_steps"],
+                    # timed prompts whose first ubatch a --routing process drew before the clock (from
+                    # the thirty-ninth session; earlier rows drew it on the clock); None without one
+                    "routing_primed": tot["routing_primed"],
                 }
                 if tot["graph_steps"] is not None and tot["graph_steps"] < test.n_gen * reps and say:
                     op = test.n_gen * reps - tot["graph_steps"]

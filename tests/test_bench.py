@@ -177,7 +177,7 @@ def test_depth_ts_is_the_depth_prefills_own_speed(monkeypatch):
 
     for reps in (1, 3):
         samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(0, 4, 300), reps, True, np.random.default_rng(0))
-        assert samples == [4000] * reps and tot["depth_ns"] == 300_000 * reps
+        assert samples == [4000] * reps and tot["depth_ns"] == 300_000 * reps and tot["routing_primed"] is None
         assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 300), reps, tot["depth_ns"]) == 1e6
     assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 0), 3, 0) is None
 
@@ -221,17 +221,18 @@ def test_run_test_draws_the_prompts_first_ubatch_of_a_routing_process_before_the
                 proc.route(1, n)
                 clock[0] += 1000 * n
 
-    samples, _ = benchmark.run_test(Eng(), benchmark.BenchTest(5, 0, 0), 3, True, np.random.default_rng(0))
+    samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(5, 0, 0), 3, True, np.random.default_rng(0))
     assert samples == [5000] * 3 and draws == [5] * 4  # warm-up's draw in the pass; each timed one before
+    assert tot["routing_primed"] == 3
     draws.clear()
     samples, _ = benchmark.run_test(Eng(), benchmark.BenchTest(20, 0, 0), 2, False, np.random.default_rng(0))
     # 8 + 8 + 4 tokens: the first ubatch's draw before the clock; the later ones in their passes (no
     # worker drawing ahead here), so inside the samples
     assert draws == [8, 8, 4] * 2 and samples == [20000 + 2 * 7_000_000] * 2
     draws.clear()
-    samples, _ = benchmark.run_test(Eng(), benchmark.BenchTest(0, 3, 0), 2, False, np.random.default_rng(0))
+    samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(0, 3, 0), 2, False, np.random.default_rng(0))
     # tg: every one-token pass draws in its pass, on the clock; nothing drawn before it
-    assert draws == [1] * 6 and samples == [3 * 7_000_000 + 3000] * 2
+    assert draws == [1] * 6 and samples == [3 * 7_000_000 + 3000] * 2 and tot["routing_primed"] == 0
     draws.clear()
     samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(5, 0, 16), 2, False, np.random.default_rng(0))
     # pp5 @ d16: the depth prefill's two passes draw in them (outside the samples, in depth_ns); the
