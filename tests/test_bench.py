@@ -182,13 +182,32 @@ def test_depth_ts_is_the_depth_prefills_own_speed(monkeypatch):
     assert benchmark.depth_ts(benchmark.BenchTest(0, 4, 0), 3, 0) is None
 
 
+def _routed_engine(proc, on_pass, n_ubatch: int = 8):
+    """A stand-in engine for run_test with a --routing process: eval cuts the tokens into ubatches of
+    ``n_ubatch`` and calls ``on_pass(n)`` for each (the forward pass, which routes its layers)."""
+    from types import SimpleNamespace
+
+    class Eng:
+        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=50))
+        caches: list = []
+        model = SimpleNamespace(routing_override=proc)
+
+        def reset(self):
+            pass
+
+        def eval(self, toks):
+            for i in range(0, len(toks), self.n_ubatch):
+                on_pass(min(self.n_ubatch, len(toks) - i))
+
+    Eng.n_ubatch = n_ubatch
+    return Eng()
+
+
 def test_run_test_draws_the_prompts_first_ubatch_of_a_routing_process_before_the_clock(monkeypatch):
     """--routing: run_test has the routing process draw each timed prompt's first ubatch (min(prompt,
     -ub) tokens) before it starts the clock, so the samples exclude the emulation's host draw; a real
     RoutingProcess whose draw costs clock time shows it: the samples hold only the evaluation, and the
     draws counted equal the prompts (warm-up included). Without a prompt (tg) it draws nothing."""
-    from types import SimpleNamespace
-
     from moecache import benchmark
     from moecache.moe.routing_process import PRESETS, RoutingProcess
 
@@ -205,21 +224,13 @@ def test_run_test_draws_the_prompts_first_ubatch_of_a_routing_process_before_the
 
     proc._draw = costly_draw
 
-    class Eng:
-        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=50))
-        caches: list = []
-        n_ubatch = 8
-        model = SimpleNamespace(routing_override=proc)
+    def forward(n):
+        proc.route(0, n)  # the pass's routing of its two layers
+        proc.route(1, n)
+        clock[0] += 1000 * n
 
-        def reset(self):
-            pass
-
-        def eval(self, toks):
-            for i in range(0, len(toks), self.n_ubatch):
-                n = min(self.n_ubatch, len(toks) - i)
-                proc.route(0, n)  # the forward pass's routing of its first layer
-                proc.route(1, n)
-                clock[0] += 1000 * n
+    def Eng():
+        return _routed_engine(proc, forward)
 
     samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(5, 0, 0), 3, True, np.random.default_rng(0))
     assert samples == [5000] * 3 and draws == [5] * 4  # warm-up's draw in the pass; each timed one before
@@ -246,8 +257,6 @@ def test_run_test_priming_keeps_the_routing_of_a_process_drawing_ahead_on_a_work
     on a worker): with run_test drawing each prompt's first ubatch before the clock, every pass still
     gets the choices of a process that draws each pass when asked (prompts of 8 + 8 + 4 tokens, so
     the worker's pending 4-token pass is dropped by each priming of 8, and one of 8 is kept)."""
-    from types import SimpleNamespace
-
     from moecache import benchmark
     from moecache.moe.routing_process import PRESETS, RoutingProcess
 
@@ -257,23 +266,12 @@ def test_run_test_priming_keeps_the_routing_of_a_process_drawing_ahead_on_a_work
     ref = RoutingProcess(PRESETS["qwen3-moe"], n_layer, 16, 2, seed=4)
     got, want = [], []
 
-    class Eng:
-        gguf = SimpleNamespace(config=SimpleNamespace(n_vocab=50))
-        caches: list = []
-        n_ubatch = 8
-        model = SimpleNamespace(routing_override=proc)
+    def forward(n):
+        got.append(np.stack([proc.route(il, n).ids for il in range(n_layer)]))
+        want.append(np.stack([ref.route(il, n).ids for il in range(n_layer)]))
 
-        def reset(self):
-            pass
-
-        def eval(self, toks):
-            for i in range(0, len(toks), self.n_ubatch):
-                n = min(self.n_ubatch, len(toks) - i)
-                got.append(np.stack([proc.route(il, n).ids for il in range(n_layer)]))
-                want.append(np.stack([ref.route(il, n).ids for il in range(n_layer)]))
-
-    benchmark.run_test(Eng(), benchmark.BenchTest(20, 0, 0), 3, True, np.random.default_rng(0))
-    benchmark.run_test(Eng(), benchmark.BenchTest(16, 0, 0), 2, False, np.random.default_rng(0))
+    benchmark.run_test(_routed_engine(proc, forward), benchmark.BenchTest(20, 0, 0), 3, True, np.random.default_rng(0))
+    benchmark.run_test(_routed_engine(proc, forward), benchmark.BenchTest(16, 0, 0), 2, False, np.random.default_rng(0))
     assert len(got) == 4 * 3 + 2 * 2
     for i, (g, w) in enumerate(zip(got, want)):
         assert np.array_equal(g, w), i
