@@ -475,3 +475,37 @@ def test_run_test_sums_the_miss_paths_of_every_cache():
                samples_ns=[1], n_tokens=1)
     row = json.loads(render([r], "jsonl", []).splitlines()[0])
     assert (row["misses_per_token"], row["cpu_misses_per_token"], row["cpu_wait_us_per_token"]) == (8.0, 4.0, 1.5)
+
+
+def test_prompt_chunks_counts_the_plans_and_parses_its_arms():
+    """bench/prompt_chunks.py: its counter records each plan call's chunks, padded rows, routed pairs
+    and distinct chunk shapes as the plan returns them (a ratio of 8 makes fewer chunks than 2 on
+    a skewed routing, the same pairs), its table averages them per MoE call and per pair, and an arm
+    is RATIO,POW2 with a ratio >= 1."""
+    import argparse
+
+    from moecache.backends.moe_plan import layer_plan
+
+    pc = bench_scripts.load("prompt_chunks")
+    rng = np.random.default_rng(5)
+    p = np.exp(3.0 * rng.standard_normal(64))
+    ids = np.stack([rng.choice(64, 8, replace=False, p=p / p.sum()) for _ in range(512)]).astype(np.int32)
+    got = {}
+    for ratio in (2, 8):
+        c = pc.ChunkCounter(layer_plan)
+        chunks, _, _, n_r, n_p = c(ids, 64, 40, 8192, 64 << 20, 16, ratio, False)
+        assert c.calls == [(len(chunks), n_r, n_p)] and n_p == ids.size
+        assert c.shapes == {(int(a), int(b)) for a, b in chunks}
+        got[ratio] = c.calls[0]
+        c.clear()
+        assert c.calls == [] and c.shapes == set()
+    assert got[8][0] < got[2][0] and got[8][1] >= got[2][1]  # fewer chunks, more padded rows
+    lines = pc.table([("a", [100.0, 300.0, 200.0], [(4, 60, 40), (2, 20, 20)], {(1, 16), (2, 32)})])
+    assert lines[2] == "| a | 200 | 100, 300, 200 | 3.00 | 2 | 1.33 |"
+    assert pc.table([("b", [], [(1, 16, 8)], set())])[2] == "| b | - | - | 1.00 | 0 | 2.00 |"
+    counted = pc.count_only([(2, False), (8, True)], 64, 1, "uniform")  # the plans of one drawn prompt
+    assert len(counted) == 4 and counted[2].startswith("| ratio 2, align 16 | - | - |")
+    assert pc.parse_arm("4,1") == (4, True) and pc.parse_arm("2,0") == (2, False)
+    for bad in ("x", "0,1", "4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pc.parse_arm(bad)

@@ -520,9 +520,12 @@ def test_moe_ffn_with_pairs_of_no_expert_matches_numpy_twin(gpu, gpu_q8, n_tok, 
     assert err < (1e-4 if arith == "default" and n_tok > 16 else 1e-5), f"T={n_tok} {arith} seed {seed}: {err:.2e}"
 
 
-def test_moe_prompt_chunks_under_a_skewed_router_match_numpy_twin(gpu, monkeypatch):
+@pytest.mark.parametrize("ratio,pow2", [(2, False), (1, False), (4, True), (8, False)])
+def test_moe_prompt_chunks_under_a_skewed_router_match_numpy_twin(gpu, monkeypatch, ratio, pow2):
     """The prompt MoE in many chunks (hottest experts first, a small padded-activation bound) under
-    a skewed router (a few experts take most tokens) gives the CPU twin's result."""
+    a skewed router (a few experts take most tokens) gives the CPU twin's result, with the default
+    chunking and with the others bench/prompt_chunks.py A/Bs (``prompt_chunk_ratio``: chunks of
+    counts within that ratio of their largest; ``prompt_m_pow2``: padded rows a power of two)."""
     from moecache.backends import NumpyBackend, cupy_backend
     from moecache.moe.routing import topk_routing
     from moecache.quants.formats import FORMATS
@@ -541,10 +544,12 @@ def test_moe_prompt_chunks_under_a_skewed_router_match_numpy_twin(gpu, monkeypat
     counts = np.diff(r.groups()[1])
     assert counts.max() > 4 * np.median(counts)  # skewed
     monkeypatch.setattr(cupy_backend, "MOE_ACT_BYTES", 120 * 4 * n_embd)  # chunks of <= 120 padded rows
+    monkeypatch.setattr(gpu, "prompt_chunk_ratio", ratio)
+    monkeypatch.setattr(gpu, "prompt_m_pow2", pow2)
     ref = NumpyBackend().moe_ffn(g, u, d, tt, r, h, "silu")
     got = cp.asnumpy(gpu.moe_ffn(gpu.upload(g), gpu.upload(u), gpu.upload(d), tt, r, cp.asarray(h), "silu"))
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    assert err < 1e-5, f"seed {seed}: {err:.2e}"
+    assert err < 1e-5, f"seed {seed}, ratio {ratio}, pow2 {pow2}: {err:.2e}"
 
 
 def test_softmax_topk_kernel_matches_numpy(gpu):

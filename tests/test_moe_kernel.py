@@ -310,27 +310,39 @@ def test_expert_runs_cover_the_used_experts(rng):
 def test_moe_prompt_chunks_bound_padding_and_cover_every_expert(rng):
     """The prompt MoE's chunks (CuPy batched GEMMs padded to a chunk's largest group): every used
     expert exactly once, hottest first, at most max_experts per chunk and act_bytes of padded rows
-    (unless one expert alone is larger); under a skewed router the padded rows stay near the real
-    ones, where chunks in id order padded every expert to the hottest one's count."""
+    (unless one expert alone is larger); a chunk's padded rows under ``ratio`` times its real ones
+    (twice that with ``pow2``, whose padded rows are the least power of two at least the largest
+    count); under a skewed router the padded rows stay near the real ones, where chunks in id order
+    padded every expert to the hottest one's count."""
     from moecache.backends.ops import moe_prompt_chunks
 
     row = 8192
-    for trial in range(30):
+    for trial in range(60):
         n_used = int(rng.integers(1, 129))
         counts = np.maximum(1, (rng.pareto(1.0 + trial % 3, n_used) * 20).astype(np.int64))
         act = int(rng.integers(1, 64)) << 20
         max_experts = int(rng.integers(1, 41))
-        chunks = moe_prompt_chunks(counts, max_experts, row, act)
+        ratio, pow2 = (2, False) if trial < 30 else (int(rng.choice([1, 2, 3, 4, 8])), bool(trial % 2))
+        chunks = moe_prompt_chunks(counts, max_experts, row, act, ratio=ratio, pow2=pow2)
         flat = np.concatenate(chunks)
         assert sorted(flat.tolist()) == list(range(n_used))
         assert (np.diff(counts[flat]) <= 0).all()
+
+        def m_of(ch):
+            big = int(counts[ch].max())
+            m = 1 << (big - 1).bit_length() if pow2 else big
+            assert big <= m < 2 * big or (m == big == 1)
+            return m
         for ch in chunks:
-            padded = len(ch) * counts[ch].max() * row
+            padded = len(ch) * m_of(ch) * row
             assert len(ch) <= max_experts and (padded <= act or len(ch) == 1)
-            assert len(ch) * counts[ch].max() <= 2 * counts[ch].sum()  # padding < the real rows
+            assert len(ch) * m_of(ch) <= (2 if pow2 else 1) * ratio * counts[ch].sum()  # the padding's bound
+            assert ratio * counts[ch].min() >= counts[ch].max()
         for ch, nxt in zip(chunks, chunks[1:]):  # a chunk stops only at a bound
-            assert len(ch) == max_experts or 2 * counts[nxt[0]] < counts[ch[0]] or \
-                (len(ch) + 1) * counts[ch].max() * row > act
+            assert len(ch) == max_experts or ratio * counts[nxt[0]] < counts[ch[0]] or \
+                (len(ch) + 1) * m_of(ch) * row > act
+    with pytest.raises(ValueError, match="ratio"):
+        moe_prompt_chunks(np.array([3, 1]), 4, row, 1 << 20, ratio=0)
     counts = np.array([3] * 60 + [500] + [3] * 67)  # one hot expert: in id order, 40 experts padded to 500 rows
     chunks = moe_prompt_chunks(counts, 40, row, 64 << 20)
     assert [len(ch) for ch in chunks] == [1, 40, 40, 40, 7] and chunks[0].tolist() == [60]
@@ -363,24 +375,30 @@ def _run_plan(plan, h, mats):
     return np.concatenate(outs), e_at
 
 
-@pytest.mark.parametrize("skew,m_align", [(0.0, 1), (3.0, 1), (0.0, 16), (3.0, 16)])
-def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew, m_align):
+@pytest.mark.parametrize("skew,m_align,ratio,pow2", [(0.0, 1, 2, False), (3.0, 1, 2, False), (0.0, 16, 2, False),
+                                                     (3.0, 16, 2, False), (3.0, 16, 4, False), (3.0, 16, 2, True),
+                                                     (0.0, 1, 8, True)])
+def test_moe_prompt_plan_executed_in_numpy_gives_every_pairs_sum(rng, skew, m_align, ratio, pow2):
     """The GPU's prompt-MoE plan (moe_prompt_plan: chunks, each chunk's experts and padded token
     rows, each pair's output row) run with numpy stand-ins for the GEMMs (a random matrix per
     expert; the chunks' padded outputs stacked; each token's k rows summed with its weights) equals
-    the direct sum over each token's routed experts; padding stays under the real rows (plus the
-    rounding to ``m_align`` rows per expert, the GPU's MOE_PROMPT_M_ALIGN)."""
+    the direct sum over each token's routed experts; the padded rows stay under ``ratio`` times the
+    real ones (plus the rounding to ``m_align`` rows per expert, the GPU's MOE_PROMPT_M_ALIGN; twice
+    all that with ``pow2``, whose padded rows per expert are a power of two)."""
     from moecache.backends.ops import moe_prompt_plan
 
     t, k, n_exp, d_in, d_out = 300, 4, 32, 24, 16
     ids, w, h, mats, ref = _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out)
     act = 40 * 4 * d_in  # <= 40 padded rows a chunk, unless one expert's alone are more
-    plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, act, m_align)  # <= 7 experts
+    plan = moe_prompt_plan(ids, n_exp, 7, 4 * d_in, act, m_align, ratio=ratio, pow2=pow2)  # <= 7 experts
     assert len(plan.chunks) > 2
     assert all(m % m_align == 0 and (n_c * m * 4 * d_in <= act or n_c == 1) for n_c, m in plan.chunks)
+    assert not pow2 or all(m & (m - 1) == 0 for _, m in plan.chunks)
     y, e_at = _run_plan(plan, h, mats)
     n_used = np.unique(ids).size
-    assert y.shape[0] == plan.n_rows <= 2 * t * k + (m_align - 1) * n_used and e_at == plan.expert_ids.size == n_used
+    f = 2 if pow2 else 1
+    assert y.shape[0] == plan.n_rows <= f * (ratio * t * k + (m_align - 1) * n_used)
+    assert e_at == plan.expert_ids.size == n_used
     got = (w.reshape(-1, 1) * y[plan.row_of_pair]).reshape(t, k, d_out).sum(1)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
@@ -411,7 +429,7 @@ def test_moe_prompt_plan_leaves_out_pairs_of_no_expert(rng):
     assert not none.chunks and (none.row_of_pair == -1).all()
 
 
-def _numpy_plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):
+def _numpy_plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align, ratio=2, pow2=False):
     """The prompt-MoE plan's rules written with numpy sorts and masks (the implementation before the
     compiled one, kept as its reference): (chunks, expert_ids, token_rows, row_of_pair)."""
     from moecache.backends.ops import moe_prompt_chunks
@@ -426,9 +444,11 @@ def _numpy_plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):
     offs = np.concatenate([[0], np.cumsum(counts)])
     chunks, e_parts, r_parts, n_rows = [], [], [], 0
     row_of_pair = np.full(t * k, -1, np.int32)
-    for ch in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes, m_align):
+    for ch in moe_prompt_chunks(counts, max_experts, row_bytes, act_bytes, m_align, ratio=ratio, pow2=pow2):
         c = counts[ch]
         n_c, m = len(ch), -(-int(c.max()) // m_align) * m_align
+        while pow2 and m & (m - 1):  # the least power of two at least that
+            m += 1
         slot = np.arange(m)[None, :]
         valid = slot < c[:, None]
         pairs = order[np.where(valid, offs[ch, None] + slot, offs[ch, None])]
@@ -444,8 +464,9 @@ def _numpy_plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):
 def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
     """moe_prompt_plan (compiled, moecache.backends.moe_plan) equals the numpy version of its rules
     element for element, over random routings: skewed and flat, with pairs of no expert, tight and
-    loose chunk bounds, m_align 1 and 16, an expert twice in a token's row, no pair with an expert
-    at all; and layer_plan's one index buffer holds the same expert
+    loose chunk bounds, m_align 1 and 16, chunk ratios 1-8 and padded rows rounded to powers of two
+    or not, an expert twice in a token's row, no pair with an expert at all; and layer_plan's one
+    index buffer holds the same expert
     ids and token rows, then each kept pair's row token by token and each token's first pair."""
     from moecache.backends.moe_plan import layer_plan
     from moecache.backends.ops import moe_prompt_plan
@@ -460,12 +481,13 @@ def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
             ids = np.where(rng.random(ids.shape) < (1.0 if trial % 4 == 0 else 0.5), -1, ids).astype(np.int32)
         max_experts, m_align = int(rng.integers(1, 50)), int(rng.choice([1, 16]))
         row_bytes, act_bytes = int(rng.integers(1, 64)) * 4, int(rng.integers(1, 4000)) * 4
-        want = _numpy_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
-        got = moe_prompt_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
+        ratio, pow2 = (2, False) if trial % 2 else (int(rng.choice([1, 3, 4, 8])), bool(rng.integers(2)))
+        want = _numpy_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align, ratio, pow2)
+        got = moe_prompt_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align, ratio=ratio, pow2=pow2)
         assert got.chunks == want[0], trial
         for a, b in zip((got.expert_ids, got.token_rows, got.row_of_pair), want[1:]):
             np.testing.assert_array_equal(a, b)
-        chunks, idx, n_e, n_r, n_p = layer_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align)
+        chunks, idx, n_e, n_r, n_p = layer_plan(ids, n_exp, max_experts, row_bytes, act_bytes, m_align, ratio, pow2)
         assert [tuple(c) for c in chunks.tolist()] == want[0] and idx.dtype == np.int32
         np.testing.assert_array_equal(idx[:n_e], want[1])
         np.testing.assert_array_equal(idx[n_e:n_e + n_r], want[2])
@@ -478,6 +500,8 @@ def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
         moe_prompt_plan(np.array([[2**32 + 1, 0]], np.int64), 4, 2, 4, 64)
     with pytest.raises(ValueError, match="integers"):
         moe_prompt_plan(np.array([[0.5, 1.0]]), 4, 2, 4, 64)
+    with pytest.raises(ValueError, match="ratio"):
+        moe_prompt_plan(np.array([[0, 1]], np.int32), 4, 2, 4, 64, ratio=0)
 
 
 @pytest.mark.parametrize("n_tok,act_q8", [(5, False), (5, True), (40, False), (40, True)])

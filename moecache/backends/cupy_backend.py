@@ -29,8 +29,8 @@ from moecache.backends.gemm import rows_times_weights_t, run as run_gemm
 from moecache.backends.moe_plan import layer_plan
 from moecache.backends.numpy_backend import Linear, NumpyBackend
 from moecache.backends.staging import StagingRing, staged_gather_upload
-from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN, MOE_SCRATCH_BYTES, ArrayOps,
-                                   expert_runs, moe_prompt_groups)
+from moecache.backends.ops import (DECODE_MAX_TOKENS, MOE_ACT_BYTES, MOE_PROMPT_CHUNK_RATIO, MOE_PROMPT_M_ALIGN,
+                                   MOE_SCRATCH_BYTES, ArrayOps, expert_runs, moe_prompt_groups)
 from moecache.gguf_file import TensorView
 from moecache.moe.routing import Routing
 from moecache.quants.act_q8 import Q8_ACT, grouped_prompt_ok  # formats with 8-bit-activation kernels in mmvq.cu
@@ -258,6 +258,11 @@ class CupyBackend(ArrayOps):
         # moeq_gdown: each expert's rows read once per group of up to DECODE_MAX_TOKENS tokens, no
         # dequantized weights, no GEMM) instead of float16 GEMMs; off until measured on a GPU
         self.prompt_q8 = prompt_q8
+        # the float16 prompt MoE's chunking (moecache.backends.ops.moe_prompt_chunks): a chunk's
+        # experts of at least 1 / prompt_chunk_ratio of its largest count, their padded rows rounded
+        # up to a power of two with prompt_m_pow2 (fewer GEMM shapes); bench/prompt_chunks.py A/Bs them
+        self.prompt_chunk_ratio = MOE_PROMPT_CHUNK_RATIO
+        self.prompt_m_pow2 = False
         # the decode products of Q8_ACT formats round their activations to int8 per 32 values (as
         # llama.cpp's MMVQ kernels do) and prompt products round weights and activations to float16
         # (tensor-core GEMMs, as llama.cpp's cuBLAS path); False keeps float32 (the CPU twin's
@@ -1104,7 +1109,7 @@ class CupyBackend(ArrayOps):
         per_expert = cp.dtype(dt).itemsize * ff * n_embd  # bytes of one dequantized matrix
         max_experts = max(1, MOE_SCRATCH_BYTES // per_expert)
         chunks, idx_h, n_e, n_r, n_p = layer_plan(ids_h, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES,
-                                                  MOE_PROMPT_M_ALIGN)
+                                                  MOE_PROMPT_M_ALIGN, self.prompt_chunk_ratio, self.prompt_m_pow2)
         if not len(chunks):  # every pair of no expert (id < 0)
             return cp.zeros((t, n_embd), cp.float32)
         # the weighted sum's pairs: all T * k, or those of an expert (ids >= 0)

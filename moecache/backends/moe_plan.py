@@ -17,7 +17,8 @@ Rules (the numpy version's, exactly):
 - used experts go in descending pair count, ties by ascending id (a stable sort);
 - a chunk starts at the hottest expert left, holds at most ``max_experts`` experts and
   ``act_bytes`` of padded rows (``chunk size * m * row_bytes``, m = its largest count rounded up to
-  ``m_align``; one expert at least), and only experts of at least half its largest count;
+  ``m_align``, then with ``pow2`` to a power of two; one expert at least), and only experts of at
+  least 1 / ``ratio`` of its largest count;
 - an expert's rows are its pairs in flat order (tokens ascending), padded to m with its first
   pair's token.
 """
@@ -31,7 +32,7 @@ from numba import njit
 
 
 @njit(cache=True)
-def _plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):  # pragma: no cover - compiled
+def _plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align, ratio, pow2):  # pragma: no cover - compiled
     n_pairs = ids.size
     flat = ids.reshape(-1)
     counts = np.zeros(n_expert, np.int64)
@@ -76,10 +77,15 @@ def _plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align):  # pragma:
     while i < n_used:
         largest = max(1, counts[used[i]])
         m = -(-largest // m_align) * m_align
+        if pow2:
+            p2 = 1
+            while p2 < m:
+                p2 *= 2
+            m = p2
         n = max(1, min(max_experts, act_bytes // (m * row_bytes)))
         n = min(n, n_used - i)
         c = 0
-        while c < n and 2 * counts[used[i + c]] >= largest:
+        while c < n and ratio * counts[used[i + c]] >= largest:
             c += 1
         chunks[n_chunks, 0] = c
         chunks[n_chunks, 1] = m
@@ -136,28 +142,32 @@ def _sum_index(ids, row_of_pair):  # pragma: no cover - compiled
 
 
 def plan_arrays(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int, act_bytes: int,
-                m_align: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                m_align: int = 1, ratio: int = 2, pow2: bool = False
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The plan of routing ``ids`` (int (T, k), values < ``n_expert``; < 0: no expert) as arrays:
     (chunks int64 (C, 2) of (experts, padded rows per expert), expert_ids int32, token_rows int32,
     row_of_pair int32 (T * k,)); the arguments as :func:`moecache.backends.ops.moe_prompt_plan`'s.
-    Raises ValueError for ids that are not integers (T, k), an id >= n_expert or a size argument < 1."""
+    Raises ValueError for ids that are not integers (T, k), an id >= n_expert or a size argument or
+    ``ratio`` < 1."""
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu":
         raise ValueError(f"routing ids must be integers (T, k), got {ids.dtype} {ids.shape}")
-    if min(n_expert, max_experts, row_bytes, act_bytes, m_align) < 1:
-        raise ValueError("moe prompt plan: n_expert, max_experts, row_bytes, act_bytes and m_align must be >= 1")
+    if min(n_expert, max_experts, row_bytes, act_bytes, m_align, ratio) < 1:
+        raise ValueError("moe prompt plan: n_expert, max_experts, row_bytes, act_bytes, m_align and ratio must be >= 1")
     if ids.size and int(ids.max()) >= n_expert:  # checked before the cast to int32, which could wrap
         raise ValueError(f"expert id {int(ids.max())} out of range [0, {n_expert})")
-    return _plan(np.ascontiguousarray(ids, np.int32), n_expert, max_experts, row_bytes, act_bytes, m_align)
+    return _plan(np.ascontiguousarray(ids, np.int32), n_expert, max_experts, row_bytes, act_bytes, m_align,
+                 int(ratio), bool(pow2))
 
 
 def layer_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int, act_bytes: int,
-               m_align: int = 1) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+               m_align: int = 1, ratio: int = 2, pow2: bool = False) -> tuple[np.ndarray, np.ndarray, int, int, int]:
     """:func:`plan_arrays` and the weighted sum's indices in one int32 buffer, as the GPU's prompt
     MoE uploads them: ``idx = [expert_ids (n_e), token_rows (n_r), pair_rows (n_p), starts (T + 1)]``
     where ``pair_rows`` lists the output row of each pair with an expert, token by token, and token
     i's pairs are ``pair_rows[starts[i]:starts[i + 1]]``. Returns (chunks (C, 2), idx, n_e, n_r, n_p)."""
-    chunks, eids, rows, row_of_pair = plan_arrays(ids, n_expert, max_experts, row_bytes, act_bytes, m_align)
+    chunks, eids, rows, row_of_pair = plan_arrays(ids, n_expert, max_experts, row_bytes, act_bytes, m_align,
+                                                  ratio, pow2)
     pair_rows, starts = _sum_index(np.ascontiguousarray(ids, np.int32), row_of_pair)
     idx = np.concatenate([eids, rows, pair_rows, starts])
     return chunks, idx, eids.size, rows.size, pair_rows.size

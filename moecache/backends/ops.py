@@ -41,6 +41,16 @@ MOE_ACT_BYTES = 64 << 20
 # a chunk's six arrays at most 175 MiB instead of 134 under uniform routing, 62 instead of 60 under
 # qwen3-moe (bench/moe_prompt_padding.py, 512-token ubatch, Qwen3-30B-A3B's shape)
 MOE_PROMPT_M_ALIGN = 16
+# a chunk of the GPU prompt MoE holds only experts of at least 1 / MOE_PROMPT_CHUNK_RATIO of its
+# largest count (moe_prompt_chunks), so its padded rows stay under RATIO times its real ones. A larger
+# ratio makes fewer chunks (launches: 7.8 a layer at 2, 4.6 at 4 for a 512-token ubatch under
+# qwen3-moe routing, every expert on the GPU) with more padded rows (1.58 per pair at 2, 2.15 at 4),
+# and the layer's padded down outputs grow with it (the bound above scales with the ratio; twice with
+# padded rows rounded to powers of two, which cut the distinct GEMM shapes from 297 to 111 over six
+# such prompts): `python bench/prompt_chunks.py --count`, bench/results/prompt-chunks-count.md. Both
+# are CupyBackend attributes (prompt_chunk_ratio, prompt_m_pow2) so that bench/prompt_chunks.py can
+# A/B them on a GPU; the defaults stay the measured road until then.
+MOE_PROMPT_CHUNK_RATIO = 2
 
 
 def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -55,7 +65,7 @@ def _scratch(xp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_bytes: int,
-                      m_align: int = 1) -> list[np.ndarray]:
+                      m_align: int = 1, ratio: int = MOE_PROMPT_CHUNK_RATIO, pow2: bool = False) -> list[np.ndarray]:
     """Chunks of a prompt ubatch's used experts for batched GEMMs padded to a chunk's largest group.
 
     Args:
@@ -63,25 +73,31 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         max_experts: at most this many experts per chunk (their dequantized weights share a scratch).
         row_bytes: bytes of one padded token row of the widest activation (4 * max(n_embd, n_ff)).
         act_bytes: at most this many bytes of padded rows (``len(chunk) * m * row_bytes``, m the
-            chunk's largest count rounded up to a multiple of ``m_align``) per chunk, unless one
-            expert alone is larger.
+            chunk's padded rows per expert: :func:`padded_rows`) per chunk, unless one expert alone
+            is larger.
         m_align: the padded rows per expert are a multiple of this (:data:`MOE_PROMPT_M_ALIGN`).
+        ratio: a chunk holds only counts of at least 1 / ``ratio`` of its largest (>= 1;
+            :data:`MOE_PROMPT_CHUNK_RATIO`).
+        pow2: the padded rows per expert are also rounded up to a power of two (fewer GEMM shapes).
 
     Returns:
         Index arrays into ``counts``, every used expert once. Experts go in descending count and a
-        chunk holds only counts of at least half its largest, so its padded rows are fewer than
-        twice its real ones, plus ``m_align - 1`` per expert for the rounding. Chunks in id order
+        chunk holds only counts of at least 1 / ``ratio`` of its largest, so its padded rows are
+        fewer than ``ratio`` times its real ones (twice that with ``pow2``), plus ``m_align - 1``
+        per expert for the rounding. Raises ValueError for ``ratio`` < 1. Chunks in id order
         padded every expert to the hottest one's count: under a skewed router (one expert taking
         up to 506 of a 512-token ubatch's pairs) 685 MiB of activations at once
         (bench/results/moe-prompt-padding.md).
     """
+    if ratio < 1:
+        raise ValueError(f"moe prompt chunks: ratio must be >= 1, got {ratio}")
     counts = np.asarray(counts, np.int64)
     order = np.argsort(-counts, kind="stable")
     out, i = [], 0
     while i < order.size:
         largest = max(1, int(counts[order[i]]))
-        n = max(1, min(max_experts, act_bytes // (_round_up(largest, m_align) * row_bytes)))
-        n = int(np.sum(2 * counts[order[i:i + n]] >= largest))  # >= 1 (the largest itself); sorted: a prefix
+        n = max(1, min(max_experts, act_bytes // (padded_rows(largest, m_align, pow2) * row_bytes)))
+        n = int(np.sum(ratio * counts[order[i:i + n]] >= largest))  # >= 1 (the largest itself); sorted: a prefix
         out.append(order[i:i + n])
         i += n
     return out
@@ -90,6 +106,14 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
 def _round_up(n: int, align: int) -> int:
     """The least multiple of ``align`` (>= 1) that is >= ``n``."""
     return -(-n // align) * align
+
+
+def padded_rows(largest: int, m_align: int, pow2: bool = False) -> int:
+    """A prompt-MoE chunk's padded rows per expert for its ``largest`` count (>= 1): the least
+    multiple of ``m_align`` at least that, with ``pow2`` the least power of two at least that
+    (a multiple of ``m_align`` too when ``m_align`` is a power of two)."""
+    m = _round_up(largest, m_align)
+    return 1 << (m - 1).bit_length() if pow2 else m
 
 
 @dataclass(frozen=True)
@@ -128,16 +152,18 @@ def _pairs_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.nda
 
 
 def moe_prompt_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int,
-                    act_bytes: int, m_align: int = 1) -> MoePromptPlan:
+                    act_bytes: int, m_align: int = 1, ratio: int = MOE_PROMPT_CHUNK_RATIO,
+                    pow2: bool = False) -> MoePromptPlan:
     """The GPU's prompt-MoE plan for routing ``ids`` (int (T, k), values < ``n_expert``; a pair of id
     < 0 has no expert: it gets no row and ``row_of_pair`` -1): used experts chunked as
-    :func:`moe_prompt_chunks` does (``max_experts``, ``row_bytes``, ``act_bytes``, ``m_align`` as
-    there), each expert's tokens in increasing order, each chunk's experts padded to its largest
-    count rounded up to a multiple of ``m_align``. Compiled (:mod:`moecache.backends.moe_plan`); the
+    :func:`moe_prompt_chunks` does (``max_experts``, ``row_bytes``, ``act_bytes``, ``m_align``,
+    ``ratio``, ``pow2`` as there), each expert's tokens in increasing order, each chunk's experts
+    padded to :func:`padded_rows` of its largest count. Compiled (:mod:`moecache.backends.moe_plan`); the
     CPU tests run it against a direct per-pair sum and against a numpy version of the same rules."""
     from moecache.backends.moe_plan import plan_arrays
 
-    chunks, eids, rows, row_of_pair = plan_arrays(ids, n_expert, max_experts, row_bytes, act_bytes, m_align)
+    chunks, eids, rows, row_of_pair = plan_arrays(ids, n_expert, max_experts, row_bytes, act_bytes, m_align,
+                                                  ratio, pow2)
     return MoePromptPlan([(int(c), int(m)) for c, m in chunks], eids, rows, row_of_pair)
 
 
