@@ -22,7 +22,7 @@ gaps' other test).
 by a routing preset (``--routing``, qwen3-moe by default) for Qwen3-30B-A3B's shape (48 layers, 128
 experts, top-8, n_embd 2048, expert ff 768), one MoE call a layer as with every expert on the GPU:
 
-    python bench/prompt_chunks.py --count -p 512 -r 6
+    python bench/prompt_chunks.py --count -p 512 -r 6 [--resident 0.35]
 """
 
 from __future__ import annotations
@@ -82,10 +82,15 @@ def table(rows: list[tuple[str, list[float], list[tuple[int, int, int]], set]]) 
     return out
 
 
-def count_only(arms: list[tuple[int, bool]], n_prompt: int, reps: int, routing: str) -> list[str]:
+def count_only(arms: list[tuple[int, bool]], n_prompt: int, reps: int, routing: str,
+               resident: float = 0.0, group: int = 50) -> list[str]:
     """The plans of ``reps`` prompts of ``n_prompt`` tokens under routing preset ``routing`` for
     Qwen3-30B-A3B's shape, per arm (the GPU's float16 scratch and activation bounds): markdown lines
-    as :func:`table`'s, with no t/s."""
+    as :func:`table`'s, with no t/s. ``resident`` > 0 splits each layer's calls as the expert
+    cache's prompt groups do, roughly: that fraction of the layer's experts, the pass's most used,
+    in one call (the slots), the other used ones ``group`` at a time by id (128 MiB groups of
+    2.53 MiB experts), each call's other pairs of no expert. The cache's real slots follow its
+    usage history, not the pass's own counts: an approximation."""
     from moecache.backends.moe_plan import layer_plan
     from moecache.backends.ops import MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN, MOE_SCRATCH_BYTES
     from moecache.moe.routing_process import make_routing
@@ -99,9 +104,20 @@ def count_only(arms: list[tuple[int, bool]], n_prompt: int, reps: int, routing: 
             rp.new_prompt()
         passes += [np.asarray(rp.route(il, n_prompt).ids) for il in range(n_layer)]
     out = table([])
+    calls = []
+    for ids in passes:
+        if resident <= 0:
+            calls.append(ids)
+            continue
+        counts = np.bincount(ids.reshape(-1), minlength=n_expert)
+        slots = np.argsort(-counts, kind="stable")[:int(resident * n_expert)]
+        used = np.flatnonzero(counts)
+        rest = np.setdiff1d(used, slots)
+        for sel in [slots] + [rest[i:i + group] for i in range(0, rest.size, group)]:
+            calls.append(np.where(np.isin(ids, sel), ids, -1).astype(np.int32))
     for ratio, pow2 in arms:
         c = ChunkCounter(layer_plan)
-        for ids in passes:
+        for ids in calls:
             c(ids, n_expert, max_experts, 4 * max(n_embd, ff), MOE_ACT_BYTES, MOE_PROMPT_M_ALIGN, ratio, pow2)
         out += table([(f"ratio {ratio}, {'pow2' if pow2 else 'align 16'}", [], c.calls, c.shapes)])[2:]
     return out
@@ -111,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", help="the GGUF (not with --count)")
     ap.add_argument("--count", action="store_true", help="the plans alone, on the CPU, no model (see above)")
+    ap.add_argument("--resident", type=float, default=0.0, help="with --count: that fraction of a layer's experts "
+                    "in slots, the rest in prompt groups (count_only's approximation of the expert cache)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-r", "--reps", type=int, default=5, help="timed prompts per arm (after one warm-up each)")
     ap.add_argument("--arms", type=parse_arm, nargs="+", default=[(2, False), (4, False), (2, True), (4, True)],
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=15)
     a = ap.parse_args(argv)
     if a.count:
-        print("\n".join(count_only(a.arms, a.n_prompt, a.reps, a.routing or "qwen3-moe")))
+        print("\n".join(count_only(a.arms, a.n_prompt, a.reps, a.routing or "qwen3-moe", a.resident)))
         return 0
     if not a.model:
         ap.error("-m MODEL is needed (or --count)")

@@ -505,6 +505,9 @@ def test_prompt_chunks_counts_the_plans_and_parses_its_arms():
     assert pc.table([("b", [], [(1, 16, 8)], set())])[2] == "| b | - | - | 1.00 | 0 | 2.00 |"
     counted = pc.count_only([(2, False), (8, True)], 64, 1, "uniform")  # the plans of one drawn prompt
     assert len(counted) == 4 and counted[2].startswith("| ratio 2, align 16 | - | - |")
+    split = pc.count_only([(2, False)], 64, 1, "uniform", resident=0.25, group=8)  # the cache's calls
+    per_call = lambda line: float(line.split("|")[4])  # noqa: E731 - chunks per MoE call
+    assert per_call(split[2]) < per_call(counted[2])  # more calls a layer, each of fewer experts
     assert pc.parse_arm("4,1") == (4, True) and pc.parse_arm("2,0") == (2, False)
     for bad in ("x", "0,1", "4"):
         with pytest.raises(argparse.ArgumentTypeError):

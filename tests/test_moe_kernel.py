@@ -347,6 +347,15 @@ def test_moe_prompt_chunks_bound_padding_and_cover_every_expert(rng):
     chunks = moe_prompt_chunks(counts, 40, row, 64 << 20)
     assert [len(ch) for ch in chunks] == [1, 40, 40, 40, 7] and chunks[0].tolist() == [60]
     assert sum(len(ch) * int(counts[ch].max()) for ch in chunks) == counts.sum()  # no padding at all
+    # padded to m_align rows (a largest count <= 16), a chunk takes every expert left: each pads to 16
+    # rows in any chunk; above that the ratio splits (40 and 33 pad to 48 rows, 20 to 32)
+    counts = np.array([16, 1, 9, 40, 8, 3, 7, 33, 1, 20])
+    got = [counts[ch].tolist() for ch in moe_prompt_chunks(counts, 40, row, 64 << 20, m_align=16)]
+    assert got == [[40, 33, 20], [16, 9, 8, 7, 3, 1, 1]]
+    got = [counts[ch].tolist() for ch in moe_prompt_chunks(counts, 4, row, 64 << 20, m_align=16)]
+    assert got == [[40, 33, 20], [16, 9, 8, 7], [3, 1, 1]]  # max_experts still bounds them
+    assert [counts[ch].tolist() for ch in moe_prompt_chunks(counts, 40, row, 64 << 20)] == \
+        [[40, 33, 20], [16, 9, 8], [7], [3], [1, 1]]  # m_align 1: the ratio alone
 
 
 def _prompt_moe_case(rng, skew, t, k, n_exp, d_in, d_out):

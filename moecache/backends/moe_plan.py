@@ -18,7 +18,8 @@ Rules (the numpy version's, exactly):
 - a chunk starts at the hottest expert left, holds at most ``max_experts`` experts and
   ``act_bytes`` of padded rows (``chunk size * m * row_bytes``, m = its largest count rounded up to
   ``m_align``, then with ``pow2`` to a power of two; one expert at least), and only experts of at
-  least 1 / ``ratio`` of its largest count;
+  least 1 / ``ratio`` of its largest count, unless m is ``m_align`` (every expert left pads to
+  that many rows in any chunk: one chunk takes them, fewer launches for the same rows);
 - an expert's rows are its pairs in flat order (tokens ascending), padded to m with its first
   pair's token.
 """
@@ -85,7 +86,7 @@ def _plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align, ratio, pow2
         n = max(1, min(max_experts, act_bytes // (m * row_bytes)))
         n = min(n, n_used - i)
         c = 0
-        while c < n and ratio * counts[used[i + c]] >= largest:
+        while c < n and (ratio * counts[used[i + c]] >= largest or m <= m_align):
             c += 1
         chunks[n_chunks, 0] = c
         chunks[n_chunks, 1] = m

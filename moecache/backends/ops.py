@@ -43,10 +43,10 @@ MOE_ACT_BYTES = 64 << 20
 MOE_PROMPT_M_ALIGN = 16
 # a chunk of the GPU prompt MoE holds only experts of at least 1 / MOE_PROMPT_CHUNK_RATIO of its
 # largest count (moe_prompt_chunks), so its padded rows stay under RATIO times its real ones. A larger
-# ratio makes fewer chunks (launches: 7.8 a layer at 2, 4.6 at 4 for a 512-token ubatch under
+# ratio makes fewer chunks (launches: 5.6 a layer at 2, 3.9 at 4 for a 512-token ubatch under
 # qwen3-moe routing, every expert on the GPU) with more padded rows (1.58 per pair at 2, 2.15 at 4),
 # and the layer's padded down outputs grow with it (the bound above scales with the ratio; twice with
-# padded rows rounded to powers of two, which cut the distinct GEMM shapes from 297 to 111 over six
+# padded rows rounded to powers of two, which cut the distinct GEMM shapes from 305 to 119 over six
 # such prompts): `python bench/prompt_chunks.py --count`, bench/results/prompt-chunks-count.md. Both
 # are CupyBackend attributes (prompt_chunk_ratio, prompt_m_pow2) so that bench/prompt_chunks.py can
 # A/B them on a GPU; the defaults stay the measured road until then.
@@ -84,7 +84,11 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         Index arrays into ``counts``, every used expert once. Experts go in descending count and a
         chunk holds only counts of at least 1 / ``ratio`` of its largest, so its padded rows are
         fewer than ``ratio`` times its real ones (twice that with ``pow2``), plus ``m_align - 1``
-        per expert for the rounding. Raises ValueError for ``ratio`` < 1. Chunks in id order
+        per expert for the rounding; except a chunk padded to ``m_align`` rows, which takes every
+        expert left (within the bounds above): each of them pads to ``m_align`` rows in any chunk,
+        so one chunk makes the same rows in fewer launches (512-token ubatches under qwen3-moe
+        routing: 29-33% fewer chunks, ``bench/results/prompt-chunks-count.md``). Raises ValueError
+        for ``ratio`` < 1. Chunks in id order
         padded every expert to the hottest one's count: under a skewed router (one expert taking
         up to 506 of a 512-token ubatch's pairs) 685 MiB of activations at once
         (bench/results/moe-prompt-padding.md).
@@ -96,8 +100,10 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
     out, i = [], 0
     while i < order.size:
         largest = max(1, int(counts[order[i]]))
-        n = max(1, min(max_experts, act_bytes // (padded_rows(largest, m_align, pow2) * row_bytes)))
-        n = int(np.sum(ratio * counts[order[i:i + n]] >= largest))  # >= 1 (the largest itself); sorted: a prefix
+        m = padded_rows(largest, m_align, pow2)
+        n = min(order.size - i, max(1, min(max_experts, act_bytes // (m * row_bytes))))
+        if m > m_align:  # (at m_align rows, every expert left pads to that many in any chunk)
+            n = int(np.sum(ratio * counts[order[i:i + n]] >= largest))  # >= 1 (the largest itself); sorted: a prefix
         out.append(order[i:i + n])
         i += n
     return out
