@@ -478,7 +478,7 @@ def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
     index buffer holds the same expert
     ids and token rows, then each kept pair's row token by token and each token's first pair."""
     from moecache.backends.moe_plan import layer_plan
-    from moecache.backends.ops import moe_prompt_plan
+    from moecache.backends.ops import moe_prompt_chunks, moe_prompt_plan
 
     for trial in range(40):
         t, k, n_exp = int(rng.integers(1, 300)), int(rng.integers(1, 9)), int(rng.integers(8, 129))
@@ -511,6 +511,11 @@ def test_compiled_moe_prompt_plan_equals_the_numpy_rules(rng):
         moe_prompt_plan(np.array([[0.5, 1.0]]), 4, 2, 4, 64)
     with pytest.raises(ValueError, match="ratio"):
         moe_prompt_plan(np.array([[0, 1]], np.int32), 4, 2, 4, 64, ratio=0)
+    for bad in (1.5, True):  # the compiled plan and its numpy twin would treat a fraction apart
+        with pytest.raises(ValueError, match="ratio"):
+            moe_prompt_plan(np.array([[0, 1]], np.int32), 4, 2, 4, 64, ratio=bad)
+        with pytest.raises(ValueError, match="ratio"):
+            moe_prompt_chunks(np.array([3, 2, 1]), 4, 4, 64, ratio=bad)
 
 
 @pytest.mark.parametrize("n_tok,act_q8", [(5, False), (5, True), (40, False), (40, True)])

@@ -153,6 +153,8 @@ def plan_arrays(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu":
         raise ValueError(f"routing ids must be integers (T, k), got {ids.dtype} {ids.shape}")
+    if isinstance(ratio, bool) or int(ratio) != ratio:
+        raise ValueError(f"moe prompt plan: ratio must be an integer >= 1, got {ratio}")
     if min(n_expert, max_experts, row_bytes, act_bytes, m_align, ratio) < 1:
         raise ValueError("moe prompt plan: n_expert, max_experts, row_bytes, act_bytes, m_align and ratio must be >= 1")
     if ids.size and int(ids.max()) >= n_expert:  # checked before the cast to int32, which could wrap

@@ -42,7 +42,8 @@ MOE_ACT_BYTES = 64 << 20
 # qwen3-moe (bench/moe_prompt_padding.py, 512-token ubatch, Qwen3-30B-A3B's shape)
 MOE_PROMPT_M_ALIGN = 16
 # a chunk of the GPU prompt MoE holds only experts of at least 1 / MOE_PROMPT_CHUNK_RATIO of its
-# largest count (moe_prompt_chunks), so its padded rows stay under RATIO times its real ones. A larger
+# largest count (moe_prompt_chunks), so its padded rows stay under RATIO times its real ones plus the
+# rounding (a chunk padded to MOE_PROMPT_M_ALIGN rows takes every expert left: see there). A larger
 # ratio makes fewer chunks (launches: 5.6 a layer at 2, 3.9 at 4 for a 512-token ubatch under
 # qwen3-moe routing, every expert on the GPU) with more padded rows (1.58 per pair at 2, 2.15 at 4),
 # and the layer's padded down outputs grow with it (the bound above scales with the ratio; twice with
@@ -75,7 +76,8 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         act_bytes: at most this many bytes of padded rows (``len(chunk) * m * row_bytes``, m the
             chunk's padded rows per expert: :func:`padded_rows`) per chunk, unless one expert alone
             is larger.
-        m_align: the padded rows per expert are a multiple of this (:data:`MOE_PROMPT_M_ALIGN`).
+        m_align: the padded rows per expert are a multiple of this (:data:`MOE_PROMPT_M_ALIGN`; with
+            ``pow2`` the least power of two at least that multiple: :func:`padded_rows`).
         ratio: a chunk holds only counts of at least 1 / ``ratio`` of its largest (>= 1;
             :data:`MOE_PROMPT_CHUNK_RATIO`).
         pow2: the padded rows per expert are also rounded up to a power of two (fewer GEMM shapes).
@@ -93,8 +95,9 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         up to 506 of a 512-token ubatch's pairs) 685 MiB of activations at once
         (bench/results/moe-prompt-padding.md).
     """
-    if ratio < 1:
-        raise ValueError(f"moe prompt chunks: ratio must be >= 1, got {ratio}")
+    if isinstance(ratio, bool) or int(ratio) != ratio or ratio < 1:
+        raise ValueError(f"moe prompt chunks: ratio must be an integer >= 1, got {ratio}")
+    ratio = int(ratio)
     counts = np.asarray(counts, np.int64)
     order = np.argsort(-counts, kind="stable")
     out, i = [], 0
