@@ -31,6 +31,8 @@ import numpy as np
 from moecache.quants import _numba_setup  # noqa: F401 - numba's settings before it compiles anything
 from numba import njit
 
+from moecache.backends.ops import MOE_PROMPT_CHUNK_RATIO
+
 
 @njit(cache=True)
 def _plan(ids, n_expert, max_experts, row_bytes, act_bytes, m_align, ratio, pow2):  # pragma: no cover - compiled
@@ -143,7 +145,7 @@ def _sum_index(ids, row_of_pair):  # pragma: no cover - compiled
 
 
 def plan_arrays(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int, act_bytes: int,
-                m_align: int = 1, ratio: int = 2, pow2: bool = False
+                m_align: int = 1, ratio: int = MOE_PROMPT_CHUNK_RATIO, pow2: bool = False
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The plan of routing ``ids`` (int (T, k), values < ``n_expert``; < 0: no expert) as arrays:
     (chunks int64 (C, 2) of (experts, padded rows per expert), expert_ids int32, token_rows int32,
@@ -164,7 +166,8 @@ def plan_arrays(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int
 
 
 def layer_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int, act_bytes: int,
-               m_align: int = 1, ratio: int = 2, pow2: bool = False) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+               m_align: int = 1, ratio: int = MOE_PROMPT_CHUNK_RATIO,
+               pow2: bool = False) -> tuple[np.ndarray, np.ndarray, int, int, int]:
     """:func:`plan_arrays` and the weighted sum's indices in one int32 buffer, as the GPU's prompt
     MoE uploads them: ``idx = [expert_ids (n_e), token_rows (n_r), pair_rows (n_p), starts (T + 1)]``
     where ``pair_rows`` lists the output row of each pair with an expert, token by token, and token

@@ -89,7 +89,7 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         per expert for the rounding; except a chunk padded to ``m_align`` rows, which takes every
         expert left (within the bounds above): each of them pads to ``m_align`` rows in any chunk,
         so one chunk makes the same rows in fewer launches (512-token ubatches under qwen3-moe
-        routing: 29-33% fewer chunks, ``bench/results/prompt-chunks-count.md``). Raises ValueError
+        routing: 28-33% fewer chunks, ``bench/results/prompt-chunks-count.md``). Raises ValueError
         for ``ratio`` < 1. Chunks in id order
         padded every expert to the hottest one's count: under a skewed router (one expert taking
         up to 506 of a 512-token ubatch's pairs) 685 MiB of activations at once
