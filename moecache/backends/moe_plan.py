@@ -31,7 +31,7 @@ import numpy as np
 from moecache.quants import _numba_setup  # noqa: F401 - numba's settings before it compiles anything
 from numba import njit
 
-from moecache.backends.ops import MOE_PROMPT_CHUNK_RATIO
+from moecache.backends.ops import MOE_PROMPT_CHUNK_RATIO, chunk_ratio
 
 
 @njit(cache=True)
@@ -155,14 +155,13 @@ def plan_arrays(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu":
         raise ValueError(f"routing ids must be integers (T, k), got {ids.dtype} {ids.shape}")
-    if isinstance(ratio, bool) or int(ratio) != ratio:
-        raise ValueError(f"moe prompt plan: ratio must be an integer >= 1, got {ratio}")
-    if min(n_expert, max_experts, row_bytes, act_bytes, m_align, ratio) < 1:
-        raise ValueError("moe prompt plan: n_expert, max_experts, row_bytes, act_bytes, m_align and ratio must be >= 1")
+    ratio = chunk_ratio(ratio)
+    if min(n_expert, max_experts, row_bytes, act_bytes, m_align) < 1:
+        raise ValueError("moe prompt plan: n_expert, max_experts, row_bytes, act_bytes and m_align must be >= 1")
     if ids.size and int(ids.max()) >= n_expert:  # checked before the cast to int32, which could wrap
         raise ValueError(f"expert id {int(ids.max())} out of range [0, {n_expert})")
     return _plan(np.ascontiguousarray(ids, np.int32), n_expert, max_experts, row_bytes, act_bytes, m_align,
-                 int(ratio), bool(pow2))
+                 ratio, bool(pow2))
 
 
 def layer_plan(ids: np.ndarray, n_expert: int, max_experts: int, row_bytes: int, act_bytes: int,

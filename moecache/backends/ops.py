@@ -90,14 +90,12 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         expert left (within the bounds above): each of them pads to ``m_align`` rows in any chunk,
         so one chunk makes the same rows in fewer launches (512-token ubatches under qwen3-moe
         routing: 28-33% fewer chunks, ``bench/results/prompt-chunks-count.md``). Raises ValueError
-        for ``ratio`` < 1. Chunks in id order
-        padded every expert to the hottest one's count: under a skewed router (one expert taking
-        up to 506 of a 512-token ubatch's pairs) 685 MiB of activations at once
-        (bench/results/moe-prompt-padding.md).
+        for a ``ratio`` that is not an integer >= 1 (:func:`chunk_ratio`). (Chunks in id order, as
+        before, padded every expert to the hottest one's count: under a skewed router, one expert
+        taking up to 506 of a 512-token ubatch's pairs, 685 MiB of activations at once;
+        bench/results/moe-prompt-padding.md.)
     """
-    if isinstance(ratio, bool) or int(ratio) != ratio or ratio < 1:
-        raise ValueError(f"moe prompt chunks: ratio must be an integer >= 1, got {ratio}")
-    ratio = int(ratio)
+    ratio = chunk_ratio(ratio)
     counts = np.asarray(counts, np.int64)
     order = np.argsort(-counts, kind="stable")
     out, i = [], 0
@@ -110,6 +108,15 @@ def moe_prompt_chunks(counts: np.ndarray, max_experts: int, row_bytes: int, act_
         out.append(order[i:i + n])
         i += n
     return out
+
+
+def chunk_ratio(ratio: Any) -> int:
+    """The prompt MoE plan's chunk ratio as an int, checked once for both plans (this module's
+    :func:`moe_prompt_chunks` and the compiled :mod:`moe_plan`, which would truncate a fraction).
+    Raises ValueError unless ``ratio`` is an integer >= 1 (a bool is not)."""
+    if isinstance(ratio, bool) or int(ratio) != ratio or ratio < 1:
+        raise ValueError(f"moe prompt plan: chunk ratio must be an integer >= 1, got {ratio}")
+    return int(ratio)
 
 
 def _round_up(n: int, align: int) -> int:
