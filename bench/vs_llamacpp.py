@@ -311,7 +311,7 @@ def row_of(rec: dict, run: str, case: Case, engine: str, peak: int, ncmoe: int |
                 else "per-expert" if case.ours == CACHE and rec.get("cache_plan") == "expert" else "default",
                 cache_plan=rec.get("cache_plan"), plan_cpu_layers=rec.get("plan_cpu_layers"),
                 plan_shares=rec.get("plan_shares"),
-                graph_steps=rec.get("graph_steps"),
+                graph_steps=rec.get("graph_steps"), samples_host_gb=rec.get("samples_host_gb"),
                 vram_budget_mib=case.budget_mib, vram_peak_mib=peak, routing=case.routing,
                 hit_rate=rec.get("hit_rate"), misses_per_token=rec.get("misses_per_token"),
                 cpu_misses_per_token=rec.get("cpu_misses_per_token"),

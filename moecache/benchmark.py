@@ -171,7 +171,10 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     as a CUDA graph (the rest ran op by op; None without a decode graph). With a ``--routing``
     process each timed prompt's first ubatch (``min(n_prompt, eng.n_ubatch)`` tokens) is drawn
     before the clock starts (:meth:`~moecache.moe.routing_process.RoutingProcess.draw_ahead`),
-    counted in ``totals["routing_primed"]`` (None without such a process)."""
+    counted in ``totals["routing_primed"]`` (None without such a process). ``totals["host_bytes"]``:
+    per timed sample, the bytes of expert weights the expert caches' prompt path copied from host
+    RAM to the device (``CPUExperts.offloaded_bytes`` of each cache's ``offload``; int per sample,
+    depth prefills and warm-up excluded; None without an expert cache)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)
@@ -183,7 +186,11 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     prime = getattr(getattr(getattr(eng, "model", None), "routing_override", None), "draw_ahead", None) if n_ubatch else None
     totals = {"hits": 0, "misses": 0, "uploads": 0, "cpu_misses": 0, "cpu_wait_ns": 0, "tokens": 0, "depth_ns": 0,
               "graph_steps": 0 if graph is not None else None,
-              "routing_primed": 0 if prime is not None else None}
+              "routing_primed": 0 if prime is not None else None,
+              "host_bytes": [] if caches else None}
+
+    def copied() -> int:
+        return sum(c.offload.offloaded_bytes for c in caches)
 
     def once() -> int:
         eng.reset()
@@ -197,6 +204,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             prime(min(test.n_prompt, n_ubatch))
             totals["routing_primed"] += 1
         r0 = graph.replays if graph is not None else 0
+        b0 = copied()
         t0 = time.perf_counter_ns()
         if test.n_prompt:
             eng.eval(rng.integers(0, vocab, test.n_prompt))
@@ -207,6 +215,8 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             totals["graph_steps"] += graph.replays - r0
         for c in caches:
             c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
+        if caches:
+            totals["host_bytes"].append(copied() - b0)
         for k in ("hits", "misses", "uploads", "cpu_misses", "cpu_wait_ns"):
             totals[k] += sum(getattr(c.stats, k) for c in caches)
         totals["tokens"] += max((c.stats.tokens for c in caches), default=0)  # every cache counts every token
@@ -357,6 +367,11 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     # timed prompts whose first ubatch a --routing process drew before the clock (from
                     # the thirty-ninth session; earlier rows drew it on the clock); None without one
                     "routing_primed": tot["routing_primed"],
+                    # GB of experts each timed sample copied from host RAM through the expert caches'
+                    # prompt path (forty-second session on; None without an expert cache): whether a
+                    # prompt case's samples move with the bytes (the prompt keeps fill slots over prompts)
+                    "samples_host_gb": (None if tot["host_bytes"] is None
+                                        else [round(b / 1e9, 3) for b in tot["host_bytes"]]),
                 }
                 if tot["graph_steps"] is not None and tot["graph_steps"] < test.n_gen * reps and say:
                     op = test.n_gen * reps - tot["graph_steps"]
@@ -509,9 +524,11 @@ def to_markdown(results: list[Result], shown: list[str]) -> str:
 
 
 def to_records(results: list[Result]) -> list[dict]:
-    """One dict per test: llama-bench's fields, ours, and samples_ns / samples_ts."""
+    """One dict per test: llama-bench's fields, ours, and the per-sample lists samples_ns / samples_ts
+    and ours samples_host_gb (json and jsonl only, as the samples)."""
     keys = LLAMA_BENCH_FIELDS + OUR_FIELDS
-    return [{**{k: r.fields.get(k) for k in keys}, "samples_ns": r.samples_ns, "samples_ts": r.samples_ts}
+    return [{**{k: r.fields.get(k) for k in keys}, "samples_ns": r.samples_ns, "samples_ts": r.samples_ts,
+             "samples_host_gb": r.fields.get("samples_host_gb")}
             for r in results]
 
 
