@@ -96,7 +96,8 @@ def prefill_row(rec: dict) -> dict:
         raise SystemExit(f"{rec.get('arm', 'an arm')}: no depth prefill timing (depth_ts) in its tg @ d row")
     return {**rec, "n_prompt": rec["n_depth"], "n_gen": 0, "n_depth": 0, "avg_ts": rec["depth_ts"],
             "avg_ns": round(rec["n_depth"] * 1e9 / rec["depth_ts"]), "stddev_ns": None, "stddev_ts": None,
-            "samples_ns": None, "samples_ts": None, "hit_rate": None, "uploads_per_token": None}
+            "samples_ns": None, "samples_ts": None, "samples_host_gb": None, "hit_rate": None,
+            "uploads_per_token": None}
 
 
 def render(rows: list[dict], model_name: str, argv: str) -> str:

@@ -173,8 +173,9 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     before the clock starts (:meth:`~moecache.moe.routing_process.RoutingProcess.draw_ahead`),
     counted in ``totals["routing_primed"]`` (None without such a process). ``totals["host_bytes"]``:
     per timed sample, the bytes of expert weights the expert caches' prompt path copied from host
-    RAM to the device (``CPUExperts.offloaded_bytes`` of each cache's ``offload``; int per sample,
-    depth prefills and warm-up excluded; None without an expert cache)."""
+    RAM to the device (``CPUExperts.offloaded_bytes`` of each cache's ``offload``: a copy ahead counted
+    whole when begun; decode's slot uploads and zero-copy reads not included; int per sample, depth
+    prefills and warm-up excluded; None without an expert cache)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)

@@ -143,9 +143,11 @@ def test_cache_arms_plans_the_best_static_arm_and_renders_ratios(tiny):
             for arm, ts, hr in (("cache off (--cpu-moe)", 5.0, None), (f"best static (--n-cpu-moe {k})", 10.0, None),
                                 ("cache on", 25.0, 0.5))]
     rows += [{**rows[1], "n_depth": 300, "avg_ts": 8.0}, {**rows[2], "n_depth": 300, "avg_ts": 20.0}]
-    pp = arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": 123.0, "hit_rate": 0.5, "samples_ts": [25.0]})
+    pp = arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": 123.0, "hit_rate": 0.5, "samples_ts": [25.0],
+                           "samples_host_gb": [0.0]})
     assert (pp["n_prompt"], pp["n_gen"], pp["n_depth"], pp["avg_ts"], pp["hit_rate"]) == (300, 0, 0, 123.0, None)
     assert pp["avg_ns"] == round(300e9 / 123.0) and pp["samples_ts"] is None  # not the decode's samples
+    assert pp["samples_host_gb"] is None  # the decode's bytes (its depth prefill not counted), not the prefill's
     with pytest.raises(SystemExit, match="depth_ts"):
         arms.prefill_row({**rows[2], "n_depth": 300, "depth_ts": None})
     md = arms.render(rows + [pp], "tiny.gguf", "-m tiny.gguf")
@@ -560,3 +562,7 @@ def test_run_test_counts_each_samples_host_bytes_apart_from_the_warm_up_and_dept
     Eng.caches = []
     _, tot = benchmark.run_test(Eng(), benchmark.BenchTest(12, 0, 0), 2, False, np.random.default_rng(0))
     assert tot["host_bytes"] is None
+    # the records: json/jsonl carry the list beside the samples, csv (as llama-bench's) leaves lists out
+    r = benchmark.Result(fields={"samples_host_gb": [0.428, 0.256]}, samples_ns=[1, 1], n_tokens=12)
+    assert json.loads(benchmark.render([r], "jsonl", []).splitlines()[0])["samples_host_gb"] == [0.428, 0.256]
+    assert "samples_host_gb" not in benchmark.render([r], "csv", []).splitlines()[0]
