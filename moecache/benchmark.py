@@ -172,10 +172,11 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     process each timed prompt's first ubatch (``min(n_prompt, eng.n_ubatch)`` tokens) is drawn
     before the clock starts (:meth:`~moecache.moe.routing_process.RoutingProcess.draw_ahead`),
     counted in ``totals["routing_primed"]`` (None without such a process). ``totals["host_bytes"]``:
-    per timed sample, the bytes of expert weights the expert caches' prompt path copied from host
-    RAM to the device (``CPUExperts.offloaded_bytes`` of each cache's ``offload``: a copy ahead counted
-    whole when begun; decode's slot uploads and zero-copy reads not included; int per sample, depth
-    prefills and warm-up excluded; None without an expert cache)."""
+    per timed sample, the bytes of expert weights copied from host RAM to a device by op offload and
+    the expert caches' prompt path (:meth:`~moecache.moe.executor.ExpertsByLayer.offloaded_bytes`: a
+    copy ahead counted whole when begun; decode's slot uploads and zero-copy reads not included; int
+    per sample, depth prefills and warm-up excluded; None for an engine whose experts are not an
+    ``ExpertsByLayer``, as every ``Engine``'s are)."""
     vocab = eng.gguf.config.n_vocab
     caches = list(getattr(eng, "caches", []))
     graph = getattr(getattr(eng, "model", None), "decode_graph", None)
@@ -187,11 +188,10 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
     prime = getattr(getattr(getattr(eng, "model", None), "routing_override", None), "draw_ahead", None) if n_ubatch else None
     totals = {"hits": 0, "misses": 0, "uploads": 0, "cpu_misses": 0, "cpu_wait_ns": 0, "tokens": 0, "depth_ns": 0,
               "graph_steps": 0 if graph is not None else None,
-              "routing_primed": 0 if prime is not None else None,
-              "host_bytes": [] if caches else None}
-
-    def copied() -> int:
-        return sum(c.offload.offloaded_bytes for c in caches)
+              "routing_primed": 0 if prime is not None else None}
+    # host expert bytes copied so far (every layer's executor), or None for experts not an ExpertsByLayer
+    copied = getattr(getattr(getattr(eng, "model", None), "experts", None), "offloaded_bytes", None)
+    totals["host_bytes"] = [] if copied is not None else None
 
     def once() -> int:
         eng.reset()
@@ -205,7 +205,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             prime(min(test.n_prompt, n_ubatch))
             totals["routing_primed"] += 1
         r0 = graph.replays if graph is not None else 0
-        b0 = copied()
+        b0 = copied() if copied is not None else 0
         t0 = time.perf_counter_ns()
         if test.n_prompt:
             eng.eval(rng.integers(0, vocab, test.n_prompt))
@@ -216,7 +216,7 @@ def run_test(eng: Any, test: BenchTest, reps: int, warmup: bool,
             totals["graph_steps"] += graph.replays - r0
         for c in caches:
             c.flush()  # account the last pass's routing (the zero-copy path accounts one pass late)
-        if caches:
+        if copied is not None:
             totals["host_bytes"].append(copied() - b0)
         for k in ("hits", "misses", "uploads", "cpu_misses", "cpu_wait_ns"):
             totals[k] += sum(getattr(c.stats, k) for c in caches)
@@ -368,9 +368,9 @@ def bench(params: list[BenchParams], tests: list[BenchTest], reps: int, warmup: 
                     # timed prompts whose first ubatch a --routing process drew before the clock (from
                     # the thirty-ninth session; earlier rows drew it on the clock); None without one
                     "routing_primed": tot["routing_primed"],
-                    # GB of experts each timed sample copied from host RAM through the expert caches'
-                    # prompt path (forty-second session on; None without an expert cache): whether a
-                    # prompt case's samples move with the bytes (the prompt keeps fill slots over prompts)
+                    # GB of experts each timed sample copied from host RAM (op offload and the expert
+                    # caches' prompt path; forty-second session on): whether a prompt case's samples
+                    # move with the bytes (the prompt keeps fill slots over prompts)
                     "samples_host_gb": (None if tot["host_bytes"] is None
                                         else [round(b / 1e9, 3) for b in tot["host_bytes"]]),
                 }

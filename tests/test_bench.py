@@ -445,7 +445,6 @@ def test_run_test_sums_the_miss_paths_of_every_cache():
     class Cache:
         def __init__(self, cpu, wait):
             self.stats, self.cpu, self.wait = CacheStats(), cpu, wait
-            self.offload = SimpleNamespace(offloaded_bytes=0)  # (run_test's per-sample host bytes)
 
         def reset_stats(self):
             self.stats.reset()
@@ -518,14 +517,16 @@ def test_prompt_chunks_counts_the_plans_and_parses_its_arms():
 
 
 def test_run_test_counts_each_samples_host_bytes_apart_from_the_warm_up_and_depth():
-    """With an expert cache, run_test reports per timed sample the bytes its prompt path copied from
-    host RAM (each cache's ``offload.offloaded_bytes`` over the sample): a stand-in whose prompt
-    passes copy 100 bytes a token into one cache and 7 into the other, and fewer each prompt (as the
-    prompt keeps fill slots), gives exactly those per-sample sums; the warm-up and the depth prefill
-    copy too but are not counted; without a cache the list is None."""
+    """With experts placed per layer (ExpertsByLayer), run_test reports per timed sample the bytes
+    copied from host RAM (the caches' ``offload.offloaded_bytes`` and the op offload's own, over the
+    sample): a stand-in whose prompt passes copy 100 bytes a token into one cache (serving two layers,
+    counted once) and 7 into an op-offload layer, and fewer each prompt (as the prompt keeps fill
+    slots), gives exactly those per-sample sums; the warm-up and the depth prefill copy too but are
+    not counted; without per-layer experts the list is None."""
     from types import SimpleNamespace
 
     from moecache import benchmark
+    from moecache.moe.executor import ExpertsByLayer
 
     class Cache:
         def __init__(self, per_token):
@@ -540,6 +541,7 @@ def test_run_test_counts_each_samples_host_bytes_apart_from_the_warm_up_and_dept
             pass
 
     caches = [Cache(100), Cache(7)]
+    offload = caches[1].offload  # layer 2: an op-offload executor (its own counter, no cache around it)
     evals = []
 
     class Eng:
@@ -553,13 +555,14 @@ def test_run_test_counts_each_samples_host_bytes_apart_from_the_warm_up_and_dept
             for c in caches:  # the k-th eval copies less than the one before
                 c.offload.offloaded_bytes += c.per_token * len(toks) // len(evals)
 
-    Eng.caches = caches
+    Eng.caches = caches[:1]
+    Eng.model = SimpleNamespace(experts=ExpertsByLayer({0: caches[0], 1: caches[0], 2: offload}))
     samples, tot = benchmark.run_test(Eng(), benchmark.BenchTest(12, 0, 30), 3, True, np.random.default_rng(0))
     # evals: warm-up 12 (1st), then per rep depth 30 and prompt 12: the prompts are evals 3, 5, 7
     assert evals == [12, 30, 12, 30, 12, 30, 12]
     want = [sum(per * 12 // k for per in (100, 7)) for k in (3, 5, 7)]
     assert tot["host_bytes"] == want == [400 + 28, 240 + 16, 171 + 12]
-    Eng.caches = []
+    Eng.caches, Eng.model = [], None
     _, tot = benchmark.run_test(Eng(), benchmark.BenchTest(12, 0, 0), 2, False, np.random.default_rng(0))
     assert tot["host_bytes"] is None
     # the records: json/jsonl carry the list beside the samples, csv (as llama-bench's) leaves lists out

@@ -208,6 +208,18 @@ class ExpertsByLayer:
                 seen.add(id(e))
                 yield e
 
+    def offloaded_bytes(self) -> int:
+        """Host expert bytes copied to a device so far (int, bytes) by the layers' op offload
+        (``CPUExperts.offloaded_bytes``) and the expert caches' prompt path (each cache's ``offload``),
+        each counter once however many layers share it."""
+        seen, total = set(), 0
+        for e in self.executors.values():
+            src = getattr(e, "offload", e)
+            if id(src) not in seen:
+                seen.add(id(src))
+                total += int(getattr(src, "offloaded_bytes", 0))
+        return total
+
     def drop_uploads(self) -> None:
         """Drop an upload of a next layer's experts still in flight (the host-expert layers' shared
         prefetch; one a prompt cut short by an exception leaves), so that its arrays go back to the

@@ -71,15 +71,10 @@ class Cell:
 
 
 def offloaded_bytes(eng: Engine) -> int:
-    """Host expert bytes copied to the GPU so far by op offload and the caches' prompt path."""
-    execs = getattr(eng.model.experts, "executors", {})
-    seen, total = set(), 0
-    for e in execs.values():
-        src = getattr(e, "offload", e)
-        if id(src) not in seen:
-            seen.add(id(src))
-            total += int(getattr(src, "offloaded_bytes", 0))
-    return total
+    """Host expert bytes copied to the GPU so far by op offload and the caches' prompt path
+    (:meth:`moecache.moe.executor.ExpertsByLayer.offloaded_bytes`; 0 without per-layer executors)."""
+    count = getattr(eng.model.experts, "offloaded_bytes", None)
+    return 0 if count is None else count()
 
 
 def run_cell(path: str | Path, placement: str, load_mode: str, n_ubatch: int, tokens: list[int], n_ctx: int,
